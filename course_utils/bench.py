@@ -1,0 +1,103 @@
+"""Timing, FLOP counting and stored benchmark records.
+
+FLOP convention (the one FlashAttention papers use): a forward pass costs 4·B·H·S_q·S_k·D
+(two matmuls of 2·M·N·K each); causal masking halves it; a sliding window counts exactly the
+visible (query, key) pairs; the backward costs 2.5× the forward (five matmuls instead of two).
+
+Every speed number the course shows is a *record*: a JSON file under ``figures/`` holding the
+measurements together with the machine, the software versions and the date. On a GPU machine
+with ``COURSE_REFRESH_RECORDS=1`` (the headless runner sets it) a notebook re-measures and
+rewrites its records; everywhere else it loads the stored ones and says where they came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from .device import HAS_GPU, machine_info
+from .reference import visibility_mask
+
+__all__ = [
+    "FIGURES", "attention_flops", "time_cuda", "tflops", "save_record", "load_record",
+    "measured", "refreshing",
+]
+
+FIGURES = Path(__file__).resolve().parent.parent / "figures"
+
+
+def attention_flops(batch, heads, seq_q, seq_k, dim, *, causal=False, window_size=None, mode="fwd"):
+    """Floating-point operations of attention under the course's convention (see module doc)."""
+    if mode not in ("fwd", "bwd", "fwd+bwd"):
+        raise ValueError(f"mode must be 'fwd', 'bwd' or 'fwd+bwd'; got {mode!r}")
+    if window_size is not None:
+        pairs = int(visibility_mask(seq_q, seq_k, causal=True, window_size=window_size).sum())
+    else:
+        pairs = seq_q * seq_k * (0.5 if causal else 1.0)
+    fwd = 4.0 * batch * heads * pairs * dim
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[mode]
+
+
+def tflops(flops, ms):
+    return flops / (ms * 1e-3) / 1e12
+
+
+def time_cuda(fn, *, warmup=5, rep=30):
+    """Median milliseconds of ``fn()`` on the GPU, each call timed with its own CUDA events."""
+    if not HAS_GPU:
+        raise RuntimeError("time_cuda needs a CUDA GPU; on the CPU the notebooks show stored records")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def refreshing():
+    """True when this run should re-measure GPU records instead of loading the stored ones."""
+    return HAS_GPU and os.environ.get("COURSE_REFRESH_RECORDS") == "1"
+
+
+def save_record(name, results, *, notes=None):
+    """Write ``figures/<name>.json`` with the results and the machine they were measured on."""
+    record = {"name": name, "machine": machine_info(), "notes": notes, "results": results}
+    FIGURES.mkdir(exist_ok=True)
+    path = FIGURES / f"{name}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def load_record(name):
+    path = FIGURES / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no stored record {path.name}; run the notebook on a GPU with "
+                                "COURSE_REFRESH_RECORDS=1 to measure it")
+    return json.loads(path.read_text())
+
+
+def measured(name, measure, *, notes=None):
+    """Re-measure with ``measure()`` when refreshing on a GPU, else load the stored record.
+
+    Prints where the numbers come from, so a reader always knows the device and date.
+    """
+    if refreshing():
+        record = save_record(name, measure(), notes=notes)
+        origin = "measured now"
+    else:
+        record = load_record(name)
+        origin = "stored record"
+    m = record["machine"]
+    print(f"[{origin}: {name}] {m.get('gpu', m.get('cpu'))}, torch {m['torch']}, "
+          f"tilelang {m['tilelang']}, CUDA {m.get('cuda')}, {m['date']}")
+    return record

@@ -1,0 +1,114 @@
+"""Reference attention: the slow, obviously-correct definition every kernel is checked against.
+
+Layout is [batch, heads, seq, head_dim], the same as ``torch.nn.functional.scaled_dot_product_attention``.
+The math is done in float64 by default so that the reference's own rounding error is far below
+any kernel's.
+
+Masking conventions (the same as FlashAttention-2 and gpt-oss):
+- causal: query ``i`` sees key ``j`` iff ``j <= i + (S_k - S_q)`` (bottom-right aligned; for
+  self-attention, S_q == S_k, this is the usual lower triangle);
+- sliding window ``W``: additionally ``j > i + (S_k - S_q) - W``, so a query sees the last ``W``
+  keys including its own position;
+- sinks: one logit per query head that joins the softmax denominator but has no value row.
+A row that sees no key at all (possible only with unusual S_q > S_k shapes) gets output 0 and
+LSE -inf rather than NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_reference", "visibility_mask", "validate_attention_inputs"]
+
+
+def validate_attention_inputs(q, k, v, *, window_size=None, sinks=None):
+    """Raise ``ValueError`` with a readable message for any input the course's kernels reject."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape [batch, heads, seq, head_dim]; got {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"head dims differ: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA")
+    if min(q.shape[2], k.shape[2]) == 0:
+        raise ValueError("sequence lengths must be positive")
+    if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
+        raise ValueError(f"window_size must be a positive int or None; got {window_size!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,):
+            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks must be a tensor of shape [{hq}] (one logit per query head); got {shape}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks must be on {q.device}; got {sinks.device}")
+
+
+def visibility_mask(seq_q, seq_k, *, causal=False, window_size=None, device=None):
+    """Boolean [seq_q, seq_k] mask: True where query i may attend to key j."""
+    i = torch.arange(seq_q, device=device)[:, None] + (seq_k - seq_q)
+    j = torch.arange(seq_k, device=device)[None, :]
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
+    if causal or window_size is not None:
+        visible &= j <= i
+    if window_size is not None:
+        visible &= j > i - window_size
+    return visible
+
+
+def attention_reference(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window_size=None,
+    sinks=None,
+    sm_scale=None,
+    return_lse=False,
+    compute_dtype=torch.float64,
+):
+    """softmax(Q Kᵀ · scale + mask [, sink]) V, computed naively in ``compute_dtype``.
+
+    Returns O in ``q.dtype`` (and, with ``return_lse``, the natural-log log-sum-exp of each row's
+    scaled scores, sink included, as float32 of shape [B, H, S_q]). A sliding window implies
+    causal masking, as in gpt-oss.
+    """
+    validate_attention_inputs(q, k, v, window_size=window_size, sinks=sinks)
+    group = q.shape[1] // k.shape[1]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    qc, kc, vc = (t.to(compute_dtype) for t in (q, k, v))
+    kc = kc.repeat_interleave(group, dim=1)
+    vc = vc.repeat_interleave(group, dim=1)
+
+    scores = torch.einsum("bhqd,bhkd->bhqk", qc, kc) * scale
+    visible = visibility_mask(q.shape[2], k.shape[2], causal=causal, window_size=window_size, device=q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+
+    row_max = scores.amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.to(compute_dtype)[None, :, None, None]
+        row_max = torch.maximum(row_max, sink)
+    # A row with nothing visible has max -inf; shifting by 0 keeps exp() at 0 instead of NaN.
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    denom = weights.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - row_max)
+    probs = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = torch.einsum("bhqk,bhkd->bhqd", probs, vc).to(q.dtype)
+    if not return_lse:
+        return out
+    lse = (row_max + torch.log(denom)).squeeze(-1)
+    return out, lse.to(torch.float32)
