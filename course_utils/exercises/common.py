@@ -1,0 +1,46 @@
+"""Run a learner's function on test cases and explain, in plain words, what went wrong."""
+
+import torch
+
+
+class ExerciseIncomplete(AssertionError):
+    """The exercise still has its ``raise NotImplementedError`` placeholder."""
+
+
+class ExerciseWrong(AssertionError):
+    """The learner's answer ran but gave a wrong result."""
+
+
+def _describe(args):
+    return ", ".join(f"tensor{tuple(a.shape)}" if isinstance(a, torch.Tensor) else repr(a) for a in args)
+
+
+def check_exercise(name, learner_fn, reference_fn, cases, *, atol=1e-6, rtol=1e-5, hint=None):
+    """Compare ``learner_fn(*args)`` with ``reference_fn(*args)`` for every ``args`` in ``cases``.
+
+    Prints a ✓ line when all cases pass; raises ``ExerciseIncomplete`` or ``ExerciseWrong`` with a
+    message naming the failing case, the error and a hint otherwise.
+    """
+    for index, args in enumerate(cases):
+        try:
+            got = learner_fn(*args)
+        except NotImplementedError:
+            raise ExerciseIncomplete(f"{name}: not written yet — replace the `raise NotImplementedError` "
+                                     "line with your code and run the cell again.") from None
+        except Exception as exc:
+            raise ExerciseWrong(f"{name}: your function raised {type(exc).__name__}: {exc} "
+                                f"on case {index} ({_describe(args)})") from exc
+        expected = reference_fn(*args)
+        got_t = torch.as_tensor(got)
+        if got_t.shape != expected.shape:
+            raise ExerciseWrong(f"{name}: case {index} ({_describe(args)}) returned shape {tuple(got_t.shape)}, "
+                                f"expected {tuple(expected.shape)}")
+        got_t, expected = got_t.double(), expected.double()
+        if torch.isnan(got_t).any() and not torch.isnan(expected).any():
+            raise ExerciseWrong(f"{name}: case {index} ({_describe(args)}) produced NaN. "
+                                + (hint or "Look for inf - inf or 0 / 0."))
+        if not torch.allclose(got_t, expected, atol=atol, rtol=rtol, equal_nan=True):
+            err = (got_t - expected).abs().nan_to_num(float("inf")).max().item()
+            raise ExerciseWrong(f"{name}: case {index} ({_describe(args)}) is off by up to {err:.3g}. "
+                                + (hint or ""))
+    print(f"✓ {name}: correct on all {len(cases)} test cases")
