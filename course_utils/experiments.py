@@ -150,6 +150,9 @@ RECORDS = {
     "ch01_naive_vs_sdpa_h100": naive_vs_sdpa,
     "ch03_forward_vs_peers_h100": forward_vs_peers,
     "ch04_forward_sweep_h100": forward_config_sweep,
+    "ch04_forward_final_h100": lambda: forward_vs_peers(
+        shapes=comparison_shapes(dim=64) + comparison_shapes(dim=128), dtypes=("float16", "bfloat16"),
+        include_naive_up_to=0),
 }
 
 if __name__ == "__main__":
