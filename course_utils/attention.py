@@ -33,6 +33,7 @@ class ForwardConfig(NamedTuple):
     block_N: int
     num_stages: int
     threads: int
+    overlap_softmax: bool = False
 
 
 def default_forward_config(device_type, dim):

@@ -107,13 +107,14 @@ def naive_vs_sdpa(seq_lens=(256, 512, 1024, 2048, 4096, 8192), batch=4, heads=16
 
 
 def forward_config_sweep(shape=None, dtype_name="float16", causal_options=(False, True),
-                         block_Ms=(64, 128), block_Ns=(64, 128), stages=(1, 2, 3), threads=(128, 256)):
-    """TFLOP/s of every tiling in the grid (compiled in parallel, timed one by one)."""
+                         block_Ms=(64, 128), block_Ns=(64, 128), stages=(1, 2, 3), threads=(128, 256),
+                         overlap=(False,), configs=None):
+    """TFLOP/s of every tiling in the grid, or of ``configs`` (compiled in parallel, timed one by one)."""
     from tqdm.auto import tqdm
 
     shape = shape or comparison_shapes(seq_lens=(4096,))[0]
     dims = (shape["batch"], shape["heads"], shape["heads"], shape["seq"], shape["seq"], shape["dim"])
-    configs = [ForwardConfig(*c) for c in itertools.product(block_Ms, block_Ns, stages, threads)]
+    configs = configs or [ForwardConfig(*c) for c in itertools.product(block_Ms, block_Ns, stages, threads, overlap)]
     jobs = list(itertools.product(configs, causal_options))
 
     def build(job):
@@ -144,12 +145,46 @@ def forward_config_sweep(shape=None, dtype_name="float16", causal_options=(False
     return rows
 
 
+def swizzle_ablation(shape=None, dtype_name="float16"):
+    """Forward TFLOP/s with swizzled vs plain row-major shared-memory tiles.
+
+    Hopper's wgmma reads operands only in swizzled layouts, so the comparison uses the Ampere code
+    path (sm_80: cp.async, ldmatrix, mma.sync), where TileLang accepts both; the native sm_90a
+    kernel is timed alongside for scale. One pipeline stage throughout (see the sm_80 causal bug
+    in the notes).
+    """
+    from .flash_fwd import flash_fwd_kernel
+    from .tiles import compile_kernel
+
+    shape = shape or comparison_shapes(seq_lens=(4096,))[0]
+    b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
+    dtype = getattr(torch, dtype_name)
+    q, k, v = _inputs(shape, dtype)
+    no_sinks = torch.full((h,), float("-inf"), device="cuda")
+    rows = []
+    for arch, linear, causal in itertools.product(("sm_80", None), (False, True), (False, True)):
+        if arch is None and linear:
+            continue  # wgmma rejects row-major operand tiles
+        func = flash_fwd_kernel(b, h, s, s, d, causal=causal, dtype=dtype_name, num_stages=1,
+                                target="cuda", linear_smem=linear)
+        kernel = compile_kernel(func, out_idx=[4, 5], target="cuda", dtype=dtype_name, arch=arch)
+        fn = lambda: kernel(q, k, v, no_sinks)  # noqa: E731
+        err = _validate_slice(fn()[0], q, k, v, causal)
+        ms = time_cuda(fn)
+        rows.append(dict(arch=arch or "sm_90a (native)", smem="row-major" if linear else "swizzled",
+                         causal=causal, ms=ms, tflops=tflops(attention_flops(b, h, s, s, d, causal=causal), ms),
+                         max_abs_err=err, dtype=dtype_name, **shape))
+        print(rows[-1]["arch"], rows[-1]["smem"], causal, f"{rows[-1]['tflops']:.0f} TFLOP/s")
+    return rows
+
+
 # The records the notebooks show, by name: ``measured(name, RECORDS[name])`` in a notebook, or
 # ``python -m course_utils.experiments NAME ...`` on a GPU machine to refresh them in one go.
 RECORDS = {
     "ch01_naive_vs_sdpa_h100": naive_vs_sdpa,
     "ch03_forward_vs_peers_h100": forward_vs_peers,
     "ch04_forward_sweep_h100": forward_config_sweep,
+    "ch04_swizzle_h100": swizzle_ablation,
     "ch04_forward_final_h100": lambda: forward_vs_peers(
         shapes=comparison_shapes(dim=64) + comparison_shapes(dim=128), dtypes=("float16", "bfloat16"),
         include_naive_up_to=0),

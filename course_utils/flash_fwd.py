@@ -10,6 +10,7 @@ by ``sm_scale · log2(e)`` so the exponentials are ``exp2``; the LSE written out
 import math
 
 import tilelang.language as T
+from tilelang.layout import make_linear_layout
 
 from .tiles import TileBackend
 
@@ -22,11 +23,16 @@ def flash_fwd_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
     dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, target=None,
+    linear_smem=False, overlap_softmax=False,
 ):
     """Return a ``@T.prim_func`` computing O and LSE for Q [B, H, S_q, D], K/V [B, H_kv, S_k, D].
 
     Parameters after ``*`` select the variant (GQA, causal, sliding window, sinks) and the tiling.
     ``Sinks`` is always a parameter (float32 [H]); it is read only when ``has_sinks``.
+    ``linear_smem`` forces plain row-major shared-memory tiles instead of TileLang's swizzled
+    default (GPU only; chapter 04 measures what swizzling is worth). ``overlap_softmax`` asks
+    TileLang's software pipeliner to run the QKᵀ gemm of block k+1 while the softmax of block k
+    is computed (the FlashAttention-3 schedule; GPU only).
     """
     tb = TileBackend(target)
     heads_kv = heads if heads_kv is None else heads_kv
@@ -39,6 +45,15 @@ def flash_fwd_kernel(
     neg_inf = -T.infinity(accum)
     num_q_blocks = (seq_q + block_M - 1) // block_M
     num_k_blocks = (seq_k + block_N - 1) // block_N
+
+    pipeline = dict(num_stages=num_stages)
+    if overlap_softmax and tb.on_gpu:
+        # The loop body's statements: 0 copy K | 1 mask | 2 QKᵀ gemm | 3-9 softmax and the cast to P
+        # | 10 rescale acc_o | 11 copy V | 12 PV gemm. Stage-1 statements run one block behind, so
+        # iteration k issues copy K(k), QKᵀ(k), copy V(k), then rescale and PV(k-1), then softmax(k):
+        # the tensor cores work on QKᵀ(k) while the softmax of block k-1 has already finished.
+        pipeline = dict(order=[0, 1, 2, 6, 7, 8, 9, 10, 11, 12, 4, 3, 5],
+                        stage=[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1])
 
     def visible(q_pos, k_pos):
         """Whether key position k_pos is visible from query position q_pos (both absolute)."""
@@ -72,6 +87,8 @@ def flash_fwd_kernel(
             alpha = tb.fragment([block_M], accum)  # rescale factor of the old accumulators
             row_sum = tb.fragment([block_M], accum)
             l = tb.fragment([block_M], accum)  # running softmax denominator
+            if linear_smem and tb.on_gpu:
+                T.annotate_layout({buf: make_linear_layout(buf) for buf in (Q_s, K_s, V_s, O_s)})
 
             # Causal: the last query blocks have the most key blocks; start them first.
             qb = (num_q_blocks - 1 - bx) if masked else bx
@@ -88,7 +105,7 @@ def flash_fwd_kernel(
             if window_size is not None:
                 k_start = T.max(0, (qb * block_M + past - window_size + 1) // block_N)
 
-            for kb in T.Pipelined(k_start, k_end, num_stages=num_stages):
+            for kb in T.Pipelined(k_start, k_end, **pipeline):
                 T.copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s)
                 for i, j in tb.parallel(block_M, block_N):
                     S[i, j] = T.if_then_else(visible(qb * block_M + i, kb * block_N + j), 0, neg_inf)
@@ -105,9 +122,9 @@ def flash_fwd_kernel(
                 T.reduce_sum(S, row_sum, dim=1)
                 for i in tb.parallel(block_M):
                     l[i] = l[i] * alpha[i] + row_sum[i]
+                T.copy(S, P)
                 for i, j in tb.parallel(block_M, dim):
                     acc_o[i, j] *= alpha[i]
-                T.copy(S, P)
 
                 T.copy(V[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s)
                 T.gemm(P, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)

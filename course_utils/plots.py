@@ -117,3 +117,17 @@ def record_caption(record):
 
 def _short(n):
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def roofline_series(ax, name, intensities, tflops_values, labels=()):
+    """Add one implementation's measurements to a ``roofline`` axis: joined points, each labelled.
+
+    Use it after ``roofline(ax, ..., points=())`` when one implementation has several points (one
+    per sequence length, say); ``labels`` are written next to the points.
+    """
+    color = IMPL_COLORS.get(name)
+    ax.plot(intensities, tflops_values, marker="o", linewidth=1, color=color, label=name, zorder=3)
+    for x, y, text in zip(intensities, tflops_values, labels):
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(5, -3), fontsize=7,
+                    color=color or "black")
+    ax.legend(fontsize=8)

@@ -52,11 +52,14 @@ class TileBackend:
         return T.Kernel(*grid, threads=threads) if self.on_gpu else T.Kernel(*grid)
 
 
-def compile_kernel(prim_func, *, out_idx, target: str | None = None, dtype: str = "float32", fast_math=True):
+def compile_kernel(prim_func, *, out_idx, target: str | None = None, dtype: str = "float32", fast_math=True,
+                   arch: str | None = None):
     """Compile a ``@T.prim_func`` for ``target`` into a callable that takes and returns torch tensors.
 
     ``out_idx`` lists the parameters the kernel allocates and returns. On the C backend, 16-bit
     inputs need vectorisation off (TileLang 0.1.15 cannot build its half-precision vector type).
+    ``arch`` (e.g. "sm_80") builds CUDA for an older architecture than the GPU's own, to run the
+    Ampere code path on a Hopper GPU.
     """
     backend = TileBackend(target)
     pass_configs = {}
@@ -64,4 +67,5 @@ def compile_kernel(prim_func, *, out_idx, target: str | None = None, dtype: str 
         pass_configs[tilelang.PassConfigKey.TL_ENABLE_FAST_MATH] = fast_math
     elif dtype in ("float16", "bfloat16"):
         pass_configs[tilelang.PassConfigKey.TIR_DISABLE_VECTORIZE] = True
-    return tilelang.compile(prim_func, out_idx=out_idx, target=backend.target, pass_configs=pass_configs)
+    target = {"kind": "cuda", "arch": arch} if arch and backend.on_gpu else backend.target
+    return tilelang.compile(prim_func, out_idx=out_idx, target=target, pass_configs=pass_configs)
