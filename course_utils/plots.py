@@ -119,15 +119,68 @@ def _short(n):
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def roofline_series(ax, name, intensities, tflops_values, labels=()):
+def roofline_series(ax, name, intensities, tflops_values, labels=(), offset=(5, -3)):
     """Add one implementation's measurements to a ``roofline`` axis: joined points, each labelled.
 
     Use it after ``roofline(ax, ..., points=())`` when one implementation has several points (one
-    per sequence length, say); ``labels`` are written next to the points.
+    per sequence length, say); ``labels`` (empty strings skip a point) are written ``offset``
+    points away from their markers.
     """
     color = IMPL_COLORS.get(name)
     ax.plot(intensities, tflops_values, marker="o", linewidth=1, color=color, label=name, zorder=3)
     for x, y, text in zip(intensities, tflops_values, labels):
-        ax.annotate(text, (x, y), textcoords="offset points", xytext=(5, -3), fontsize=7,
-                    color=color or "black")
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=offset, fontsize=7,
+                    ha="left" if offset[0] >= 0 else "right", color=color or "black")
     ax.legend(fontsize=8)
+
+
+def online_softmax_diagram(ax, num_blocks=4):
+    """The online softmax as a chain: key block j updates the state (m, ℓ, o) left by block j − 1.
+
+    Top row: the key blocks, each read once. Bottom row: the running state after each block; the
+    horizontal arrows carry the old state, scaled by α_j = exp(m_{j−1} − m_j). The update rules
+    are written underneath.
+    """
+    from matplotlib.patches import FancyBboxPatch
+
+    def box(x, y, text, color, width=1.8, height=0.8):
+        ax.add_patch(FancyBboxPatch((x - width / 2, y - height / 2), width, height, boxstyle="round,pad=0.05",
+                                    facecolor=color, edgecolor="black", linewidth=0.8))
+        ax.text(x, y, text, ha="center", va="center", fontsize=9)
+
+    def arrow(x0, x1, y0, y1, label=None, dx=0.0, dy=0.0):
+        ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="->", lw=1.1))
+        if label:
+            ax.text((x0 + x1) / 2 + dx, (y0 + y1) / 2 + dy, label, ha="center", va="center", fontsize=9)
+
+    step, top, bottom, half = 2.6, 2.1, 0.0, 0.95
+    box(-0.15, bottom, "start\n$m=-\\infty,\\ \\ell=o=0$", "#e8e8e8", width=2.2)
+    for j in range(num_blocks):
+        x = (j + 1) * step
+        box(x, top, f"key block {j}\n$S_{j},\\ V_{j}$", "#aec7e8")
+        box(x, bottom, f"$m_{j},\\ \\ell_{j},\\ o_{j}$", "#ffbb78")
+        arrow(x, x, top - 0.45, bottom + 0.45)
+        arrow(x - step + (1.0 if j == 0 else half), x - half, bottom, bottom, f"$\\times\\alpha_{j}$", dy=0.25)
+    x_end = (num_blocks + 1) * step
+    box(x_end, bottom, "$O = o\\,/\\,\\ell$\n$\\mathrm{LSE} = m + \\log \\ell$", "#98df8a", width=2.0)
+    arrow(x_end - step + half, x_end - 1.05, bottom, bottom)
+    rules = ("block $j$:   $m_j = \\max(m_{j-1},\\ \\mathrm{rowmax}\\, S_j)$,   "
+             "$\\alpha_j = e^{m_{j-1} - m_j}$,   $P_j = e^{S_j - m_j}$,   "
+             "$\\ell_j = \\alpha_j \\ell_{j-1} + \\mathrm{rowsum}\\, P_j$,   $o_j = \\alpha_j o_{j-1} + P_j V_j$")
+    ax.text(x_end / 2, bottom - 0.95, rules, ha="center", va="center", fontsize=9)
+    ax.set(xlim=(-1.4, x_end + 1.1), ylim=(-1.3, 2.6), aspect="equal")
+    ax.axis("off")
+
+
+def text_table(rows, *, index, columns, value, fmt="{:.0f}", missing="–", width=None):
+    """A plain-text table of record rows: one line per ``index`` value, one column per ``columns``
+    value, cells ``fmt.format(row[value])`` (``missing`` where no row has that pair). Returns a str."""
+    row_keys = sorted(dict.fromkeys(r[index] for r in rows))
+    col_keys = list(dict.fromkeys(r[columns] for r in rows))
+    cells = {(r[index], r[columns]): fmt.format(r[value]) for r in rows if r.get(value) is not None}
+    width = width or max(len(str(c)) for c in col_keys) + 2
+    lines = [f"{index:>8}" + "".join(f"{str(c):>{width}}" for c in col_keys)]
+    for k in row_keys:
+        label = _short(k) if isinstance(k, int) else str(k)
+        lines.append(f"{label:>8}" + "".join(f"{cells.get((k, c), missing):>{width}}" for c in col_keys))
+    return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""Checkers for chapter 02 (online softmax): merging softmax states and partial attention outputs.
+
+Both checkers first run the learner's function through ``check_exercise``; when it is wrong they
+compare the answer with the usual mistakes (no rescaling, an inverted factor, adding LSEs, …)
+and say which one it looks like.
+"""
+
+import torch
+
+from ..reference import attention_reference
+from ..softmax import safe_shift
+from .common import ExerciseWrong, check_exercise
+
+__all__ = ["check_merge_softmax_states", "check_combine_partial_attention"]
+
+
+def _stats(x):
+    """(m, l) of each row of x, computed directly (not online)."""
+    m = x.amax(dim=-1)
+    return m, torch.exp(x - safe_shift(m)[..., None]).sum(dim=-1)
+
+
+def _merge_cases():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 50, generator=g, dtype=torch.float64) * 3
+    y = x.clone()
+    y[:3, 30:] = float("-inf")  # the second part of three rows is fully masked: an empty state
+    cases = []
+    for rows, split in ((x, 20), (x * 1000, 33), (y, 30)):  # x * 1000: exp(m) alone would overflow
+        cases.append((*_stats(rows[:, :split]), *_stats(rows[:, split:])))
+    return cases, [x, x * 1000, y]
+
+
+def _close(a, b):
+    return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), rtol=1e-6, atol=1e-9, equal_nan=True))
+
+
+def _diagnose_merge(merge, cases):
+    for m_a, l_a, m_b, l_b in cases:
+        m_got, l_got = (torch.as_tensor(t) for t in merge(m_a, l_a, m_b, l_b))
+        m = torch.maximum(m_a, m_b)
+        if not torch.isfinite(l_got).all():
+            return ("l contains inf or NaN: keep every exponent ≤ 0 by subtracting the new maximum m, "
+                    "i.e. use exp(m_a − m) and exp(m_b − m), never exp(m_a) on its own.")
+        if not _close(m_got, m):
+            return "m of the merged state is the larger of the two maxima: torch.maximum(m_a, m_b)."
+        if _close(l_got, l_a + l_b):
+            return ("You added l_a and l_b without rescaling. Each sum is relative to its own maximum; "
+                    "multiply l_a by exp(m_a − m) and l_b by exp(m_b − m) before adding.")
+        if _close(l_got, l_a * torch.exp(m - m_a) + l_b * torch.exp(m - m_b)):
+            return "The rescale factor is exp(m_old − m_new), which is ≤ 1; you used its reciprocal."
+    return "Merged l should be l_a·exp(m_a − m) + l_b·exp(m_b − m) with m = max(m_a, m_b)."
+
+
+def check_merge_softmax_states(merge):
+    """``merge(m_a, l_a, m_b, l_b) -> (m, l)``: the state of the union of two disjoint sets of scores."""
+    cases, rows = _merge_cases()
+    by_args = {id(c[0]): r for c, r in zip(cases, rows)}
+
+    def learner(*args):
+        return torch.stack([torch.as_tensor(t, dtype=torch.float64) for t in merge(*args)])
+
+    def expected(*args):
+        return torch.stack(_stats(by_args[id(args[0])]))
+
+    try:
+        check_exercise("merge_softmax_states", learner, expected, cases, rtol=1e-9, atol=1e-12)
+    except ExerciseWrong as exc:
+        raise ExerciseWrong(f"{str(exc).rstrip()} {_diagnose_merge(merge, cases)}") from None
+
+
+def _attention_cases():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 24, 32, generator=g)
+    k, v = torch.randn(1, 2, 100, 32, generator=g), torch.randn(1, 2, 100, 32, generator=g)
+    cases, full = [], []
+    for scale, split in ((1.0, 50), (1.0, 13), (30.0, 70)):  # scale 30: exp(lse) overflows float32
+        part_a = attention_reference(q * scale, k[:, :, :split], v[:, :, :split], return_lse=True)
+        part_b = attention_reference(q * scale, k[:, :, split:], v[:, :, split:], return_lse=True)
+        cases.append((*part_a, *part_b))
+        full.append(attention_reference(q * scale, k, v, return_lse=True))
+    return cases, full
+
+
+def _pack(o, lse):
+    return torch.cat([torch.as_tensor(o).double().flatten(), torch.as_tensor(lse).double().flatten()])
+
+
+def _diagnose_combine(combine, cases, full):
+    for (o_a, lse_a, o_b, lse_b), (o, lse) in zip(cases, full):
+        o_got, lse_got = (torch.as_tensor(t) for t in combine(o_a, lse_a, o_b, lse_b))
+        if not (torch.isfinite(o_got).all() and torch.isfinite(lse_got).all()):
+            return ("Your result has inf or NaN on large scores: exp(lse) overflows. Subtract the larger "
+                    "LSE before exponentiating, or use torch.logaddexp.")
+        if _close(lse_got, lse_a + lse_b):
+            return ("LSEs of disjoint key sets combine as log(exp(lse_a) + exp(lse_b)) "
+                    "(torch.logaddexp), not by adding them.")
+        if _close(o_got, o_a + o_b) or _close(o_got, (o_a + o_b) / 2):
+            return ("o_a and o_b are each divided by their own denominator exp(lse_a), exp(lse_b). Weight "
+                    "each by its share of the total, exp(lse_a − lse) and exp(lse_b − lse).")
+        if not torch.allclose(lse_got.double(), lse.double(), rtol=1e-5, atol=1e-5):
+            return "The output o looks wrong because lse is: lse = torch.logaddexp(lse_a, lse_b)."
+    return "Check the weights: o = o_a·exp(lse_a − lse) + o_b·exp(lse_b − lse)."
+
+
+def check_combine_partial_attention(combine):
+    """``combine(o_a, lse_a, o_b, lse_b) -> (o, lse)``: attention over keys A ∪ B from the two halves."""
+    cases, full = _attention_cases()
+    by_args = {id(c[0]): f for c, f in zip(cases, full)}
+
+    def learner(*args):
+        return _pack(*combine(*args))
+
+    def expected(*args):
+        return _pack(*by_args[id(args[0])])
+
+    try:
+        check_exercise("combine_partial_attention", learner, expected, cases, rtol=1e-5, atol=1e-5)
+    except ExerciseWrong as exc:
+        raise ExerciseWrong(f"{str(exc).rstrip()} {_diagnose_combine(combine, cases, full)}") from None

@@ -1,0 +1,179 @@
+"""The FlashAttention backward as three TileLang kernel factories (chapters 05 and 06).
+
+With P = softmax(S), S = Q Kᵀ · scale, and the forward's LSE:
+    dV = Pᵀ dO,   dP = dO Vᵀ,   dS = P ∘ (dP − Δ) with Δ = rowsum(dO ∘ O),
+    dQ = scale · dS K,   dK = scale · dSᵀ Q.
+P is recomputed from Q, K and the LSE instead of being stored. One thread block owns
+``block_N`` keys of one (batch, query head): K and V stay resident, dK and dV accumulate in
+registers, and the block walks over the query blocks that can see its keys. dQ gets
+contributions from every key block, so it is accumulated in float32 with atomic adds and
+cast by a last, small kernel.
+"""
+
+import math
+
+import tilelang.language as T
+
+from .flash_fwd import LOG2E
+from .tiles import TileBackend
+
+__all__ = ["flash_bwd_preprocess_kernel", "flash_bwd_kernel", "flash_bwd_postprocess_kernel"]
+
+
+def flash_bwd_preprocess_kernel(batch, heads, seq_q, dim, *, dtype="float16", block=64, threads=128, target=None):
+    """Δ[b, h, i] = Σ_d dO[b, h, i, d] · O[b, h, i, d], in float32."""
+    tb = TileBackend(target)
+
+    @T.prim_func
+    def flash_bwd_preprocess(
+        O: T.Tensor([batch, heads, seq_q, dim], dtype),
+        dO: T.Tensor([batch, heads, seq_q, dim], dtype),
+        Delta: T.Tensor([batch, heads, seq_q], "float32"),
+    ):
+        with tb.kernel(T.ceildiv(seq_q, block), heads, batch, threads=threads) as (bx, by, bz):
+            o = tb.fragment([block, dim], "float32")
+            do = tb.fragment([block, dim], "float32")
+            delta = tb.fragment([block], "float32")
+            T.copy(O[bz, by, bx * block:(bx + 1) * block, :], o)
+            T.copy(dO[bz, by, bx * block:(bx + 1) * block, :], do)
+            for i, d in tb.parallel(block, dim):
+                o[i, d] *= do[i, d]
+            T.reduce_sum(o, delta, dim=1)
+            T.copy(delta, Delta[bz, by, bx * block:(bx + 1) * block])
+
+    return flash_bwd_preprocess
+
+
+def flash_bwd_postprocess_kernel(batch, heads, seq, dim, *, scale=1.0, dtype="float16", block=64, threads=128,
+                                 target=None):
+    """Out = scale · Acc, cast from the float32 accumulator to ``dtype``."""
+    tb = TileBackend(target)
+
+    @T.prim_func
+    def flash_bwd_postprocess(
+        Acc: T.Tensor([batch, heads, seq, dim], "float32"),
+        Out: T.Tensor([batch, heads, seq, dim], dtype),
+    ):
+        with tb.kernel(T.ceildiv(seq, block), heads, batch, threads=threads) as (bx, by, bz):
+            acc = tb.fragment([block, dim], "float32")
+            T.copy(Acc[bz, by, bx * block:(bx + 1) * block, :], acc)
+            for i, d in tb.parallel(block, dim):
+                acc[i, d] *= scale
+            T.copy(acc, Out[bz, by, bx * block:(bx + 1) * block, :])
+
+    return flash_bwd_postprocess
+
+
+def flash_bwd_kernel(
+    batch, heads, seq_q, seq_k, dim, *,
+    heads_kv=None, causal=False, window_size=None, sm_scale=None,
+    dtype="float16", block_M=64, block_N=64, num_stages=2, threads=128, target=None,
+):
+    """Return a ``@T.prim_func`` computing dK, dV and the float32 dQ accumulator (pre-scale).
+
+    dQ_acc must be zero on entry; it receives Σ over key blocks of dS·K (multiply by ``sm_scale``
+    afterwards). With GQA (heads_kv < heads) several query heads add into one K/V head, so dK and
+    dV are float32 accumulators that must also be zero on entry; with heads_kv == heads they are
+    written directly in ``dtype``. ``block_M`` is the query block, ``block_N`` the resident key block.
+    """
+    tb = TileBackend(target)
+    heads_kv = heads if heads_kv is None else heads_kv
+    group = heads // heads_kv
+    sm_scale = 1.0 / math.sqrt(dim) if sm_scale is None else sm_scale
+    scale_log2 = sm_scale * LOG2E
+    past = seq_k - seq_q
+    masked = causal or window_size is not None
+    accum = "float32"
+    dkv_dtype = dtype if group == 1 else accum
+    num_q_blocks = (seq_q + block_M - 1) // block_M
+    num_k_blocks = (seq_k + block_N - 1) // block_N
+
+    def visible(q_pos, k_pos):
+        cond = T.And(q_pos < seq_q, k_pos < seq_k)
+        if masked:
+            cond = T.And(cond, k_pos <= q_pos + past)
+        if window_size is not None:
+            cond = T.And(cond, k_pos > q_pos + past - window_size)
+        return cond
+
+    @T.prim_func
+    def flash_bwd(
+        Q: T.Tensor([batch, heads, seq_q, dim], dtype),
+        K: T.Tensor([batch, heads_kv, seq_k, dim], dtype),
+        V: T.Tensor([batch, heads_kv, seq_k, dim], dtype),
+        dO: T.Tensor([batch, heads, seq_q, dim], dtype),
+        LSE: T.Tensor([batch, heads, seq_q], accum),
+        Delta: T.Tensor([batch, heads, seq_q], accum),
+        dQ_acc: T.Tensor([batch, heads, seq_q, dim], accum),
+        dK: T.Tensor([batch, heads_kv, seq_k, dim], dkv_dtype),
+        dV: T.Tensor([batch, heads_kv, seq_k, dim], dkv_dtype),
+    ):
+        with tb.kernel(num_k_blocks, heads, batch, threads=threads) as (bx, by, bz):
+            K_s = tb.shared([block_N, dim], dtype)
+            V_s = tb.shared([block_N, dim], dtype)
+            Q_s = tb.shared([block_M, dim], dtype)
+            dO_s = tb.shared([block_M, dim], dtype)
+            lse = tb.shared([block_M], accum)
+            delta = tb.shared([block_M], accum)
+            PT = tb.fragment([block_N, block_M], accum)  # Sᵀ, then Pᵀ: keys are rows here
+            dPT = tb.fragment([block_N, block_M], accum)
+            PT_cast = tb.fragment([block_N, block_M], dtype)
+            dST_cast = tb.fragment([block_N, block_M], dtype)
+            dST_s = tb.shared([block_N, block_M], dtype)
+            dv = tb.fragment([block_N, dim], accum)
+            dk = tb.fragment([block_N, dim], accum)
+            dq = tb.fragment([block_M, dim], accum)
+
+            kv_head = by // group
+            T.copy(K[bz, kv_head, bx * block_N:(bx + 1) * block_N, :], K_s)
+            T.copy(V[bz, kv_head, bx * block_N:(bx + 1) * block_N, :], V_s)
+            T.clear(dv)
+            T.clear(dk)
+
+            # Only query blocks that can see these keys: causal skips the ones above the diagonal,
+            # a window also skips those more than window_size - 1 positions below it.
+            q_start = 0
+            if masked:
+                q_start = T.max(0, (bx * block_N - past) // block_M)
+            q_end = num_q_blocks
+            if window_size is not None:
+                q_end = T.min(num_q_blocks, T.ceildiv((bx + 1) * block_N - past + window_size - 1, block_M))
+
+            for qb in T.Pipelined(q_start, q_end, num_stages=num_stages):
+                T.copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s)
+                T.copy(LSE[bz, by, qb * block_M:(qb + 1) * block_M], lse)
+                T.clear(PT)
+                T.gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for j, i in tb.parallel(block_N, block_M):
+                    PT[j, i] = T.if_then_else(visible(qb * block_M + i, bx * block_N + j),
+                                              T.exp2(PT[j, i] * scale_log2 - lse[i] * LOG2E), 0)
+                T.copy(dO[bz, by, qb * block_M:(qb + 1) * block_M, :], dO_s)
+                T.clear(dPT)
+                T.gemm(V_s, dO_s, dPT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(PT, PT_cast)
+                T.gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += Pᵀ dO
+
+                T.copy(Delta[bz, by, qb * block_M:(qb + 1) * block_M], delta)
+                for j, i in tb.parallel(block_N, block_M):
+                    dST_cast[j, i] = PT[j, i] * (dPT[j, i] - delta[i])  # dSᵀ, without the scale
+                T.gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
+
+                T.copy(dST_cast, dST_s)
+                T.clear(dq)
+                T.gemm(dST_s, K_s, dq, transpose_A=True)  # this key block's share of dS K
+                for i, d in tb.parallel(block_M, dim):
+                    if qb * block_M + i < seq_q:
+                        T.atomic_add(dQ_acc[bz, by, qb * block_M + i, d], dq[i, d])
+
+            for j, d in tb.parallel(block_N, dim):
+                dk[j, d] *= sm_scale
+            if group == 1:
+                T.copy(dv, dV[bz, kv_head, bx * block_N:(bx + 1) * block_N, :])
+                T.copy(dk, dK[bz, kv_head, bx * block_N:(bx + 1) * block_N, :])
+            else:
+                for j, d in tb.parallel(block_N, dim):
+                    if bx * block_N + j < seq_k:
+                        T.atomic_add(dV[bz, kv_head, bx * block_N + j, d], dv[j, d])
+                        T.atomic_add(dK[bz, kv_head, bx * block_N + j, d], dk[j, d])
+
+    return flash_bwd

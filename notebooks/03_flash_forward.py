@@ -1,0 +1,615 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · The tiled FlashAttention forward in TileLang
+#
+# **Question.** Chapter 02 computed `softmax(Q Kᵀ) V` in one pass over the keys, carrying a
+# running maximum and a running sum. How does that become a GPU kernel in which the score
+# matrix never leaves the chip, and what does TileLang turn it into?
+#
+# **The idea** is FlashAttention's: cut Q into blocks of rows, give each block to one thread
+# block, and stream K and V past it tile by tile. Every intermediate (scores, probabilities, the
+# output accumulator) lives in fast on-chip memory; HBM sees Q, K, V read and O written, nothing
+# of size S × S.
+#
+# *Credit.* Tri Dao et al., [FlashAttention](https://arxiv.org/abs/2205.14135) (2022), and
+# Tri Dao, [FlashAttention-2](https://arxiv.org/abs/2307.08691) (2023), which parallelises over
+# query blocks and divides by the softmax denominator once, at the end. Our kernel follows the
+# structure of TileLang's own
+# [flash attention examples](https://github.com/tile-ai/tilelang/tree/main/examples/flash_attention),
+# with the corrections listed in the errata section below.
+
+# %%
+# %config InlineBackend.figure_format = "png"
+import course_utils as cu
+
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+from course_utils import diagrams, plots
+from course_utils.flash_fwd import LOG2E, flash_fwd_kernel
+from course_utils.source import count, cuda_source, grep, show_source
+
+print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
+
+# %% [markdown]
+# ## 1 · One thread block per (query block, head, batch)
+#
+# A GPU has a little fast memory next to each streaming multiprocessor: **shared memory**, seen by
+# every thread of a block, and **registers**, private to each thread. TileLang names the two kinds
+# of tiles after them: `T.alloc_shared` and `T.alloc_fragment` (a tile spread over the threads'
+# registers). The forward uses them like this:
+#
+# | tile | size | where | why |
+# |---|---|---|---|
+# | Q block | `block_M × D` | shared | loaded once, reused against every K tile |
+# | K tile, V tile | `block_N × D` | shared | streamed: each is read from HBM once per query block |
+# | scores S, probabilities P | `block_M × block_N` | registers | produced and consumed in place |
+# | output accumulator, running max `m`, denominator `l` | `block_M × D`, `block_M` | registers | carried across K tiles |
+#
+# The launch grid is `(⌈S/block_M⌉, H, B)`: `blockIdx.x` picks the query block, `.y` the head and
+# `.z` the batch entry. The blocks never talk to each other, so the GPU may run them in any order.
+# Here is the grid for B = 2, H = 3, S = 64 and 16-row blocks, coloured by how many K/V tiles
+# each block streams:
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+for ax, causal in zip(axes, (False, True)):
+    diagrams.grid_mapping(ax, batch=2, heads=3, seq=64, block_M=16, causal=causal)
+fig.tight_layout()
+
+# %% [markdown]
+# With causal masking, query block `q` only needs key blocks `0 … q`: the work per block grows
+# down the sequence. The kernel therefore hands the *last* query block to `blockIdx.x = 0`. GPUs
+# tend to start blocks in index order, so the longest jobs start first and the short ones fill
+# the gaps at the end, instead of one long block running alone after everything else finished.
+
+# %% [markdown]
+# ## 2 · Which K/V tiles does each query block visit?
+#
+# Tile `(qb, kb)` of the score matrix pairs query block `qb` with key block `kb`. Three kinds:
+# - **skipped**: every pair is masked (the causal upper triangle, or keys outside a sliding
+#   window). The kernel's loop bounds never reach it: no load, no math.
+# - **visited with a mask**: some pairs are masked (the diagonal tiles; the last tile when S is
+#   not a multiple of `block_N`, because its tail holds key positions past the end).
+# - **visited whole**: nothing to mask.
+#
+# Below, S = 56 with 16 × 16 tiles, so the last row and column of tiles stick out of the matrix
+# (the thick frame). Strong cells are pairs that count; pale cells are computed and thrown away.
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(12, 4.4))
+for ax, kw in zip(axes, [dict(causal=False), dict(causal=True), dict(causal=True, window_size=20)]):
+    handles = diagrams.tile_visits(ax, 56, 56, 16, 16, **kw)
+fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9)
+fig.tight_layout(rect=(0, 0.07, 1, 1))
+plots.save(fig, "ch03_tile_visits")
+
+# %% [markdown]
+# The same, as exact block indices. Causal attention visits 10 of the 16 tiles here; as S grows
+# the fraction tends to one half, which is why a causal forward is counted as half the FLOPs.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+diagrams.visit_table(56, 56, 16, 16, causal=True)
+print()
+diagrams.visit_table(56, 56, 16, 16, causal=True, window_size=20)
+
+# %% [markdown]
+# ## 3 · The kernel, piece by piece
+#
+# The kernel is `course_utils.flash_fwd.flash_fwd_kernel`, a *factory*: a Python function that
+# takes the shapes and options and returns a `@T.prim_func`. We read it in order. First the
+# Python-side setup; everything here is a plain number when the factory runs, and ends up as a
+# constant in the generated code.
+
+# %%
+show_source(flash_fwd_kernel, "tb = TileBackend(target)", "num_k_blocks =")
+
+# %% [markdown]
+# - **`scale_log2`** folds two constants into one. Since $e^x = 2^{x \log_2 e}$,
+#   $\exp(\text{scale}\cdot s - \text{scale}\cdot m) = \operatorname{exp2}(s \cdot c - m \cdot c)$
+#   with $c = \text{scale}\cdot\log_2 e$: one multiply-add per score, then the GPU's native
+#   base-2 exponential instruction.
+# - **`past`** aligns the causal diagonal to the bottom-right when `S_k > S_q` (new queries
+#   attending to a longer history), the convention of `course_utils.reference`.
+# - `tb` is the `TileBackend` of chapter 00: on the CPU its "shared" and "fragment" tiles are
+#   plain local arrays, so this same source runs here.
+#
+# `visible` builds the mask condition as a TileLang expression. `k_pos < seq_k` is the guard
+# for the partial last K tile; windows are chapter 06.
+
+# %%
+show_source(flash_fwd_kernel, "def visible", "return cond")
+
+# %% [markdown]
+# **Allocation.** The kernel's signature names the tensors in HBM (`Sinks` is read only by the
+# gpt-oss variant of chapter 06). The launch creates the grid of section 1, and the tiles from
+# the table above are allocated: four in shared memory, the rest in registers. `S` holds the
+# scores and, a few lines later, the probabilities in place; `P` is the 16-bit copy the tensor
+# cores multiply with V.
+
+# %%
+show_source(flash_fwd_kernel, "@T.prim_func", "l = tb.fragment")
+
+# %% [markdown]
+# **The Q load and the initial state.** The reversed query-block index `qb` from section 1;
+# `kv_head` maps a query head to its K/V head (grouped-query attention, chapter 06). Q is
+# copied to shared memory once. The output accumulator and the denominator start at 0 and the
+# running max at −∞. The loop bounds are the skipped triangle of section 2 in one formula:
+# a causal query block stops after the key block holding its last row's key.
+
+# %%
+show_source(flash_fwd_kernel, "# Causal: the last query blocks", "k_start = T.max")
+
+# %% [markdown]
+# **Masking and QKᵀ.** `T.Pipelined` is a loop whose copies TileLang may issue ahead of the
+# compute (`num_stages` buffers; chapter 04 tunes it). Each iteration copies a K tile, then sets
+# `S` to 0 where a pair is visible and −∞ where not, *before* the matrix product: `T.gemm`
+# accumulates into its output (`S += Q Kᵀ`), so the mask costs no extra pass over the scores.
+# `transpose_B=True` because K is stored `[keys, D]`. `FullRow` asks that each warp own whole
+# rows of `S`, which keeps the row reductions that follow inside a warp.
+
+# %%
+show_source(flash_fwd_kernel, "for kb in T.Pipelined", "T.gemm(Q_s, K_s, S")
+
+# %% [markdown]
+# **The running max, with `clear=False`.** `T.reduce_max(S, m, dim=1, clear=False)` does *not*
+# reset `m`: it folds this tile's row maxima into the value already there, so
+# `m = max(m_prev, rowmax(S))`. The new max is never smaller than the old one, so the rescale
+# factor `alpha = exp2((m_prev − m)·c)` is at most 1.
+#
+# **The check_inf step.** A row whose visible keys so far number zero still has `m = −∞`. Then
+# `m_prev − m` would be `−∞ − (−∞) = NaN`. Shifting such a row by 0 instead gives `alpha = 0`
+# and probabilities `exp2(−∞) = 0`: the row simply stays empty until a visible key arrives.
+
+# %%
+show_source(flash_fwd_kernel, "T.copy(m, m_prev)", "alpha[i] = T.exp2")
+
+# %% [markdown]
+# **exp2, row sum, rescale.** Scores become unnormalised probabilities in place; their row sums
+# update the denominator `l = l·alpha + rowsum`; the output accumulator is scaled by `alpha`
+# (the old terms were exponentiated against a smaller max). The probabilities are then rounded
+# to the input type (`P`) for the second matrix product.
+
+# %%
+show_source(flash_fwd_kernel, "S[i, j] = T.exp2(", "T.copy(S, P)")
+
+# %% [markdown]
+# **PV.** Load the V tile and accumulate `acc_o += P V`. That is the whole loop body: two
+# matrix products on the tensor cores and a handful of per-row operations in between.
+
+# %%
+show_source(flash_fwd_kernel, "T.copy(V[", "T.gemm(P, V_s")
+
+# %% [markdown]
+# **Epilogue.** The shift is recomputed (the loop may have run zero times for a query block that
+# sees no key). The sink term is chapter 06. Then comes FlashAttention-2's single division by the
+# denominator, with rows that saw nothing left at 0 instead of 0/0. O goes out through shared
+# memory, which lets the store to HBM be wide and coalesced.
+
+# %%
+show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "T.copy(O_s, Output", after="T.gemm(P, V_s")
+
+# %% [markdown]
+# **The LSE.** For each real row (the guard skips the padding of a partial last block) the
+# kernel writes the log-sum-exp of the row's scaled scores, converted from base 2 back to the
+# natural log: `LSE = (shift + log2 l) / log2 e = scale·m + ln l`. It costs `4·S` bytes per head
+# and is all the backward (chapter 05) needs to rebuild any probability without a second
+# running max: `P_ij = exp(scale·q_i·k_j − LSE_i)`.
+
+# %%
+show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "neg_inf)", after="T.copy(O_s, Output")
+
+# %% [markdown]
+# ## 4 · Run it here and check it
+#
+# `cu.flash_attention` (in `course_utils/attention.py`) validates the inputs, compiles the
+# kernel once per shape and options, and calls it. On this machine it runs through TileLang's C
+# backend in float32 with 16 × 16 tiles. The shapes below include a sequence that is not a
+# multiple of the block, one shorter than a single block, and `S_q ≠ S_k`.
+
+# %%
+dtype = cu.pick(cpu=torch.float32, gpu=torch.float16)
+print("tiling (block_M, block_N, num_stages, threads):",
+      tuple(cu.attention.default_forward_config(cu.DEVICE.type, 64)))
+# (batch, heads, S_q, S_k, head_dim, causal)
+cases = cu.pick(
+    cpu=[(1, 2, 64, 64, 32, False), (1, 2, 64, 64, 32, True), (2, 2, 40, 40, 16, True),
+         (1, 1, 7, 7, 64, True), (1, 2, 24, 56, 32, True)],
+    gpu=[(2, 8, 1024, 1024, 128, False), (2, 8, 1024, 1024, 128, True), (2, 4, 1000, 1000, 64, True),
+         (1, 4, 100, 100, 128, True), (1, 4, 300, 1000, 64, True)],
+)
+
+# %%
+torch.manual_seed(0)
+for batch, heads, seq_q, seq_k, dim, causal in cases:
+    q = torch.randn(batch, heads, seq_q, dim, device=cu.DEVICE, dtype=dtype)
+    k, v = (torch.randn(batch, heads, seq_k, dim, device=cu.DEVICE, dtype=dtype) for _ in range(2))
+    out, lse = cu.flash_attention(q, k, v, causal=causal, return_lse=True)
+    ref_out, ref_lse = cu.attention_reference(q, k, v, causal=causal, return_lse=True)
+    name = f"B={batch} H={heads} S_q={seq_q} S_k={seq_k} D={dim} causal={causal!s:5}"
+    cu.check_close(out, ref_out, f"O   {name}")
+    cu.check_close(lse, ref_lse, f"LSE {name}", dtype=dtype)
+
+# %% [markdown]
+# The LSE is enough to rebuild the attention probabilities of the last case exactly, which is
+# what the backward pass will do, tile by tile: every row sums to 1.
+
+# %%
+scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) / math.sqrt(q.shape[-1])
+visible = cu.reference.visibility_mask(seq_q, seq_k, causal=causal, device=q.device)
+probs = torch.exp(scores - lse.double()[..., None]).masked_fill(~visible, 0)
+cu.check_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), "rows of exp(scale·QKᵀ − LSE)", dtype=dtype)
+
+# %% [markdown]
+# Inputs the kernel cannot handle are rejected before anything is compiled, with a message
+# that says what is wrong:
+
+# %%
+x = torch.randn(1, 2, 32, 32, device=cu.DEVICE, dtype=dtype)
+bad_inputs = {
+    "wrong rank": (x[0], x[0], x[0]),
+    "mismatched dtypes": (x, x.double(), x),
+    "unsupported head dim": (torch.randn(1, 2, 32, 48, device=cu.DEVICE, dtype=dtype),) * 3,
+}
+for what, args in bad_inputs.items():
+    try:
+        cu.flash_attention(*args)
+    except ValueError as err:
+        print(f"{what:>20}: ValueError: {err}")
+    else:
+        raise AssertionError(f"{what}: no error raised")
+
+# %% [markdown]
+# ## 5 · The CUDA it becomes
+#
+# TileLang generates CUDA for any architecture without a GPU. We lower the H100-sized
+# configuration (D = 128, 128 × 128 tiles, 256 threads, two pipeline stages) twice:
+# - for **sm_80** (A100), non-causal. The causal variant with `num_stages=2` does not lower on
+#   sm_80 in TileLang 0.1.15 ("Downcast from tirx.Sub to ir.IntImm failed"): the message suggests
+#   the cp.async pipelining pass wants a constant trip count, and the causal loop's,
+#   `⌈(qb+1)·block_M / block_N⌉`, depends on `blockIdx.x`. With `num_stages=1` it lowers.
+# - for **sm_90a** (H100), causal.
+#
+# Each lowering takes a few seconds.
+
+# %%
+shape = dict(batch=1, heads=16, seq_q=4096, seq_k=4096, dim=128)
+tiling = dict(block_M=128, block_N=128, num_stages=2, threads=256, target="cuda")
+src_80 = cuda_source(flash_fwd_kernel(*shape.values(), causal=False, **tiling), arch="sm_80")
+grep(src_80, r"__global__ void __launch_bounds__", max_hits=1)
+grep(src_80, r"for \(int kb", max_hits=1)
+
+# %% [markdown]
+# 256 threads per block, as asked. 4096 keys are 32 tiles, yet the main loop runs 30 times:
+# with two stages, the copies of tiles 0 and 1 are issued before the loop (the *prologue*) and
+# the last two tiles are finished after it, so each iteration computes on one tile while the
+# next one is in flight. The copies themselves are **cp.async** (global → shared without
+# passing through registers), grouped with commit/wait; the address arithmetic is the swizzled
+# shared-memory layout of chapter 04.
+
+# %%
+grep(src_80, r"cp_async_gs", max_hits=1)
+grep(src_80, r"cp_async_(commit|wait)", max_hits=2)
+
+# %% [markdown]
+# The two `T.gemm` calls became **tensor-core** instructions: `ldmatrix` loads fragments from
+# shared memory and `mma_sync` with a 16 × 8 × 16 shape, half inputs and float accumulators.
+# The online softmax is ordinary per-thread code: a running `max`, a row reduction across the
+# four threads that share a row (`AllReduce<MaxOp>`), and `exp2f` with the folded constant.
+
+# %%
+grep(src_80, r"ptx_ldmatrix_x4\(", max_hits=1)
+grep(src_80, r"mma_sync<", max_hits=1)
+grep(src_80, r"m\[i_\d+\] = max\(|AllReduce<tl::MaxOp", max_hits=2)
+grep(src_80, r"alpha\[i_\d+\] = exp2f", max_hits=1)
+print(f"scale·log2(e) = LOG2E/√128 = {LOG2E / math.sqrt(128):.7f} = {(LOG2E / math.sqrt(128)).hex()}")
+
+# %% [markdown]
+# Now the H100, causal. Hopper has a **Tensor Memory Accelerator (TMA)** that copies whole
+# tiles on its own, signalling an **mbarrier** when the bytes have arrived, and **wgmma**, a
+# matrix instruction issued by a warpgroup of 128 threads.
+
+# %%
+src_90 = cuda_source(flash_fwd_kernel(*shape.values(), causal=True, **tiling), arch="sm_90a")
+grep(src_90, r"__global__ void __launch_bounds__", max_hits=1)
+grep(src_90, r"tma_load\(Q_desc", max_hits=1)
+grep(src_90, r"for \(int kb", max_hits=1)
+
+# %% [markdown]
+# Three things to read here:
+# - **384 threads, not 256.** TileLang *warp-specialised* the kernel: it added a producer
+#   warpgroup whose only job is to issue TMA copies, while our 256 threads compute.
+# - **The causal reversal**: Q rows start at `3968 − 128·blockIdx.x`, i.e. query block
+#   `31 − blockIdx.x`, as `qb = num_q_blocks − 1 − bx` said.
+# - **The skipped triangle is a loop bound**: block `blockIdx.x` runs `32 − blockIdx.x` K tiles.
+
+# %%
+grep(src_90, r"mbarrier\[.*\]\.(wait|arrive_and_expect_tx)", max_hits=2)
+grep(src_90, r"wgmma_(ss|rs)<", max_hits=2, width=95)
+grep(src_90, r"alpha\[i_\d+\] = exp2f", max_hits=1)
+
+# %% [markdown]
+# `wgmma_ss` reads both operands from shared memory (Q and K, for QKᵀ); `wgmma_rs` takes its
+# first operand from registers: P never touches shared memory on Hopper. The per-file counts of
+# each ingredient:
+
+# %%
+ingredients = {"cp.async": r"cp_async_gs", "TMA load": r"tma_load\(", "mbarrier wait": r"\.wait\(",
+               "ldmatrix": r"ldmatrix", "mma.sync": r"mma_sync<", "wgmma": r"wgmma_(ss|rs)<",
+               "exp2f": r"exp2f\(", "row max": r"MaxOp"}
+for arch, src in (("sm_80 ", src_80), ("sm_90a", src_90)):
+    print(arch, "  ".join(f"{name} {n}" for name, n in count(src, ingredients).items()))
+
+# %% [markdown]
+# ## 6 · Measured on an H100
+#
+# The record below was measured with `cu.flash_attention` (its default GPU tiling, from
+# `default_forward_config` in `course_utils/attention.py`) against PyTorch's SDPA backends, FlashAttention-2 and cuDNN, and naive PyTorch
+# (up to 4k, where its S × S scores still fit). fp16, D = 128, B·S = 16k tokens, H·D = 2048.
+#
+# **FLOP convention:** a forward is two matrix products, `4·B·H·S²·D` FLOPs; causal counts half
+# of that (the pairs that are visible). TFLOP/s = FLOPs / time.
+
+# %%
+from course_utils.experiments import RECORDS
+
+rec = cu.measured("ch03_forward_vs_peers_h100", RECORDS["ch03_forward_vs_peers_h100"])
+rows = rec["results"]
+for r in rows:  # the stored TFLOP/s follow the convention above
+    flops = cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"], causal=r["causal"])
+    assert abs(cu.tflops(flops, r["ms"]) - r["tflops"]) < 1e-6 * r["tflops"], r
+short = {"TileLang (ours)": "ours", "FlashAttention-2 (SDPA flash)": "FA2", "cuDNN (SDPA cudnn)": "cuDNN",
+         "naive PyTorch": "naive"}
+for causal in (False, True):
+    print(f"TFLOP/s, {'causal' if causal else 'non-causal'}")
+    table_rows = [dict(r, impl=short[r["impl"]]) for r in rows if r["causal"] == causal]
+    print(plots.text_table(table_rows, index="seq", columns="impl", value="tflops", width=8), "\n")
+
+# %%
+tf = {(r["impl"], r["causal"], r["seq"]): r["tflops"] for r in rows}
+seqs = sorted({r["seq"] for r in rows})
+fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+for ax, causal in zip(axes, (False, True)):
+    plots.line_chart(ax, [r for r in rows if r["causal"] == causal], x="seq", y="tflops",
+                     title=f"{'causal' if causal else 'non-causal'} forward, fp16, D=128",
+                     xlabel="sequence length S", ylabel="TFLOP/s")
+for causal, style in ((False, "-"), (True, "--")):
+    for peer in ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"):
+        ratios = [tf["TileLang (ours)", causal, s] / tf[peer, causal, s] for s in seqs]
+        axes[2].plot(seqs, ratios, style, marker="o", color=plots.IMPL_COLORS[peer],
+                     label=f"vs {short[peer]}, {'causal' if causal else 'non-causal'}")
+axes[2].axhline(1, color="black", lw=1)
+axes[2].set_xscale("log", base=2)
+axes[2].set_xticks(seqs, [plots._short(s) for s in seqs])
+axes[2].set(title="speedup of ours (time ratio)", xlabel="sequence length S", ylabel="×")
+axes[2].legend(fontsize=8)
+fig.suptitle(plots.record_caption(rec), fontsize=8, y=0.01)
+fig.tight_layout(rect=(0, 0.03, 1, 1))
+plots.save(fig, "ch03_forward_vs_peers")
+
+# %%
+for causal in (False, True):
+    ours = tf["TileLang (ours)", causal, 4096]
+    print(f"S=4k {'causal' if causal else 'non-causal':>10}: ours {ours:.0f} TFLOP/s = "
+          f"{ours / tf['FlashAttention-2 (SDPA flash)', causal, 4096]:.2f}× FlashAttention-2, "
+          f"{ours / tf['cuDNN (SDPA cudnn)', causal, 4096]:.2f}× cuDNN")
+for peer in ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"):
+    wins = sum(tf["TileLang (ours)", c, s] > tf[peer, c, s] for c in (False, True) for s in seqs)
+    print(f"ours faster than {short[peer]} in {wins} of {2 * len(seqs)} (S, causal) cases")
+
+# %% [markdown]
+# In this record our short kernel is ahead of SDPA's FlashAttention-2 backend on the H100.
+# That is less surprising than it sounds: FlashAttention-2 was written for the A100 and uses
+# neither TMA nor wgmma, while TileLang emits both for sm_90a. cuDNN, whose attention kernels are
+# written for Hopper, is faster still in most cases; chapter 04 tunes the pipeline and the tiles.
+# At short S the causal rates drop further than the non-causal ones: a larger share of the work
+# sits in diagonal tiles that are half masked (exercise 2 counts it), and each block has fewer
+# tiles over which to hide the start and end of its pipeline.
+
+# %% [markdown]
+# ## 7 · Errata: mistakes in widely copied versions of this kernel
+#
+# Several public FlashAttention kernels written in TileLang, and many copies of them, carry the
+# mistakes below. Each is easy to make, and most stay invisible in a quick test. To see them we
+# rebuild the kernel's loop body in PyTorch (one head, float64), with a switch for each mistake.
+# Scores are kept in base-2 units (multiplied by `scale·log2 e`), as the copies do.
+
+# %%
+def blockwise_forward(q, k, v, *, block_N=16, causal=False, window_size=None, bugs=()):
+    """The kernel's loop over key tiles, for all queries of one head at once."""
+    seq_q, dim = q.shape
+    c = LOG2E / math.sqrt(dim)
+    visible = cu.reference.visibility_mask(seq_q, k.shape[0], causal=causal, window_size=window_size)
+    m = torch.full((seq_q,), -math.inf, dtype=q.dtype)
+    l, acc, alphas = torch.zeros(seq_q, dtype=q.dtype), torch.zeros_like(q), []
+    for start in range(0, k.shape[0], block_N):
+        cols = slice(start, start + block_N)
+        s = (q @ k[cols].T).masked_fill(~visible[:, cols], -math.inf)
+        if "scale dim columns" in bugs:  # (1) scale a [block_M, dim] box of a [block_M, block_N] tile
+            s[:, :dim] *= c
+        else:
+            s = s * c
+        m_prev = m
+        m = s.amax(1) if "reset max" in bugs else torch.maximum(m_prev, s.amax(1))  # (2)
+        shift = m if "no check_inf" in bugs else torch.where(m == -math.inf, 0.0, m)  # (4)
+        alpha = torch.exp2(m_prev - shift)
+        p = torch.exp2(s - shift[:, None])
+        l = l * alpha + p.sum(1)
+        acc = acc * alpha[:, None] + p @ v[cols]
+        alphas.append(alpha)
+    return acc / torch.where(l > 0, l, 1.0)[:, None], torch.stack(alphas)
+
+
+# %% [markdown]
+# First, the correct version agrees with the reference, causal and not, with a window, and for
+# a sequence that is not a multiple of the tile:
+
+# %%
+torch.manual_seed(0)
+q1, k1, v1 = (torch.randn(60, 16, dtype=torch.float64) for _ in range(3))
+for kw in (dict(), dict(causal=True), dict(window_size=8), dict(block_N=32)):
+    out, alphas = blockwise_forward(q1, k1, v1, **kw)
+    ref = cu.attention_reference(q1[None, None], k1[None, None], v1[None, None], **{
+        key: val for key, val in kw.items() if key != "block_N"})[0, 0]
+    cu.check_close(out, ref, f"simulation {kw}")
+    cu.check_true(alphas.max() <= 1, f"  rescale factors ≤ 1 (max {alphas.max():.3f})")
+
+# %% [markdown]
+# **(1) Scaling over `dim` columns.** The copies scale the score tile with
+# `for i, j in T.Parallel(block_M, dim): acc_s[i, j] *= scale`. The tile has `block_N` columns.
+# When `dim = block_N` (the common 128 × 128 configuration) it happens to be right; with
+# `dim < block_N` the last columns keep unscaled scores, and with `dim > block_N` the loop
+# writes past the tile. Our kernel never scales the tile: the scale is folded into the exp2.
+
+# %%
+def show_failure(label, out, ref):
+    print(f"{label}: {int(out.isnan().any(1).sum())} of {len(out)} rows NaN")
+    try:
+        cu.check_close(out, ref, label)
+    except cu.CheckFailed as failure:
+        print(f"  → the check fails, as it should: {str(failure)[:100]}")
+    else:
+        raise AssertionError(f"{label}: the mistake went unnoticed")
+
+
+ref = cu.attention_reference(q1[None, None], k1[None, None], v1[None, None])[0, 0]
+show_failure("(1) dim=16 < block_N=32", blockwise_forward(q1, k1, v1, block_N=32, bugs={"scale dim columns"})[0], ref)
+
+# %% [markdown]
+# **(2) Resetting the running max every tile.** The copies do
+# `T.fill(scores_max, -inf)` before `T.reduce_max(..., clear=False)`, so `m` becomes the max of
+# *this* tile only, not `max(m_prev, this tile)`. In exact arithmetic the rescaling still cancels,
+# so a quick non-causal test passes; but the factor `exp2(m_prev − m)` now exceeds 1 whenever a
+# tile's max is below an earlier one, so the accumulators grow instead of shrink, and in fp32
+# large logits overflow. Worse, a row that meets a tile where all its keys are masked gets
+# `m = −∞` and the factor `exp2(m_prev + ∞) = ∞`, then `∞ · 0`: NaN. That happens on the
+# causal diagonal whenever `block_M > block_N`; our simulation, with every query in one block,
+# shows it at once. (The copies also lack the check_inf step, so both switches are on.)
+
+# %%
+copies = {"reset max", "no check_inf"}
+out, alphas = blockwise_forward(q1, k1, v1, bugs=copies)
+cu.check_close(out, ref, "(2) non-causal, reset max: still right here")
+cu.check_true(alphas.max() > 1, f"but rescale factors reach {alphas.max():.1f}, where the kernel's are ≤ 1")
+ref_causal = cu.attention_reference(q1[None, None], k1[None, None], v1[None, None], causal=True)[0, 0]
+show_failure("(2) causal, reset max", blockwise_forward(q1, k1, v1, causal=True, bugs=copies)[0], ref_causal)
+
+# %% [markdown]
+# **(3) A sinks buffer of the wrong size.** The attention-sinks example allocates
+# `sinks = T.alloc_fragment([heads], ...)` and fills it with a `T.Parallel(block_M)` loop: the
+# buffer needs `block_M` entries (one per row of the block) or it is written out of bounds.
+# Our kernel reads the one sink logit of its head directly from the `Sinks` tensor:
+
+# %%
+show_source(flash_fwd_kernel, "l[i] += T.exp2(Sinks[by]")
+
+# %% [markdown]
+# **(4) Sliding windows without check_inf.** With a window, the first key tile of a query block
+# can lie entirely outside the window of its *later* rows. After that tile, such a row still has
+# `m = −∞`, and `exp2(m_prev − m) = exp2(−∞ + ∞)` is NaN. Plain causal masking hides the bug:
+# key 0 is visible to every query, so no row ever starts empty.
+
+# %%
+ref_window = cu.attention_reference(q1[None, None], k1[None, None], v1[None, None], window_size=8)[0, 0]
+show_failure("(4) window 8, no check_inf", blockwise_forward(q1, k1, v1, window_size=8,
+                                                             bugs={"no check_inf"})[0], ref_window)
+cu.check_close(blockwise_forward(q1, k1, v1, window_size=8)[0], ref_window, "(4) window 8, with check_inf")
+
+# %% [markdown]
+# **(5) Not halving causal FLOPs.** A widely shared headline of "630 TFLOPS" for a causal
+# forward counts `2·B·H·S²·(D_qk + D_v)` FLOPs, the *non-causal* work. A causal forward does only
+# the visible half; in the convention used by the FlashAttention papers and this course the same
+# run is half the rate. Applied to our own record:
+
+# %%
+r = next(r for r in rows if r["impl"] == "TileLang (ours)" and r["causal"] and r["seq"] == 16384)
+b, h, s, d = r["batch"], r["heads"], r["seq"], r["dim"]
+unhalved = 2 * b * h * s * s * (d + d)
+halved = cu.attention_flops(b, h, s, s, d, causal=True)
+print(f"FLOPs counted: {unhalved:.3e} (unhalved) vs {halved:.3e} (causal convention), ratio {unhalved / halved:.0f}")
+print(f"ours, causal S=16k: {cu.tflops(halved, r['ms']):.0f} TFLOP/s, or '{cu.tflops(unhalved, r['ms']):.0f}' "
+      f"if unhalved, more than the non-causal run's {tf['TileLang (ours)', False, 16384]:.0f}")
+print(f"the '630 TFLOPS' headline in the course's convention: {630 * halved / unhalved:.0f}")
+
+# %% [markdown]
+# ## 8 · Exercises
+#
+# **Exercise 1.** Write `kv_blocks_visited(q_block, block_M, block_N, seq, causal)`: the key
+# blocks that query block `q_block` visits in self-attention of length `seq`, as a pair
+# `(first, stop)` like `range(first, stop)`. It must agree with the pictures of section 2,
+# including when `seq` is not a multiple of the blocks and when `block_M ≠ block_N`.
+
+# %% tags=["solution"]
+def kv_blocks_visited(q_block, block_M, block_N, seq, causal):
+    ### BEGIN SOLUTION
+    num_k_blocks = -(-seq // block_N)
+    if not causal:
+        return 0, num_k_blocks
+    return 0, min(num_k_blocks, -(-((q_block + 1) * block_M) // block_N))
+    ### END SOLUTION
+
+
+# %%
+from course_utils.exercises import ch03
+
+ch03.check_kv_blocks_visited(kv_blocks_visited)
+
+# %% [markdown]
+# **Exercise 2.** The FLOP convention counts the visible pairs. The kernel, though, computes
+# whole tiles, masked parts included. Write `kernel_flops(batch, heads, seq, dim, block_M,
+# block_N, causal)`: the FLOPs of the two matrix products the kernel actually executes
+# (use your `kv_blocks_visited`).
+
+# %% tags=["solution"]
+def kernel_flops(batch, heads, seq, dim, block_M, block_N, causal):
+    ### BEGIN SOLUTION
+    tiles = 0
+    for q_block in range(-(-seq // block_M)):
+        first, stop = kv_blocks_visited(q_block, block_M, block_N, seq, causal)
+        tiles += stop - first
+    return 4.0 * batch * heads * tiles * block_M * block_N * dim
+    ### END SOLUTION
+
+
+# %%
+ch03.check_kernel_flops(kernel_flops)
+
+# %% [markdown]
+# What it says about the record: for the measured causal shapes, the share of executed FLOPs
+# that the convention counts (the rest is the masked half of the diagonal tiles).
+
+# %%
+for r in (r for r in rows if r["impl"] == "TileLang (ours)" and r["causal"]):
+    executed = kernel_flops(r["batch"], r["heads"], r["seq"], r["dim"], 128, 128, True)
+    useful = cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"], causal=True)
+    print(f"S={r['seq']:>5}: counted / executed = {useful / executed:.3f}")
+
+# %% [markdown]
+# ## Takeaway
+# - One thread block owns a block of query rows of one (batch, head); Q stays in shared
+#   memory, K/V tiles stream through it, and scores, probabilities and the output live in
+#   registers. Nothing S × S is ever written to HBM.
+# - The online softmax of chapter 02 is five lines per tile: `reduce_max` with `clear=False`,
+#   the check_inf shift, `exp2` with `log2 e` folded into the scale, the rescale by `alpha`, and
+#   `reduce_sum`; one division at the end, and the LSE written for the backward.
+# - Causal masking is a loop bound (the skipped triangle) plus a mask on the diagonal tiles.
+# - From the same source TileLang emits cp.async + mma for the A100 and TMA + wgmma with a
+#   producer warpgroup for the H100; on the H100 that beat SDPA's FlashAttention-2 in our record,
+#   with cuDNN still ahead.
