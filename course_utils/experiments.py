@@ -106,75 +106,118 @@ def naive_vs_sdpa(seq_lens=(256, 512, 1024, 2048, 4096, 8192), batch=4, heads=16
     return rows
 
 
-def forward_config_sweep(shape=None, dtype_name="float16", causal_options=(False, True),
-                         block_Ms=(64, 128), block_Ns=(64, 128), stages=(1, 2, 3), threads=(128, 256),
-                         overlap=(False,), configs=None):
-    """TFLOP/s of every tiling in the grid, or of ``configs`` (compiled in parallel, timed one by one)."""
+def _sweep(configs, causal_options, compile_one, time_one):
+    """Compile every (config, causal) job in parallel, then validate and time them one by one."""
     from tqdm.auto import tqdm
 
-    shape = shape or comparison_shapes(seq_lens=(4096,))[0]
-    dims = (shape["batch"], shape["heads"], shape["heads"], shape["seq"], shape["seq"], shape["dim"])
-    configs = configs or [ForwardConfig(*c) for c in itertools.product(block_Ms, block_Ns, stages, threads, overlap)]
     jobs = list(itertools.product(configs, causal_options))
 
     def build(job):
-        config, causal = job
         try:
-            _compiled_forward(*dims, dtype_name, causal, None, False, 1 / math.sqrt(shape["dim"]), config, "cuda")
+            compile_one(*job)
             return None
         except Exception as exc:  # a tiling can exceed shared memory or registers
-            return f"{type(exc).__name__}: {str(exc).splitlines()[-1][:120]}"
+            return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:120]}"
 
     with ThreadPoolExecutor(8) as pool:
         errors = list(tqdm(pool.map(build, jobs), total=len(jobs), desc="compiling"))
-    dtype = getattr(torch, dtype_name)
-    q, k, v = _inputs(shape, dtype)
     rows = []
     for (config, causal), error in tqdm(list(zip(jobs, errors)), desc="timing"):
-        row = dict(config._asdict(), causal=causal, dtype=dtype_name, **shape)
+        row = dict(config._asdict(), causal=causal)
         if error is None:
-            fn = lambda: flash_attention(q, k, v, causal=causal, config=config)  # noqa: E731
             try:
-                row["max_abs_err"] = _validate_slice(fn(), q, k, v, causal)
-                ms = time_cuda(fn, rep=20)
-                row.update(ms=ms, tflops=tflops(attention_flops(*dims[:2], *dims[3:], causal=causal), ms))
+                row.update(time_one(config, causal))
             except Exception as exc:
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]}"
         row["error"] = error
         rows.append(row)
     return rows
 
 
-def swizzle_ablation(shape=None, dtype_name="float16"):
-    """Forward TFLOP/s with swizzled vs plain row-major shared-memory tiles.
+def forward_config_sweep(shape=None, dtype_name="float16", causal_options=(False, True),
+                         block_Ms=(64, 128), block_Ns=(64, 128), stages=(1, 2, 3), threads=(128, 256),
+                         overlap=(False,), configs=None):
+    """TFLOP/s of every forward tiling in the grid, or of ``configs``."""
+    shape = shape or comparison_shapes(seq_lens=(4096,))[0]
+    b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
+    configs = configs or [ForwardConfig(*c) for c in itertools.product(block_Ms, block_Ns, stages, threads, overlap)]
+    q, k, v = _inputs(shape, getattr(torch, dtype_name))
 
-    Hopper's wgmma reads operands only in swizzled layouts, so the comparison uses the Ampere code
-    path (sm_80: cp.async, ldmatrix, mma.sync), where TileLang accepts both; the native sm_90a
-    kernel is timed alongside for scale. One pipeline stage throughout (see the sm_80 causal bug
-    in the notes).
-    """
-    from .flash_fwd import flash_fwd_kernel
-    from .tiles import compile_kernel
+    def compile_one(config, causal):
+        _compiled_forward(b, h, h, s, s, d, dtype_name, causal, None, False, 1 / math.sqrt(d), config, "cuda")
+
+    def time_one(config, causal):
+        fn = lambda: flash_attention(q, k, v, causal=causal, config=config)  # noqa: E731
+        err = _validate_slice(fn(), q, k, v, causal)
+        ms = time_cuda(fn, rep=20)
+        return dict(max_abs_err=err, ms=ms, tflops=tflops(attention_flops(b, h, s, s, d, causal=causal), ms),
+                    dtype=dtype_name, **shape)
+
+    return _sweep(configs, causal_options, compile_one, time_one)
+
+
+def _backward_timer(attn, q, k, v, seed=1):
+    """A function timing only the backward of ``attn(q, k, v)`` (the forward graph is kept)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attn(q, k, v)
+    d_out = torch.randn(out.shape, device=out.device, dtype=out.dtype,
+                        generator=torch.Generator(device=out.device).manual_seed(seed))
+    return (lambda: torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)), (q, k, v, d_out)
+
+
+def _validate_grads_slice(grads, q, k, v, d_out, causal):
+    """Check dQ, dK, dV of batch 0 / head 0 against autograd through the float64 reference."""
+    q0, k0, v0 = (t[:1, :1].detach().double().requires_grad_() for t in (q, k, v))
+    ref = attention_reference(q0, k0, v0, causal=causal, compute_dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, (q0, k0, v0), d_out[:1, :1].double())
+    return max(check_close(g[:1, :1], r.to(g.dtype), f"{n} S={q.shape[2]} causal={causal}",
+                           dtype=g.dtype, atol=2e-2, rtol=2e-2, quiet=True)
+               for n, g, r in zip(("dQ", "dK", "dV"), grads, ref_grads))
+
+
+def backward_config_sweep(shape=None, dtype_name="float16", causal_options=(False, True),
+                          block_Ms=(32, 64, 128), block_Ns=(64, 128), stages=(1, 2), threads=(128, 256)):
+    """TFLOP/s of the backward for every tiling in the grid (forward at its default tiling)."""
+    from .attention import BackwardConfig, _compiled_backward
 
     shape = shape or comparison_shapes(seq_lens=(4096,))[0]
     b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
-    dtype = getattr(torch, dtype_name)
-    q, k, v = _inputs(shape, dtype)
-    no_sinks = torch.full((h,), float("-inf"), device="cuda")
+    configs = [BackwardConfig(*c) for c in itertools.product(block_Ms, block_Ns, stages, threads)]
+    q, k, v = _inputs(shape, getattr(torch, dtype_name))
+
+    def compile_one(config, causal):
+        _compiled_backward(b, h, h, s, s, d, dtype_name, causal, None, 1 / math.sqrt(d), config, "cuda")
+
+    def time_one(config, causal):
+        fn, (qg, kg, vg, d_out) = _backward_timer(
+            lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=causal, backward_config=config), q, k, v)
+        err = _validate_grads_slice(fn(), qg, kg, vg, d_out, causal)
+        ms = time_cuda(fn, rep=20)
+        return dict(max_abs_err=err, ms=ms, dtype=dtype_name, **shape,
+                    tflops=tflops(attention_flops(b, h, s, s, d, causal=causal, mode="bwd"), ms))
+
+    return _sweep(configs, causal_options, compile_one, time_one)
+
+
+def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, True), config=None):
+    """Backward TFLOP/s of ours vs SDPA's FlashAttention-2 and cuDNN backends, side by side."""
     rows = []
-    for arch, linear, causal in itertools.product(("sm_80", None), (False, True), (False, True)):
-        if arch is None and linear:
-            continue  # wgmma rejects row-major operand tiles
-        func = flash_fwd_kernel(b, h, s, s, d, causal=causal, dtype=dtype_name, num_stages=1,
-                                target="cuda", linear_smem=linear)
-        kernel = compile_kernel(func, out_idx=[4, 5], target="cuda", dtype=dtype_name, arch=arch)
-        fn = lambda: kernel(q, k, v, no_sinks)  # noqa: E731
-        err = _validate_slice(fn()[0], q, k, v, causal)
-        ms = time_cuda(fn)
-        rows.append(dict(arch=arch or "sm_90a (native)", smem="row-major" if linear else "swizzled",
-                         causal=causal, ms=ms, tflops=tflops(attention_flops(b, h, s, s, d, causal=causal), ms),
-                         max_abs_err=err, dtype=dtype_name, **shape))
-        print(rows[-1]["arch"], rows[-1]["smem"], causal, f"{rows[-1]['tflops']:.0f} TFLOP/s")
+    for shape, dtype_name, causal in itertools.product(shapes or comparison_shapes(), dtypes, causal_options):
+        q, k, v = _inputs(shape, getattr(torch, dtype_name))
+        flops = attention_flops(shape["batch"], shape["heads"], shape["seq"], shape["seq"], shape["dim"],
+                                causal=causal, mode="bwd")
+        ours, (qg, kg, vg, d_out) = _backward_timer(
+            lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=causal, backward_config=config), q, k, v)
+        err = _validate_grads_slice(ours(), qg, kg, vg, d_out, causal)
+        impls = {"TileLang (ours)": ours}
+        for name, backend in SDPA_PEERS.items():
+            impls[name] = _backward_timer(lambda q_, k_, v_, b_=backend: _sdpa(q_, k_, v_, causal, b_), q, k, v)[0]
+        for impl, fn in impls.items():
+            ms = time_cuda(fn)
+            rows.append(dict(impl=impl, dtype=dtype_name, causal=causal, ms=ms, tflops=tflops(flops, ms),
+                             max_abs_err=err if impl == "TileLang (ours)" else None, **shape))
+        print(f"bwd {dtype_name} D={shape['dim']} causal={causal!s:5} S={shape['seq']:>5}: " + ", ".join(
+            f"{r['impl'].split()[0]} {r['tflops']:.0f}" for r in rows[-len(impls):]))
     return rows
 
 
@@ -184,7 +227,9 @@ RECORDS = {
     "ch01_naive_vs_sdpa_h100": naive_vs_sdpa,
     "ch03_forward_vs_peers_h100": forward_vs_peers,
     "ch04_forward_sweep_h100": forward_config_sweep,
-    "ch04_swizzle_h100": swizzle_ablation,
+    "ch05_backward_sweep_h100": backward_config_sweep,
+    "ch05_backward_vs_peers_h100": lambda: backward_vs_peers(
+        shapes=comparison_shapes(dim=64) + comparison_shapes(dim=128)),
     "ch04_forward_final_h100": lambda: forward_vs_peers(
         shapes=comparison_shapes(dim=64) + comparison_shapes(dim=128), dtypes=("float16", "bfloat16"),
         include_naive_up_to=0),

@@ -50,10 +50,10 @@ def flash_fwd_kernel(
     if overlap_softmax and tb.on_gpu:
         # The loop body's statements: 0 copy K | 1 mask | 2 QKᵀ gemm | 3-9 softmax and the cast to P
         # | 10 rescale acc_o | 11 copy V | 12 PV gemm. Stage-1 statements run one block behind, so
-        # iteration k issues copy K(k), QKᵀ(k), copy V(k), then rescale and PV(k-1), then softmax(k):
+        # iteration k issues copy K(k), QKᵀ(k), then copy V, rescale and PV for block k-1, then softmax(k):
         # the tensor cores work on QKᵀ(k) while the softmax of block k-1 has already finished.
         pipeline = dict(order=[0, 1, 2, 6, 7, 8, 9, 10, 11, 12, 4, 3, 5],
-                        stage=[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1])
+                        stage=[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1])
 
     def visible(q_pos, k_pos):
         """Whether key position k_pos is visible from query position q_pos (both absolute)."""

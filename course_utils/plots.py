@@ -184,3 +184,93 @@ def text_table(rows, *, index, columns, value, fmt="{:.0f}", missing="–", widt
         label = _short(k) if isinstance(k, int) else str(k)
         lines.append(f"{label:>8}" + "".join(f"{cells.get((k, c), missing):>{width}}" for c in col_keys))
     return "\n".join(lines)
+
+
+# --- chapter 04: pipelines, shared-memory banks, register fragments -------------------------------
+
+_STEP_COLORS = {"QK": "#d62728", "sm": "#ff7f0e", "PV": "#9467bd", "K": "#1f77b4", "V": "#2ca02c"}
+
+
+def pipeline_timeline(ax, events, *, title=None, lanes=("load K", "load V", "compute"), xmax=None):
+    """Draw (lane, start, duration, label) events as bars, one row per lane (broken_barh)."""
+    for row, lane in enumerate(lanes):
+        spans = [(s, d, lab) for ln, s, d, lab in events if ln == lane]
+        colors = [_STEP_COLORS.get(lab.rstrip("0123456789"), COLORS[7]) for _, _, lab in spans]
+        ax.broken_barh([(s, d) for s, d, _ in spans], (row - 0.35, 0.7), facecolors=colors,
+                       edgecolor="white", linewidth=0.8)
+        for s, d, lab in spans:
+            if d >= 0.8:
+                ax.text(s + d / 2, row, lab, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(lanes)), labels=list(lanes))
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    if xmax is not None:
+        ax.set_xlim(0, xmax)
+    ax.grid(axis="y", visible=False)
+    ax.set(title=title)
+
+
+_BANK_CMAP = "tab10"
+
+
+def bank_map(ax, groups, *, title=None, outline=(), colorbar=False):
+    """Rows x 16-byte chunks of a shared tile, each coloured by its group of 4 banks (0..7).
+
+    ``outline`` lists (row, chunk) cells to frame, e.g. the 8 rows one ldmatrix phase reads.
+    """
+    import matplotlib.patches as mpatches
+    from matplotlib.colors import ListedColormap
+
+    cmap = ListedColormap(plt.get_cmap(_BANK_CMAP).colors[:8])
+    data = np.asarray(groups)
+    ax.imshow(data, cmap=cmap, vmin=-0.5, vmax=7.5, aspect="auto", interpolation="nearest")
+    for (i, j), g in np.ndenumerate(data):
+        ax.text(j, i, str(g), ha="center", va="center", fontsize=7, color="white")
+    for i, j in outline:
+        ax.add_patch(mpatches.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2))
+    ax.grid(False)
+    ax.set(title=title, xlabel="16-byte chunk of the row", ylabel="row")
+
+
+def bank_hits_chart(ax, hits, *, title=None):
+    """Which thread reads which bank: one column per bank, one box per distinct 4-byte word.
+
+    ``hits`` is ``course_utils.layouts.bank_hits(...)``. A column k boxes tall needs k wavefronts.
+    """
+    import matplotlib.patches as mpatches
+    from matplotlib.colors import ListedColormap
+
+    cmap = ListedColormap(plt.get_cmap(_BANK_CMAP).colors[:8])
+    height = 1
+    for bank, words in hits.items():
+        for level, (_, threads) in enumerate(words):
+            ax.add_patch(mpatches.Rectangle((bank, level), 1, 1, facecolor=cmap(bank // 4), edgecolor="white"))
+            ax.text(bank + 0.5, level + 0.5, ",".join(f"t{t}" for t in threads), ha="center", va="center",
+                    fontsize=6, color="white", rotation=90 if len(threads) > 1 else 0)
+        height = max(height, len(words))
+    ax.set(xlim=(0, 32), ylim=(0, max(height, 2)), title=title, xlabel="bank",
+           ylabel="wavefront (distinct words per bank)")
+    ax.set_xticks(range(0, 33, 4))
+    ax.grid(False)
+
+
+def fragment_map(ax, threads, registers=None, *, title=None, rows=None, cols=None, color_by="warp"):
+    """Who holds each element of a register tile: colour by warp (or lane); text 'lane/register' when zoomed."""
+    from matplotlib.colors import ListedColormap
+
+    threads = np.asarray(threads)
+    rows = rows or (0, threads.shape[0])
+    cols = cols or (0, threads.shape[1])
+    t = threads[rows[0]:rows[1], cols[0]:cols[1]]
+    key = t // 32 if color_by == "warp" else t % 32
+    n = int(key.max()) + 1
+    base = plt.get_cmap("tab10" if n <= 10 else "tab20").colors
+    cmap = ListedColormap([base[i % len(base)] for i in range(n)])
+    ax.imshow(key, cmap=cmap, vmin=-0.5, vmax=n - 0.5, aspect="auto", interpolation="nearest",
+              extent=(cols[0] - 0.5, cols[1] - 0.5, rows[1] - 0.5, rows[0] - 0.5))
+    if registers is not None:
+        regs = np.asarray(registers)[rows[0]:rows[1], cols[0]:cols[1]]
+        for (i, j), thread in np.ndenumerate(t):
+            ax.text(cols[0] + j, rows[0] + i, f"{thread % 32}\n{regs[i, j]}", ha="center", va="center",
+                    fontsize=5.5, color="white", linespacing=0.9)
+    ax.grid(False)
+    ax.set(title=title, xlabel="column j", ylabel="row i")

@@ -237,8 +237,8 @@ moved = (alphas[1:] < 1).sum().item()
 print(f"after block 0, the max moved in {moved} of {alphas[1:].numel()} (row, block) updates")
 
 # %% [markdown]
-# The maximum climbs in a few steps and then moves less and less often: when the scores come in
-# random order, key $j$ is larger than all before it with probability $1/j$. Each step up is one
+# The maximum climbs in steps that grow rarer as more keys have been seen: when the scores come
+# in random order, key $j$ is larger than all the keys before it with probability $1/j$. Each step up is one
 # $\alpha < 1$ for that row at that block; everywhere else $\alpha = 1$ and the rescale changes
 # nothing. It still costs a multiply per element of $o$, so some recent kernels skip it when the
 # maximum did not move (or moved very little); ours always rescales.

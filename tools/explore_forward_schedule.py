@@ -8,8 +8,8 @@ import os
 from course_utils.attention import ForwardConfig
 from course_utils.experiments import forward_config_sweep
 
-configs = [ForwardConfig(128, 128, s, 256, o) for s in (1, 2) for o in (False, True)]
-configs += [ForwardConfig(128, 64, 2, 256, True), ForwardConfig(128, 128, 3, 256, True)]
+configs = [ForwardConfig(128, 128, s, 256, True) for s in (1, 2, 3)]
+configs += [ForwardConfig(128, 64, 2, 256, True), ForwardConfig(128, 128, 2, 256, False)]
 rows = forward_config_sweep(configs=configs)
 for r in rows:
     print(r["block_M"], r["block_N"], r["num_stages"], r["threads"], r["overlap_softmax"], r["causal"],

@@ -32,9 +32,12 @@ def check_max_seq_len(fn):
             "Divide the capacity by the bytes of one score per (batch, head) and take the integer "
             "square root, rounding down (math.isqrt avoids float rounding at exact squares).")
     try:
-        got = fn(*_SEQ_CASES[2])
-        if got is not None and int(got) == 1001:
-            hint = "You round up: S = 1001 needs more bytes than the capacity. Round down. " + hint
+        got = float(fn(*_SEQ_CASES[2]))  # exactly S = 1000 fits here
+        if got != int(got):
+            hint = "S is a number of positions: return a whole number, rounded down. " + hint
+        elif got == 1001:
+            hint = ("You round up: on case 2 you return 1001, but exactly S = 1000 fits. "
+                    "Round down. " + hint)
     except Exception:  # check_exercise reports the exception itself
         pass
     check_exercise("max_seq_len", fn, _max_seq_len, _SEQ_CASES, atol=0, rtol=0, hint=hint)
