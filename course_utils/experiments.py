@@ -136,11 +136,11 @@ def _sweep(configs, causal_options, compile_one, time_one):
 
 def forward_config_sweep(shape=None, dtype_name="float16", causal_options=(False, True),
                          block_Ms=(64, 128), block_Ns=(64, 128), stages=(1, 2, 3), threads=(128, 256),
-                         overlap=(False,), configs=None):
+                         configs=None):
     """TFLOP/s of every forward tiling in the grid, or of ``configs``."""
     shape = shape or comparison_shapes(seq_lens=(4096,))[0]
     b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
-    configs = configs or [ForwardConfig(*c) for c in itertools.product(block_Ms, block_Ns, stages, threads, overlap)]
+    configs = configs or [ForwardConfig(*c) for c in itertools.product(block_Ms, block_Ns, stages, threads)]
     q, k, v = _inputs(shape, getattr(torch, dtype_name))
 
     def compile_one(config, causal):

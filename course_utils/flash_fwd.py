@@ -23,16 +23,14 @@ def flash_fwd_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
     dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, target=None,
-    linear_smem=False, overlap_softmax=False,
+    linear_smem=False,
 ):
     """Return a ``@T.prim_func`` computing O and LSE for Q [B, H, S_q, D], K/V [B, H_kv, S_k, D].
 
     Parameters after ``*`` select the variant (GQA, causal, sliding window, sinks) and the tiling.
     ``Sinks`` is always a parameter (float32 [H]); it is read only when ``has_sinks``.
     ``linear_smem`` forces plain row-major shared-memory tiles instead of TileLang's swizzled
-    default (GPU only; chapter 04 measures what swizzling is worth). ``overlap_softmax`` asks
-    TileLang's software pipeliner to run the QKᵀ gemm of block k+1 while the softmax of block k
-    is computed (the FlashAttention-3 schedule; GPU only).
+    default (GPU only; chapter 04 measures what swizzling is worth).
     """
     tb = TileBackend(target)
     heads_kv = heads if heads_kv is None else heads_kv
@@ -46,14 +44,6 @@ def flash_fwd_kernel(
     num_q_blocks = (seq_q + block_M - 1) // block_M
     num_k_blocks = (seq_k + block_N - 1) // block_N
 
-    pipeline = dict(num_stages=num_stages)
-    if overlap_softmax and tb.on_gpu:
-        # The loop body's statements: 0 copy K | 1 mask | 2 QKᵀ gemm | 3-9 softmax and the cast to P
-        # | 10 rescale acc_o | 11 copy V | 12 PV gemm. Stage-1 statements run one block behind, so
-        # iteration k issues copy K(k), QKᵀ(k), then copy V, rescale and PV for block k-1, then softmax(k):
-        # the tensor cores work on QKᵀ(k) while the softmax of block k-1 has already finished.
-        pipeline = dict(order=[0, 1, 2, 6, 7, 8, 9, 10, 11, 12, 4, 3, 5],
-                        stage=[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1])
 
     def visible(q_pos, k_pos):
         """Whether key position k_pos is visible from query position q_pos (both absolute)."""
@@ -105,7 +95,7 @@ def flash_fwd_kernel(
             if window_size is not None:
                 k_start = T.max(0, (qb * block_M + past - window_size + 1) // block_N)
 
-            for kb in T.Pipelined(k_start, k_end, **pipeline):
+            for kb in T.Pipelined(k_start, k_end, num_stages=num_stages):
                 T.copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s)
                 for i, j in tb.parallel(block_M, block_N):
                     S[i, j] = T.if_then_else(visible(qb * block_M + i, kb * block_N + j), 0, neg_inf)

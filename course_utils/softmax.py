@@ -6,7 +6,8 @@ When a new block of scores raises the maximum from ``m_old`` to ``m_new``, the o
 rescaled by ``exp(m_old − m_new)``; FlashAttention applies the same factor to its output
 accumulator. Everything here follows one convention for masked scores (``-inf``): while a row has
 seen only ``-inf``, its shift is 0 rather than ``-inf``, so ``exp(-inf − shift)`` is 0 and never
-``exp(-inf − (-inf)) = NaN``.
+``exp(-inf − (-inf)) = NaN``. A row with no finite score at all has l = 0 and, as in
+``torch.softmax``, NaN probabilities.
 
 PyTorch functions work on any leading dimensions, in the dtype they are given. The TileLang
 factories take a [M, N] float32 matrix and are written once for both targets through
@@ -77,7 +78,7 @@ def blockwise_softmax(x, block_N):
 def blockwise_attention(q, k, v, block_N, *, causal=False, sm_scale=None, return_lse=False):
     """softmax(Q Kᵀ · scale) V in one pass over blocks of ``block_N`` keys, as FlashAttention does.
 
-    q [..., S_q, D], k and v [..., S_k, D]. The output accumulator ``o`` is rescaled by the same
+    q [..., S_q, D], k [..., S_k, D], v [..., S_k, D_v] (same leading dimensions). The output accumulator ``o`` is rescaled by the same
     ``alpha`` as ``l`` and divided by ``l`` once at the end. With ``return_lse`` also returns the
     log-sum-exp m + log l of each row's scaled scores (natural log).
     """
@@ -86,7 +87,7 @@ def blockwise_attention(q, k, v, block_N, *, causal=False, sm_scale=None, return
     visible = visibility_mask(seq_q, seq_k, causal=causal, device=q.device)
     m = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     l = torch.zeros_like(m)
-    o = torch.zeros_like(q)
+    o = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     for start in range(0, seq_k, block_N):
         k_blk, v_blk = k[..., start:start + block_N, :], v[..., start:start + block_N, :]
         s = (q @ k_blk.transpose(-1, -2)) * scale

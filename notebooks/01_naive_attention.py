@@ -89,7 +89,7 @@ for causal in (False, True):
     tiny[causal] = (s, p)
 
 # %%
-fig, axes = plt.subplots(2, 2, figsize=(9, 6.5))
+fig, axes = plt.subplots(2, 2, figsize=(8, 5.8))
 for row, causal in enumerate((False, True)):
     s, p = tiny[causal]
     label = "causal" if causal else "no mask"
@@ -321,7 +321,7 @@ for impl, runs, model in (("naive", naive, naive_model), ("FlashAttention-2", fl
 speedup = [naive[s]["ms"] / flash[s]["ms"] for s in seqs_rec]
 computed = [dict(impl="S×S scores fp16 (computed)", seq=s, peak_GB=scores_bytes(BATCH, HEADS, s, FP16) / 1e9)
             for s in seqs_rec]
-fig, axes = plt.subplots(1, 3, figsize=(14, 3.9))
+fig, axes = plt.subplots(1, 3, figsize=(13, 3.7))
 plots.line_chart(axes[0], rows, x="seq", y="ms", logy=True, title="Forward time (fp16, no mask)",
                  xlabel="sequence length S", ylabel="ms (log scale)")
 plots.speedup_bars(axes[1], [str(s) for s in seqs_rec], speedup, title="FlashAttention-2 speedup over naive")

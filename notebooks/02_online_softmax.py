@@ -98,7 +98,8 @@ for dtype in (torch.float16, torch.float32):
 # %% [markdown]
 # ## 2. The online normaliser: running max and running sum
 #
-# Milakov & Gimelshein, *Online normalizer calculation for softmax* (2018), keep two numbers
+# Milakov & Gimelshein, [*Online normalizer calculation for softmax*](https://arxiv.org/abs/1805.02867)
+# (2018), keep two numbers
 # while they walk along the row. After the first $j$ elements,
 #
 # $$m_j = \max_{i \le j} x_i, \qquad \ell_j = \sum_{i \le j} e^{x_i - m_j} .$$
@@ -254,9 +255,10 @@ plt.show()
 # %% [markdown]
 # ## 5. Two details of real kernels: `exp2`, and the log-sum-exp
 #
-# **`exp2`.** A GPU's special-function units compute $2^x$ (PTX `ex2.approx`), not $e^x$; an
-# `exp` is a multiply by $\log_2 e$ followed by `ex2`. Attention already multiplies every score
-# by the softmax scale, so the two constants fold into one:
+# **`exp2`.** A GPU's special-function unit computes $2^x$ (the PTX instruction `ex2.approx`)
+# and has no instruction for $e^x$: CUDA's fast `__expf` multiplies by $\log_2 e$ and then calls
+# `ex2`. Attention already multiplies every score by the softmax scale, so the two constants fold
+# into one:
 #
 # $$e^{\,\text{scale}\cdot(s - m)} = 2^{\,s\cdot c \;-\; m\cdot c}, \qquad c = \text{scale}\cdot\log_2 e ,$$
 #
@@ -320,7 +322,9 @@ cu.check_close(row_softmax(X), torch.softmax(scale * X.double(), dim=-1), "TileL
 # `m`, `l` and `shift`. Pass 1 walks the column blocks with the running max and sum; pass 2 reads
 # `X` again and writes the probabilities (a softmax alone cannot avoid that second read, as in
 # section 3). `T.reduce_max(..., clear=False)` folds the block's maximum into the old `m`, so
-# `m` is never reset between blocks. At the end the kernel also writes the LSE.
+# `m` is never reset between blocks. (Some widely copied FlashAttention kernels do reset it at
+# every block and keep only the new block's maximum: then $\alpha$ can exceed 1, and a row whose
+# first blocks are masked turns into `NaN`.) At the end the kernel also writes the LSE.
 
 # %%
 show_source(softmax_online_kernel, "T.fill(m, neg_inf)", "LSE[bx")
@@ -344,7 +348,8 @@ for name, inp in (("random", X), ("masked", X_masked)):
 # then a `max` with the old `m`: `T.reduce_max(..., clear=False)`.
 
 # %%
-cuda = cuda_source(softmax_online_kernel(4096, 1024, block_N=128, target="cuda"), arch="sm_90a")
+gpu_kernel = softmax_online_kernel(4096, 1024, scale=scale, block_N=64, target="cuda")  # the GPU size above
+cuda = cuda_source(gpu_kernel, arch="sm_90a")
 grep(cuda, r"^\s*float (m|l|shift)\[", max_hits=3)
 grep(cuda, r"AllReduce<tl::MaxOp", max_hits=1)
 grep(cuda, r"\bm\[i_\d+\] = max\(", max_hits=1);

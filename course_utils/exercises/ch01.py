@@ -5,9 +5,22 @@ import math
 import torch
 
 from ..reference import attention_reference
-from .common import check_exercise
+from .common import ExerciseIncomplete, ExerciseWrong, check_exercise
 
 __all__ = ["check_max_seq_len", "check_causal_attention"]
+
+
+def _returns_something(name, fn, args):
+    """Raise a clear message when ``fn`` returns None (a forgotten ``return``)."""
+    try:
+        got = fn(*args)
+    except NotImplementedError:
+        raise ExerciseIncomplete(f"{name}: not written yet — replace the `raise NotImplementedError` "
+                                 "line with your code and run the cell again.") from None
+    except Exception:  # check_exercise reports the exception itself
+        return
+    if got is None:
+        raise ExerciseWrong(f"{name}: your function returned None. Did you forget the `return`?")
 
 
 # --- Exercise 1: the longest sequence whose score matrix fits -----------------------------------
@@ -28,14 +41,15 @@ _SEQ_CASES = [
 
 def check_max_seq_len(fn):
     """Check ``fn(batch, heads, bytes_per_el, capacity_bytes)`` against the exact integer answer."""
+    _returns_something("max_seq_len", fn, _SEQ_CASES[0])
     hint = ("The answer is the largest integer S with batch·heads·S²·bytes_per_el <= capacity_bytes. "
             "Divide the capacity by the bytes of one score per (batch, head) and take the integer "
             "square root, rounding down (math.isqrt avoids float rounding at exact squares).")
     try:
-        got = float(fn(*_SEQ_CASES[2]))  # exactly S = 1000 fits here
-        if got != int(got):
+        exact, short = float(fn(*_SEQ_CASES[2])), float(fn(*_SEQ_CASES[3]))  # S = 1000 fits; then 999
+        if exact != int(exact) or short != int(short):
             hint = "S is a number of positions: return a whole number, rounded down. " + hint
-        elif got == 1001:
+        elif exact == 1001:
             hint = ("You round up: on case 2 you return 1001, but exactly S = 1000 fits. "
                     "Round down. " + hint)
     except Exception:  # check_exercise reports the exception itself
@@ -80,6 +94,7 @@ def _common_mistakes(q, k, v):
 def check_causal_attention(fn):
     """Check ``fn(q, k, v)`` (float64, [B, H, S, D]) against the causal float64 reference."""
     cases = _attention_cases()
+    _returns_something("causal attention", fn, cases[0])
     hint = ("Compute scores = Q Kᵀ / sqrt(D), set the scores of keys j > i to -inf with masked_fill, "
             "take the softmax over the keys (last dim), then multiply by V.")
     try:

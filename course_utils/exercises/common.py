@@ -31,7 +31,13 @@ def check_exercise(name, learner_fn, reference_fn, cases, *, atol=1e-6, rtol=1e-
             raise ExerciseWrong(f"{name}: your function raised {type(exc).__name__}: {exc} "
                                 f"on case {index} ({_describe(args)})") from exc
         expected = reference_fn(*args)
-        got_t = torch.as_tensor(got)
+        if got is None:
+            raise ExerciseWrong(f"{name}: case {index} ({_describe(args)}) returned None — did you forget `return`?")
+        try:
+            got_t = torch.as_tensor(got)
+        except (TypeError, ValueError, RuntimeError):
+            raise ExerciseWrong(f"{name}: case {index} ({_describe(args)}) returned a {type(got).__name__}, "
+                                f"expected a tensor of shape {tuple(expected.shape)}") from None
         if got_t.shape != expected.shape:
             raise ExerciseWrong(f"{name}: case {index} ({_describe(args)}) returned shape {tuple(got_t.shape)}, "
                                 f"expected {tuple(expected.shape)}")
@@ -41,6 +47,6 @@ def check_exercise(name, learner_fn, reference_fn, cases, *, atol=1e-6, rtol=1e-
                                 + (hint or "Look for inf - inf or 0 / 0."))
         if not torch.allclose(got_t, expected, atol=atol, rtol=rtol, equal_nan=True):
             err = (got_t - expected).abs().nan_to_num(float("inf")).max().item()
-            raise ExerciseWrong(f"{name}: case {index} ({_describe(args)}) is off by up to {err:.3g}. "
-                                + (hint or ""))
+            raise ExerciseWrong(f"{name}: case {index} ({_describe(args)}) is off by up to {err:.3g}."
+                                + (f" {hint}" if hint else ""))
     print(f"✓ {name}: correct on all {len(cases)} test cases")
