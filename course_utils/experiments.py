@@ -221,6 +221,81 @@ def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, T
     return rows
 
 
+GPT_OSS_SHAPE = dict(batch=1, heads=64, heads_kv=8, seq=4096, dim=64, window=128)
+
+
+def _gpt_oss_inputs(shape, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b, h, hkv, s, d = (shape[x] for x in ("batch", "heads", "heads_kv", "seq", "dim"))
+    q = torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    sinks = torch.randn(h, device="cuda", generator=g)
+    return q, k, v, sinks
+
+
+def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
+    """gpt-oss attention (GQA 64/8, sinks, full causal and 128-token window layers), fwd and bwd.
+
+    Peers: the naive PyTorch reference with sinks (float32 math), and SDPA's FlashAttention-2
+    and cuDNN backends *without* sinks or windows, on K/V expanded to 64 heads — an upper bound
+    of what a sink-free kernel does on the causal layers.
+    """
+    rows = []
+    for dim, window in itertools.product(dims, (None, (shape or GPT_OSS_SHAPE)["window"])):
+        sh = dict(shape or GPT_OSS_SHAPE, dim=dim)
+        q, k, v, sinks = _gpt_oss_inputs(sh)
+        b, h, s = sh["batch"], sh["heads"], sh["seq"]
+        flops = attention_flops(b, h, s, s, dim, causal=True, window_size=window)
+        impls = {
+            "TileLang (ours)": lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=True, window_size=window,
+                                                                  sinks=sinks),
+            "naive PyTorch": lambda q_, k_, v_: attention_reference(q_, k_, v_, causal=True, window_size=window,
+                                                                    sinks=sinks, compute_dtype=torch.float32),
+        }
+        if window is None:
+            group = h // sh["heads_kv"]
+            for name, backend in SDPA_PEERS.items():
+                impls[name + ", no sinks"] = lambda q_, k_, v_, b_=backend: _sdpa(
+                    q_, k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1), True, b_)
+        ref = attention_reference(q[:, :8], k[:, :1], v[:, :1], causal=True, window_size=window, sinks=sinks[:8])
+        err = check_close(flash_attention(q, k, v, causal=True, window_size=window, sinks=sinks)[:, :8], ref,
+                          f"gpt-oss O D={dim} window={window}", quiet=True)
+        for impl, attn in impls.items():
+            fwd_ms = time_cuda(lambda: attn(q, k, v))
+            bwd_fn, _ = _backward_timer(attn, q, k, v)
+            bwd_ms = time_cuda(bwd_fn)
+            for mode, ms in (("fwd", fwd_ms), ("bwd", bwd_ms)):
+                rows.append(dict(impl=impl, mode=mode, window=window, ms=ms, max_abs_err=err if "ours" in impl else None,
+                                 tflops=tflops(flops * (2.5 if mode == "bwd" else 1.0), ms), **sh))
+            print(f"gpt-oss D={dim} window={window} {impl}: fwd {rows[-2]['tflops']:.0f}, bwd {rows[-1]['tflops']:.0f}")
+    return rows
+
+
+def gqa_backward_strategies(shape=None):
+    """dK/dV for GQA: atomic adds into the shared K/V head vs a per-query-head pass then a sum."""
+    sh = dict(shape or GPT_OSS_SHAPE)
+    q, k, v, sinks = _gpt_oss_inputs(sh)
+    group = sh["heads"] // sh["heads_kv"]
+    b, h, s, d = sh["batch"], sh["heads"], sh["seq"], sh["dim"]
+
+    def split_then_sum(q_, k_, v_):
+        k_rep, v_rep = k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1)
+        return flash_attention(q_, k_rep, v_rep, causal=True, sinks=sinks)  # autograd sums the repeats
+
+    atomic = lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=True, sinks=sinks)  # noqa: E731
+    rows, grads = [], {}
+    for name, attn in (("atomic adds", atomic), ("split then sum", split_then_sum)):
+        fn, _ = _backward_timer(attn, q, k, v)
+        grads[name] = fn()
+        ms = time_cuda(fn)
+        rows.append(dict(strategy=name, ms=ms, tflops=tflops(attention_flops(b, h, s, s, d, causal=True, mode="bwd"), ms),
+                         **sh))
+        print(f"GQA backward, {name}: {ms:.3f} ms")
+    for n, a, c in zip(("dQ", "dK", "dV"), grads["atomic adds"], grads["split then sum"]):
+        check_close(a, c, f"{n}: atomic vs split", atol=2e-2, rtol=2e-2)
+    return rows
+
+
 # The records the notebooks show, by name: ``measured(name, RECORDS[name])`` in a notebook, or
 # ``python -m course_utils.experiments NAME ...`` on a GPU machine to refresh them in one go.
 RECORDS = {
@@ -230,6 +305,8 @@ RECORDS = {
     "ch05_backward_sweep_h100": backward_config_sweep,
     "ch05_backward_vs_peers_h100": lambda: backward_vs_peers(
         shapes=comparison_shapes(dim=64) + comparison_shapes(dim=128)),
+    "ch06_gpt_oss_h100": gpt_oss_vs_peers,
+    "ch06_gqa_backward_h100": gqa_backward_strategies,
     "ch04_forward_final_h100": lambda: forward_vs_peers(
         shapes=comparison_shapes(dim=64) + comparison_shapes(dim=128), dtypes=("float16", "bfloat16"),
         include_naive_up_to=0),
