@@ -293,8 +293,9 @@ def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
             bwd_fn, _ = _backward_timer(attn, q, k, v)
             bwd_ms = time_cuda(bwd_fn)
             for mode, ms in (("fwd", fwd_ms), ("bwd", bwd_ms)):
-                rows.append(dict(impl=impl, mode=mode, window=window, ms=ms, max_abs_err=err if "ours" in impl else None,
-                                 tflops=tflops(flops * (2.5 if mode == "bwd" else 1.0), ms), **sh))
+                rows.append(dict(sh, impl=impl, mode=mode, window=window, ms=ms,
+                                 max_abs_err=err if "ours" in impl else None,
+                                 tflops=tflops(flops * (2.5 if mode == "bwd" else 1.0), ms)))
             print(f"gpt-oss D={dim} window={window} {impl}: fwd {rows[-2]['tflops']:.0f}, bwd {rows[-1]['tflops']:.0f}")
     return rows
 
