@@ -23,7 +23,7 @@ from .device import HAS_GPU, machine_info
 from .reference import visibility_mask
 
 __all__ = [
-    "FIGURES", "attention_flops", "time_cuda", "tflops", "save_record", "load_record",
+    "FIGURES", "attention_flops", "time_cuda", "time_side_by_side", "tflops", "save_record", "load_record",
     "measured", "refreshing",
 ]
 
@@ -46,13 +46,7 @@ def tflops(flops, ms):
     return flops / (ms * 1e-3) / 1e12
 
 
-def time_cuda(fn, *, warmup=5, rep=30):
-    """Median milliseconds of ``fn()`` on the GPU, each call timed with its own CUDA events."""
-    if not HAS_GPU:
-        raise RuntimeError("time_cuda needs a CUDA GPU; on the CPU the notebooks show stored records")
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+def _samples(fn, rep):
     times = []
     for _ in range(rep):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -61,7 +55,36 @@ def time_cuda(fn, *, warmup=5, rep=30):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
+
+
+def time_cuda(fn, *, warmup=5, rep=30):
+    """Median milliseconds of ``fn()`` on the GPU, each call timed with its own CUDA events."""
+    if not HAS_GPU:
+        raise RuntimeError("time_cuda needs a CUDA GPU; on the CPU the notebooks show stored records")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    return statistics.median(_samples(fn, rep))
+
+
+def time_side_by_side(fns, *, warmup=5, rounds=6, rep=8):
+    """Median milliseconds of each function in ``fns`` (a dict), timed in interleaved rounds.
+
+    Taking turns spreads clock and temperature drift over every implementation alike, so their
+    ratios are steadier than when each is timed in one block.
+    """
+    if not HAS_GPU:
+        raise RuntimeError("time_side_by_side needs a CUDA GPU")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name] += _samples(fn, rep)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def refreshing():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention import ForwardConfig, _compiled_forward, flash_attention
-from .bench import attention_flops, tflops, time_cuda
+from .bench import attention_flops, tflops, time_cuda, time_side_by_side
 from .checks import check_close
 from .reference import attention_reference
 
@@ -91,8 +91,7 @@ def forward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, Tr
             impls[name] = lambda backend=backend: _sdpa(q, k, v, causal, backend)
         if shape["seq"] <= include_naive_up_to:
             impls["naive PyTorch"] = lambda: naive_attention(q, k, v, causal)
-        for impl, fn in impls.items():
-            ms = time_cuda(fn)
+        for impl, ms in time_side_by_side(impls).items():
             rows.append(dict(impl=impl, dtype=dtype_name, causal=causal, ms=ms, tflops=tflops(flops, ms),
                              max_abs_err=err if impl == "TileLang (ours)" else None, **shape))
             if impl == "TileLang (ours)":
@@ -238,8 +237,7 @@ def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, T
         impls = {"TileLang (ours)": ours}
         for name, backend in SDPA_PEERS.items():
             impls[name] = _backward_timer(lambda q_, k_, v_, b_=backend: _sdpa(q_, k_, v_, causal, b_), q, k, v)[0]
-        for impl, fn in impls.items():
-            ms = time_cuda(fn)
+        for impl, ms in time_side_by_side(impls).items():
             rows.append(dict(impl=impl, dtype=dtype_name, causal=causal, ms=ms, tflops=tflops(flops, ms),
                              max_abs_err=err if impl == "TileLang (ours)" else None, **shape))
             if impl == "TileLang (ours)":
@@ -288,11 +286,10 @@ def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
         ref = attention_reference(q[:, :8], k[:, :1], v[:, :1], causal=True, window_size=window, sinks=sinks[:8])
         err = check_close(flash_attention(q, k, v, causal=True, window_size=window, sinks=sinks)[:, :8], ref,
                           f"gpt-oss O D={dim} window={window}", quiet=True)
-        for impl, attn in impls.items():
-            fwd_ms = time_cuda(lambda: attn(q, k, v))
-            bwd_fn, _ = _backward_timer(attn, q, k, v)
-            bwd_ms = time_cuda(bwd_fn)
-            for mode, ms in (("fwd", fwd_ms), ("bwd", bwd_ms)):
+        fwd_ms = time_side_by_side({impl: (lambda a=attn: a(q, k, v)) for impl, attn in impls.items()})
+        bwd_ms = time_side_by_side({impl: _backward_timer(attn, q, k, v)[0] for impl, attn in impls.items()})
+        for impl in impls:
+            for mode, ms in (("fwd", fwd_ms[impl]), ("bwd", bwd_ms[impl])):
                 rows.append(dict(sh, impl=impl, mode=mode, window=window, ms=ms,
                                  max_abs_err=err if "ours" in impl else None,
                                  tflops=tflops(flops * (2.5 if mode == "bwd" else 1.0), ms)))

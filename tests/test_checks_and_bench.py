@@ -1,0 +1,63 @@
+"""check_close must fail when it should; FLOP counts follow the stated convention."""
+
+import pytest
+import torch
+
+from course_utils import CheckFailed, attention_flops, check_close
+from course_utils.bench import load_record
+from course_utils.exercises import ExerciseIncomplete, ExerciseWrong, check_exercise
+
+
+def test_check_close_passes_and_reports(capsys):
+    x = torch.randn(10)
+    check_close(x + 1e-7, x, "tiny error")
+    assert "✓ tiny error" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("actual", [
+    lambda x: x + 1e-2,                               # too far for float32
+    lambda x: torch.where(x > 0, float("nan"), x),   # NaN never passes
+    lambda x: x[:-1],                                # wrong shape
+    lambda x: torch.where(x > 0, float("inf"), x),   # infinities must match
+])
+def test_check_close_fails_loudly(actual):
+    x = torch.randn(64)
+    with pytest.raises(CheckFailed, match="✗"):
+        check_close(actual(x), x, "wrong")
+
+
+def test_check_close_tolerance_depends_on_dtype():
+    x = torch.randn(64)
+    check_close((x + 2e-3).half(), x, "fp16 within fp16 tolerance")
+    with pytest.raises(CheckFailed):
+        check_close(x + 2e-3, x, "same error in float32")
+
+
+def test_flops_convention():
+    full = attention_flops(1, 16, 4096, 4096, 128)
+    assert full == 4 * 16 * 4096 ** 2 * 128
+    assert attention_flops(1, 16, 4096, 4096, 128, causal=True) == full / 2
+    assert attention_flops(1, 16, 4096, 4096, 128, mode="bwd") == 2.5 * full
+    # A window of W sees W keys per query, minus the triangle at the start.
+    w, s = 128, 1024
+    pairs = sum(min(i + 1, w) for i in range(s))
+    assert attention_flops(2, 4, s, s, 64, window_size=w) == 4 * 2 * 4 * pairs * 64
+    with pytest.raises(ValueError):
+        attention_flops(1, 1, 8, 8, 8, mode="sideways")
+
+
+def test_stored_records_name_their_machine():
+    for name in ("ch01_naive_vs_sdpa_h100", "ch03_forward_vs_peers_h100", "ch05_backward_vs_peers_h100"):
+        machine = load_record(name)["machine"]
+        assert "H100" in machine["gpu"] and machine["tilelang"] == "0.1.15" and machine["date"]
+
+
+def test_exercise_checker_messages():
+    ref = lambda x: x * 2  # noqa: E731
+    check_exercise("double", ref, ref, [(torch.ones(3),)])
+    with pytest.raises(ExerciseIncomplete, match="not written yet"):
+        check_exercise("double", lambda x: (_ for _ in ()).throw(NotImplementedError), ref, [(torch.ones(3),)])
+    with pytest.raises(ExerciseWrong, match="off by up to"):
+        check_exercise("double", lambda x: x * 3, ref, [(torch.ones(3),)])
+    with pytest.raises(ExerciseWrong, match="returned None"):
+        check_exercise("double", lambda x: None, ref, [(torch.ones(3),)])

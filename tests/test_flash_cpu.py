@@ -1,0 +1,120 @@
+"""The course's TileLang kernels on the CPU (C backend) against the float64 reference."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from course_utils import CheckFailed, attention_reference, check_close, flash_attention
+from course_utils.flash_bwd import flash_bwd_kernel
+from course_utils.tiles import compile_kernel
+
+
+def _qkv(b, h, s, d, hkv=None, s_k=None, requires_grad=False):
+    q = torch.randn(b, h, s, d, requires_grad=requires_grad)
+    k, v = (torch.randn(b, hkv or h, s_k or s, d, requires_grad=requires_grad) for _ in range(2))
+    return q, k, v
+
+
+# (batch, heads, heads_kv, seq, head_dim, causal, window, sinks); the CPU tile is 16×16.
+FORWARD_CASES = [
+    (1, 2, 2, 64, 32, False, None, False),   # whole blocks
+    (2, 2, 2, 40, 16, True, None, False),    # ragged: 40 is not a multiple of 16
+    (1, 1, 1, 7, 16, False, None, False),    # shorter than one block
+    (1, 1, 1, 7, 16, True, None, False),
+    (1, 4, 2, 33, 16, True, None, False),    # GQA
+    (1, 2, 1, 50, 16, True, 20, False),      # window not a multiple of the block
+    (1, 2, 2, 30, 16, True, 1, False),       # window of one key: each query sees itself
+    (2, 4, 2, 37, 16, True, 12, True),       # everything at once
+]
+
+
+@pytest.mark.parametrize("b, h, hkv, s, d, causal, window, sinks", FORWARD_CASES)
+def test_forward_matches_reference(b, h, hkv, s, d, causal, window, sinks):
+    q, k, v = _qkv(b, h, s, d, hkv)
+    sink_logits = torch.randn(h) if sinks else None
+    out, lse = flash_attention(q, k, v, causal=causal, window_size=window, sinks=sink_logits, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window, sinks=sink_logits,
+                                       return_lse=True)
+    check_close(out, ref, "O")
+    check_close(lse, ref_lse, "LSE")
+
+
+def test_forward_cross_attention_lengths():
+    q, k, v = _qkv(1, 2, 24, 16, s_k=56)
+    for causal in (False, True):
+        check_close(flash_attention(q, k, v, causal=causal), attention_reference(q, k, v, causal=causal), "O")
+
+
+def test_large_logits_stay_finite():
+    q, k, v = _qkv(1, 2, 48, 16)
+    out = flash_attention(q * 100, k, v, causal=True)
+    assert torch.isfinite(out).all()
+    check_close(out, attention_reference(q * 100, k, v, causal=True), "O with logits ×100", atol=1e-4)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(s=st.integers(1, 40), causal=st.booleans())
+def test_forward_any_length(s, causal):
+    q, k, v = _qkv(1, 1, s, 16)
+    check_close(flash_attention(q, k, v, causal=causal), attention_reference(q, k, v, causal=causal), f"S={s}",
+                quiet=True)
+
+
+BACKWARD_CASES = [
+    (1, 2, 2, 32, 16, False, None, False),
+    (1, 2, 2, 37, 16, True, None, False),    # ragged
+    (2, 4, 2, 29, 16, True, 12, True),       # GQA + window + sinks
+]
+
+
+@pytest.mark.parametrize("b, h, hkv, s, d, causal, window, sinks", BACKWARD_CASES)
+def test_backward_matches_autograd(b, h, hkv, s, d, causal, window, sinks):
+    q, k, v = _qkv(b, h, s, d, hkv, requires_grad=True)
+    sink_logits = torch.randn(h, requires_grad=True) if sinks else None
+    leaves = [q, k, v] + ([sink_logits] if sinks else [])
+    out = flash_attention(q, k, v, causal=causal, window_size=window, sinks=sink_logits)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    ref = attention_reference(q, k, v, causal=causal, window_size=window, sinks=sink_logits)
+    ref_grads = torch.autograd.grad(ref, leaves, d_out)
+    for name, g, r in zip(("dQ", "dK", "dV", "dsinks"), grads, ref_grads):
+        check_close(g, r, name)
+
+
+def test_gradients_accumulate_over_two_backwards():
+    q, k, v = _qkv(1, 2, 32, 16, requires_grad=True)
+    d_out = torch.randn(1, 2, 32, 16)
+    flash_attention(q, k, v).backward(d_out)
+    once = q.grad.clone()
+    flash_attention(q, k, v).backward(d_out)
+    check_close(q.grad, 2 * once, "dQ after two backwards")
+
+
+def test_a_wrong_backward_kernel_fails_the_check():
+    """A kernel built with the wrong softmax scale must not pass check_close."""
+    q, k, v = _qkv(1, 1, 32, 16)
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    d_out = torch.randn_like(out)
+    delta = (d_out * out).sum(-1)
+    wrong = compile_kernel(flash_bwd_kernel(1, 1, 32, 32, 16, sm_scale=0.5 / math.sqrt(16), dtype="float32",
+                                            block_M=16, block_N=16, num_stages=1, target="c"),
+                           out_idx=[], target="c")
+    dq_acc, dk, dv = torch.zeros(1, 1, 32, 16), torch.empty(1, 1, 32, 16), torch.empty(1, 1, 32, 16)
+    wrong(q, k, v, d_out, lse, delta, dq_acc, dk, dv)
+    q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_dk = torch.autograd.grad(attention_reference(q_, k_, v_), k_, d_out)[0]
+    with pytest.raises(CheckFailed):
+        check_close(dk, ref_dk, "dK from a kernel with the wrong scale")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: _qkv(1, 1, 8, 48), "head_dim must be one of"),
+    (lambda: tuple(t.double() for t in _qkv(1, 1, 8, 16)), "supports dtypes"),
+    (lambda: (torch.randn(1, 8, 16),) + _qkv(1, 1, 8, 16)[1:], "shape \\[batch, heads, seq, head_dim\\]"),
+])
+def test_flash_attention_rejects_bad_input(make, message):
+    with pytest.raises(ValueError, match=message):
+        flash_attention(*make())
