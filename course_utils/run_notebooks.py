@@ -3,6 +3,7 @@
     python -m course_utils.run_notebooks              # every notebook
     python -m course_utils.run_notebooks 03 05        # the ones whose names start with these
     python -m course_utils.run_notebooks --refresh    # on a GPU: re-measure stored records too
+    python -m course_utils.run_notebooks --jobs 4     # several notebooks at once
 
 This is how the committed outputs are produced (on the lent H100). The .ipynb files are made from
 their paired ``.py`` sources first when jupytext is installed.
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -49,20 +51,27 @@ def main(argv=None):
     parser.add_argument("prefixes", nargs="*", help="notebook name prefixes, e.g. 03")
     parser.add_argument("--refresh", action="store_true", help="re-measure GPU records (GPU only)")
     parser.add_argument("--no-sync", action="store_true", help="execute the .ipynb files as they are")
+    parser.add_argument("--jobs", type=int, default=1, help="notebooks executed at the same time")
     args = parser.parse_args(argv)
     if args.refresh:
         os.environ["COURSE_REFRESH_RECORDS"] = "1"
-    failures = []
-    for source in select(args.prefixes):
-        if not args.no_sync:
+    sources = select(args.prefixes)
+    if not args.no_sync:
+        for source in sources:
             sync(source)
+
+    def run(source):
         notebook = source.with_suffix(".ipynb")
         try:
             seconds = execute(notebook)
             print(f"ok    {notebook.name:45} {seconds:7.1f} s", flush=True)
+            return None
         except Exception as exc:  # report every notebook, then fail
-            failures.append(notebook.name)
             print(f"FAIL  {notebook.name:45} {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
+            return notebook.name
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        failures = [name for name in pool.map(run, sources) if name]
     if failures:
         sys.exit(f"{len(failures)} notebook(s) failed: {', '.join(failures)}")
 
