@@ -1,5 +1,6 @@
 """Shared code of the course "FlashAttention in TileLang": references, checks, kernels, plots."""
 
+import logging
 import warnings
 
 # Keep notebook outputs about the course, not about the tools: tqdm warns about a missing widget
@@ -9,6 +10,9 @@ warnings.filterwarnings("ignore", message="IProgress not found")
 import tilelang  # noqa: E402
 
 tilelang.set_log_level("WARNING")
+# attention.py keeps its own cache of compiled kernels, so TileLang's hint to use @tilelang.jit
+# instead (printed when two variants share a helper kernel) is noise here.
+logging.getLogger("tilelang.cache.kernel_cache").addFilter(lambda record: "in memory cache" not in record.getMessage())
 
 from .attention import SUPPORTED, ForwardConfig, flash_attention
 from .bench import attention_flops, measured, time_cuda, tflops

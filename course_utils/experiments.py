@@ -299,7 +299,7 @@ def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
 
 def gqa_backward_strategies(shape=None):
     """dK/dV for GQA: atomic adds into the shared K/V head vs a per-query-head pass then a sum."""
-    sh = dict(shape or GPT_OSS_SHAPE)
+    sh = dict(shape or GPT_OSS_SHAPE, window=None)  # the full-causal layers
     q, k, v, sinks = _gpt_oss_inputs(sh)
     group = sh["heads"] // sh["heads_kv"]
     b, h, s, d = sh["batch"], sh["heads"], sh["seq"], sh["dim"]

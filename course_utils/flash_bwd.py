@@ -139,7 +139,10 @@ def flash_bwd_kernel(
             if window_size is not None:
                 q_end = T.min(num_q_blocks, T.ceildiv((bx + 1) * block_N - past + window_size - 1, block_M))
 
-            for qb in T.Pipelined(q_start, q_end, num_stages=num_stages):
+            # Counting from 0 (rather than looping from q_start to q_end) keeps TVM's bound analysis
+            # consistent when the range is a single block (window_size=1 with square tiles).
+            for step in T.Pipelined(q_end - q_start, num_stages=num_stages):
+                qb = q_start + step
                 T.copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s)
                 T.copy(LSE[bz, by, qb * block_M:(qb + 1) * block_M], lse)
                 T.clear(PT)
