@@ -76,8 +76,9 @@ def grid_mapping(ax, batch, heads, seq, block_M, block_N=None, *, causal=False):
                 bx = n_q - 1 - qb if causal else qb
                 shade = cmap(0.15 + 0.7 * work[qb] / n_k)
                 ax.add_patch(mpatches.Rectangle((col, qb), 1, 1, facecolor=shade, edgecolor="white", lw=2))
-                ax.text(col + 0.5, qb + 0.5, f"({bx},{by},{bz})\n{work[qb]} tile{'s' if work[qb] != 1 else ''}", ha="center", va="center",
-                        fontsize=7, color="white" if work[qb] / n_k > 0.6 else "black")
+                tiles = f"{work[qb]} tile" + ("s" if work[qb] != 1 else "")
+                ax.text(col + 0.5, qb + 0.5, f"({bx},{by},{bz})\n{tiles}", ha="center", va="center", fontsize=7,
+                        color="white" if work[qb] / n_k > 0.6 else "black")
         if bz:
             ax.axvline(bz * heads, color="black", lw=1.5)
     ax.set_xlim(0, batch * heads)
@@ -123,3 +124,125 @@ def tile_visits(ax, seq_q, seq_k, block_M, block_N, *, causal=False, window_size
     ax.set_title(title or f"{kind}, S_q={seq_q}, S_k={seq_k}\n{visits} of {classes.size} tiles visited")
     return [mpatches.Patch(facecolor=TILE_COLORS[c], alpha=0.85 if c != SKIPPED else 1.0, edgecolor="black",
                            label=_LABELS[c], hatch="//" if c == SKIPPED else None) for c in (FULL, MASKED, SKIPPED)]
+
+
+# --- chapter 06: grouped-query attention -----------------------------------------------------------
+
+def gqa_heads(ax, heads, heads_kv, *, title=None):
+    """Draw which K/V head each query head reads under GQA: query head h uses K/V head h // group.
+
+    Top row: the query heads (one thread-block column ``by`` each in the forward grid); bottom row:
+    the K/V heads, each shared by ``group = heads // heads_kv`` query heads, one colour per group.
+    """
+    group = heads // heads_kv
+    colors = matplotlib.colormaps["tab10"].colors
+    span = max(heads, 1)
+    kv_x = [(g + 0.5) * span / heads_kv for g in range(heads_kv)]
+    for h in range(heads):
+        g = h // group
+        x = h + 0.5
+        ax.add_patch(mpatches.FancyBboxPatch((x - 0.4, 1.6), 0.8, 0.6, boxstyle="round,pad=0.02",
+                                             facecolor=colors[g % 10], edgecolor="black", lw=0.8, alpha=0.85))
+        ax.text(x, 1.9, f"q{h}", ha="center", va="center", fontsize=8, color="white")
+        ax.annotate("", xy=(kv_x[g], 0.62), xytext=(x, 1.58),
+                    arrowprops=dict(arrowstyle="->", lw=0.9, color=colors[g % 10]))
+    width = min(0.8 * group, span / heads_kv - 0.2)
+    for g, x in enumerate(kv_x):
+        ax.add_patch(mpatches.FancyBboxPatch((x - width / 2, 0.0), width, 0.6, boxstyle="round,pad=0.02",
+                                             facecolor=colors[g % 10], edgecolor="black", lw=0.8))
+        ax.text(x, 0.3, f"K{g}, V{g}", ha="center", va="center", fontsize=9, color="white")
+    ax.text(-0.3, 1.9, "query heads\n(by)", ha="right", va="center", fontsize=9)
+    ax.text(-0.3, 0.3, "K/V heads\n(by // group)", ha="right", va="center", fontsize=9)
+    ax.set(xlim=(-2.6, span + 0.2), ylim=(-0.2, 2.4))
+    ax.axis("off")
+    ax.set_title(title or f"GQA: {heads} query heads, {heads_kv} K/V heads, group = {group}")
+
+
+# --- chapter 05: the backward pass ------------------------------------------------------------------
+
+def backward_grid(ax, seq_q, seq_k, block_M, block_N, *, causal=False, title=None):
+    """The backward's key-block-major grid over the score matrix, and who writes which gradient.
+
+    Column ``kb`` of tiles belongs to thread block ``blockIdx.x = kb``: it keeps K and V of those keys
+    resident and walks down its column (numbers: the order of the walk), so dK and dV of its keys have
+    one writer. Skipped tiles (causal) are hatched. On the right, each query block's dQ rows receive
+    one atomic add per visited tile in their row: one small square per writing thread block.
+    """
+    classes = tile_classes(seq_q, seq_k, block_M, block_N, causal=causal)
+    n_q, n_k = classes.shape
+    colors = matplotlib.colormaps["tab10"].colors
+    for (qb, kb), c in np.ndenumerate(classes):
+        visited = c != SKIPPED
+        ax.add_patch(mpatches.Rectangle((kb, qb), 1, 1, lw=0.8, edgecolor="black",
+                                        facecolor=colors[kb % 10] if visited else TILE_COLORS[SKIPPED],
+                                        alpha=0.75 if visited else 1.0, hatch=None if visited else "//"))
+        if visited:
+            step = qb - int(np.argmax(classes[:, kb] != SKIPPED)) + 1
+            ax.text(kb + 0.5, qb + 0.5, str(step), ha="center", va="center", fontsize=9, color="white",
+                    fontweight="bold")
+    for kb in range(n_k):
+        ax.text(kb + 0.5, -0.15, f"block {kb}", ha="center", va="bottom", fontsize=8, color=colors[kb % 10])
+        ax.add_patch(mpatches.Rectangle((kb + 0.08, n_q + 0.25), 0.84, 0.6, facecolor=colors[kb % 10],
+                                        edgecolor="black", lw=0.8))
+        ax.text(kb + 0.5, n_q + 0.55, "dK, dV", ha="center", va="center", fontsize=7, color="white")
+    ax.text(-0.1, n_q + 0.55, "written once\n(registers)", ha="right", va="center", fontsize=8)
+    x0, width = n_k + 0.5, 0.9 + 0.22 * n_k
+    ax.text(x0 + width / 2, -0.15, "dQ_acc (float32)", ha="center", va="bottom", fontsize=8)
+    for qb in range(n_q):
+        writers = [kb for kb in range(n_k) if classes[qb, kb] != SKIPPED]
+        ax.add_patch(mpatches.Rectangle((x0, qb + 0.08), width, 0.84, facecolor="white", edgecolor="black", lw=0.8))
+        for n, kb in enumerate(writers):
+            ax.add_patch(mpatches.Rectangle((x0 + 0.08 + 0.22 * n, qb + 0.3), 0.18, 0.4, facecolor=colors[kb % 10],
+                                            edgecolor="none", alpha=0.85))
+        ax.text(x0 + width + 0.1, qb + 0.5, f"{len(writers)} atomic add{'s' if len(writers) != 1 else ''}",
+                ha="left", va="center", fontsize=8)
+    ax.set_xlim(-1.6, x0 + width + 1.9)
+    ax.set_ylim(n_q + 1.0, -0.6)
+    ax.set_yticks(np.arange(n_q) + 0.5, [f"qb {q}" for q in range(n_q)], fontsize=8)
+    ax.set_xticks([])
+    ax.tick_params(length=0)
+    ax.grid(False)
+    for side in ("left", "bottom", "top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_aspect("equal")
+    kind = "causal" if causal else "non-causal"
+    ax.set_title(title or f"{kind}: grid over key blocks, each walks down its column", fontsize=10)
+
+
+def dq_layout_map(ax_tile, ax_memory, offsets, lanes, registers):
+    """Where each element of an 8 × 8 dQ tile goes under a permuted accumulator layout.
+
+    ``offsets``, ``lanes`` and ``registers`` are 8 × 8 integer arrays: the element's offset in the
+    64-float chunk, and the thread (lane) and register that hold it in the tensor-core accumulator.
+    Left: the tile as it sits in a row-major dQ (each row of 8 floats is 32 contiguous bytes; rows
+    are a whole dQ row apart), cells coloured by register and labelled with lane and new offset.
+    Right: the 64 floats of the permuted chunk in address order, two rows of 32 (128 bytes each),
+    each labelled with its lane and the (l, d) it stores: one row is what the 32 lanes write with
+    one instruction for one register.
+    """
+    reg_colors = {0: "#aec7e8", 1: "#ffbb78"}
+    for (l, d), off in np.ndenumerate(offsets):
+        reg = int(registers[l, d]) % 2
+        ax_tile.add_patch(mpatches.Rectangle((d, l), 1, 1, facecolor=reg_colors[reg], edgecolor="white", lw=1.5))
+        ax_tile.text(d + 0.5, l + 0.5, f"t{lanes[l, d]}\n→{off}", ha="center", va="center", fontsize=7)
+    ax_tile.set(xlim=(0, 8), ylim=(8, 0), xlabel="column d", ylabel="row l")
+    ax_tile.set_xticks(np.arange(8) + 0.5, range(8))
+    ax_tile.set_yticks(np.arange(8) + 0.5, range(8))
+    ax_tile.set_aspect("equal")
+    ax_tile.grid(False)
+    ax_tile.tick_params(length=0)
+    ax_tile.set_title("row-major 8 × 8 tile: lane tN holds it, → new offset", fontsize=10)
+    for (l, d), off in np.ndenumerate(offsets):
+        row, col = divmod(int(off), 32)
+        reg = int(registers[l, d]) % 2
+        ax_memory.add_patch(mpatches.Rectangle((col, row), 1, 1, facecolor=reg_colors[reg], edgecolor="white",
+                                               lw=1))
+        ax_memory.text(col + 0.5, row + 0.5, f"t{lanes[l, d]}   ({l},{d})", ha="center", va="center", fontsize=7,
+                       rotation=90)
+    ax_memory.set(xlim=(0, 32), ylim=(2, 0), xlabel="offset in the row (floats; a row is 128 bytes)")
+    ax_memory.set_xticks(np.arange(0, 32, 4) + 0.5, range(0, 32, 4))
+    ax_memory.set_yticks([0.5, 1.5], ["offsets 0–31\nregister 0", "offsets 32–63\nregister 1"], fontsize=8)
+    ax_memory.set_aspect("auto")
+    ax_memory.grid(False)
+    ax_memory.tick_params(length=0)
+    ax_memory.set_title("the same 64 floats under make_dq_layout, in address order: lane (l, d)", fontsize=10)

@@ -26,7 +26,7 @@ import numpy as np
 __all__ = [
     "BANKS", "BANK_BYTES", "WAVEFRONT_BYTES", "bank_of", "wavefronts", "ideal_wavefronts", "bank_hits",
     "shared_tile", "layout_offsets", "fragment_tables", "bank_groups", "warp_access_patterns",
-    "conflict_table", "Lowered", "lower_with_layouts", "pipeline_schedule",
+    "conflict_table", "Lowered", "lower_with_layouts", "gemm_fragments", "loop_skeleton", "pipeline_schedule",
 ]
 
 BANKS = 32  # shared memory banks
@@ -121,8 +121,10 @@ def _grid(layout, replica=0):
     """numpy index grids over a layout's input shape, by variable name (and the replica index)."""
     shape = [int(n) for n in layout.get_input_shape()]
     grids = np.meshgrid(*(np.arange(n, dtype=np.int64) for n in shape), indexing="ij")
-    env = {var.name: grid for var, grid in zip(layout.get_forward_vars(), grids)}
-    env["_rep"] = np.full(shape, replica, dtype=np.int64)  # the replica variable of a Fragment, if any
+    variables = list(layout.get_forward_vars())
+    env = {var.name: grid for var, grid in zip(variables[-len(shape):], grids)}
+    if len(variables) > len(shape):  # a replicated Fragment lists its replica variable first
+        env[variables[0].name] = np.full(shape, replica, dtype=np.int64)
     return shape, env
 
 
@@ -201,12 +203,12 @@ def conflict_table(offsets_by_layout, patterns, elem_bytes=2):
     """Rows (pattern, ideal, wavefronts per layout...) for a set of access patterns and layouts."""
     rows = []
     for name, (cells, width) in patterns.items():
-        counts = {}
+        row = dict(pattern=name)
         for layout_name, offsets in offsets_by_layout.items():
             addrs = [int(offsets[i, j]) * elem_bytes for i, j in cells]
-            counts[layout_name] = wavefronts(addrs, width)
-            ideal = ideal_wavefronts(addrs, width)
-        rows.append(dict(pattern=name, ideal=ideal, **counts))
+            row.setdefault("ideal", ideal_wavefronts(addrs, width))  # the same for any layout
+            row[layout_name] = wavefronts(addrs, width)
+        rows.append(row)
     return rows
 
 
@@ -255,6 +257,60 @@ def lower_with_layouts(prim_func, arch):
     return Lowered(artifact.kernel_source, layouts, shared)
 
 
+def gemm_fragments(m, n, k, threads, *, transpose_b, hopper=False, a_dtype="float16", accum_dtype="float32"):
+    """The register layouts TileLang's tensor-core gemm uses, built with its own emitters.
+
+    Returns ``(warps, {"C": Fragment, "A": Fragment})`` for ``T.gemm(A, B, C)`` with A [m, k] and C
+    [m, n] in registers, ``threads`` threads and the FullRow warp policy: "C" is the accumulator
+    layout the gemm writes (``make_mma_store_layout``), "A" the layout it needs for a register A
+    operand (``make_mma_load_layout``). ``hopper`` picks the wgmma emitter instead of mma.sync.
+    """
+    from tilelang.tileop.base import GemmWarpPolicy
+    from tvm import tirx
+
+    if hopper:
+        from tilelang.cuda.intrinsics.macro.wgmma_macro_generator import TensorCoreIntrinEmitter
+    else:
+        from tilelang.cuda.intrinsics.macro.mma_macro_generator import TensorCoreIntrinEmitter
+
+    m_warp, n_warp = GemmWarpPolicy.FullRow.compute_warp_partition(m, n, threads // 32)
+    emitter = TensorCoreIntrinEmitter(
+        a_dtype=a_dtype, b_dtype=a_dtype, accum_dtype=accum_dtype, a_transposed=False, b_transposed=transpose_b,
+        block_row_warps=m_warp, block_col_warps=n_warp, warp_row_tiles=m // m_warp,
+        warp_col_tiles=n // n_warp, chunk=k)
+    c = tirx.decl_buffer((m, n), accum_dtype, scope="local.fragment", name="C")
+    a = tirx.decl_buffer((m, k), a_dtype, scope="local.fragment", name="A")
+    return (m_warp, n_warp), {"C": emitter.make_mma_store_layout(c), "A": emitter.make_mma_load_layout(a, "A")}
+
+
+def loop_skeleton(source, loop_header, steps):
+    """The statements of one loop of generated code that match ``steps``, in order.
+
+    ``loop_header`` is a regex for the loop's first line (e.g. ``r"for \\(int kb = 0"``); ``steps``
+    maps a label (``str.format``-ed with the regex's groups) to a regex. Consecutive equal labels
+    are merged ("label ×n"). Returns a list of (first line number, label).
+    """
+    import re
+
+    lines = source.splitlines()
+    start = next(n for n, line in enumerate(lines) if re.search(loop_header, line))
+    depth, out = 0, []
+    for n in range(start, len(lines)):
+        depth += lines[n].count("{") - lines[n].count("}")
+        for label, pattern in steps.items():
+            m = re.search(pattern, lines[n])
+            if m:
+                text = label.format(*(g or "" for g in m.groups()))
+                if out and out[-1][1] == text:
+                    out[-1][2] += 1
+                else:
+                    out.append([n + 1, text, 1])
+                break
+        if depth == 0 and n > start:
+            break
+    return [(n, text + (f" ×{k}" if k > 1 else "")) for n, text, k in out]
+
+
 # --------------------------------------------------------------------------- pipeline timelines
 
 
@@ -266,22 +322,22 @@ def pipeline_schedule(num_stages, n_blocks, *, load, qk, softmax, pv):
     each get ``s`` shared buffers; the first ``s`` tiles are loaded up front, and a buffer is
     refilled with the tile ``s`` iterations ahead as soon as the gemm reading it is done. Loads run
     asynchronously and take ``load`` time units each (latency-bound: several may be in flight).
-    Returns ``(events, total)``, events as (lane, start, duration, label) with lanes
-    "load K", "load V" and "compute".
+    Returns ``(events, total)``, events as (lane, start, duration, label, slot) with lanes
+    "load K", "load V" and "compute"; ``slot`` is the shared buffer a load fills (0 for compute).
     """
     events, t = [], 0.0
     if num_stages == 0:
         for k in range(n_blocks):
             for lane, label, dur in (("load K", f"K{k}", load), ("compute", "QK", qk), ("compute", "sm", softmax),
                                      ("load V", f"V{k}", load), ("compute", "PV", pv)):
-                events.append((lane, t, dur, label))
+                events.append((lane, t, dur, label, 0))
                 t += dur
         return events, t
     ready = {}
 
     def issue(kind, k, at):
         if k < n_blocks:
-            events.append((f"load {kind}", at, load, f"{kind}{k}"))
+            events.append((f"load {kind}", at, load, f"{kind}{k}", k % num_stages))
             ready[kind, k] = at + load
 
     for k in range(min(num_stages, n_blocks)):
@@ -289,13 +345,13 @@ def pipeline_schedule(num_stages, n_blocks, *, load, qk, softmax, pv):
         issue("V", k, 0.0)
     for k in range(n_blocks):
         t = max(t, ready["K", k])
-        events.append(("compute", t, qk, "QK"))
+        events.append(("compute", t, qk, "QK", 0))
         t += qk
         issue("K", k + num_stages, t)  # K buffer free again
-        events.append(("compute", t, softmax, "sm"))
+        events.append(("compute", t, softmax, "sm", 0))
         t += softmax
         t = max(t, ready["V", k])
-        events.append(("compute", t, pv, "PV"))
+        events.append(("compute", t, pv, "PV", 0))
         t += pv
         issue("V", k + num_stages, t)  # V buffer free again
     return events, t

@@ -11,8 +11,9 @@ import numpy as np
 
 from .bench import FIGURES
 
-__all__ = ["COLORS", "IMPL_COLORS", "style", "save", "heatmap", "line_chart", "speedup_bars",
-           "roofline", "record_caption"]
+__all__ = ["COLORS", "IMPL_COLORS", "style", "save", "heatmap", "line_chart", "speedup_bars", "roofline",
+           "record_caption", "roofline_series", "online_softmax_diagram", "text_table", "pipeline_timeline",
+           "bank_map", "bank_hits_chart", "fragment_map"]
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 IMPL_COLORS = {
@@ -192,15 +193,19 @@ _STEP_COLORS = {"QK": "#d62728", "sm": "#ff7f0e", "PV": "#9467bd", "K": "#1f77b4
 
 
 def pipeline_timeline(ax, events, *, title=None, lanes=("load K", "load V", "compute"), xmax=None):
-    """Draw (lane, start, duration, label) events as bars, one row per lane (broken_barh)."""
+    """Draw (lane, start, duration, label, slot) events as bars (broken_barh): one row per lane,
+    split into one thin sub-row per buffer slot, so copies in flight together are all visible."""
     for row, lane in enumerate(lanes):
-        spans = [(s, d, lab) for ln, s, d, lab in events if ln == lane]
-        colors = [_STEP_COLORS.get(lab.rstrip("0123456789"), COLORS[7]) for _, _, lab in spans]
-        ax.broken_barh([(s, d) for s, d, _ in spans], (row - 0.35, 0.7), facecolors=colors,
-                       edgecolor="white", linewidth=0.8)
-        for s, d, lab in spans:
+        spans = [(s, d, lab, slot) for ln, s, d, lab, slot in events if ln == lane]
+        slots = max((slot for *_, slot in spans), default=0) + 1
+        height = 0.8 / slots
+        for s, d, lab, slot in spans:
+            y = row - 0.4 + slot * height
+            ax.broken_barh([(s, d)], (y, height), facecolors=_STEP_COLORS.get(lab.rstrip("0123456789"), COLORS[7]),
+                           edgecolor="white", linewidth=0.8)
             if d >= 0.8:
-                ax.text(s + d / 2, row, lab, ha="center", va="center", fontsize=7, color="white")
+                ax.text(s + d / 2, y + height / 2, lab, ha="center", va="center", fontsize=7 if slots < 3 else 6,
+                        color="white")
     ax.set_yticks(range(len(lanes)), labels=list(lanes))
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     if xmax is not None:
@@ -231,7 +236,7 @@ def bank_map(ax, groups, *, title=None, outline=(), colorbar=False):
     ax.set(title=title, xlabel="16-byte chunk of the row", ylabel="row")
 
 
-def bank_hits_chart(ax, hits, *, title=None):
+def bank_hits_chart(ax, hits, *, title=None, ymax=None):
     """Which thread reads which bank: one column per bank, one box per distinct 4-byte word.
 
     ``hits`` is ``course_utils.layouts.bank_hits(...)``. A column k boxes tall needs k wavefronts.
@@ -247,30 +252,47 @@ def bank_hits_chart(ax, hits, *, title=None):
             ax.text(bank + 0.5, level + 0.5, ",".join(f"t{t}" for t in threads), ha="center", va="center",
                     fontsize=6, color="white", rotation=90 if len(threads) > 1 else 0)
         height = max(height, len(words))
-    ax.set(xlim=(0, 32), ylim=(0, max(height, 2)), title=title, xlabel="bank",
-           ylabel="wavefront (distinct words per bank)")
+    top = ymax or max(height, 2)
+    ax.set(xlim=(0, 32), ylim=(0, top), title=title, xlabel="bank", ylabel="wavefronts (words per bank)")
     ax.set_xticks(range(0, 33, 4))
+    ax.set_yticks(range(0, top + 1, max(1, top // 8)))
     ax.grid(False)
 
 
-def fragment_map(ax, threads, registers=None, *, title=None, rows=None, cols=None, color_by="warp"):
-    """Who holds each element of a register tile: colour by warp (or lane); text 'lane/register' when zoomed."""
+def fragment_map(ax, threads, registers=None, *, title=None, rows=None, cols=None, color_by="warp",
+                 annotate=False):
+    """Who holds each element of a register tile (tables from ``layouts.fragment_tables``).
+
+    ``color_by``: "warp" (each warp's cells labelled with its number), "lane" (thread % 32) or
+    "register" (the register index, with a colour bar). ``annotate`` writes 'lane / register' in
+    every cell (for a zoomed-in corner). ``rows`` / ``cols`` are (start, stop) ranges to show.
+    """
     from matplotlib.colors import ListedColormap
 
     threads = np.asarray(threads)
     rows = rows or (0, threads.shape[0])
     cols = cols or (0, threads.shape[1])
     t = threads[rows[0]:rows[1], cols[0]:cols[1]]
-    key = t // 32 if color_by == "warp" else t % 32
-    n = int(key.max()) + 1
-    base = plt.get_cmap("tab10" if n <= 10 else "tab20").colors
-    cmap = ListedColormap([base[i % len(base)] for i in range(n)])
-    ax.imshow(key, cmap=cmap, vmin=-0.5, vmax=n - 0.5, aspect="auto", interpolation="nearest",
-              extent=(cols[0] - 0.5, cols[1] - 0.5, rows[1] - 0.5, rows[0] - 0.5))
-    if registers is not None:
-        regs = np.asarray(registers)[rows[0]:rows[1], cols[0]:cols[1]]
+    regs = None if registers is None else np.asarray(registers)[rows[0]:rows[1], cols[0]:cols[1]]
+    extent = (cols[0] - 0.5, cols[1] - 0.5, rows[1] - 0.5, rows[0] - 0.5)
+    if color_by == "register":
+        image = ax.imshow(regs, cmap="viridis", aspect="auto", interpolation="nearest", extent=extent)
+        ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="register index")
+    else:
+        key = t // 32 if color_by == "warp" else t % 32
+        n = int(key.max()) + 1
+        base = plt.get_cmap("tab10" if n <= 10 else "tab20").colors
+        cmap = ListedColormap([base[i % len(base)] for i in range(n)])
+        ax.imshow(key, cmap=cmap, vmin=-0.5, vmax=n - 0.5, aspect="auto", interpolation="nearest", extent=extent)
+        if color_by == "warp" and not annotate:
+            for w in np.unique(key):
+                ii, jj = np.nonzero(key == w)
+                ax.text(cols[0] + jj.mean(), rows[0] + ii.mean(), f"warp {w}", ha="center", va="center",
+                        fontsize=8, color="white")
+    if annotate:
         for (i, j), thread in np.ndenumerate(t):
-            ax.text(cols[0] + j, rows[0] + i, f"{thread % 32}\n{regs[i, j]}", ha="center", va="center",
-                    fontsize=5.5, color="white", linespacing=0.9)
+            text = f"{thread % 32}" + ("" if regs is None else f"\n{regs[i, j]}")
+            ax.text(cols[0] + j, rows[0] + i, text, ha="center", va="center", fontsize=7, color="white",
+                    linespacing=0.9)
     ax.grid(False)
     ax.set(title=title, xlabel="column j", ylabel="row i")

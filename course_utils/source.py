@@ -16,16 +16,17 @@ __all__ = ["show_source", "cuda_source", "grep", "count"]
 
 def _find(lines, text, begin, what):
     for index in range(begin, len(lines)):
-        if text in lines[index]:
+        if lines[index].lstrip().startswith(text):
             return index
     raise ValueError(f"{what} text {text!r} not found in the source")
 
 
 def show_source(obj, start, end=None, *, after=None):
-    """Print the lines of ``obj``'s source from the first line containing ``start`` through the
-    first line (at or after it) containing ``end`` (just the ``start`` line when ``end`` is None).
+    """Print the lines of ``obj``'s source from the first line that begins with ``start`` (after
+    its indentation) through the first line, at or after it, that begins with ``end`` (just the
+    ``start`` line when ``end`` is None).
 
-    ``after`` skips ahead: the search for ``start`` begins below the first line containing it.
+    ``after`` skips ahead: the search for ``start`` begins below the first line beginning with it.
     Lines are shown with their line numbers in the file, the common indentation removed.
     """
     lines, first_line = inspect.getsourcelines(obj)
@@ -50,14 +51,16 @@ def cuda_source(prim_func, arch="sm_90a"):
 
 def grep(source, pattern, *, max_hits=2, width=110):
     """Print up to ``max_hits`` lines of ``source`` matching the regex ``pattern``, numbered and
-    cut to ``width`` characters (generated CUDA lines are long), and how many matched in all."""
+    cut to ``width`` characters (generated CUDA lines are long), and how many matched in all.
+    Returns nothing, so a notebook cell ending with it shows only what it printed."""
     hits = [(n, line.strip()) for n, line in enumerate(source.splitlines(), start=1)
             if re.search(pattern, line)]
     for number, line in hits[:max_hits]:
         print(f"{number:4d} │ {line[:width]}{' …' if len(line) > width else ''}")
     if len(hits) > max_hits:
         print(f"       ({len(hits)} lines match {pattern!r})")
-    return len(hits)
+    if not hits:
+        print(f"       (no line matches {pattern!r})")
 
 
 def count(source, patterns):

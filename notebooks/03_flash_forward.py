@@ -98,11 +98,12 @@ for ax, kw in zip(axes, [dict(causal=False), dict(causal=True), dict(causal=True
     handles = diagrams.tile_visits(ax, 56, 56, 16, 16, **kw)
 fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9)
 fig.tight_layout(rect=(0, 0.07, 1, 1))
-plots.save(fig, "ch03_tile_visits")
+plots.save(fig, "ch03_tile_visits");
 
 # %% [markdown]
-# The same, as exact block indices. Causal attention visits 10 of the 16 tiles here; as S grows
-# the fraction tends to one half, which is why a causal forward is counted as half the FLOPs.
+# The same, as exact block indices. Causal attention visits 10 of the 16 tiles here. As S grows
+# the fraction of tiles visited tends to one half, like the fraction of visible pairs, which is
+# why a causal forward is counted as half the FLOPs.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -115,8 +116,8 @@ diagrams.visit_table(56, 56, 16, 16, causal=True, window_size=20)
 #
 # The kernel is `course_utils.flash_fwd.flash_fwd_kernel`, a *factory*: a Python function that
 # takes the shapes and options and returns a `@T.prim_func`. We read it in order. First the
-# Python-side setup; everything here is a plain number when the factory runs, and ends up as a
-# constant in the generated code.
+# Python-side setup: ordinary Python, evaluated when the factory runs, so its numbers reach the
+# generated code as constants.
 
 # %%
 show_source(flash_fwd_kernel, "tb = TileBackend(target)", "num_k_blocks =")
@@ -159,9 +160,10 @@ show_source(flash_fwd_kernel, "# Causal: the last query blocks", "k_start = T.ma
 
 # %% [markdown]
 # **Masking and QKᵀ.** `T.Pipelined` is a loop whose copies TileLang may issue ahead of the
-# compute (`num_stages` buffers; chapter 04 tunes it). Each iteration copies a K tile, then sets
-# `S` to 0 where a pair is visible and −∞ where not, *before* the matrix product: `T.gemm`
-# accumulates into its output (`S += Q Kᵀ`), so the mask costs no extra pass over the scores.
+# compute, with `num_stages` K/V buffers in flight (chapter 04 tunes it). Each iteration copies a
+# K tile, then sets `S` to 0 where a pair is visible and −∞ where not, *before* the matrix
+# product: `T.gemm` accumulates into its output (`S += Q Kᵀ`), so the mask costs no extra pass
+# over the scores.
 # `transpose_B=True` because K is stored `[keys, D]`. `FullRow` asks that each warp own whole
 # rows of `S`, which keeps the row reductions that follow inside a warp.
 
@@ -183,12 +185,13 @@ show_source(flash_fwd_kernel, "T.copy(m, m_prev)", "alpha[i] = T.exp2")
 
 # %% [markdown]
 # **exp2, row sum, rescale.** Scores become unnormalised probabilities in place; their row sums
-# update the denominator `l = l·alpha + rowsum`; the output accumulator is scaled by `alpha`
-# (the old terms were exponentiated against a smaller max). The probabilities are then rounded
-# to the input type (`P`) for the second matrix product.
+# update the denominator, `l = l·alpha + rowsum`. The probabilities are rounded to the input type
+# (`P`) for the second matrix product, and the output accumulator is scaled by `alpha`: its old
+# terms were exponentiated against a smaller max.
 
 # %%
-show_source(flash_fwd_kernel, "S[i, j] = T.exp2(", "T.copy(S, P)")
+show_source(flash_fwd_kernel, "for i, j in tb.parallel(block_M, block_N):", "acc_o[i, j] *= alpha[i]",
+            after="alpha[i] = T.exp2")
 
 # %% [markdown]
 # **PV.** Load the V tile and accumulate `acc_o += P V`. That is the whole loop body: two
@@ -214,7 +217,7 @@ show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "T.copy(O_s, Out
 # running max: `P_ij = exp(scale·q_i·k_j − LSE_i)`.
 
 # %%
-show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "neg_inf)", after="T.copy(O_s, Output")
+show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "l[i] > 0, (shift[i]", after="T.copy(O_s, Output")
 
 # %% [markdown]
 # ## 4 · Run it here and check it
@@ -226,8 +229,7 @@ show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "neg_inf)", afte
 
 # %%
 dtype = cu.pick(cpu=torch.float32, gpu=torch.float16)
-print("tiling (block_M, block_N, num_stages, threads):",
-      tuple(cu.attention.default_forward_config(cu.DEVICE.type, 64)))
+print(cu.attention.default_forward_config(cu.DEVICE.type, 64))
 # (batch, heads, S_q, S_k, head_dim, causal)
 cases = cu.pick(
     cpu=[(1, 2, 64, 64, 32, False), (1, 2, 64, 64, 32, True), (2, 2, 40, 40, 16, True),
@@ -255,7 +257,7 @@ for batch, heads, seq_q, seq_k, dim, causal in cases:
 scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) / math.sqrt(q.shape[-1])
 visible = cu.reference.visibility_mask(seq_q, seq_k, causal=causal, device=q.device)
 probs = torch.exp(scores - lse.double()[..., None]).masked_fill(~visible, 0)
-cu.check_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), "rows of exp(scale·QKᵀ − LSE)", dtype=dtype)
+cu.check_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), "rows of exp(scale·QKᵀ − LSE)", dtype=dtype);
 
 # %% [markdown]
 # Inputs the kernel cannot handle are rejected before anything is compiled, with a message
@@ -347,8 +349,8 @@ grep(src_90, r"alpha\[i_\d+\] = exp2f", max_hits=1)
 
 # %% [markdown]
 # `wgmma_ss` reads both operands from shared memory (Q and K, for QKᵀ); `wgmma_rs` takes its
-# first operand from registers: P never touches shared memory on Hopper. The per-file counts of
-# each ingredient:
+# first operand from registers, so P goes from the softmax straight into the tensor cores, as it
+# does with `mma_sync` on sm_80. How often each ingredient appears in the two files:
 
 # %%
 ingredients = {"cp.async": r"cp_async_gs", "TMA load": r"tma_load\(", "mbarrier wait": r"\.wait\(",
@@ -361,8 +363,9 @@ for arch, src in (("sm_80 ", src_80), ("sm_90a", src_90)):
 # ## 6 · Measured on an H100
 #
 # The record below was measured with `cu.flash_attention` (its default GPU tiling, from
-# `default_forward_config` in `course_utils/attention.py`) against PyTorch's SDPA backends, FlashAttention-2 and cuDNN, and naive PyTorch
-# (up to 4k, where its S × S scores still fit). fp16, D = 128, B·S = 16k tokens, H·D = 2048.
+# `default_forward_config` in `course_utils/attention.py`) against PyTorch's SDPA backends,
+# FlashAttention-2 and cuDNN, and naive PyTorch (up to 4k only). fp16, D = 128,
+# B·S = 16k tokens, H·D = 2048.
 #
 # **FLOP convention:** a forward is two matrix products, `4·B·H·S²·D` FLOPs; causal counts half
 # of that (the pairs that are visible). TFLOP/s = FLOPs / time.
@@ -372,9 +375,11 @@ from course_utils.experiments import RECORDS
 
 rec = cu.measured("ch03_forward_vs_peers_h100", RECORDS["ch03_forward_vs_peers_h100"])
 rows = rec["results"]
-for r in rows:  # the stored TFLOP/s follow the convention above
-    flops = cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"], causal=r["causal"])
-    assert abs(cu.tflops(flops, r["ms"]) - r["tflops"]) < 1e-6 * r["tflops"], r
+recomputed = [cu.tflops(cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"],
+                                           causal=r["causal"]), r["ms"]) for r in rows]
+cu.check_true(all(abs(t - r["tflops"]) < 1e-6 * t for t, r in zip(recomputed, rows)),
+              "stored TFLOP/s = attention_flops / time in every row")
+print("our tiling:", next((r["config"] for r in rows if "config" in r), "not stored in this record"))
 short = {"TileLang (ours)": "ours", "FlashAttention-2 (SDPA flash)": "FA2", "cuDNN (SDPA cudnn)": "cuDNN",
          "naive PyTorch": "naive"}
 for causal in (False, True):
@@ -399,10 +404,14 @@ axes[2].axhline(1, color="black", lw=1)
 axes[2].set_xscale("log", base=2)
 axes[2].set_xticks(seqs, [plots._short(s) for s in seqs])
 axes[2].set(title="speedup of ours (time ratio)", xlabel="sequence length S", ylabel="×")
-axes[2].legend(fontsize=8)
+axes[2].legend(fontsize=8, loc="upper left")
+for ax in axes[:2]:
+    ax.get_legend().remove()
+    ax.set_ylim(bottom=0)
+fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=9, bbox_to_anchor=(0.5, 0.04))
 fig.suptitle(plots.record_caption(rec), fontsize=8, y=0.01)
-fig.tight_layout(rect=(0, 0.03, 1, 1))
-plots.save(fig, "ch03_forward_vs_peers")
+fig.tight_layout(rect=(0, 0.1, 1, 1))
+plots.save(fig, "ch03_forward_vs_peers");
 
 # %%
 for causal in (False, True):
@@ -415,10 +424,11 @@ for peer in ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"):
     print(f"ours faster than {short[peer]} in {wins} of {2 * len(seqs)} (S, causal) cases")
 
 # %% [markdown]
-# In this record our short kernel is ahead of SDPA's FlashAttention-2 backend on the H100.
-# That is less surprising than it sounds: FlashAttention-2 was written for the A100 and uses
+# The counts above say it: on the H100 our short kernel is ahead of SDPA's FlashAttention-2
+# backend at nearly every length. That is less surprising than it sounds: FlashAttention-2 was written for the A100 and uses
 # neither TMA nor wgmma, while TileLang emits both for sm_90a. cuDNN, whose attention kernels are
-# written for Hopper, is faster still in most cases; chapter 04 tunes the pipeline and the tiles.
+# written for Hopper, is faster still (the count above says in how many cases); chapter 04 tunes
+# the pipeline and the tiles.
 # At short S the causal rates drop further than the non-causal ones: a larger share of the work
 # sits in diagonal tiles that are half masked (exercise 2 counts it), and each block has fewer
 # tiles over which to hide the start and end of its pipeline.
@@ -490,16 +500,18 @@ def show_failure(label, out, ref):
 
 
 ref = cu.attention_reference(q1[None, None], k1[None, None], v1[None, None])[0, 0]
-show_failure("(1) dim=16 < block_N=32", blockwise_forward(q1, k1, v1, block_N=32, bugs={"scale dim columns"})[0], ref)
+wrong_scale = blockwise_forward(q1, k1, v1, block_N=32, bugs={"scale dim columns"})[0]
+show_failure("(1) dim=16 < block_N=32", wrong_scale, ref)
 
 # %% [markdown]
 # **(2) Resetting the running max every tile.** The copies do
 # `T.fill(scores_max, -inf)` before `T.reduce_max(..., clear=False)`, so `m` becomes the max of
 # *this* tile only, not `max(m_prev, this tile)`. In exact arithmetic the rescaling still cancels,
 # so a quick non-causal test passes; but the factor `exp2(m_prev − m)` now exceeds 1 whenever a
-# tile's max is below an earlier one, so the accumulators grow instead of shrink, and in fp32
-# large logits overflow. Worse, a row that meets a tile where all its keys are masked gets
-# `m = −∞` and the factor `exp2(m_prev + ∞) = ∞`, then `∞ · 0`: NaN. That happens on the
+# tile's max is below an earlier one, so the accumulators grow instead of shrink, and with large
+# logits they can overflow in fp32. Worse, a row that meets a tile where all its keys are masked gets
+# `m = −∞`: the factor is `exp2(m_prev + ∞) = ∞` and its probabilities `exp2(−∞ + ∞)` are NaN,
+# which then spread through `l` and the accumulator. That happens on the
 # causal diagonal whenever `block_M > block_N`; our simulation, with every query in one block,
 # shows it at once. (The copies also lack the check_inf step, so both switches are on.)
 
@@ -528,9 +540,9 @@ show_source(flash_fwd_kernel, "l[i] += T.exp2(Sinks[by]")
 
 # %%
 ref_window = cu.attention_reference(q1[None, None], k1[None, None], v1[None, None], window_size=8)[0, 0]
+cu.check_close(blockwise_forward(q1, k1, v1, window_size=8)[0], ref_window, "(4) window 8, with check_inf")
 show_failure("(4) window 8, no check_inf", blockwise_forward(q1, k1, v1, window_size=8,
                                                              bugs={"no check_inf"})[0], ref_window)
-cu.check_close(blockwise_forward(q1, k1, v1, window_size=8)[0], ref_window, "(4) window 8, with check_inf")
 
 # %% [markdown]
 # **(5) Not halving causal FLOPs.** A widely shared headline of "630 TFLOPS" for a causal
