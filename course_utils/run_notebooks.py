@@ -10,6 +10,8 @@ their paired ``.py`` sources first when jupytext is installed.
 """
 
 import argparse
+import base64
+import io
 import os
 import subprocess
 import sys
@@ -37,12 +39,27 @@ def sync(source):
             raise
 
 
+def shrink_images(nb, colors=128):
+    """Re-encode the PNG outputs of ``nb`` with a 128-colour palette: a fraction of the bytes."""
+    from PIL import Image
+
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if "image/png" in data:
+                image = Image.open(io.BytesIO(base64.b64decode(data["image/png"]))).convert("RGB")
+                buffer = io.BytesIO()
+                image.quantize(colors=colors).save(buffer, format="PNG", optimize=True)
+                data["image/png"] = base64.b64encode(buffer.getvalue()).decode()
+    return nb
+
+
 def execute(notebook, timeout=900):
     nb = nbformat.read(notebook, as_version=4)
     start = time.perf_counter()
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
-    nbformat.write(nb, notebook)
+    nbformat.write(shrink_images(nb), notebook)
     return time.perf_counter() - start
 
 

@@ -277,7 +277,7 @@ show_source(flash_bwd_kernel, "q_start = 0", "q_end = T.min")
 # as in the forward.
 
 # %%
-show_source(flash_bwd_kernel, "for qb in T.Pipelined", "T.exp2(PT[j, i]")
+show_source(flash_bwd_kernel, "for step in T.Pipelined", "T.exp2(PT[j, i]")
 
 # %% [markdown]
 # **Step 2: $dP^\top$ and $dV$.** $dP^\top = V\,dO^\top$ from the two tiles in shared memory; then
