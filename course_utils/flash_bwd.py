@@ -139,10 +139,12 @@ def flash_bwd_kernel(
             if window_size is not None:
                 q_end = T.min(num_q_blocks, T.ceildiv((bx + 1) * block_N - past + window_size - 1, block_M))
 
-            # Counting from 0 (rather than looping from q_start to q_end) keeps TVM's bound analysis
-            # consistent when the range is a single block (window_size=1 with square tiles).
-            for step in T.Pipelined(q_end - q_start, num_stages=num_stages):
-                qb = q_start + step
+            # A one-key window makes the range from q_start to q_end a single block, and TVM's bound
+            # analysis then rejects the loop; counting from 0 avoids that. Every other kernel loops over
+            # qb itself, which lets TVM prove qb < num_q_blocks and drop a bounds check.
+            first, offset = (0, q_start) if window_size == 1 else (q_start, 0)
+            for step in T.Pipelined(first, q_end - offset, num_stages=num_stages):
+                qb = offset + step
                 T.copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s)
                 T.copy(LSE[bz, by, qb * block_M:(qb + 1) * block_M], lse)
                 T.clear(PT)

@@ -67,6 +67,7 @@ BACKWARD_CASES = [
     (1, 2, 2, 32, 16, False, None, False),
     (1, 2, 2, 37, 16, True, None, False),    # ragged
     (2, 4, 2, 29, 16, True, 12, True),       # GQA + window + sinks
+    (1, 2, 2, 20, 16, True, 1, False),       # one-key window: a single query block per key block
 ]
 
 
