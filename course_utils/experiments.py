@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .attention import ForwardConfig, _compiled_forward, flash_attention
-from .bench import attention_flops, tflops, time_cuda, time_side_by_side
+from .attention import (BackwardConfig, ForwardConfig, _compiled_backward, _compiled_forward,
+                        default_backward_config, default_forward_config, flash_attention)
+from .bench import attention_flops, save_record, tflops, time_cuda, time_side_by_side
 from .checks import check_close
 from .reference import attention_reference
 
@@ -57,8 +58,6 @@ def _validate_slice(out, q, k, v, causal):
 
 def _precompile(jobs, *, backward=False, fwd_config=None, bwd_config=None):
     """Compile our kernels for every (shape, dtype, causal) job in parallel before timing starts."""
-    from .attention import _compiled_backward, default_backward_config, default_forward_config
-
     def build(job):
         shape, dtype_name, causal = job
         b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
@@ -74,8 +73,6 @@ def _precompile(jobs, *, backward=False, fwd_config=None, bwd_config=None):
 def forward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, True), config=None,
                      include_naive_up_to=4096):
     """TFLOP/s of our forward, SDPA's FlashAttention-2 and cuDNN backends (and naive PyTorch)."""
-    from .attention import default_forward_config
-
     rows = []
     jobs = list(itertools.product(shapes or comparison_shapes(), dtypes, causal_options))
     _precompile(jobs, fwd_config=config)
@@ -199,8 +196,6 @@ def _validate_grads_slice(grads, q, k, v, d_out, causal):
 def backward_config_sweep(shape=None, dtype_name="float16", causal_options=(False, True),
                           block_Ms=(32, 64, 128), block_Ns=(64, 128), stages=(1, 2), threads=(128, 256)):
     """TFLOP/s of the backward for every tiling in the grid (forward at its default tiling)."""
-    from .attention import BackwardConfig, _compiled_backward
-
     shape = shape or comparison_shapes(seq_lens=(4096,))[0]
     b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
     configs = [BackwardConfig(*c) for c in itertools.product(block_Ms, block_Ns, stages, threads)]
@@ -222,8 +217,6 @@ def backward_config_sweep(shape=None, dtype_name="float16", causal_options=(Fals
 
 def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, True), config=None):
     """Backward TFLOP/s of ours vs SDPA's FlashAttention-2 and cuDNN backends, side by side."""
-    from .attention import default_backward_config
-
     rows = []
     jobs = list(itertools.product(shapes or comparison_shapes(), dtypes, causal_options))
     _precompile(jobs, backward=True, bwd_config=config)
@@ -340,8 +333,6 @@ RECORDS = {
 
 if __name__ == "__main__":
     import sys
-
-    from .bench import save_record
 
     for name in sys.argv[1:] or RECORDS:
         print(f"== {name}")
