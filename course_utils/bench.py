@@ -24,10 +24,15 @@ from .reference import visibility_mask
 
 __all__ = [
     "FIGURES", "attention_flops", "time_cuda", "time_side_by_side", "tflops", "save_record", "load_record",
-    "measured", "refreshing",
+    "measured", "refreshing", "TIMING_METHOD", "H100_MATMUL_TFLOPS", "H100_SFU_TFLOPS",
 ]
 
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
+
+# H100 SXM5 throughputs as quoted by FlashAttention-3 (Shah et al., 2024): dense fp16 matmul on the
+# tensor cores, and special functions (exp2) on the SFUs.
+H100_MATMUL_TFLOPS = 989
+H100_SFU_TFLOPS = 3.9
 
 
 def attention_flops(batch, heads, seq_q, seq_k, dim, *, causal=False, window_size=None, mode="fwd"):
@@ -46,20 +51,24 @@ def tflops(flops, ms):
     return flops / (ms * 1e-3) / 1e12
 
 
+# How the records' times are taken. Records without a "timing" field (measured before
+# 2026-11-22 16:30 UTC) synchronised after every call, which also counts the Python launch overhead.
+TIMING_METHOD = ("median of per-call CUDA-event times; calls issued back to back (one synchronisation "
+                 "per batch), so the host's launch overhead overlaps the previous call as in a real model")
+
+
 def _samples(fn, rep):
-    times = []
-    for _ in range(rep):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for start, end in events:
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def time_cuda(fn, *, warmup=5, rep=30):
-    """Median milliseconds of ``fn()`` on the GPU, each call timed with its own CUDA events."""
+    """Median milliseconds of ``fn()`` on the GPU (see ``TIMING_METHOD``)."""
     if not HAS_GPU:
         raise RuntimeError("time_cuda needs a CUDA GPU; on the CPU the notebooks show stored records")
     for _ in range(warmup):
@@ -94,7 +103,7 @@ def refreshing():
 
 def save_record(name, results, *, notes=None):
     """Write ``figures/<name>.json`` with the results and the machine they were measured on."""
-    record = {"name": name, "machine": machine_info(), "notes": notes, "results": results}
+    record = {"name": name, "machine": machine_info(), "timing": TIMING_METHOD, "notes": notes, "results": results}
     FIGURES.mkdir(exist_ok=True)
     path = FIGURES / f"{name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
