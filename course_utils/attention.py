@@ -14,11 +14,13 @@ import torch
 
 from .flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
 from .flash_fwd import flash_fwd_kernel
+from .flash_fwd_hopper import flash_fwd_hopper_kernel
 from .reference import validate_attention_inputs
 from .tiles import compile_kernel
 
 __all__ = ["flash_attention", "ForwardConfig", "BackwardConfig", "default_forward_config",
-           "default_backward_config", "SUPPORTED"]
+           "default_backward_config", "is_hopper", "SUPPORTED", "TUNED_FORWARD_CONFIG",
+           "HOPPER_FORWARD_CONFIG"]
 
 # What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
 SUPPORTED = {
@@ -29,20 +31,31 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
 
 
 class ForwardConfig(NamedTuple):
-    """Tiling of the forward kernel."""
+    """Tiling of the forward kernel, and which kernel: chapter 03/04's or (``overlap``) chapter 07's."""
 
     block_M: int
     block_N: int
     num_stages: int
     threads: int
+    overlap: bool = False  # softmax overlapped with async wgmma (Hopper only, chapter 07)
+
+
+def is_hopper():
+    """Whether the current CUDA GPU is sm_90 (H100/H200), where wgmma and TMA exist."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+# Best of the chapter 04 sweep on the H100 (figures/ch04_forward_sweep_h100.json), causal and not.
+TUNED_FORWARD_CONFIG = ForwardConfig(128, 128, 1, 256)
+# Chapter 07's kernel (figures/ch07_forward_ablation_h100.json).
+HOPPER_FORWARD_CONFIG = ForwardConfig(128, 128, 2, 256, overlap=True)
 
 
 def default_forward_config(device_type, dim):
-    """The tiling used when none is given: small tiles on the CPU, the tuned one on the GPU."""
+    """The kernel and tiling used when none is given: small tiles on the CPU, the fastest on the GPU."""
     if device_type == "cpu":
         return ForwardConfig(16, 16, 1, 1)
-    # Best of the chapter 04 sweep on the H100 (figures/ch04_forward_sweep_h100.json), causal and not.
-    return ForwardConfig(128, 128, 1, 256)
+    return HOPPER_FORWARD_CONFIG if is_hopper() else TUNED_FORWARD_CONFIG
 
 
 class BackwardConfig(NamedTuple):
@@ -64,9 +77,15 @@ def default_backward_config(device_type, dim):
 @functools.lru_cache(maxsize=None)
 def _compiled_forward(batch, heads, heads_kv, seq_q, seq_k, dim, dtype_name, causal, window_size,
                       has_sinks, sm_scale, config, target):
-    func = flash_fwd_kernel(
-        batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
-        has_sinks=has_sinks, sm_scale=sm_scale, dtype=dtype_name, target=target, **config._asdict())
+    variant = dict(heads_kv=heads_kv, causal=causal, window_size=window_size, has_sinks=has_sinks,
+                   sm_scale=sm_scale, dtype=dtype_name)
+    tiling = config._asdict()
+    if tiling.pop("overlap"):
+        if target != "cuda" or not is_hopper():
+            raise ValueError("ForwardConfig(overlap=True) is chapter 07's Hopper kernel: it needs an sm_90 GPU")
+        func = flash_fwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, **variant, **tiling)
+    else:
+        func = flash_fwd_kernel(batch, heads, seq_q, seq_k, dim, target=target, **variant, **tiling)
     return compile_kernel(func, out_idx=[4, 5], target=target, dtype=dtype_name)
 
 
@@ -93,6 +112,12 @@ def _compiled_backward(batch, heads, heads_kv, seq_q, seq_k, dim, dtype_name, ca
     return pre, main, post_q, post_kv
 
 
+@functools.lru_cache(maxsize=None)
+def _no_sinks(heads, device):
+    """Sink logits of -inf for every head (cached: one fewer allocation and kernel launch per call)."""
+    return torch.full((heads,), float("-inf"), device=device)
+
+
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, causal, window_size, sm_scale, fwd_config, bwd_config, target):
@@ -101,7 +126,7 @@ class _FlashAttention(torch.autograd.Function):
             causal, window_size, sinks is not None, sm_scale, fwd_config, target)
         # "No sink" is a sink of logit -inf: its exp() is 0, so one kernel signature serves both.
         sink_logits = (sinks.detach().float().contiguous() if sinks is not None
-                       else torch.full((q.shape[1],), float("-inf"), device=q.device))
+                       else _no_sinks(q.shape[1], q.device))
         out, lse = fwd(q, k, v, sink_logits)
         ctx.save_for_backward(q, k, v, out, lse, sink_logits)
         ctx.options = (causal, window_size, sm_scale, bwd_config, target, sinks is not None)

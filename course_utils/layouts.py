@@ -27,6 +27,7 @@ __all__ = [
     "BANKS", "BANK_BYTES", "WAVEFRONT_BYTES", "bank_of", "wavefronts", "ideal_wavefronts", "bank_hits",
     "shared_tile", "layout_offsets", "fragment_tables", "bank_groups", "warp_access_patterns",
     "conflict_table", "Lowered", "lower_with_layouts", "gemm_fragments", "loop_skeleton", "pipeline_schedule",
+    "overlap_schedule",
 ]
 
 BANKS = 32  # shared memory banks
@@ -354,4 +355,33 @@ def pipeline_schedule(num_stages, n_blocks, *, load, qk, softmax, pv):
         events.append(("compute", t, pv, "PV", 0))
         t += pv
         issue("V", k + num_stages, t)  # V buffer free again
+    return events, t
+
+
+def overlap_schedule(n_blocks, *, qk, softmax, pv, overlap):
+    """Timeline of one consumer warpgroup's loop over key blocks, copies assumed hidden (a model).
+
+    Without ``overlap`` each block runs QKᵀ, softmax, P·V one after the other. With ``overlap``
+    (chapter 07's rotated loop) iteration k issues QKᵀ of block k and P·V of block k-1 back to back
+    on the tensor cores, waits only for QKᵀ, and computes the softmax of block k while P·V runs;
+    the idle matmuls of the first and last iteration are labelled "(PV)" and "(QK)".
+    Returns ``(events, total)``, events as (lane, start, duration, label, 0) with lanes
+    "tensor cores" and "softmax".
+    """
+    events, t = [], 0.0
+    if not overlap:
+        for k in range(n_blocks):
+            for lane, label, dur in (("tensor cores", f"QK{k}", qk), ("softmax", f"sm{k}", softmax),
+                                     ("tensor cores", f"PV{k}", pv)):
+                events.append((lane, t, dur, label, 0))
+                t += dur
+        return events, t
+    for k in range(n_blocks + 1):
+        events.append(("tensor cores", t, qk, f"QK{k}" if k < n_blocks else "(QK)", 0))
+        events.append(("tensor cores", t + qk, pv, f"PV{k - 1}" if k > 0 else "(PV)", 0))
+        end = t + qk + pv
+        if k < n_blocks:
+            events.append(("softmax", t + qk, softmax, f"sm{k}", 0))
+            end = max(end, t + qk + softmax)
+        t = end
     return events, t

@@ -3,7 +3,8 @@
 ``show_source`` prints the lines of a function between two recognisable lines (with the file's
 line numbers), so a chapter can explain a kernel piece by piece without copying its text.
 ``cuda_source`` lowers a ``@T.prim_func`` to CUDA for a given architecture without a GPU, and
-``grep`` prints short, numbered excerpts of that (long) source.
+``grep`` prints short, numbered excerpts of that (long) source. ``ptxas_report`` compiles it
+with nvcc and returns what ptxas says about registers, spills and serialised wgmmas.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import inspect
 import re
 
-__all__ = ["show_source", "cuda_source", "grep", "count"]
+__all__ = ["show_source", "cuda_source", "grep", "count", "ptxas_report"]
 
 
 def _find(lines, text, begin, what):
@@ -67,3 +68,34 @@ def count(source, patterns):
     """How many lines of ``source`` match each regex in ``patterns`` (a dict name → regex)."""
     lines = source.splitlines()
     return {name: sum(1 for line in lines if re.search(p, line)) for name, p in patterns.items()}
+
+
+def ptxas_report(source, arch="sm_90a"):
+    """Compile TileLang's CUDA ``source`` with nvcc (no GPU needed) and return ptxas's report lines.
+
+    The report gives registers, spills and performance warnings such as C7514 (wgmma serialised).
+    Returns None when nvcc is not installed.
+    """
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    import tilelang
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    root = os.path.dirname(tilelang.__file__)
+    number = arch.removeprefix("sm_")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cu")
+        with open(path, "w") as f:
+            f.write(source)
+        cmd = [nvcc, "-std=c++17", "-O3", "--use_fast_math", "-w", "-c", path, "-o", os.path.join(tmp, "kernel.o"),
+               "-gencode", f"arch=compute_{number},code=sm_{number}", "-Xptxas", "-v",
+               "-I", os.path.join(root, "src"), "-I", os.path.join(root, "3rdparty", "cutlass", "include")]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"nvcc failed:\n{done.stderr[-2000:]}")
+    return [line.strip() for line in done.stderr.splitlines() if line.startswith("ptxas") or "spill" in line]

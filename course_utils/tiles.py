@@ -53,16 +53,17 @@ class TileBackend:
 
 
 def compile_kernel(prim_func, *, out_idx, target: str | None = None, dtype: str = "float32", fast_math=True,
-                   arch: str | None = None):
+                   arch: str | None = None, pass_configs=None):
     """Compile a ``@T.prim_func`` for ``target`` into a callable that takes and returns torch tensors.
 
     ``out_idx`` lists the parameters the kernel allocates and returns. On the C backend, 16-bit
     inputs need vectorisation off (TileLang 0.1.15 cannot build its half-precision vector type).
     ``arch`` (e.g. "sm_80") builds CUDA for an older architecture than the GPU's own, to run the
-    Ampere code path on a Hopper GPU.
+    Ampere code path on a Hopper GPU. ``pass_configs`` adds TileLang pass options (chapter 07
+    switches TMA and warp specialisation off with them).
     """
     backend = TileBackend(target)
-    pass_configs = {}
+    pass_configs = dict(pass_configs or {})
     if backend.on_gpu:
         pass_configs[tilelang.PassConfigKey.TL_ENABLE_FAST_MATH] = fast_math
     elif dtype in ("float16", "bfloat16"):

@@ -84,3 +84,19 @@ def test_backward_gpt_oss_shape(window):
     k, v = (torch.randn(1, 8, 4096, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     sinks = torch.randn(64, device="cuda")
     _check_grads(q, k, v, 16, causal=True, window_size=window, sinks=sinks, atol=6e-2, rtol=6e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_chapter04_kernel_at_full_size(causal):
+    """On Hopper the default is chapter 07's kernel; chapter 04's tuned kernel must stay correct too."""
+    from course_utils.attention import TUNED_FORWARD_CONFIG
+
+    q, k, v = (torch.randn(2, 16, 4096, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    out = flash_attention(q, k, v, causal=causal, config=TUNED_FORWARD_CONFIG)
+    check_close(out[:1, :2], _slice_ref(q, k, v, 2, causal=causal), f"O chapter 04 kernel causal={causal}")
+
+
+def test_hopper_default_is_the_overlap_kernel():
+    from course_utils.attention import default_forward_config, is_hopper
+
+    assert default_forward_config("cuda", 128).overlap == is_hopper()
