@@ -15,11 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .attention import (BackwardConfig, ForwardConfig, _compiled_backward, _compiled_forward,
-                        default_backward_config, default_forward_config, flash_attention)
+import tilelang
+
+from .attention import (HOPPER_FORWARD_CONFIG, TUNED_FORWARD_CONFIG, BackwardConfig, ForwardConfig,
+                        _compiled_backward, _compiled_forward, default_backward_config, default_forward_config,
+                        flash_attention)
 from .bench import attention_flops, save_record, tflops, time_cuda, time_side_by_side
 from .checks import check_close
+from .flash_fwd import flash_fwd_kernel
+from .flash_fwd_hopper import flash_fwd_hopper_kernel
 from .reference import attention_reference
+from .tiles import compile_kernel
 
 __all__ = ["RECORDS", "naive_attention", "SDPA_PEERS", "comparison_shapes", "forward_vs_peers",
            "naive_vs_sdpa", "forward_config_sweep"]
@@ -317,9 +323,70 @@ def gqa_backward_strategies(shape=None):
 
 # The records the notebooks show, by name: ``measured(name, RECORDS[name])`` in a notebook, or
 # ``python -m course_utils.experiments NAME ...`` on a GPU machine to refresh them in one go.
+_NO_TMA_NO_WS = {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+                 tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+
+
+def ablation_steps(causal):
+    """Chapter 07's ablation: (label, kernel, kernel options, compile options); each row adds one change.
+
+    "sync" is chapter 03/04's kernel, "overlap" chapter 07's. All use 128×128 tiles, 256 threads.
+    """
+    # TileLang 0.1.15 cannot lower cp.async + causal + 2 stages on sm_90 ("Downcast from tirx.Sub").
+    plain_stages = 1 if causal else 2
+    steps = [
+        ("cp.async loads, no warp specialisation, exact exp2", "sync", dict(num_stages=plain_stages),
+         dict(fast_math=False, pass_configs=_NO_TMA_NO_WS)),
+        ("+ fast exp2 (ex2.approx)", "sync", dict(num_stages=plain_stages), dict(pass_configs=_NO_TMA_NO_WS)),
+        ("+ TMA loads, producer warpgroup, setmaxnreg", "sync", dict(num_stages=2), {}),
+        ("  (chapter 04's tuning: 1 stage)", "sync", dict(num_stages=1), {}),
+        ("+ softmax overlapped with async wgmma", "overlap", dict(num_stages=2), {}),
+        ("+ skip rescales under 2^8", "overlap", dict(num_stages=2, rescale_threshold=8.0), {}),
+    ]
+    if causal:
+        steps.append(("  (light query blocks first instead)", "overlap", dict(num_stages=2, heavy_first=False), {}))
+    return steps
+
+
+def _compile_step(shape, dtype_name, causal, step):
+    _, kernel, knobs, options = step
+    b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
+    tiling = dict(block_M=128, block_N=128, threads=256, **knobs)
+    if kernel == "overlap":
+        func = flash_fwd_hopper_kernel(b, h, s, s, d, causal=causal, dtype=dtype_name, **tiling)
+    else:
+        func = flash_fwd_kernel(b, h, s, s, d, causal=causal, dtype=dtype_name, target="cuda", **tiling)
+    return compile_kernel(func, out_idx=[4, 5], target="cuda", dtype=dtype_name, **options)
+
+
+def forward_ablation(shape=None, dtype_name="float16", causal_options=(False, True)):
+    """TFLOP/s of every ablation step, validated, timed side by side with FlashAttention-2 and cuDNN."""
+    shape = shape or comparison_shapes(seq_lens=(4096,))[0]
+    b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
+    q, k, v = _inputs(shape, getattr(torch, dtype_name))
+    no_sinks = torch.full((h,), float("-inf"), device="cuda")
+    rows = []
+    for causal in causal_options:
+        steps = ablation_steps(causal)
+        with ThreadPoolExecutor(8) as pool:
+            kernels = list(pool.map(lambda step: _compile_step(shape, dtype_name, causal, step), steps))
+        impls, errors = {}, {}
+        for (label, *_), kernel in zip(steps, kernels):
+            impls[label] = lambda kernel=kernel: kernel(q, k, v, no_sinks)
+            errors[label] = _validate_slice(impls[label]()[0], q, k, v, causal)
+        for name, backend in SDPA_PEERS.items():
+            impls[name] = lambda backend=backend: _sdpa(q, k, v, causal, backend)
+        flops = attention_flops(b, h, s, s, d, causal=causal)
+        for impl, ms in time_side_by_side(impls).items():
+            rows.append(dict(impl=impl, causal=causal, dtype=dtype_name, ms=ms, tflops=tflops(flops, ms),
+                             max_abs_err=errors.get(impl), step=impl in errors, **shape))
+            print(f"causal={causal!s:5} {impl:55} {rows[-1]['tflops']:6.0f} TFLOP/s")
+    return rows
+
+
 RECORDS = {
     "ch01_naive_vs_sdpa_h100": naive_vs_sdpa,
-    "ch03_forward_vs_peers_h100": forward_vs_peers,
+    "ch03_forward_vs_peers_h100": lambda: forward_vs_peers(config=TUNED_FORWARD_CONFIG),
     "ch04_forward_sweep_h100": forward_config_sweep,
     "ch05_backward_sweep_h100": backward_config_sweep,
     "ch05_backward_vs_peers_h100": lambda: backward_vs_peers(
@@ -328,7 +395,16 @@ RECORDS = {
     "ch06_gqa_backward_h100": gqa_backward_strategies,
     "ch04_forward_final_h100": lambda: forward_vs_peers(
         shapes=comparison_shapes(dim=64) + comparison_shapes(dim=128), dtypes=("float16", "bfloat16"),
-        include_naive_up_to=0),
+        include_naive_up_to=0, config=TUNED_FORWARD_CONFIG),
+    "ch07_forward_ablation_h100": forward_ablation,
+    "ch07_overlap_sweep_h100": lambda: [
+        row for dim, block_Ns in ((128, (128, 176, 192)), (64, (128, 192)))
+        for row in forward_config_sweep(shape=comparison_shapes(seq_lens=(4096,), dim=dim)[0],
+                                        configs=[ForwardConfig(128, n, 2, 256, overlap=True) for n in block_Ns])],
+    "ch07_forward_vs_peers_h100": lambda: forward_vs_peers(
+        shapes=comparison_shapes(seq_lens=(1024, 2048, 4096, 8192, 16384), dim=64)
+        + comparison_shapes(seq_lens=(1024, 2048, 4096, 8192, 16384), dim=128),
+        dtypes=("float16", "bfloat16"), include_naive_up_to=0, config=HOPPER_FORWARD_CONFIG),
 }
 
 if __name__ == "__main__":

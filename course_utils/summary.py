@@ -21,7 +21,9 @@ def headline_table():
     lines = ["| pass (fp16, B=4, H=16, S=4096, D=128) | ours TFLOP/s | FlashAttention-2 | cuDNN | ours ÷ FA2 | ours ÷ cuDNN |",
              "|---|---|---|---|---|---|"]
     sources = []
-    for label, name in (("forward", "ch04_forward_final_h100"), ("backward", "ch05_backward_vs_peers_h100")):
+    for label, name in (("forward (ch07 kernel, Hopper)", "ch07_forward_vs_peers_h100"),
+                        ("forward (ch04 kernel)", "ch04_forward_final_h100"),
+                        ("backward (ch05 kernel)", "ch05_backward_vs_peers_h100")):
         record = load_record(name)
         for causal in (False, True):
             ours = _pick(record["results"], "TileLang (ours)", causal)
@@ -29,10 +31,11 @@ def headline_table():
             lines.append(f"| {label}, {'causal' if causal else 'non-causal'} | {ours:.0f} | {fa2:.0f} | {cudnn:.0f} "
                          f"| {ours / fa2:.2f}× | {ours / cudnn:.2f}× |")
         m = record["machine"]
-        sources.append(f"`figures/{name}.json` ({m['gpu']}, {m['date']})")
+        timing = "calls back to back" if record.get("timing") else "synchronised after each call"
+        sources.append(f"`figures/{name}.json` ({m['gpu']}, {m['date']}, {timing})")
     m = record["machine"]
     lines.append("")
-    lines.append(f"Measured side by side in one run per pass: {', '.join(sources)}; torch {m['torch']}, "
+    lines.append(f"Measured side by side in one run per record: {', '.join(sources)}; torch {m['torch']}, "
                  f"tilelang {m['tilelang']}, CUDA {m['cuda']}, cuDNN {m['cudnn']}, driver {m['driver']}. "
                  "FLOPs: forward 4·B·H·S²·D, backward 2.5× forward, both halved for causal.")
     return "\n".join(lines)
