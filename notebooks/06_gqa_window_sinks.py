@@ -412,7 +412,7 @@ show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "l[i] > 0, (shif
 # $z = -\infty$, whose term is $e^{-\infty} = 0$:
 
 # %%
-show_source(_FlashAttention.forward, "sink_logits = (", "else torch.full(")
+show_source(_FlashAttention.forward, "sink_logits = (", "else _no_sinks(")
 
 # %% [markdown]
 # ### The backward: the gradient of the sink logit
