@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tilelang
 
-from .attention import (HOPPER_FORWARD_CONFIG, TUNED_FORWARD_CONFIG, BackwardConfig, ForwardConfig,
+from .attention import (TUNED_FORWARD_CONFIG, BackwardConfig, ForwardConfig,
                         _compiled_backward, _compiled_forward, default_backward_config, default_forward_config,
                         flash_attention)
 from .bench import attention_flops, save_record, tflops, time_cuda, time_side_by_side
@@ -68,7 +68,8 @@ def _precompile(jobs, *, backward=False, fwd_config=None, bwd_config=None):
         shape, dtype_name, causal = job
         b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
         common = (b, h, h, s, s, d, dtype_name, causal, None)
-        _compiled_forward(*common, False, 1 / math.sqrt(d), fwd_config or default_forward_config("cuda", d), "cuda")
+        config = fwd_config or default_forward_config("cuda", d, causal)
+        _compiled_forward(*common, False, 1 / math.sqrt(d), config, "cuda")
         if backward:
             _compiled_backward(*common, 1 / math.sqrt(d), bwd_config or default_backward_config("cuda", d), "cuda")
 
@@ -98,7 +99,7 @@ def forward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, Tr
             rows.append(dict(impl=impl, dtype=dtype_name, causal=causal, ms=ms, tflops=tflops(flops, ms),
                              max_abs_err=err if impl == "TileLang (ours)" else None, **shape))
             if impl == "TileLang (ours)":
-                rows[-1]["config"] = (config or default_forward_config("cuda", shape["dim"]))._asdict()
+                rows[-1]["config"] = (config or default_forward_config("cuda", shape["dim"], causal))._asdict()
         print(f"{dtype_name} causal={causal!s:5} S={shape['seq']:>5}: " + ", ".join(
             f"{r['impl'].split()[0]} {r['tflops']:.0f}" for r in rows[-len(impls):]))
     return rows
@@ -328,9 +329,11 @@ _NO_TMA_NO_WS = {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
 
 
 def ablation_steps(causal):
-    """Chapter 07's ablation: (label, kernel, kernel options, compile options); each row adds one change.
+    """Chapter 07's ablation: (label, kernel, kernel options, compile options).
 
-    "sync" is chapter 03/04's kernel, "overlap" chapter 07's. All use 128×128 tiles, 256 threads.
+    Each unindented row adds one change to the row above it; indented rows in parentheses are
+    variations of the row above them that the final kernel does not keep. "sync" is chapter 03/04's
+    kernel, "overlap" chapter 07's. Tiles are 128×128 unless a row says otherwise; 256 consumer threads.
     """
     # TileLang 0.1.15 cannot lower cp.async + causal + 2 stages on sm_90 ("Downcast from tirx.Sub").
     plain_stages = 1 if causal else 2
@@ -341,17 +344,19 @@ def ablation_steps(causal):
         ("+ TMA loads, producer warpgroup, setmaxnreg", "sync", dict(num_stages=2), {}),
         ("  (chapter 04's tuning: 1 stage)", "sync", dict(num_stages=1), {}),
         ("+ softmax overlapped with async wgmma", "overlap", dict(num_stages=2), {}),
-        ("+ skip rescales under 2^8", "overlap", dict(num_stages=2, rescale_threshold=8.0), {}),
+        ("  (with 128 × 192 tiles)", "overlap", dict(num_stages=2, block_N=192), {}),
+        ("  (with ping-pong between the warpgroups)", "overlap", dict(num_stages=2, pingpong=True), {}),
+        ("  (with rescales skipped under 2^8)", "overlap", dict(num_stages=2, rescale_threshold=8.0), {}),
     ]
     if causal:
-        steps.append(("  (light query blocks first instead)", "overlap", dict(num_stages=2, heavy_first=False), {}))
+        steps.append(("  (with light query blocks first)", "overlap", dict(num_stages=2, heavy_first=False), {}))
     return steps
 
 
 def _compile_step(shape, dtype_name, causal, step):
     _, kernel, knobs, options = step
     b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
-    tiling = dict(block_M=128, block_N=128, threads=256, **knobs)
+    tiling = dict(dict(block_M=128, block_N=128, threads=256), **knobs)
     if kernel == "overlap":
         func = flash_fwd_hopper_kernel(b, h, s, s, d, causal=causal, dtype=dtype_name, **tiling)
     else:
@@ -359,28 +364,29 @@ def _compile_step(shape, dtype_name, causal, step):
     return compile_kernel(func, out_idx=[4, 5], target="cuda", dtype=dtype_name, **options)
 
 
-def forward_ablation(shape=None, dtype_name="float16", causal_options=(False, True)):
+def forward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(False, True)):
     """TFLOP/s of every ablation step, validated, timed side by side with FlashAttention-2 and cuDNN."""
-    shape = shape or comparison_shapes(seq_lens=(4096,))[0]
-    b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
-    q, k, v = _inputs(shape, getattr(torch, dtype_name))
-    no_sinks = torch.full((h,), float("-inf"), device="cuda")
     rows = []
-    for causal in causal_options:
-        steps = ablation_steps(causal)
-        with ThreadPoolExecutor(8) as pool:
-            kernels = list(pool.map(lambda step: _compile_step(shape, dtype_name, causal, step), steps))
-        impls, errors = {}, {}
-        for (label, *_), kernel in zip(steps, kernels):
-            impls[label] = lambda kernel=kernel: kernel(q, k, v, no_sinks)
-            errors[label] = _validate_slice(impls[label]()[0], q, k, v, causal)
-        for name, backend in SDPA_PEERS.items():
-            impls[name] = lambda backend=backend: _sdpa(q, k, v, causal, backend)
-        flops = attention_flops(b, h, s, s, d, causal=causal)
-        for impl, ms in time_side_by_side(impls).items():
-            rows.append(dict(impl=impl, causal=causal, dtype=dtype_name, ms=ms, tflops=tflops(flops, ms),
-                             max_abs_err=errors.get(impl), step=impl in errors, **shape))
-            print(f"causal={causal!s:5} {impl:55} {rows[-1]['tflops']:6.0f} TFLOP/s")
+    for dim in dims:
+        shape = comparison_shapes(seq_lens=(4096,), dim=dim)[0]
+        b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
+        q, k, v = _inputs(shape, getattr(torch, dtype_name))
+        no_sinks = torch.full((h,), float("-inf"), device="cuda")
+        for causal in causal_options:
+            steps = ablation_steps(causal)
+            with ThreadPoolExecutor(8) as pool:
+                kernels = list(pool.map(lambda step: _compile_step(shape, dtype_name, causal, step), steps))
+            impls, errors = {}, {}
+            for (label, *_), kernel in zip(steps, kernels):
+                impls[label] = lambda kernel=kernel: kernel(q, k, v, no_sinks)
+                errors[label] = _validate_slice(impls[label]()[0], q, k, v, causal)
+            for name, backend in SDPA_PEERS.items():
+                impls[name] = lambda backend=backend: _sdpa(q, k, v, causal, backend)
+            flops = attention_flops(b, h, s, s, d, causal=causal)
+            for impl, ms in time_side_by_side(impls).items():
+                rows.append(dict(impl=impl, causal=causal, dtype=dtype_name, ms=ms, tflops=tflops(flops, ms),
+                                 max_abs_err=errors.get(impl), step=impl in errors, **shape))
+                print(f"D={d} causal={causal!s:5} {impl:55} {rows[-1]['tflops']:6.0f} TFLOP/s")
     return rows
 
 
@@ -404,7 +410,7 @@ RECORDS = {
     "ch07_forward_vs_peers_h100": lambda: forward_vs_peers(
         shapes=comparison_shapes(seq_lens=(1024, 2048, 4096, 8192, 16384), dim=64)
         + comparison_shapes(seq_lens=(1024, 2048, 4096, 8192, 16384), dim=128),
-        dtypes=("float16", "bfloat16"), include_naive_up_to=0, config=HOPPER_FORWARD_CONFIG),
+        dtypes=("float16", "bfloat16"), include_naive_up_to=0),
 }
 
 if __name__ == "__main__":

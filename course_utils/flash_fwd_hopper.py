@@ -8,6 +8,8 @@ natural-log LSE), for sm_90 GPUs only. What changes is the schedule of one threa
   the softmax of block ``kb`` while P·V is still running on the tensor cores
   (``T.wgmma_gemm`` issues without waiting; ``T.wait_wgmma(n)`` waits until at most ``n``
   batches are in flight);
+* with ``pingpong`` the two consumer warpgroups take turns issuing their matmuls, so one
+  warpgroup's softmax runs while the other's matmuls use the tensor cores;
 * with ``rescale_threshold`` t, the running max only moves when a block's max exceeds it by more
   than t (in log2 units), so most blocks skip the rescale of the output accumulator.
 
@@ -28,14 +30,15 @@ def flash_fwd_hopper_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
     dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256,
-    rescale_threshold=None, heavy_first=True, conditional_issue=False,
+    rescale_threshold=None, heavy_first=True, conditional_issue=False, pingpong=False,
 ):
     """Return a ``@T.prim_func`` computing O and LSE; parameters as in ``flash_fwd_kernel``.
 
     ``threads`` counts the consumer threads (two warpgroups); TileLang adds a producer warpgroup.
     ``heavy_first`` starts the query blocks with the most key blocks first when masking.
     ``conditional_issue`` skips the two idle matmuls (first P·V, last QKᵀ) with branches; chapter 07
-    shows why that is slower.
+    shows why that is slower. ``pingpong`` makes the two consumer warpgroups take turns issuing their
+    matmuls (FlashAttention-3's inter-warpgroup schedule).
     """
     heads_kv = heads if heads_kv is None else heads_kv
     group = heads // heads_kv
@@ -114,6 +117,14 @@ def flash_fwd_hopper_kernel(
                 T.copy(V[bz, kv_head, v_blk * block_N:(v_blk + 1) * block_N, :], V_s)
                 # Both matmuls are issued in every iteration (P is 0 in the first, the scores of the last are
                 # unused): ptxas serialises wgmma batches whose issue is conditional (conditional_issue shows it).
+                if pingpong:
+                    # Named barriers 8 and 9 pass the turn to issue matmuls between the two warpgroups.
+                    # Plain extern calls: TileLang's warp specialisation would move T.sync_threads into
+                    # the producer branch.
+                    warpgroup = T.get_thread_binding() // 128
+                    if kb == k_start and warpgroup == 1:
+                        T.call_extern("handle", "tl::__named_barrier_arrive", 8, 256)  # warpgroup 0 goes first
+                    T.call_extern("handle", "tl::__sync_thread_partial", 8 + warpgroup, 256)  # wait for my turn
                 if conditional_issue:
                     if kb < k_end:
                         T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
@@ -122,6 +133,8 @@ def flash_fwd_hopper_kernel(
                 else:
                     T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
                     T.wgmma_gemm(P, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                if pingpong:
+                    T.call_extern("handle", "tl::__named_barrier_arrive", 9 - warpgroup, 256)  # your turn
                 T.wait_wgmma(1)  # the scores are ready; P·V may still be running
                 if kb < k_end:
                     if block_needs_mask(qb, kb):
