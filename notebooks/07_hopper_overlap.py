@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from course_utils import layouts, plots
-from course_utils.attention import HOPPER_FORWARD_CONFIG, is_hopper
+from course_utils.attention import HOPPER_FORWARD_CONFIG, HOPPER_MASKED_FORWARD_CONFIG, is_hopper
 from course_utils.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS, load_record
 from course_utils.experiments import RECORDS, ablation_steps
 from course_utils.flash_fwd_hopper import flash_fwd_hopper_kernel
@@ -113,7 +113,7 @@ cu.check_true(runs[True][1] < runs[False][1], f"the overlapped loop is shorter: 
 #
 # Two consumer warpgroups already overlap each other somewhat: while one waits on its softmax the
 # SM's schedulers can issue the other's wgmmas. FlashAttention-3 enforces that with **ping-pong**
-# named barriers; we measure what the rotated loop alone buys in section 5.
+# named barriers; section 5 measures the rotated loop with and without it.
 #
 # ## 3 · The rotated loop in TileLang
 #
@@ -148,7 +148,7 @@ if is_hopper():
     q, k, v = (torch.randn(shape["batch"], shape["heads"], shape["seq"], shape["dim"], device="cuda",
                            dtype=torch.float16) for _ in range(3))
     for causal in (False, True):
-        out = cu.flash_attention(q, k, v, causal=causal, config=HOPPER_FORWARD_CONFIG)
+        out = cu.flash_attention(q, k, v, causal=causal)  # chapter 07's kernel is the default on Hopper
         ref = cu.attention_reference(q[:1, :1], k[:1, :1], v[:1, :1], causal=causal)
         cu.check_close(out[:1, :1], ref, f"O[0, 0], S=4k, D=128, causal={causal}")
 else:
@@ -221,70 +221,100 @@ cu.check_true("warpgroup_reg_alloc<240>" in source and "warpgroup_reg_dealloc<24
               "producer gives registers away, consumers take them")
 
 # %% [markdown]
+# **Ping-pong** (FlashAttention-3) is a handful of lines on top: before issuing its matmuls a
+# warpgroup waits on its named barrier (`bar.sync`), and after issuing it signals the other's
+# (`bar.arrive`), so the two warpgroups take turns on the tensor cores. The kernel writes them as
+# plain extern calls because TileLang 0.1.15's warp specialisation moves a `T.sync_threads(id, n)`
+# inside the pipelined loop into the producer's branch. In the generated consumer loop, with the
+# thread index already shifted past the producer's 128 threads:
+
+# %%
+pingpong_source = cuda_source(flash_fwd_hopper_kernel(**sizes, pingpong=True))
+grep(pingpong_source, r"named_barrier_arrive|__sync_thread_partial\(\(", max_hits=3, width=100)
+loop = pingpong_source[pingpong_source.index("for (int kb_1 = "):]
+cu.check_true(loop.index("__sync_thread_partial((") < loop.index("wgmma_ss<")
+              < loop.index("__named_barrier_arrive((") < loop.index("wait_wgmma<1>"),
+              "wait for the turn, issue both matmuls, pass the turn, then wait for the scores")
+
+# %% [markdown]
 # ## 5 · What each technique is worth (H100)
 #
-# One record, one process, the same inputs (fp16, B = 4, H = 16, S = 4k, D = 128): each row adds
-# one technique to the row above, and every kernel was checked against the float64 reference
-# before it was timed. The two rows in parentheses are side variations, not steps. The rows:
+# One record, one process, the same inputs (fp16, S = 4k, B = 4 with H·D = 2048, for D = 128 and
+# D = 64). Every kernel was checked against the float64 reference before it was timed. Each
+# unindented row adds one technique to the row above; indented rows in parentheses are variations
+# of the row above them that the final kernel does not keep. The rows:
 #
 # 1. chapter 03's kernel with TMA and warp specialisation switched off (`cp.async` copies issued
 #    by every thread, as on Ampere) and exact `exp2`;
 # 2. `exp2` compiled to the approximate `ex2.approx` instruction (TileLang's fast math);
 # 3. TileLang's default on Hopper: a producer warpgroup issuing TMA copies, `setmaxnreg`;
-# 4. this chapter's rotated loop;
-# 5. FlashAttention-4's trick of moving the running max only when it grows by more than 2⁸, and
-#    skipping the rescale of the output when no row of a thread moved.
+# 4. this chapter's rotated loop — the final kernel; then variations of it: **wider key blocks**
+#    (section 6); **ping-pong**: named barriers 8 and 9 make the two consumer warpgroups take turns issuing
+#    their matmuls (FlashAttention-3's inter-warpgroup schedule); **skipped rescales**:
+#    FlashAttention-4's trick of moving the running max only when it grows by more than 2⁸, and
+#    skipping the output rescale when no row of a thread moved; and, causal only, the **launch
+#    order** of chapter 06 reversed.
 
 # %%
 ablation = cu.measured("ch07_forward_ablation_h100", RECORDS["ch07_forward_ablation_h100"])
 arows = ablation["results"]
 labels = [label for label, *_ in ablation_steps(causal=True)]
+PEERS = ["FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"]
 cu.check_true(all(r["max_abs_err"] is not None for r in arows if r["step"]), "every step was validated")
-tflops = {(r["impl"], r["causal"]): r["tflops"] for r in arows}
-print(f"{'TFLOP/s':55} {'non-causal':>10} {'causal':>8}")
-for impl in labels + ["FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"]:
-    print(f"{impl:55} " + " ".join(f"{tflops[impl, c]:{w}.0f}" if (impl, c) in tflops else f"{'–':>{w}}"
-                                   for c, w in ((False, 10), (True, 8))))
-for causal in (False, True):
-    tf = {r["impl"]: r["tflops"] for r in arows if r["causal"] == causal}
+tflops = {(r["impl"], r["dim"], r["causal"]): r["tflops"] for r in arows}
+cases = [(dim, causal) for dim in (128, 64) for causal in (False, True)]
+print(f"{'TFLOP/s, fp16, S=4k':46}" + "".join(f"{f'D={d}' + (' causal' if c else ''):>13}" for d, c in cases))
+for impl in labels + PEERS:
+    print(f"{impl:46}" + "".join(f"{tflops[impl, d, c]:13.0f}" if (impl, d, c) in tflops else f"{'–':>13}"
+                                 for d, c in cases))
+overlap = "+ softmax overlapped with async wgmma"
+for dim, causal in cases:
+    tf = {impl: tflops[impl, dim, causal] for impl in labels + PEERS if (impl, dim, causal) in tflops}
     main = [label for label in labels if label in tf and not label.startswith(" ")]
     gains = ", ".join(f"{b.split()[1]} {tf[b] / tf[a] - 1:+.0%}" for a, b in zip(main, main[1:]))
-    print(f"causal={causal!s:5}: step gains: {gains}")
-overlap = "+ softmax overlapped with async wgmma"
-print("rotated loop ÷ cuDNN: " + ", ".join(
-    f"causal={c}: {tflops[overlap, c] / tflops['cuDNN (SDPA cudnn)', c]:.2f}" for c in (False, True)))
+    variations = ", ".join(f"{v.split('(with ')[1].rstrip(')')} {tf[v] / tf[overlap] - 1:+.0%}"
+                           for v in labels[labels.index(overlap) + 1:] if v in tf)
+    print(f"D={dim:>3} causal={causal!s:5}: steps {gains} | variations {variations} | "
+          f"rotated loop ÷ cuDNN {tf[overlap] / tf[PEERS[1]]:.2f}")
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(14, 4.2), sharex=True)
-for ax, causal in zip(axes, (False, True)):
-    tf = {r["impl"]: r["tflops"] for r in arows if r["causal"] == causal}
+fig, axes = plt.subplots(2, 2, figsize=(14, 7.5), sharex=True)
+for ax, (dim, causal) in zip(axes.flat, cases):
+    tf = {impl: tflops[impl, dim, causal] for impl in labels + PEERS if (impl, dim, causal) in tflops}
     names = [label for label in labels if label in tf]
-    ax.barh(range(len(names)), [tf[n] for n in names], color=plots.COLORS[0])
+    ax.barh(range(len(names)), [tf[n] for n in names],
+            color=[plots.COLORS[7] if n.startswith(" ") else plots.COLORS[0] for n in names])
     ax.set_yticks(range(len(names)), labels=[n.strip() for n in names], fontsize=8)
     ax.invert_yaxis()
-    for peer, style in (("FlashAttention-2 (SDPA flash)", ":"), ("cuDNN (SDPA cudnn)", "--")):
+    for peer, style in zip(PEERS, (":", "--")):
         ax.axvline(tf[peer], color="black", linestyle=style, linewidth=1, label=f"{peer}: {tf[peer]:.0f}")
-    ax.set(title=f"fp16, S=4k, D=128, causal={causal}", xlabel="TFLOP/s")
+    ax.set(title=f"fp16, S=4k, D={dim}, causal={causal}", xlabel="TFLOP/s")
     ax.legend(fontsize=7, loc="lower right")
-fig.text(0.01, -0.03, plots.record_caption(ablation), fontsize=7)
+fig.text(0.01, -0.02, plots.record_caption(ablation), fontsize=7)
 fig.tight_layout()
 plots.save(fig, "ch07_ablation")
 
 # %% [markdown]
-# Reading the record:
+# Reading the record (the printed lines give each step's gain and each variation's change):
 #
 # - **TMA and warp specialisation** are the biggest single step: address generation and copy
 #   issue leave the compute warps entirely, and the consumers get the registers to match.
-# - **Fast `exp2`** matters because section 1's exponentials are on the critical path.
-# - **The rotated loop** is the step this chapter adds; it closes most of the remaining gap to
-#   cuDNN (the last printed line gives the ratio). It gains less with the causal mask, whose
-#   diagonal blocks add masking work between the waits and whose short rows have fewer
-#   iterations to overlap.
+# - **Fast `exp2`** matters because section 1's exponentials are on the critical path; it gains
+#   most with the causal mask, whose diagonal blocks add masking work next to them.
+# - **The rotated loop** is the step this chapter adds. At D = 128 it closes most of the
+#   remaining gap to cuDNN. At D = 64 it gains little or even loses: the exponentials take as long
+#   as the matmuls, so there is little matmul time to hide them behind, while the two idle
+#   matmuls and the extra waits still cost — most with the causal mask's short rows.
+# - **Ping-pong** changes little at D = 128: two warpgroups of one block already interleave on
+#   the SM without being told to. It helps exactly where the rotated loop struggled (D = 64,
+#   causal) and costs elsewhere, so the course's default leaves it off and keeps it as a knob.
+# - **Wider key blocks** pay with the causal mask and cost without it, which is what section 6's
+#   sweep decides the tiling by.
 # - **Skipping rescales does not pay on Hopper.** The rescale is 64 multiplies per thread on
 #   the FP32 units, cheaper than the branch that skips it and the larger exponentials. It pays on
 #   Blackwell, where FlashAttention-4 moves it to separate warps.
-# - **Heavy query blocks first** (chapter 06's launch order for masked kernels) makes little
-#   difference here: with thousands of blocks over 132 SMs the tail is short either way.
+# - **Heavy query blocks first** (chapter 06's launch order for masked kernels) is never worse
+#   than the reverse order, and better at D = 64.
 #
 # ## 6 · The final forward against FlashAttention-2 and cuDNN
 #
@@ -302,14 +332,16 @@ for dim in (128, 64):
     print(plots.text_table(sel, index="block_N", columns="causal", value="tflops", width=8))
     for causal in (False, True):
         by_n = {r["block_N"]: r["tflops"] for r in sel if r["causal"] == causal}
-        default = by_n[HOPPER_FORWARD_CONFIG.block_N]
-        cu.check_true(max(by_n.values()) <= 1.03 * default,
-                      f"D={dim} causal={causal}: no tiling beats the default 128 × 128 by more than 3%")
+        chosen = (HOPPER_MASKED_FORWARD_CONFIG if causal else HOPPER_FORWARD_CONFIG).block_N
+        cu.check_true(max(by_n.values()) <= 1.03 * by_n[chosen],
+                      f"D={dim} causal={causal}: no tiling beats the course's 128 × {chosen} by more than 3%")
 
 # %% [markdown]
-# No wider tiling pays enough to matter here (the differences are within the few-percent drift
-# between runs on this machine), so the course keeps 128 × 128 tiles.
-# `cu.flash_attention` uses this kernel by default on Hopper GPUs (`HOPPER_FORWARD_CONFIG`).
+# Without a mask the 128 × 128 tiles are as fast as any; with the causal mask the wider key blocks
+# are ahead (each query block has fewer iterations there, so the per-iteration and per-block
+# costs, the two idle matmuls included, weigh more). `cu.flash_attention` uses this kernel by
+# default on Hopper GPUs, with 128 × 128 tiles (`HOPPER_FORWARD_CONFIG`) or, for causal and
+# window masks, 128 × 192 (`HOPPER_MASKED_FORWARD_CONFIG`).
 # The usual shapes (B·S = 16k tokens, H·D = 2048), D = 64 and 128, fp16 and bf16, causal and not,
 # timed side by side with SDPA's FlashAttention-2 and cuDNN backends in one process:
 
@@ -363,14 +395,14 @@ for peer in ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"):
           + (": " + ", ".join(cases) if len(cases) < 6 else ""))
 
 # %% [markdown]
-# In this record the kernel is at least as fast as FlashAttention-2 in every case, and about
-# twice as fast at D = 128 from S = 8k. Against cuDNN the picture depends on the head dimension,
-# as section 1 predicts. At D = 128 the rotated loop hides most of the softmax: the kernel is
-# within about 10% of cuDNN from S = 2k and passes it only at the longest causal sequences
-# (the cases listed above). At D = 64 the exponentials cost as much as the matmuls, there is
-# nothing left to hide them behind, and cuDNN's finer scheduling (ping-pong warpgroups,
-# persistent blocks) shows. Short sequences cost every kernel (few tiles per (batch, head));
-# ours more, since it has no persistent scheduling to overlap one tile's epilogue with the next.
+# In this record the kernel is faster than FlashAttention-2 in all but the shortest causal cases
+# at D = 64, and about twice as fast at D = 128 from S = 8k. Against cuDNN the picture depends on
+# the head dimension, as section 1 predicts. At D = 128 the rotated loop hides most of the
+# softmax: from S = 4k the kernel is within about 10% of cuDNN, and at least as fast as it in the
+# long causal cases listed above. At D = 64 the exponentials cost as much as the matmuls, there is
+# nothing left to hide them behind, and cuDNN's finer scheduling shows. Short sequences cost
+# every kernel (few tiles per (batch, head)); ours more, since it has no persistent scheduling to
+# overlap one tile's epilogue with the next tile's start.
 #
 # ## 7 · Where the rest of the time goes
 #
@@ -391,11 +423,6 @@ cu.check_true(best["tflops"] < PEAK_TFLOPS, "below the roof, as it must be")
 # %% [markdown]
 # What this kernel does not do yet, each a known source of the remaining time:
 #
-# - **Ping-pong between the two consumer warpgroups** (FlashAttention-3): named barriers so that
-#   one warpgroup's matmuls always run during the other's softmax. In TileLang 0.1.15 a
-#   `T.sync_threads(id, 256)` inside the pipelined loop is moved into the *producer* branch by the
-#   warp specialisation pass (we read it in the generated code), so it needs hand-written warp
-#   specialisation (`T.tma_copy`, `T.alloc_barrier`), which upstream's FlashMLA example shows.
 # - **Persistent blocks**: one block per SM looping over tiles, so the next tile's Q load and the
 #   previous tile's O store overlap compute; the short-S and causal rows would gain most.
 # - **Cheaper exponentials** at D = 64: FlashAttention-4 computes part of the `exp2`s with a
