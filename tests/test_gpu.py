@@ -86,6 +86,12 @@ def test_backward_gpt_oss_shape(window):
     _check_grads(q, k, v, 16, causal=True, window_size=window, sinks=sinks, atol=6e-2, rtol=6e-2)
 
 
+def test_backward_one_key_window():
+    """window_size=1: each query sees only its own key (the backward's special loop bounds)."""
+    q, k, v = (torch.randn(1, 4, 1000, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    _check_grads(q, k, v, 4, causal=True, window_size=1)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_chapter04_kernel_at_full_size(causal):
     """On Hopper the default is chapter 07's kernel; chapter 04's tuned kernel must stay correct too."""
