@@ -20,7 +20,7 @@ from .tiles import compile_kernel
 
 __all__ = ["flash_attention", "ForwardConfig", "BackwardConfig", "default_forward_config",
            "default_backward_config", "is_hopper", "SUPPORTED", "TUNED_FORWARD_CONFIG",
-           "HOPPER_FORWARD_CONFIG", "HOPPER_MASKED_FORWARD_CONFIG"]
+           "HOPPER_FORWARD_CONFIGS"]
 
 # What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
 SUPPORTED = {
@@ -38,6 +38,7 @@ class ForwardConfig(NamedTuple):
     num_stages: int
     threads: int
     overlap: bool = False  # softmax overlapped with async wgmma (Hopper only, chapter 07)
+    pingpong: bool = False  # chapter 07's kernel only: the two consumer warpgroups take turns
 
 
 def is_hopper():
@@ -47,10 +48,15 @@ def is_hopper():
 
 # Best of the chapter 04 sweep on the H100 (figures/ch04_forward_sweep_h100.json), causal and not.
 TUNED_FORWARD_CONFIG = ForwardConfig(128, 128, 1, 256)
-# Chapter 07's kernel and its tiling sweep on the H100 (figures/ch07_overlap_sweep_h100.json): with a
-# causal or window mask, wider key blocks pay (fewer iterations for the short rows).
-HOPPER_FORWARD_CONFIG = ForwardConfig(128, 128, 2, 256, overlap=True)
-HOPPER_MASKED_FORWARD_CONFIG = ForwardConfig(128, 192, 2, 256, overlap=True)
+# Chapter 07's kernel, tiled per (head dim, causal or window mask) from its sweep on the H100
+# (figures/ch07_overlap_sweep_h100.json): wider key blocks pay with a mask (fewer iterations for
+# the short rows), and ping-pong pays where the exponentials weigh most (D = 64 with a mask).
+HOPPER_FORWARD_CONFIGS = {
+    (128, False): ForwardConfig(128, 128, 2, 256, overlap=True),
+    (128, True): ForwardConfig(128, 192, 2, 256, overlap=True),
+    (64, False): ForwardConfig(128, 128, 2, 256, overlap=True),
+    (64, True): ForwardConfig(128, 192, 2, 256, overlap=True, pingpong=True),
+}
 
 
 def default_forward_config(device_type, dim, masked=False):
@@ -60,8 +66,8 @@ def default_forward_config(device_type, dim, masked=False):
     """
     if device_type == "cpu":
         return ForwardConfig(16, 16, 1, 1)
-    if is_hopper():
-        return HOPPER_MASKED_FORWARD_CONFIG if masked else HOPPER_FORWARD_CONFIG
+    if is_hopper() and (dim, bool(masked)) in HOPPER_FORWARD_CONFIGS:
+        return HOPPER_FORWARD_CONFIGS[dim, bool(masked)]
     return TUNED_FORWARD_CONFIG
 
 
@@ -87,10 +93,13 @@ def _compiled_forward(batch, heads, heads_kv, seq_q, seq_k, dim, dtype_name, cau
     variant = dict(heads_kv=heads_kv, causal=causal, window_size=window_size, has_sinks=has_sinks,
                    sm_scale=sm_scale, dtype=dtype_name)
     tiling = config._asdict()
-    if tiling.pop("overlap"):
+    overlap, pingpong = tiling.pop("overlap"), tiling.pop("pingpong")
+    if overlap:
         if target != "cuda" or not is_hopper():
             raise ValueError("ForwardConfig(overlap=True) is chapter 07's Hopper kernel: it needs an sm_90 GPU")
-        func = flash_fwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, **variant, **tiling)
+        func = flash_fwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, **variant, **tiling, pingpong=pingpong)
+    elif pingpong:
+        raise ValueError("ForwardConfig(pingpong=True) needs overlap=True (chapter 07's Hopper kernel)")
     else:
         func = flash_fwd_kernel(batch, heads, seq_q, seq_k, dim, target=target, **variant, **tiling)
     return compile_kernel(func, out_idx=[4, 5], target=target, dtype=dtype_name)

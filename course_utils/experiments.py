@@ -404,9 +404,11 @@ RECORDS = {
         include_naive_up_to=0, config=TUNED_FORWARD_CONFIG),
     "ch07_forward_ablation_h100": forward_ablation,
     "ch07_overlap_sweep_h100": lambda: [
-        row for dim, block_Ns in ((128, (128, 176, 192)), (64, (128, 192)))
-        for row in forward_config_sweep(shape=comparison_shapes(seq_lens=(4096,), dim=dim)[0],
-                                        configs=[ForwardConfig(128, n, 2, 256, overlap=True) for n in block_Ns])],
+        row for dim, tilings in ((128, [(128, False), (176, False), (192, False)]),
+                                 (64, [(128, False), (192, False), (128, True), (192, True)]))
+        for row in forward_config_sweep(
+            shape=comparison_shapes(seq_lens=(4096,), dim=dim)[0],
+            configs=[ForwardConfig(128, n, 2, 256, overlap=True, pingpong=pp) for n, pp in tilings])],
     "ch07_forward_vs_peers_h100": lambda: forward_vs_peers(
         shapes=comparison_shapes(seq_lens=(1024, 2048, 4096, 8192, 16384), dim=64)
         + comparison_shapes(seq_lens=(1024, 2048, 4096, 8192, 16384), dim=128),

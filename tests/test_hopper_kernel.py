@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from course_utils import flash_attention
-from course_utils.attention import HOPPER_FORWARD_CONFIG, default_forward_config, is_hopper
+from course_utils.attention import HOPPER_FORWARD_CONFIGS, ForwardConfig, default_forward_config, is_hopper
 from course_utils.flash_fwd_hopper import flash_fwd_hopper_kernel
 from course_utils.source import cuda_source, ptxas_report
 
@@ -57,4 +57,6 @@ def test_cpu_defaults_unchanged_and_overlap_rejected_off_hopper():
     assert default_forward_config("cpu", 64).overlap is False
     q = torch.randn(1, 2, 32, 16)
     with pytest.raises(ValueError, match="sm_90"):
-        flash_attention(q, q, q, config=HOPPER_FORWARD_CONFIG)
+        flash_attention(q, q, q, config=HOPPER_FORWARD_CONFIGS[128, False])
+    with pytest.raises(ValueError, match="needs overlap=True"):
+        flash_attention(q, q, q, config=ForwardConfig(16, 16, 1, 1, pingpong=True))
