@@ -208,6 +208,6 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, s
     bwd_config = (BackwardConfig(*backward_config) if backward_config is not None
                   else default_backward_config(device_type, dim))
     out, lse = _FlashAttention.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), sinks, bool(causal or window_size is not None),
+        q.contiguous(), k.contiguous(), v.contiguous(), sinks, masked,
         window_size, sm_scale, config, bwd_config, target)
     return (out, lse) if return_lse else out
