@@ -211,8 +211,8 @@ else:
 # %% [markdown]
 # That is why the kernel issues both matmuls in every iteration: two wasted matmuls per query
 # block (about 1/n of the work for n key blocks) are far cheaper than losing the overlap in all
-# of them. The register line matters too: 168 registers per thread and no spills. TileLang's
-# warp specialisation gives the producer warpgroup 24 registers and the consumers 240
+# of them. The register lines matter too: no spills in either version. TileLang's warp
+# specialisation gives the producer warpgroup 24 registers and the consumers 240
 # (`setmaxnreg`), so S, P and the output accumulator of two warpgroups fit.
 
 # %%
