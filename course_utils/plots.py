@@ -13,6 +13,7 @@ from .bench import FIGURES
 
 __all__ = ["COLORS", "IMPL_COLORS", "style", "save", "heatmap", "line_chart", "speedup_bars", "roofline",
            "record_caption", "roofline_series", "online_softmax_diagram", "text_table", "pipeline_timeline",
+           "forward_comparison_panels", "peer_ratio_heatmaps",
            "bank_map", "bank_hits_chart", "fragment_map"]
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
@@ -83,6 +84,43 @@ def line_chart(ax, rows, *, x, y, group="impl", title=None, xlabel=None, ylabel=
         ax.set_yscale("log")
     ax.set(title=title, xlabel=xlabel or x, ylabel=ylabel or y)
     ax.legend(fontsize=8)
+
+
+_DTYPE_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def forward_comparison_panels(record, dims=(64, 128), dtypes=("float16", "bfloat16")):
+    """TFLOP/s against S for every implementation of a forward comparison record: one panel per
+    (dtype, D, causal), with the record's machine as caption. Returns the figure."""
+    panels = [(dim, causal) for dim in dims for causal in (False, True)]
+    fig, axes = plt.subplots(len(dtypes), len(panels), figsize=(16, 3.5 * len(dtypes)), sharey=True, squeeze=False)
+    for r_i, dtype in enumerate(dtypes):
+        for c_i, (dim, causal) in enumerate(panels):
+            sel = [r for r in record["results"] if (r["dtype"], r["dim"], r["causal"]) == (dtype, dim, causal)]
+            line_chart(axes[r_i, c_i], sel, x="seq", y="tflops", title=f"{dtype}, D={dim}, causal={causal}",
+                       xlabel="sequence length S", ylabel="TFLOP/s")
+            if (r_i, c_i) != (0, 0):
+                axes[r_i, c_i].get_legend().remove()
+    fig.text(0.01, -0.01, record_caption(record), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def peer_ratio_heatmaps(rows, combos, seqs, peers, ours="TileLang (ours)"):
+    """One heat map per peer of ours ÷ peer TFLOP/s: a row per (dtype, D, causal) in ``combos``, a
+    column per sequence length. Returns the figure."""
+    tf = {(r["impl"], r["dtype"], r["dim"], r["causal"], r["seq"]): r["tflops"] for r in rows}
+    fig, axes = plt.subplots(1, len(peers), figsize=(7 * len(peers), 4), squeeze=False)
+    for ax, peer in zip(axes[0], peers):
+        ratio = np.array([[tf[(ours, *c, s)] / tf[(peer, *c, s)] for s in seqs] for c in combos])
+        heatmap(ax, ratio, title=f"ours ÷ {peer}", xlabel="S", ylabel="", cmap="RdBu", vmin=0.5, vmax=1.5)
+        for (i, j), value in np.ndenumerate(ratio):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(seqs)), labels=[_short(s) for s in seqs])
+        ax.set_yticks(range(len(combos)),
+                      labels=[f"{_DTYPE_SHORT.get(d, d)} D={dim}{' causal' if c else ''}" for d, dim, c in combos])
+    fig.tight_layout()
+    return fig
 
 
 def speedup_bars(ax, labels, values, *, baseline=1.0, title=None, ylabel="speedup ×"):

@@ -476,17 +476,7 @@ cu.check_true(best[False] == best[True] == default, f"the tuned tiling {default}
 final = cu.measured("ch04_forward_final_h100", RECORDS["ch04_forward_final_h100"])
 rows = final["results"]
 panels = [(dim, causal) for dim in (64, 128) for causal in (False, True)]
-fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharey=True)
-for r_i, dtype in enumerate(("float16", "bfloat16")):
-    for c_i, (dim, causal) in enumerate(panels):
-        ax = axes[r_i, c_i]
-        sel = [r for r in rows if (r["dtype"], r["dim"], r["causal"]) == (dtype, dim, causal)]
-        plots.line_chart(ax, sel, x="seq", y="tflops", title=f"{dtype}, D={dim}, causal={causal}",
-                         xlabel="sequence length S", ylabel="TFLOP/s")
-        if (r_i, c_i) != (0, 0):
-            ax.get_legend().remove()
-fig.text(0.01, -0.01, plots.record_caption(final), fontsize=8)
-fig.tight_layout()
+fig = plots.forward_comparison_panels(final)
 plots.save(fig, "ch04_forward_final")
 ours_rows = [r for r in rows if r["impl"] == "TileLang (ours)"]
 cu.check_true(all(r["max_abs_err"] is not None for r in ours_rows),
@@ -500,16 +490,8 @@ cu.check_true(all(ForwardConfig(**r["config"]) == default for r in ours_rows), f
 combos = [(dtype, dim, causal) for dtype in ("float16", "bfloat16") for dim, causal in panels]
 seqs = sorted({r["seq"] for r in rows})
 tf = {(r["impl"], r["dtype"], r["dim"], r["causal"], r["seq"]): r["tflops"] for r in rows}
-SHORT = {"float16": "fp16", "bfloat16": "bf16"}
-fig, axes = plt.subplots(1, 2, figsize=(14, 4))
-for ax, peer in zip(axes, ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)")):
-    ratio = np.array([[tf[("TileLang (ours)", *c, s)] / tf[(peer, *c, s)] for s in seqs] for c in combos])
-    plots.heatmap(ax, ratio, title=f"ours ÷ {peer}", xlabel="S", ylabel="", cmap="RdBu", vmin=0.5, vmax=1.5)
-    for (i, j), value in np.ndenumerate(ratio):
-        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(seqs)), labels=[f"{s // 1024}k" if s >= 1024 else str(s) for s in seqs])
-    ax.set_yticks(range(len(combos)), labels=[f"{SHORT[d]} D={dim}{' causal' if c else ''}" for d, dim, c in combos])
-fig.tight_layout()
+PEERS = ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)")
+fig = plots.peer_ratio_heatmaps(rows, combos, seqs, PEERS)
 plots.save(fig, "ch04_forward_ratios")
 for causal in (False, True):
     key = ("float16", 128, causal, 4096)

@@ -356,16 +356,7 @@ ours_rows = [r for r in rows if r["impl"] == "TileLang (ours)"]
 cu.check_true(all(r["max_abs_err"] is not None for r in ours_rows), "every configuration of ours was validated")
 cu.check_true(all(r["config"]["overlap"] for r in ours_rows), "all of ours ran chapter 07's kernel")
 panels = [(dim, causal) for dim in (64, 128) for causal in (False, True)]
-fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharey=True)
-for r_i, dtype in enumerate(("float16", "bfloat16")):
-    for c_i, (dim, causal) in enumerate(panels):
-        sel = [r for r in rows if (r["dtype"], r["dim"], r["causal"]) == (dtype, dim, causal)]
-        plots.line_chart(axes[r_i, c_i], sel, x="seq", y="tflops", title=f"{dtype}, D={dim}, causal={causal}",
-                         xlabel="sequence length S", ylabel="TFLOP/s")
-        if (r_i, c_i) != (0, 0):
-            axes[r_i, c_i].get_legend().remove()
-fig.text(0.01, -0.01, plots.record_caption(final), fontsize=8)
-fig.tight_layout()
+fig = plots.forward_comparison_panels(final)
 plots.save(fig, "ch07_forward_vs_peers")
 
 # %% [markdown]
@@ -375,16 +366,7 @@ plots.save(fig, "ch07_forward_vs_peers")
 combos = [(dtype, dim, causal) for dtype in ("float16", "bfloat16") for dim, causal in panels]
 seqs = sorted({r["seq"] for r in rows})
 tf = {(r["impl"], r["dtype"], r["dim"], r["causal"], r["seq"]): r["tflops"] for r in rows}
-SHORT = {"float16": "fp16", "bfloat16": "bf16"}
-fig, axes = plt.subplots(1, 2, figsize=(14, 4))
-for ax, peer in zip(axes, ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)")):
-    ratio = np.array([[tf[("TileLang (ours)", *c, s)] / tf[(peer, *c, s)] for s in seqs] for c in combos])
-    plots.heatmap(ax, ratio, title=f"ours ÷ {peer}", xlabel="S", ylabel="", cmap="RdBu", vmin=0.5, vmax=1.5)
-    for (i, j), value in np.ndenumerate(ratio):
-        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(seqs)), labels=[f"{s // 1024}k" for s in seqs])
-    ax.set_yticks(range(len(combos)), labels=[f"{SHORT[d]} D={dim}{' causal' if c else ''}" for d, dim, c in combos])
-fig.tight_layout()
+fig = plots.peer_ratio_heatmaps(rows, combos, seqs, PEERS)
 plots.save(fig, "ch07_forward_ratios")
 for causal in (False, True):
     key = ("float16", 128, causal, 4096)
@@ -394,13 +376,15 @@ for causal in (False, True):
           f"{ours / cudnn:.2f}× cuDNN — target ≥ 1.0× cuDNN {'met' if ours >= cudnn else 'not met'}")
 for peer in ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"):
     faster = [(c, s) for c in combos for s in seqs if tf[("TileLang (ours)", *c, s)] >= tf[(peer, *c, s)]]
-    cases = [f"{SHORT[d]} D={dim}{' causal' if causal else ''} S={s}" for (d, dim, causal), s in faster]
+    cases = [f"{dict(float16='fp16', bfloat16='bf16')[d]} D={dim}{' causal' if causal else ''} S={s}"
+             for (d, dim, causal), s in faster]
     print(f"ours at least as fast as {peer.split()[0]} in {len(faster)} of {len(combos) * len(seqs)} cases"
           + (": " + ", ".join(cases) if len(cases) < 6 else ""))
 
 # %% [markdown]
 # In this record the kernel is at least as fast as FlashAttention-2 in every case (level with it
-# only at the shortest causal sequences at D = 64), and about twice as fast at D = 128 from S = 8k. Against cuDNN the picture depends on
+# only at the shortest causal sequences at D = 64), and about twice as fast at D = 128 from S = 8k.
+# Against cuDNN the picture depends on
 # the head dimension, as section 1 predicts. At D = 128 the rotated loop hides most of the
 # softmax: from S = 4k the kernel is within about 10% of cuDNN, and at least as fast as it in the
 # long causal cases listed above. At D = 64 the exponentials cost as much as the matmuls, there is
