@@ -18,8 +18,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import tilelang
 
 from .attention import (TUNED_FORWARD_CONFIG, BackwardConfig, ForwardConfig,
-                        _compiled_backward, _compiled_forward, default_backward_config, default_forward_config,
-                        flash_attention)
+                        _compiled_backward, _compiled_forward, _no_sinks, default_backward_config,
+                        default_forward_config, flash_attention)
 from .bench import attention_flops, save_record, tflops, time_cuda, time_side_by_side
 from .checks import check_close
 from .flash_fwd import flash_fwd_kernel
@@ -322,8 +322,6 @@ def gqa_backward_strategies(shape=None):
     return rows
 
 
-# The records the notebooks show, by name: ``measured(name, RECORDS[name])`` in a notebook, or
-# ``python -m course_utils.experiments NAME ...`` on a GPU machine to refresh them in one go.
 _NO_TMA_NO_WS = {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
                  tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
@@ -371,7 +369,7 @@ def forward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(False
         shape = comparison_shapes(seq_lens=(4096,), dim=dim)[0]
         b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
         q, k, v = _inputs(shape, getattr(torch, dtype_name))
-        no_sinks = torch.full((h,), float("-inf"), device="cuda")
+        no_sinks = _no_sinks(h, q.device)
         for causal in causal_options:
             steps = ablation_steps(causal)
             with ThreadPoolExecutor(8) as pool:
@@ -390,6 +388,8 @@ def forward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(False
     return rows
 
 
+# The records the notebooks show, by name: ``measured(name, RECORDS[name])`` in a notebook, or
+# ``python -m course_utils.experiments NAME ...`` on a GPU machine to refresh them in one go.
 RECORDS = {
     "ch01_naive_vs_sdpa_h100": naive_vs_sdpa,
     "ch03_forward_vs_peers_h100": lambda: forward_vs_peers(config=TUNED_FORWARD_CONFIG),
