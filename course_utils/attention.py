@@ -1,7 +1,9 @@
 """``flash_attention``: the course's kernels behind one PyTorch-style function.
 
 Kernels are compiled once per (shapes, dtype, variant, tiling, target) and cached, so calling
-this in a loop costs one compilation.
+this in a loop costs one compilation. The compiled kernels are public too, for the chapters that
+take the pieces apart: ``forward_kernel`` and ``backward_kernels`` return what ``flash_attention``
+would run on given inputs, and ``attention_backward`` is its backward pass as a plain function.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from .flash_fwd_hopper import flash_fwd_hopper_kernel
 from .reference import validate_attention_inputs
 from .tiles import compile_kernel
 
-__all__ = ["flash_attention", "ForwardConfig", "BackwardConfig", "default_forward_config",
-           "default_backward_config", "is_hopper", "SUPPORTED", "TUNED_FORWARD_CONFIG",
-           "HOPPER_FORWARD_CONFIGS"]
+__all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
+           "ForwardConfig", "BackwardConfig", "default_forward_config", "default_backward_config", "is_hopper",
+           "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS", "FORWARD_KERNELS"]
 
 # What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
 SUPPORTED = {
@@ -28,17 +30,19 @@ SUPPORTED = {
     "cpu": {"dtypes": (torch.float32, torch.float16), "head_dims": (16, 32, 64, 128)},
 }
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# The forward kernels a ForwardConfig can select: chapter 03/04's, and chapter 07's Hopper kernel.
+FORWARD_KERNELS = {"flash_fwd": flash_fwd_kernel, "flash_fwd_hopper": flash_fwd_hopper_kernel}
 
 
 class ForwardConfig(NamedTuple):
-    """Tiling of the forward kernel, and which kernel: chapter 03/04's or (``overlap``) chapter 07's."""
+    """Which forward kernel (``FORWARD_KERNELS``) and its tiling."""
 
     block_M: int
     block_N: int
     num_stages: int
     threads: int
-    overlap: bool = False  # softmax overlapped with async wgmma (Hopper only, chapter 07)
-    pingpong: bool = False  # chapter 07's kernel only: the two consumer warpgroups take turns
+    kernel: str = "flash_fwd"
+    pingpong: bool = False  # flash_fwd_hopper only: the two consumer warpgroups take turns
 
 
 def is_hopper():
@@ -52,10 +56,10 @@ TUNED_FORWARD_CONFIG = ForwardConfig(128, 128, 1, 256)
 # (figures/ch07_overlap_sweep_h100.json): wider key blocks pay with a mask (fewer iterations for
 # the short rows), and ping-pong pays where the exponentials weigh most (D = 64 with a mask).
 HOPPER_FORWARD_CONFIGS = {
-    (128, False): ForwardConfig(128, 128, 2, 256, overlap=True),
-    (128, True): ForwardConfig(128, 192, 2, 256, overlap=True),
-    (64, False): ForwardConfig(128, 128, 2, 256, overlap=True),
-    (64, True): ForwardConfig(128, 192, 2, 256, overlap=True, pingpong=True),
+    (128, False): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper"),
+    (128, True): ForwardConfig(128, 192, 2, 256, kernel="flash_fwd_hopper"),
+    (64, False): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper"),
+    (64, True): ForwardConfig(128, 192, 2, 256, kernel="flash_fwd_hopper", pingpong=True),
 }
 
 
@@ -80,52 +84,108 @@ class BackwardConfig(NamedTuple):
     threads: int
 
 
-def default_backward_config(device_type, dim):
+def default_backward_config(device_type):
+    """The backward tiling used when none is given: small tiles on the CPU, the chapter 05 sweep's best on the GPU."""
     if device_type == "cpu":
         return BackwardConfig(16, 16, 1, 1)
     # Best of the chapter 05 sweep on the H100 (figures/ch05_backward_sweep_h100.json), causal and not.
     return BackwardConfig(64, 128, 1, 256)
 
 
+class _Problem(NamedTuple):
+    """Everything a compiled kernel is specialised for (the key of the kernel caches)."""
+
+    batch: int
+    heads: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    dim: int
+    dtype: str
+    masked: bool
+    window_size: int | None
+    sm_scale: float
+    target: str
+
+
+def _problem(q, k, *, causal, window_size, sm_scale):
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    return _Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPE_NAMES[q.dtype],
+                    bool(causal or window_size is not None), window_size, sm_scale,
+                    "cuda" if q.device.type == "cuda" else "c")
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled_forward(batch, heads, heads_kv, seq_q, seq_k, dim, dtype_name, causal, window_size,
-                      has_sinks, sm_scale, config, target):
-    variant = dict(heads_kv=heads_kv, causal=causal, window_size=window_size, has_sinks=has_sinks,
-                   sm_scale=sm_scale, dtype=dtype_name)
-    tiling = config._asdict()
-    overlap, pingpong = tiling.pop("overlap"), tiling.pop("pingpong")
-    if overlap:
-        if target != "cuda" or not is_hopper():
-            raise ValueError("ForwardConfig(overlap=True) is chapter 07's Hopper kernel: it needs an sm_90 GPU")
-        func = flash_fwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, **variant, **tiling, pingpong=pingpong)
-    elif pingpong:
-        raise ValueError("ForwardConfig(pingpong=True) needs overlap=True (chapter 07's Hopper kernel)")
+def _compiled_forward(problem, has_sinks, config):
+    pr = problem
+    if config.kernel not in FORWARD_KERNELS:
+        raise ValueError(f"ForwardConfig.kernel must be one of {sorted(FORWARD_KERNELS)}; got {config.kernel!r}")
+    tiling = dict(block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
+                  threads=config.threads)
+    variant = dict(heads_kv=pr.heads_kv, causal=pr.masked, window_size=pr.window_size, has_sinks=has_sinks,
+                   sm_scale=pr.sm_scale, dtype=pr.dtype)
+    if config.kernel == "flash_fwd_hopper":
+        if pr.target != "cuda" or not is_hopper():
+            raise ValueError("ForwardConfig(kernel='flash_fwd_hopper') is chapter 07's Hopper kernel: it needs an sm_90 GPU")
+        func = flash_fwd_hopper_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, **variant, **tiling,
+                                       pingpong=config.pingpong)
+    elif config.pingpong:
+        raise ValueError("ForwardConfig(pingpong=True) needs kernel='flash_fwd_hopper' (chapter 07's Hopper kernel)")
     else:
-        func = flash_fwd_kernel(batch, heads, seq_q, seq_k, dim, target=target, **variant, **tiling)
-    return compile_kernel(func, out_idx=[4, 5], target=target, dtype=dtype_name)
+        func = flash_fwd_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, target=pr.target, **variant, **tiling)
+    return compile_kernel(func, out_idx=[4, 5], target=pr.target, dtype=pr.dtype)
+
+
+class BackwardKernels(NamedTuple):
+    """The compiled backward: Δ, then dK/dV and the float32 dQ accumulator, then the dQ (and GQA dK/dV) casts."""
+
+    preprocess: object  # (O, dO) -> Δ
+    main: object  # (Q, K, V, dO, LSE, Δ, dQ_acc, dK, dV) -> None, accumulating in place
+    postprocess_dq: object  # dQ_acc -> sm_scale · dQ_acc in the input dtype
+    postprocess_dkv: object  # GQA only (else None): the float32 dK/dV accumulators -> the input dtype
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_backward(batch, heads, heads_kv, seq_q, seq_k, dim, dtype_name, causal, window_size,
-                       sm_scale, config, target):
-    """The three backward kernels (plus a cast for GQA's float32 dK/dV accumulators)."""
-    small = 16 if target == "c" else 64
-    threads = 1 if target == "c" else 128
+def _compiled_backward(problem, config):
+    pr = problem
+    small = 16 if pr.target == "c" else 64
+    threads = 1 if pr.target == "c" else 128
 
     def build(func, out_idx):
-        return compile_kernel(func, out_idx=out_idx, target=target, dtype=dtype_name)
+        return compile_kernel(func, out_idx=out_idx, target=pr.target, dtype=pr.dtype)
 
-    common = dict(dtype=dtype_name, target=target)
-    pre = build(flash_bwd_preprocess_kernel(batch, heads, seq_q, dim, block=small, threads=threads, **common), [2])
-    main = build(flash_bwd_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal,
-                                  window_size=window_size, sm_scale=sm_scale, **common, **config._asdict()), [])
-    post_q = build(flash_bwd_postprocess_kernel(batch, heads, seq_q, dim, scale=sm_scale, block=small,
+    common = dict(dtype=pr.dtype, target=pr.target)
+    pre = build(flash_bwd_preprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, block=small, threads=threads,
+                                            **common), [2])
+    main = build(flash_bwd_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, heads_kv=pr.heads_kv,
+                                  causal=pr.masked, window_size=pr.window_size, sm_scale=pr.sm_scale, **common,
+                                  **config._asdict()), [])
+    post_q = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, scale=pr.sm_scale, block=small,
                                                 threads=threads, **common), [1])
     post_kv = None
-    if heads_kv != heads:
-        post_kv = build(flash_bwd_postprocess_kernel(batch, heads_kv, seq_k, dim, block=small, threads=threads,
-                                                     **common), [1])
-    return pre, main, post_q, post_kv
+    if pr.heads_kv != pr.heads:
+        post_kv = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads_kv, pr.seq_k, pr.dim, block=small,
+                                                     threads=threads, **common), [1])
+    return BackwardKernels(pre, main, post_q, post_kv)
+
+
+def forward_kernel(q, k, *, causal=False, window_size=None, has_sinks=False, sm_scale=None, config=None):
+    """The compiled forward ``flash_attention`` runs for queries like ``q`` and keys like ``k``.
+
+    Call it as ``kernel(q, k, v, sink_logits) -> (out, lse)``, with float32 sink logits of shape [H]
+    (all -inf for no sinks). ``config`` defaults to ``default_forward_config``.
+    """
+    problem = _problem(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
+    if config is None:
+        config = default_forward_config(q.device.type, q.shape[-1], problem.masked)
+    return _compiled_forward(problem, bool(has_sinks), ForwardConfig(*config))
+
+
+def backward_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, config=None):
+    """The compiled ``BackwardKernels`` ``flash_attention``'s backward runs for these shapes."""
+    problem = _problem(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
+    config = BackwardConfig(*config) if config is not None else default_backward_config(q.device.type)
+    return _compiled_backward(problem, config)
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,45 +194,54 @@ def _no_sinks(heads, device):
     return torch.full((heads,), float("-inf"), device=device)
 
 
+def attention_backward(q, k, v, out, lse, d_out, *, causal=False, window_size=None, sinks=None, sm_scale=None,
+                       config=None):
+    """Gradients of attention from the forward's O and LSE: returns (dQ, dK, dV, dsinks or None).
+
+    The backward half of ``flash_attention``, as a plain function: P is rebuilt from Q, K and the
+    LSE, so it also serves ``out`` and ``lse`` that were merged from several partial forwards.
+    """
+    kernels = backward_kernels(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale, config=config)
+    d_out = d_out.contiguous()
+    delta = kernels.preprocess(out, d_out)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if kernels.postprocess_dkv is None:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    else:
+        dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+    kernels.main(q, k, v, d_out, lse, delta, dq_acc, dk, dv)
+    dq = kernels.postprocess_dq(dq_acc)
+    if kernels.postprocess_dkv is not None:
+        dk, dv = kernels.postprocess_dkv(dk), kernels.postprocess_dkv(dv)
+    d_sinks = None
+    if sinks is not None:
+        # d(loss)/d(sink_h) = -Σ_{b,i} P_sink[b,h,i] · Δ[b,h,i], with P_sink = exp(sink_h - LSE).
+        p_sink = torch.exp(sinks.detach().float()[None, :, None] - lse)
+        d_sinks = -(p_sink * delta).sum(dim=(0, 2))
+    return dq, dk, dv, d_sinks
+
+
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, causal, window_size, sm_scale, fwd_config, bwd_config, target):
-        fwd = _compiled_forward(
-            q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPE_NAMES[q.dtype],
-            causal, window_size, sinks is not None, sm_scale, fwd_config, target)
+    def forward(ctx, q, k, v, sinks, causal, window_size, sm_scale, fwd_config, bwd_config):
+        fwd = forward_kernel(q, k, causal=causal, window_size=window_size, has_sinks=sinks is not None,
+                             sm_scale=sm_scale, config=fwd_config)
         # "No sink" is a sink of logit -inf: its exp() is 0, so one kernel signature serves both.
         sink_logits = (sinks.detach().float().contiguous() if sinks is not None
                        else _no_sinks(q.shape[1], q.device))
         out, lse = fwd(q, k, v, sink_logits)
         ctx.save_for_backward(q, k, v, out, lse, sink_logits)
-        ctx.options = (causal, window_size, sm_scale, bwd_config, target, sinks is not None)
+        ctx.options = dict(causal=causal, window_size=window_size, sm_scale=sm_scale, config=bwd_config)
+        ctx.has_sinks = sinks is not None
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
         q, k, v, out, lse, sink_logits = ctx.saved_tensors
-        causal, window_size, sm_scale, bwd_config, target, has_sinks = ctx.options
-        pre, main, post_q, post_kv = _compiled_backward(
-            q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPE_NAMES[q.dtype],
-            causal, window_size, sm_scale, bwd_config, target)
-        d_out = d_out.contiguous()
-        delta = pre(out, d_out)
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        if post_kv is None:
-            dk, dv = torch.empty_like(k), torch.empty_like(v)
-        else:
-            dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
-        main(q, k, v, d_out, lse, delta, dq_acc, dk, dv)
-        dq = post_q(dq_acc)
-        if post_kv is not None:
-            dk, dv = post_kv(dk), post_kv(dv)
-        d_sinks = None
-        if has_sinks and ctx.needs_input_grad[3]:
-            # d(loss)/d(sink_h) = -Σ_{b,i} P_sink[b,h,i] · Δ[b,h,i], with P_sink = exp(sink_h - LSE).
-            p_sink = torch.exp(sink_logits[None, :, None] - lse)
-            d_sinks = -(p_sink * delta).sum(dim=(0, 2))
-        return dq, dk, dv, d_sinks, None, None, None, None, None, None
+        sinks = sink_logits if ctx.has_sinks and ctx.needs_input_grad[3] else None
+        dq, dk, dv, d_sinks = attention_backward(q, k, v, out, lse, d_out, sinks=sinks, **ctx.options)
+        return dq, dk, dv, d_sinks, None, None, None, None, None
 
 
 def _check_supported(q):
@@ -199,15 +268,7 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, s
     """
     validate_attention_inputs(q, k, v, window_size=window_size, sinks=sinks)
     _check_supported(q)
-    device_type = q.device.type
-    dim = q.shape[-1]
-    sm_scale = 1.0 / math.sqrt(dim) if sm_scale is None else float(sm_scale)
-    masked = bool(causal or window_size is not None)
-    config = ForwardConfig(*config) if config is not None else default_forward_config(device_type, dim, masked)
-    target = "cuda" if device_type == "cuda" else "c"
-    bwd_config = (BackwardConfig(*backward_config) if backward_config is not None
-                  else default_backward_config(device_type, dim))
-    out, lse = _FlashAttention.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), sinks, masked,
-        window_size, sm_scale, config, bwd_config, target)
+    out, lse = _FlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks,
+                                     bool(causal or window_size is not None), window_size, sm_scale, config,
+                                     backward_config)
     return (out, lse) if return_lse else out

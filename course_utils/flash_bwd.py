@@ -10,11 +10,9 @@ contributions from every key block, so it is accumulated in float32 with atomic 
 cast by a last, small kernel.
 """
 
-import math
-
 import tilelang.language as T
 
-from .flash_fwd import LOG2E
+from .flash_pieces import LOG2E, prelude, query_block_range, visible
 from .tiles import TileBackend
 
 __all__ = ["flash_bwd_preprocess_kernel", "flash_bwd_kernel", "flash_bwd_postprocess_kernel"]
@@ -77,38 +75,24 @@ def flash_bwd_kernel(
     written directly in ``dtype``. ``block_M`` is the query block, ``block_N`` the resident key block.
     """
     tb = TileBackend(target)
-    heads_kv = heads if heads_kv is None else heads_kv
-    group = heads // heads_kv
-    sm_scale = 1.0 / math.sqrt(dim) if sm_scale is None else sm_scale
-    scale_log2 = sm_scale * LOG2E
-    past = seq_k - seq_q
-    masked = causal or window_size is not None
+    p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
+                sm_scale=sm_scale)
     accum = "float32"
-    dkv_dtype = dtype if group == 1 else accum
-    num_q_blocks = (seq_q + block_M - 1) // block_M
-    num_k_blocks = (seq_k + block_N - 1) // block_N
-
-    def visible(q_pos, k_pos):
-        cond = T.And(q_pos < seq_q, k_pos < seq_k)
-        if masked:
-            cond = T.And(cond, k_pos <= q_pos + past)
-        if window_size is not None:
-            cond = T.And(cond, k_pos > q_pos + past - window_size)
-        return cond
+    dkv_dtype = dtype if p.group == 1 else accum
 
     @T.prim_func
     def flash_bwd(
         Q: T.Tensor([batch, heads, seq_q, dim], dtype),
-        K: T.Tensor([batch, heads_kv, seq_k, dim], dtype),
-        V: T.Tensor([batch, heads_kv, seq_k, dim], dtype),
+        K: T.Tensor([batch, p.heads_kv, seq_k, dim], dtype),
+        V: T.Tensor([batch, p.heads_kv, seq_k, dim], dtype),
         dO: T.Tensor([batch, heads, seq_q, dim], dtype),
         LSE: T.Tensor([batch, heads, seq_q], accum),
         Delta: T.Tensor([batch, heads, seq_q], accum),
         dQ_acc: T.Tensor([batch, heads, seq_q, dim], accum),
-        dK: T.Tensor([batch, heads_kv, seq_k, dim], dkv_dtype),
-        dV: T.Tensor([batch, heads_kv, seq_k, dim], dkv_dtype),
+        dK: T.Tensor([batch, p.heads_kv, seq_k, dim], dkv_dtype),
+        dV: T.Tensor([batch, p.heads_kv, seq_k, dim], dkv_dtype),
     ):
-        with tb.kernel(num_k_blocks, heads, batch, threads=threads) as (bx, by, bz):
+        with tb.kernel(p.blocks(seq_k, block_N), heads, batch, threads=threads) as (bx, by, bz):
             K_s = tb.shared([block_N, dim], dtype)
             V_s = tb.shared([block_N, dim], dtype)
             Q_s = tb.shared([block_M, dim], dtype)
@@ -124,25 +108,19 @@ def flash_bwd_kernel(
             dk = tb.fragment([block_N, dim], accum)
             dq = tb.fragment([block_M, dim], accum)
 
-            kv_head = by // group
+            kv_head = by // p.group
             T.copy(K[bz, kv_head, bx * block_N:(bx + 1) * block_N, :], K_s)
             T.copy(V[bz, kv_head, bx * block_N:(bx + 1) * block_N, :], V_s)
             T.clear(dv)
             T.clear(dk)
 
-            # Only query blocks that can see these keys: causal skips the ones above the diagonal,
-            # a window also skips those more than window_size - 1 positions below it.
-            q_start = 0
-            if masked:
-                q_start = T.max(0, (bx * block_N - past) // block_M)
-            q_end = num_q_blocks
-            if window_size is not None:
-                q_end = T.min(num_q_blocks, T.ceildiv((bx + 1) * block_N - past + window_size - 1, block_M))
+            # Only the query blocks that can see these keys.
+            q_start, q_end = query_block_range(p, bx, block_M, block_N)
 
             # A one-key window makes the range from q_start to q_end a single block, and TVM's bound
             # analysis then rejects the loop; counting from 0 avoids that. Every other kernel loops over
             # qb itself, which lets TVM prove qb < num_q_blocks and drop a bounds check.
-            first, offset = (0, q_start) if window_size == 1 else (q_start, 0)
+            first, offset = (0, q_start) if p.window_size == 1 else (q_start, 0)
             for step in T.Pipelined(first, q_end - offset, num_stages=num_stages):
                 qb = offset + step
                 T.copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s)
@@ -150,8 +128,8 @@ def flash_bwd_kernel(
                 T.clear(PT)
                 T.gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for j, i in tb.parallel(block_N, block_M):
-                    PT[j, i] = T.if_then_else(visible(qb * block_M + i, bx * block_N + j),
-                                              T.exp2(PT[j, i] * scale_log2 - lse[i] * LOG2E), 0)
+                    PT[j, i] = T.if_then_else(visible(p, qb * block_M + i, bx * block_N + j, guard_q=True),
+                                              T.exp2(PT[j, i] * p.scale_log2 - lse[i] * LOG2E), 0)
                 T.copy(dO[bz, by, qb * block_M:(qb + 1) * block_M, :], dO_s)
                 T.clear(dPT)
                 T.gemm(V_s, dO_s, dPT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -171,8 +149,8 @@ def flash_bwd_kernel(
                         T.atomic_add(dQ_acc[bz, by, qb * block_M + i, d], dq[i, d])
 
             for j, d in tb.parallel(block_N, dim):
-                dk[j, d] *= sm_scale
-            if group == 1:
+                dk[j, d] *= p.sm_scale
+            if p.group == 1:
                 T.copy(dv, dV[bz, kv_head, bx * block_N:(bx + 1) * block_N, :])
                 T.copy(dk, dK[bz, kv_head, bx * block_N:(bx + 1) * block_N, :])
             else:

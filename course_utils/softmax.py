@@ -21,7 +21,7 @@ import math
 import tilelang.language as T
 import torch
 
-from .flash_fwd import LOG2E
+from .flash_pieces import LOG2E
 from .reference import visibility_mask
 from .tiles import TileBackend
 

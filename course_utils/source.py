@@ -1,7 +1,7 @@
 """Reading code in pieces: a kernel factory's Python source, and the CUDA TileLang generates from it.
 
-``show_source`` prints the lines of a function between two recognisable lines (with the file's
-line numbers), so a chapter can explain a kernel piece by piece without copying its text.
+``show_source`` prints a function, or one marked region of it (with the file's line numbers), so a
+chapter can explain a kernel piece by piece without copying its text.
 ``cuda_source`` lowers a ``@T.prim_func`` to CUDA for a given architecture without a GPU, and
 ``grep`` prints short, numbered excerpts of that (long) source. ``ptxas_report`` compiles it
 with nvcc and returns what ptxas says about registers, spills and serialised wgmmas.
@@ -12,32 +12,40 @@ from __future__ import annotations
 import inspect
 import re
 
-__all__ = ["show_source", "cuda_source", "grep", "count", "ptxas_report"]
+__all__ = ["show_source", "source_regions", "cuda_source", "grep", "count", "ptxas_report"]
 
 
-def _find(lines, text, begin, what):
-    for index in range(begin, len(lines)):
-        if lines[index].lstrip().startswith(text):
-            return index
-    raise ValueError(f"{what} text {text!r} not found in the source")
+_REGION = re.compile(r"^\s*# region: (.+?)\s*$")
+_END_REGION = re.compile(r"^\s*# endregion\s*$")
 
 
-def show_source(obj, start, end=None, *, after=None):
-    """Print the lines of ``obj``'s source from the first line that begins with ``start`` (after
-    its indentation) through the first line, at or after it, that begins with ``end`` (just the
-    ``start`` line when ``end`` is None).
+def source_regions(obj):
+    """The names of the ``# region: name`` … ``# endregion`` blocks in ``obj``'s source."""
+    return [m.group(1) for line in inspect.getsourcelines(obj)[0] if (m := _REGION.match(line))]
 
-    ``after`` skips ahead: the search for ``start`` begins below the first line beginning with it.
-    Lines are shown with their line numbers in the file, the common indentation removed.
+
+def show_source(obj, region=None):
+    """Print ``obj``'s source (a function, macro or class) with its line numbers in the file.
+
+    With ``region``, print only the lines between ``# region: <region>`` and the next
+    ``# endregion`` (the marker lines themselves are left out). A region that does not exist is an
+    error, so a chapter cannot silently show the wrong lines after a kernel changes.
     """
+    obj = getattr(obj, "orig_func", obj)  # a TileLang macro keeps its Python function here
     lines, first_line = inspect.getsourcelines(obj)
     lines = [line.rstrip("\n") for line in lines]
-    begin = _find(lines, after, 0, "after") + 1 if after is not None else 0
-    i = _find(lines, start, begin, "start")
-    j = _find(lines, end, i, "end") if end is not None else i
-    chunk = lines[i:j + 1]
-    indent = min(len(s) - len(s.lstrip()) for s in chunk if s.strip())
-    for number, line in enumerate(chunk, start=first_line + i):
+    numbers = range(first_line, first_line + len(lines))
+    if region is not None:
+        starts = [i for i, line in enumerate(lines) if (m := _REGION.match(line)) and m.group(1) == region]
+        if not starts:
+            raise ValueError(f"no region {region!r} in {obj.__qualname__}; it has {source_regions(obj)}")
+        end = next((j for j in range(starts[0] + 1, len(lines)) if _END_REGION.match(lines[j])), None)
+        if end is None:
+            raise ValueError(f"region {region!r} of {obj.__qualname__} has no '# endregion'")
+        lines, numbers = lines[starts[0] + 1:end], numbers[starts[0] + 1:end]
+    shown = [(n, line) for n, line in zip(numbers, lines) if not _REGION.match(line) and not _END_REGION.match(line)]
+    indent = min(len(s) - len(s.lstrip()) for _, s in shown if s.strip())
+    for number, line in shown:
         print(f"{number:4d} │ {line[indent:]}")
 
 

@@ -102,7 +102,7 @@ def test_chapter04_kernel_at_full_size(causal):
     check_close(out[:1, :2], _slice_ref(q, k, v, 2, causal=causal), f"O chapter 04 kernel causal={causal}")
 
 
-def test_hopper_default_is_the_overlap_kernel():
+def test_hopper_default_is_the_hopper_kernel():
     from course_utils.attention import default_forward_config, is_hopper
 
-    assert default_forward_config("cuda", 128).overlap == is_hopper()
+    assert (default_forward_config("cuda", 128).kernel == "flash_fwd_hopper") == is_hopper()

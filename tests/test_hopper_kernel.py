@@ -9,6 +9,7 @@ import torch
 from course_utils import flash_attention
 from course_utils.attention import HOPPER_FORWARD_CONFIGS, ForwardConfig, default_forward_config, is_hopper
 from course_utils.flash_fwd_hopper import flash_fwd_hopper_kernel
+from course_utils.flash_fwd_hopper_versions import flash_fwd_hopper_variant
 from course_utils.source import cuda_source, ptxas_report
 
 VARIANTS = {
@@ -18,10 +19,10 @@ VARIANTS = {
 }
 
 
-def _source(**options):
+def _source(factory=flash_fwd_hopper_kernel, **options):
     shape = dict(batch=2, heads=4, seq_q=2048, seq_k=2048, dim=128)
     shape.update({k: options.pop(k) for k in list(options) if k in shape})
-    return cuda_source(flash_fwd_hopper_kernel(**shape, **options))
+    return cuda_source(factory(**shape, **options))
 
 
 def _consumer_loop(source):
@@ -46,7 +47,7 @@ def test_ptxas_keeps_wgmma_async_only_without_conditional_issue():
     good = ptxas_report(_source())
     if good is None:
         pytest.skip("nvcc is not installed")
-    bad = ptxas_report(_source(conditional_issue=True))
+    bad = ptxas_report(_source(flash_fwd_hopper_variant, conditional_issue=True))
     assert not any("serialized" in line for line in good)
     assert any("serialized" in line for line in bad)
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in good), good
@@ -54,9 +55,9 @@ def test_ptxas_keeps_wgmma_async_only_without_conditional_issue():
 
 def test_cpu_defaults_unchanged_and_overlap_rejected_off_hopper():
     assert not is_hopper()
-    assert default_forward_config("cpu", 64).overlap is False
+    assert default_forward_config("cpu", 64).kernel == "flash_fwd"
     q = torch.randn(1, 2, 32, 16)
     with pytest.raises(ValueError, match="sm_90"):
         flash_attention(q, q, q, config=HOPPER_FORWARD_CONFIGS[128, False])
-    with pytest.raises(ValueError, match="needs overlap=True"):
+    with pytest.raises(ValueError, match="needs kernel='flash_fwd_hopper'"):
         flash_attention(q, q, q, config=ForwardConfig(16, 16, 1, 1, pingpong=True))

@@ -1,0 +1,189 @@
+"""The pieces every attention kernel of the course is built from, each written once.
+
+A kernel factory starts from a ``Prelude`` (the constants of its problem), asks ``visible``
+which (query, key) pairs count, walks ``key_block_range`` (forward) or ``query_block_range``
+(backward), and the forward kernels end with ``forward_epilogue``. The forward kernels also
+share their tiles (``forward_tiles``) and the online-softmax update of one score tile
+(``online_softmax``), the way Triton's tutorial factors ``_attn_fwd_inner`` out of its kernel.
+
+Everything here is evaluated while a factory builds its ``@T.prim_func``: the Python functions
+return TileLang expressions, and the ``@T.macro`` pieces are inlined where they are called, so
+a kernel built from pieces generates the same CUDA as one written out in full.
+"""
+
+import math
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+__all__ = ["LOG2E", "ACCUM", "NEG_INF", "Prelude", "prelude", "visible", "block_needs_mask", "key_block_range",
+           "query_block_range", "forward_tiles", "online_softmax", "forward_epilogue"]
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
+ACCUM = "float32"
+NEG_INF = -T.infinity(ACCUM)
+
+
+@dataclass(frozen=True)
+class Prelude:
+    """The constants an attention kernel derives from its problem before touching a tile."""
+
+    heads: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    dim: int
+    sm_scale: float
+    causal: bool
+    window_size: "int | None"
+
+    @property
+    def group(self):
+        """Query heads per K/V head (grouped-query attention; 1 for plain multi-head attention)."""
+        return self.heads // self.heads_kv
+
+    @property
+    def scale_log2(self):
+        """sm_scale · log2(e): a raw score times this goes straight into exp2."""
+        return self.sm_scale * LOG2E
+
+    @property
+    def past(self):
+        """S_k − S_q: how far the causal diagonal is shifted (aligned bottom-right)."""
+        return self.seq_k - self.seq_q
+
+    @property
+    def masked(self):
+        """Whether some pairs are hidden besides the ragged end: causal, or a sliding window."""
+        return self.causal or self.window_size is not None
+
+    @staticmethod
+    def blocks(seq, block):
+        """How many blocks of ``block`` rows cover ``seq`` rows (the last one may be partial)."""
+        return (seq + block - 1) // block
+
+
+def prelude(heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, window_size=None, sm_scale=None):
+    """The ``Prelude`` of one problem: defaults filled in (K/V heads = query heads, scale 1/√D)."""
+    return Prelude(heads=heads, heads_kv=heads if heads_kv is None else heads_kv, seq_q=seq_q, seq_k=seq_k,
+                   dim=dim, sm_scale=1.0 / math.sqrt(dim) if sm_scale is None else sm_scale,
+                   causal=bool(causal), window_size=window_size)
+
+
+def visible(p, q_pos, k_pos, *, guard_q=False):
+    """Whether key position ``k_pos`` counts for query position ``q_pos`` (both absolute).
+
+    Keys past the end never count; causal hides keys after the (bottom-right aligned) diagonal;
+    a window of W also hides keys W or more positions behind it. ``guard_q`` adds the query's
+    own bound, for kernels whose rows may run past the end of the queries (the backward).
+    """
+    cond = k_pos < p.seq_k
+    if guard_q:
+        cond = T.And(q_pos < p.seq_q, cond)
+    if p.masked:
+        cond = T.And(cond, k_pos <= q_pos + p.past)
+    if p.window_size is not None:
+        cond = T.And(cond, k_pos > q_pos + p.past - p.window_size)
+    return cond
+
+
+def block_needs_mask(p, qb, kb, block_M, block_N):
+    """Whether any pair of the tile (query block ``qb``, key block ``kb``) is hidden.
+
+    The same for every thread of the block, so branching on it costs nothing: only the tiles on a
+    boundary (the ragged end, the diagonal, the window's edge) pay for the mask.
+    """
+    cond = (kb + 1) * block_N > p.seq_k
+    if p.masked:
+        cond = T.Or(cond, (kb + 1) * block_N - 1 > qb * block_M + p.past)
+    if p.window_size is not None:
+        cond = T.Or(cond, kb * block_N <= (qb + 1) * block_M - 1 + p.past - p.window_size)
+    return cond
+
+
+def key_block_range(p, qb, block_M, block_N):
+    """The key blocks ``[start, end)`` that query block ``qb`` must visit (forward).
+
+    Causal stops after the block holding the last row's diagonal key; a window starts at the block
+    holding the first row's oldest visible key. Everything outside is skipped: no load, no math.
+    """
+    end = p.blocks(p.seq_k, block_N)
+    if p.masked:
+        end = T.min(end, T.ceildiv((qb + 1) * block_M + p.past, block_N))
+    start = 0
+    if p.window_size is not None:
+        start = T.max(0, (qb * block_M + p.past - p.window_size + 1) // block_N)
+    return start, end
+
+
+def query_block_range(p, kb, block_M, block_N):
+    """The query blocks ``[start, end)`` that can see key block ``kb`` (backward).
+
+    Causal skips the query blocks above the diagonal; a window also skips those more than
+    ``window_size − 1`` positions below it.
+    """
+    start = 0
+    if p.masked:
+        start = T.max(0, (kb * block_N - p.past) // block_M)
+    end = p.blocks(p.seq_q, block_M)
+    if p.window_size is not None:
+        end = T.min(end, T.ceildiv((kb + 1) * block_N - p.past + p.window_size - 1, block_M))
+    return start, end
+
+
+@T.macro
+def forward_tiles(tb, block_M, block_N, dim, dtype):
+    """The tiles of a forward kernel: Q, K, V, O in shared memory; scores and statistics in registers."""
+    Q_s = tb.shared([block_M, dim], dtype)
+    K_s = tb.shared([block_N, dim], dtype)
+    V_s = tb.shared([block_N, dim], dtype)
+    O_s = tb.shared([block_M, dim], dtype)
+    S = tb.fragment([block_M, block_N], ACCUM)  # scores, then probabilities
+    P = tb.fragment([block_M, block_N], dtype)  # probabilities rounded for the PV gemm
+    acc_o = tb.fragment([block_M, dim], ACCUM)
+    m = tb.fragment([block_M], ACCUM)  # running row max of the raw scores
+    m_prev = tb.fragment([block_M], ACCUM)
+    shift = tb.fragment([block_M], ACCUM)  # m · scale_log2, or 0 for a row that saw nothing yet
+    alpha = tb.fragment([block_M], ACCUM)  # rescale factor of the old accumulators
+    row_sum = tb.fragment([block_M], ACCUM)
+    l = tb.fragment([block_M], ACCUM)  # running softmax denominator  # noqa: E741
+    return Q_s, K_s, V_s, O_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l
+
+
+@T.macro
+def online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, scale_log2):
+    """Fold one tile of raw scores ``S`` into the running max ``m`` and denominator ``l``.
+
+    Leaves the unnormalised probabilities in ``S`` and the factor ``alpha`` by which the caller
+    must rescale its output accumulator (the old terms were exponentiated against a smaller max).
+    """
+    T.copy(m, m_prev)
+    T.reduce_max(S, m, dim=1, clear=False)  # m = max(m_prev, this block's row max)
+    for i in tb.parallel(block_M):
+        # A row whose keys so far were all masked has m = -inf; -inf - -inf would be NaN.
+        shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] * scale_log2)
+        alpha[i] = T.exp2(m_prev[i] * scale_log2 - shift[i])
+    for i, j in tb.parallel(block_M, block_N):
+        S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
+    T.reduce_sum(S, row_sum, dim=1)
+    for i in tb.parallel(block_M):
+        l[i] = l[i] * alpha[i] + row_sum[i]
+
+
+@T.macro
+def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by, qb, block_M, dim, has_sinks):
+    """Add the sink, normalise once, store O through shared memory and write the natural-log LSE."""
+    # The shift is recomputed: a query block that sees no key never ran the loop.
+    for i in tb.parallel(block_M):
+        shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] * p.scale_log2)
+    if has_sinks:
+        for i in tb.parallel(block_M):
+            l[i] += T.exp2(Sinks[by] * LOG2E - shift[i])  # the sink's term: no value row
+    for i, j in tb.parallel(block_M, dim):
+        acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0)
+    T.copy(acc_o, O_s)
+    T.copy(O_s, Output[bz, by, qb * block_M:(qb + 1) * block_M, :])
+    for i in tb.parallel(block_M):
+        if qb * block_M + i < p.seq_q:
+            LSE[bz, by, qb * block_M + i] = T.if_then_else(
+                l[i] > 0, (shift[i] + T.log2(l[i])) / LOG2E, NEG_INF)
