@@ -10,19 +10,15 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from .bench import FIGURES
+from .labels import CUDNN, FA2, NAIVE, OURS
 
 __all__ = ["COLORS", "IMPL_COLORS", "style", "save", "heatmap", "line_chart", "speedup_bars", "roofline",
-           "record_caption", "roofline_series", "online_softmax_diagram", "text_table", "pipeline_timeline",
+           "record_caption", "seq_label", "roofline_series", "online_softmax_diagram", "text_table", "pipeline_timeline",
            "forward_comparison_panels", "peer_ratio_heatmaps",
            "bank_map", "bank_hits_chart", "fragment_map"]
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-IMPL_COLORS = {
-    "TileLang (ours)": "#d62728",
-    "FlashAttention-2 (SDPA flash)": "#1f77b4",
-    "cuDNN (SDPA cudnn)": "#2ca02c",
-    "naive PyTorch": "#7f7f7f",
-}
+IMPL_COLORS = {OURS: "#d62728", FA2: "#1f77b4", CUDNN: "#2ca02c", NAIVE: "#7f7f7f"}
 
 
 def style():
@@ -79,7 +75,7 @@ def line_chart(ax, rows, *, x, y, group="impl", title=None, xlabel=None, ylabel=
             ax.plot(xs, ys, marker="o", label=name, color=IMPL_COLORS.get(name))
     if logx:
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r[x] for r in rows}), labels=[_short(v) for v in sorted({r[x] for r in rows})])
+        ax.set_xticks(sorted({r[x] for r in rows}), labels=[seq_label(v) for v in sorted({r[x] for r in rows})])
     if logy:
         ax.set_yscale("log")
     ax.set(title=title, xlabel=xlabel or x, ylabel=ylabel or y)
@@ -106,7 +102,7 @@ def forward_comparison_panels(record, dims=(64, 128), dtypes=("float16", "bfloat
     return fig
 
 
-def peer_ratio_heatmaps(rows, combos, seqs, peers, ours="TileLang (ours)"):
+def peer_ratio_heatmaps(rows, combos, seqs, peers, ours=OURS):
     """One heat map per peer of ours ÷ peer TFLOP/s: a row per (dtype, D, causal) in ``combos``, a
     column per sequence length. Returns the figure."""
     tf = {(r["impl"], r["dtype"], r["dim"], r["causal"], r["seq"]): r["tflops"] for r in rows}
@@ -116,7 +112,7 @@ def peer_ratio_heatmaps(rows, combos, seqs, peers, ours="TileLang (ours)"):
         heatmap(ax, ratio, title=f"ours ÷ {peer}", xlabel="S", ylabel="", cmap="RdBu", vmin=0.5, vmax=1.5)
         for (i, j), value in np.ndenumerate(ratio):
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(seqs)), labels=[_short(s) for s in seqs])
+        ax.set_xticks(range(len(seqs)), labels=[seq_label(s) for s in seqs])
         ax.set_yticks(range(len(combos)),
                       labels=[f"{_DTYPE_SHORT.get(d, d)} D={dim}{' causal' if c else ''}" for d, dim, c in combos])
     fig.tight_layout()
@@ -154,7 +150,8 @@ def record_caption(record):
             f"CUDA {m.get('cuda')}, driver {m.get('driver')}, {m['date']}")
 
 
-def _short(n):
+def seq_label(n):
+    """A sequence length as an axis label: 4096 → "4k"."""
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
@@ -220,7 +217,7 @@ def text_table(rows, *, index, columns, value, fmt="{:.0f}", missing="–", widt
     width = width or max(len(str(c)) for c in col_keys) + 2
     lines = [f"{index:>8}" + "".join(f"{str(c):>{width}}" for c in col_keys)]
     for k in row_keys:
-        label = _short(k) if isinstance(k, int) else str(k)
+        label = seq_label(k) if isinstance(k, int) else str(k)
         lines.append(f"{label:>8}" + "".join(f"{cells.get((k, c), missing):>{width}}" for c in col_keys))
     return "\n".join(lines)
 

@@ -7,8 +7,7 @@ can only come from the records.
 """
 
 from .bench import load_record
-
-PEERS = ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)")
+from .labels import OURS, PEERS
 
 
 def _pick(rows, impl, causal, seq=4096, dim=128, dtype="float16"):
@@ -26,7 +25,7 @@ def headline_table():
                         ("backward (ch05 kernel)", "ch05_backward_vs_peers_h100")):
         record = load_record(name)
         for causal in (False, True):
-            ours = _pick(record["results"], "TileLang (ours)", causal)
+            ours = _pick(record["results"], OURS, causal)
             fa2, cudnn = (_pick(record["results"], p, causal) for p in PEERS)
             lines.append(f"| {label}, {'causal' if causal else 'non-causal'} | {ours:.0f} | {fa2:.0f} | {cudnn:.0f} "
                          f"| {ours / fa2:.2f}× | {ours / cudnn:.2f}× |")
