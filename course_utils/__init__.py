@@ -14,15 +14,19 @@ tilelang.set_log_level("WARNING")
 # instead (printed when two variants share a helper kernel) is noise here.
 logging.getLogger("tilelang.cache.kernel_cache").addFilter(lambda record: "in memory cache" not in record.getMessage())
 
-from .attention import SUPPORTED, ForwardConfig, flash_attention
+from .attention import (SUPPORTED, BackwardConfig, ForwardConfig, attention_backward, backward_kernels,
+                        flash_attention, forward_kernel)
 from .bench import attention_flops, measured, time_cuda, tflops
-from .checks import CheckFailed, check_close, check_true
+from .checks import CheckFailed, check_attention_error, check_close, check_true, expect_failure
 from .device import DEVICE, HAS_GPU, TILE_TARGET, describe_machine, pick
 from .reference import attention_reference
 from .tiles import TileBackend, compile_kernel
+from .validation import backward_bugs, check_backward, check_forward, forward_bugs, show_bugs_caught
 
 __all__ = [
-    "SUPPORTED", "ForwardConfig", "flash_attention", "attention_flops", "measured", "time_cuda",
-    "tflops", "CheckFailed", "check_close", "check_true", "DEVICE", "HAS_GPU", "TILE_TARGET",
-    "describe_machine", "pick", "attention_reference", "TileBackend", "compile_kernel",
+    "SUPPORTED", "ForwardConfig", "BackwardConfig", "flash_attention", "attention_backward", "forward_kernel",
+    "backward_kernels", "attention_flops", "measured", "time_cuda", "tflops", "CheckFailed", "check_close",
+    "check_true", "check_attention_error", "expect_failure", "DEVICE", "HAS_GPU", "TILE_TARGET",
+    "describe_machine", "pick", "attention_reference", "TileBackend", "compile_kernel", "check_forward",
+    "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught",
 ]

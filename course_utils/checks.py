@@ -1,17 +1,28 @@
 """Checks that print what they compared and fail loudly.
 
-Every result in the course goes through ``check_close``: it prints one line with the largest
-absolute and relative error and a ✓ or ✗, and raises ``CheckFailed`` when the result is wrong,
-so a broken kernel stops the notebook (and CI) at the cell that produced it.
+Every result in the course goes through a check that prints one line with the error and a ✓,
+and raises ``CheckFailed`` when the result is wrong, so a broken kernel stops the notebook (and
+CI) at the cell that produced it:
+
+* ``check_close``: a fixed tolerance, for exact and float32 results;
+* ``check_attention_error``: for a low-precision kernel, the criterion of FlashAttention's own
+  tests: the kernel's error against the float64 reference may be at most ``ERROR_FACTOR`` times
+  the error that a PyTorch implementation in the same precision makes on the same inputs, plus a
+  tiny absolute slack. The allowance follows the problem: long sequences and large gradients
+  have larger rounding errors, and the check still catches a bug far smaller than a fixed
+  tolerance loose enough for every problem would;
+* ``expect_failure``: a negative control, which passes only if a check *fails* on a planted bug.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CheckFailed", "Tolerance", "tolerance_for", "check_close", "check_true"]
+__all__ = ["CheckFailed", "Tolerance", "tolerance_for", "check_close", "check_true", "check_attention_error",
+           "expect_failure", "ERROR_FACTOR", "ERROR_SLACK"]
 
 
 class CheckFailed(AssertionError):
@@ -83,3 +94,61 @@ def check_true(condition, message):
     if not condition:
         raise CheckFailed(f"✗ {message}")
     print(f"✓ {message}")
+
+
+# FlashAttention's tests allow 2× the low-precision PyTorch reference's error (plus a small absolute
+# term); our kernels keep scores in float32 where that reference rounds them, so 3× leaves room
+# for summation order without letting a planted bug through.
+ERROR_FACTOR = 3.0
+ERROR_SLACK = 1e-5
+
+
+def _max_abs_error(actual, expected):
+    """Largest |actual − expected| over the finite reference values; NaN or a misplaced inf is an error."""
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if a.shape != e.shape:
+        return None, f"shape {tuple(a.shape)} != expected {tuple(e.shape)}"
+    nan_a, nan_e = torch.isnan(a), torch.isnan(e)
+    if not torch.equal(nan_a, nan_e):
+        return None, f"{int((nan_a & ~nan_e).sum())} NaN value(s) where the reference has none"
+    finite = torch.isfinite(e)
+    if not torch.equal(a[~finite & ~nan_e], e[~finite & ~nan_e]) or not torch.isfinite(a[finite]).all():
+        return None, "infinities differ from the reference"
+    diff = (a - e).abs()[finite]
+    return (float(diff.max()) if diff.numel() else 0.0), None
+
+
+def check_attention_error(actual, reference, low_precision, name="result", *, factor=ERROR_FACTOR,
+                          slack=ERROR_SLACK, quiet=False):
+    """Check a low-precision result the way FlashAttention's tests do; returns (error, baseline error).
+
+    ``reference`` is the float64 result, ``low_precision`` a PyTorch computation in the kernel's
+    precision on the same inputs. Passes when max|actual − reference| ≤ factor · max|low_precision
+    − reference| + slack. NaN must appear exactly where the reference has it.
+    """
+    err, problem = _max_abs_error(actual, reference)
+    base, base_problem = _max_abs_error(low_precision, reference)
+    if base_problem:
+        raise ValueError(f"{name}: the low-precision reference itself is unusable: {base_problem}")
+    if problem:
+        raise CheckFailed(f"✗ {name}: {problem}")
+    allowed = factor * base + slack
+    line = (f"{name}: max err {err:.2e} vs float64; PyTorch in low precision {base:.2e} "
+            f"(allowed {factor:g}× + {slack:.0e} = {allowed:.2e})")
+    if err > allowed:
+        raise CheckFailed(f"✗ {line}")
+    if not quiet:
+        print(f"✓ {line}")
+    return err, base
+
+
+def expect_failure(label, check):
+    """A negative control: run ``check()`` on a planted bug, print how it failed, raise if it passed."""
+    try:
+        check()
+    except CheckFailed as failure:
+        reason = re.split(r" vs float64|, max rel| — ", str(failure).removeprefix("✗ "))[0]
+        print(f"✓ planted bug caught: {label} ({reason})")
+    else:
+        raise CheckFailed(f"✗ the check passed a planted bug ({label}): it could not catch a wrong kernel")

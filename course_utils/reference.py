@@ -11,7 +11,8 @@ Masking conventions (the same as FlashAttention-2 and gpt-oss):
   keys including its own position;
 - sinks: one logit per query head that joins the softmax denominator but has no value row.
 A row that sees no key at all (possible only with unusual S_q > S_k shapes) gets output 0 and
-LSE -inf rather than NaN.
+LSE -inf rather than NaN. NaN in an input the row sees comes out as NaN, as in PyTorch's SDPA;
+a key the row cannot see has no influence, whatever its value.
 """
 
 from __future__ import annotations
@@ -41,16 +42,19 @@ def validate_attention_inputs(q, k, v, *, window_size=None, sinks=None):
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"head dims differ: q has {q.shape[3]}, k/v have {k.shape[3]}")
     hq, hkv = q.shape[1], k.shape[1]
-    if hkv == 0 or hq % hkv != 0:
+    if hq == 0 or hkv == 0 or hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA")
-    if min(q.shape[2], k.shape[2]) == 0:
-        raise ValueError("sequence lengths must be positive")
-    if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
+    if min(q.shape[0], q.shape[2], k.shape[2], q.shape[3]) == 0:
+        raise ValueError(f"batch, sequence lengths and head_dim must be positive; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    if window_size is not None and (not isinstance(window_size, int) or isinstance(window_size, bool) or window_size < 1):
         raise ValueError(f"window_size must be a positive int or None; got {window_size!r}")
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,):
             shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
             raise ValueError(f"sinks must be a tensor of shape [{hq}] (one logit per query head); got {shape}")
+        if not sinks.is_floating_point():
+            raise ValueError(f"sinks must be a floating-point tensor; got {sinks.dtype}")
         if sinks.device != q.device:
             raise ValueError(f"sinks must be on {q.device}; got {sinks.device}")
 
@@ -84,30 +88,37 @@ def attention_reference(
     Returns O in ``q.dtype`` (and, with ``return_lse``, the natural-log log-sum-exp of each row's
     scaled scores, sink included, as float32 of shape [B, H, S_q]). A sliding window implies
     causal masking, as in gpt-oss.
+
+    With a 16-bit ``compute_dtype`` this is the *low-precision* PyTorch reference that
+    FlashAttention's tests measure kernels against: the matrix products run in that dtype (their
+    results rounded to it), the softmax in float32, and the probabilities are rounded to the dtype
+    before P·V, as in every FlashAttention kernel. Differentiable: its gradients are computed in
+    the same precisions.
     """
     validate_attention_inputs(q, k, v, window_size=window_size, sinks=sinks)
     group = q.shape[1] // k.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    softmax_dtype = torch.float32 if compute_dtype in (torch.float16, torch.bfloat16) else compute_dtype
     qc, kc, vc = (t.to(compute_dtype) for t in (q, k, v))
     kc = kc.repeat_interleave(group, dim=1)
     vc = vc.repeat_interleave(group, dim=1)
 
-    scores = torch.einsum("bhqd,bhkd->bhqk", qc, kc) * scale
+    scores = torch.einsum("bhqd,bhkd->bhqk", qc, kc).to(softmax_dtype) * scale
     visible = visibility_mask(q.shape[2], k.shape[2], causal=causal, window_size=window_size, device=q.device)
     scores = scores.masked_fill(~visible, float("-inf"))
 
     row_max = scores.amax(dim=-1, keepdim=True)
     if sinks is not None:
-        sink = sinks.to(compute_dtype)[None, :, None, None]
+        sink = sinks.to(softmax_dtype)[None, :, None, None]
         row_max = torch.maximum(row_max, sink)
     # A row with nothing visible has max -inf; shifting by 0 keeps exp() at 0 instead of NaN.
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
     weights = torch.exp(scores - row_max)
     denom = weights.sum(dim=-1, keepdim=True)
     if sinks is not None:
         denom = denom + torch.exp(sink - row_max)
-    probs = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
-    out = torch.einsum("bhqk,bhkd->bhqd", probs, vc).to(q.dtype)
+    probs = weights / torch.where(denom == 0, torch.ones_like(denom), denom)
+    out = torch.einsum("bhqk,bhkd->bhqd", probs.to(compute_dtype), vc).to(q.dtype)
     if not return_lse:
         return out
     lse = (row_max + torch.log(denom)).squeeze(-1)

@@ -1,0 +1,164 @@
+"""Validating attention kernels on whole tensors, and planting bugs to show the checks catch them.
+
+``check_forward`` and ``check_backward`` compare a kernel's O, LSE and gradients with the float64
+reference on every batch entry and head, judging 16-bit results the way FlashAttention's tests do
+(``checks.check_attention_error``) and float32 LSEs with float32's tolerance. The references are
+computed a few heads at a time, so this works at the sizes the records are measured at.
+
+``forward_bugs`` and ``backward_bugs`` make wrong results of the kinds a kernel really gets wrong
+(a wrong head or batch index, an LSE off by 1%, dV scaled by 0.9, Δ dropped); ``show_bugs_caught``
+runs the same checks on each and passes only if every one of them fails.
+"""
+
+import torch
+
+from .checks import CheckFailed, check_attention_error, check_close, expect_failure
+from .reference import attention_reference
+
+__all__ = ["references", "check_forward", "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught",
+           "backward_without_delta"]
+
+# Float64 score matrices of at most this many elements per chunk of heads (2 GiB).
+_CHUNK_ELEMENTS = 2 ** 28
+
+
+def _head_chunks(q, k):
+    """(batch, query-head slice, kv-head slice) chunks covering every head, whole GQA groups at a time."""
+    batch, heads, seq_q = q.shape[:3]
+    group = heads // k.shape[1]
+    per_head = seq_q * k.shape[2]
+    groups_per_chunk = max(1, _CHUNK_ELEMENTS // (per_head * group))
+    for b in range(batch):
+        for g0 in range(0, k.shape[1], groups_per_chunk):
+            g1 = min(k.shape[1], g0 + groups_per_chunk)
+            yield b, slice(g0 * group, g1 * group), slice(g0, g1)
+
+
+def references(q, k, v, *, d_out=None, causal=False, window_size=None, sinks=None, sm_scale=None):
+    """The float64 reference and the low-precision (input dtype) PyTorch reference, on every head.
+
+    Returns a dict with ``out``, ``lse`` (float64 reference), ``out_low`` (low precision) and, with
+    ``d_out``, the gradients ``dq, dk, dv[, dsinks]`` of both (keys ``grads`` and ``grads_low``).
+    """
+    kw = dict(causal=causal, window_size=window_size, sm_scale=sm_scale)
+    want_grads = d_out is not None
+    result = {"out": torch.empty_like(q, dtype=torch.float64), "lse": q.new_empty(q.shape[:3], dtype=torch.float32),
+              "out_low": torch.empty_like(q)}
+    if want_grads:
+        for key in ("grads", "grads_low"):
+            dtype = torch.float64 if key == "grads" else q.dtype
+            grads = [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v)]
+            if sinks is not None:
+                grads.append(torch.zeros(sinks.shape, dtype=torch.float64, device=sinks.device))
+            result[key] = grads
+    for b, hq, hkv in _head_chunks(q, k):
+        for key, dtype in (("", torch.float64), ("_low", q.dtype)):
+            leaves = [t[b:b + 1, h].detach().to(dtype).requires_grad_(want_grads) for t, h in ((q, hq), (k, hkv), (v, hkv))]
+            sink = None if sinks is None else sinks[hq].detach().double().requires_grad_(want_grads)
+            with torch.enable_grad():
+                out = attention_reference(*leaves, sinks=sink, compute_dtype=dtype, return_lse=not key, **kw)
+                if not key:
+                    out, lse = out
+                    result["lse"][b:b + 1, hq] = lse
+                result["out" + key][b:b + 1, hq] = out.detach()
+                if want_grads:
+                    wrt = leaves + ([sink] if sink is not None else [])
+                    grads = torch.autograd.grad(out, wrt, d_out[b:b + 1, hq].to(out.dtype))
+                    target = result["grads" + key]
+                    for index, (h, g) in enumerate(zip((hq, hkv, hkv), grads)):
+                        target[index][b:b + 1, h] = g
+                    if sink is not None:
+                        target[3][hq] += grads[3].to(target[3].dtype)
+    return result
+
+
+def _label(name, what):
+    return f"{what} {name}".rstrip()
+
+
+def check_forward(q, k, v, out, lse=None, *, name="", causal=False, window_size=None, sinks=None, sm_scale=None,
+                  refs=None, quiet=False):
+    """Check O (and the LSE) of every head against the float64 reference; returns the errors.
+
+    16-bit O: the FlashAttention criterion (``check_attention_error``); float32 O and every LSE:
+    float32's tolerance. Pass ``refs`` (from ``references``) to reuse references across checks.
+    """
+    refs = refs or references(q, k, v, causal=causal, window_size=window_size, sinks=sinks, sm_scale=sm_scale)
+    errors = {}
+    if out.dtype in (torch.float16, torch.bfloat16):
+        errors["O"], errors["O_low"] = check_attention_error(out, refs["out"], refs["out_low"], _label(name, "O"),
+                                                             quiet=quiet)
+    else:
+        errors["O"] = check_close(out, refs["out"], _label(name, "O"), dtype=torch.float32, quiet=quiet)
+    if lse is not None:
+        errors["LSE"] = check_close(lse, refs["lse"], _label(name, "LSE"), dtype=torch.float32, quiet=quiet)
+    return errors
+
+
+def check_backward(q, k, v, d_out, grads, *, name="", causal=False, window_size=None, sinks=None, sm_scale=None,
+                   refs=None, quiet=False):
+    """Check dQ, dK, dV (and dsinks) of every head against the float64 reference; returns the errors."""
+    refs = refs or references(q, k, v, d_out=d_out, causal=causal, window_size=window_size, sinks=sinks,
+                              sm_scale=sm_scale)
+    names = ("dQ", "dK", "dV", "dsinks")
+    errors = {}
+    for what, g, ref, low in zip(names, grads, refs["grads"], refs["grads_low"]):
+        if g is None:
+            raise CheckFailed(f"✗ {_label(name, what)}: no gradient was returned")
+        if q.dtype in (torch.float16, torch.bfloat16):
+            errors[what], errors[what + "_low"] = check_attention_error(g, ref, low, _label(name, what), quiet=quiet)
+        else:
+            errors[what] = check_close(g, ref, _label(name, what), dtype=torch.float32, quiet=quiet)
+    return errors
+
+
+def _roll(t, dim):
+    """``t`` with its entries along ``dim`` shifted by one: what reading the wrong head or batch gives."""
+    return t.roll(1, dims=dim) if t.shape[dim] > 1 else None
+
+
+def forward_bugs(out, lse):
+    """Wrong (O, LSE) pairs a kernel could produce, by label: indexing bugs and an LSE off by 1%."""
+    bugs = {"O from the wrong head": (_roll(out, 1), lse), "O from the wrong batch entry": (_roll(out, 0), lse),
+            "LSE off by 1%": (out, lse * 1.01)}
+    return {label: pair for label, pair in bugs.items() if pair[0] is not None}
+
+
+def backward_bugs(grads, *, grads_without_delta=None):
+    """Wrong gradients a kernel could produce, by label (each a full (dQ, dK, dV[, dsinks]) tuple).
+
+    ``grads_without_delta``: the gradients the same kernel gives when Δ is dropped from
+    dS = P ∘ (dP − Δ) (see ``course_utils.attention.backward_kernels``).
+    """
+    dq, dk, dv = grads[:3]
+    rest = tuple(grads[3:])
+    bugs = {"dV × 0.9": (dq, dk, dv * 0.9) + rest, "dK × 0.9": (dq, dk * 0.9, dv) + rest,
+            "dQ from the wrong head": (_roll(dq, 1), dk, dv) + rest}
+    if rest and rest[0] is not None:
+        bugs["dsinks × 0.9"] = (dq, dk, dv, rest[0] * 0.9)
+    if grads_without_delta is not None:
+        bugs["Δ dropped"] = tuple(grads_without_delta)
+    return {label: g for label, g in bugs.items() if g[0] is not None}
+
+
+def backward_without_delta(q, k, v, out, lse, d_out, *, causal=False, window_size=None, sinks=None, sm_scale=None,
+                           config=None):
+    """The gradients the course's backward kernels give when Δ is dropped (a planted bug)."""
+    from .attention import backward_kernels
+
+    kernels = backward_kernels(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale, config=config)
+    delta = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    gqa = kernels.postprocess_dkv is not None
+    dk, dv = ((torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)) if gqa
+              else (torch.empty_like(k), torch.empty_like(v)))
+    kernels.main(q, k, v, d_out.contiguous(), lse, delta, dq_acc, dk, dv)
+    grads = (kernels.postprocess_dq(dq_acc),) + ((kernels.postprocess_dkv(dk), kernels.postprocess_dkv(dv)) if gqa
+                                                 else (dk, dv))
+    return grads + ((torch.zeros_like(sinks, dtype=torch.float32),) if sinks is not None else ())
+
+
+def show_bugs_caught(check, bugs):
+    """Run ``check(*bug)`` on every planted bug; each must fail (printed), or this raises."""
+    for label, bug in bugs.items():
+        expect_failure(label, lambda bug=bug: check(*bug))
