@@ -13,6 +13,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
 from .flash_fwd import flash_fwd_kernel
@@ -22,7 +23,7 @@ from .tiles import compile_kernel
 
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
            "ForwardConfig", "BackwardConfig", "default_forward_config", "default_backward_config", "is_hopper",
-           "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS", "FORWARD_KERNELS"]
+           "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS", "FORWARD_KERNELS", "BACKWARD_KERNELS"]
 
 # What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
 SUPPORTED = {
@@ -30,8 +31,10 @@ SUPPORTED = {
     "cpu": {"dtypes": (torch.float32, torch.float16), "head_dims": (16, 32, 64, 128)},
 }
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# The forward kernels a ForwardConfig can select: chapter 03/04's, and chapter 07's Hopper kernel.
+# The kernels a ForwardConfig or BackwardConfig can select: chapter 03/04's and chapter 07's Hopper
+# forward; chapter 05's backward.
 FORWARD_KERNELS = {"flash_fwd": flash_fwd_kernel, "flash_fwd_hopper": flash_fwd_hopper_kernel}
+BACKWARD_KERNELS = {"flash_bwd": flash_bwd_kernel}
 
 
 class ForwardConfig(NamedTuple):
@@ -76,12 +79,13 @@ def default_forward_config(device_type, dim, masked=False):
 
 
 class BackwardConfig(NamedTuple):
-    """Tiling of the main backward kernel: block_M queries per step, block_N resident keys."""
+    """Which backward kernel (``BACKWARD_KERNELS``) and its tiling: block_M queries per step, block_N resident keys."""
 
     block_M: int
     block_N: int
     num_stages: int
     threads: int
+    kernel: str = "flash_bwd"
 
 
 def default_backward_config(device_type):
@@ -115,7 +119,11 @@ def _problem(q, k, *, causal, window_size, sm_scale):
                     "cuda" if q.device.type == "cuda" else "c")
 
 
-@functools.lru_cache(maxsize=None)
+# Bounded: a loop over many sequence lengths must not keep every compiled kernel alive.
+_CACHE_SIZE = 64
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _compiled_forward(problem, has_sinks, config):
     pr = problem
     if config.kernel not in FORWARD_KERNELS:
@@ -145,7 +153,7 @@ class BackwardKernels(NamedTuple):
     postprocess_dkv: object  # GQA only (else None): the float32 dK/dV accumulators -> the input dtype
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _compiled_backward(problem, config):
     pr = problem
     small = 16 if pr.target == "c" else 64
@@ -157,9 +165,12 @@ def _compiled_backward(problem, config):
     common = dict(dtype=pr.dtype, target=pr.target)
     pre = build(flash_bwd_preprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, block=small, threads=threads,
                                             **common), [2])
-    main = build(flash_bwd_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, heads_kv=pr.heads_kv,
-                                  causal=pr.masked, window_size=pr.window_size, sm_scale=pr.sm_scale, **common,
-                                  **config._asdict()), [])
+    if config.kernel not in BACKWARD_KERNELS:
+        raise ValueError(f"BackwardConfig.kernel must be one of {sorted(BACKWARD_KERNELS)}; got {config.kernel!r}")
+    tiling = dict(block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages, threads=config.threads)
+    main = build(BACKWARD_KERNELS[config.kernel](pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, heads_kv=pr.heads_kv,
+                                                 causal=pr.masked, window_size=pr.window_size, sm_scale=pr.sm_scale,
+                                                 **common, **tiling), [])
     post_q = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, scale=pr.sm_scale, block=small,
                                                 threads=threads, **common), [1])
     post_kv = None
@@ -188,22 +199,26 @@ def backward_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, con
     return _compiled_backward(problem, config)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=16)
 def _no_sinks(heads, device):
     """Sink logits of -inf for every head (cached: one fewer allocation and kernel launch per call)."""
     return torch.full((heads,), float("-inf"), device=device)
 
 
-def attention_backward(q, k, v, out, lse, d_out, *, causal=False, window_size=None, sinks=None, sm_scale=None,
-                       config=None):
+def attention_backward(q, k, v, out, lse, d_out, *, d_lse=None, causal=False, window_size=None, sinks=None,
+                       sm_scale=None, config=None):
     """Gradients of attention from the forward's O and LSE: returns (dQ, dK, dV, dsinks or None).
 
     The backward half of ``flash_attention``, as a plain function: P is rebuilt from Q, K and the
     LSE, so it also serves ``out`` and ``lse`` that were merged from several partial forwards.
+    ``d_lse`` is the gradient reaching the LSE (a loss that uses it, such as a z-loss): since
+    ∂LSE_i/∂S_ij = P_ij, it joins dS = P ∘ (dP − Δ) as Δ − dLSE.
     """
     kernels = backward_kernels(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale, config=config)
     d_out = d_out.contiguous()
     delta = kernels.preprocess(out, d_out)
+    if d_lse is not None:
+        delta = (delta - d_lse.float()).contiguous()
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if kernels.postprocess_dkv is None:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -215,7 +230,7 @@ def attention_backward(q, k, v, out, lse, d_out, *, causal=False, window_size=No
         dk, dv = kernels.postprocess_dkv(dk), kernels.postprocess_dkv(dv)
     d_sinks = None
     if sinks is not None:
-        # d(loss)/d(sink_h) = -Σ_{b,i} P_sink[b,h,i] · Δ[b,h,i], with P_sink = exp(sink_h - LSE).
+        # d(loss)/d(sink_h) = -Σ_{b,i} P_sink[b,h,i] · (Δ − dLSE)[b,h,i], with P_sink = exp(sink_h - LSE).
         p_sink = torch.exp(sinks.detach().float()[None, :, None] - lse)
         d_sinks = -(p_sink * delta).sum(dim=(0, 2))
     return dq, dk, dv, d_sinks
@@ -233,14 +248,16 @@ class _FlashAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, sink_logits)
         ctx.options = dict(causal=causal, window_size=window_size, sm_scale=sm_scale, config=bwd_config)
         ctx.has_sinks = sinks is not None
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, d_out, _d_lse):
+    @once_differentiable  # the backward is kernels, not PyTorch ops: a second derivative must raise, not drop terms
+    def backward(ctx, d_out, d_lse):
         q, k, v, out, lse, sink_logits = ctx.saved_tensors
         sinks = sink_logits if ctx.has_sinks and ctx.needs_input_grad[3] else None
-        dq, dk, dv, d_sinks = attention_backward(q, k, v, out, lse, d_out, sinks=sinks, **ctx.options)
+        if d_out is None:  # only the LSE was used
+            d_out = torch.zeros_like(out)
+        dq, dk, dv, d_sinks = attention_backward(q, k, v, out, lse, d_out, d_lse=d_lse, sinks=sinks, **ctx.options)
         return dq, dk, dv, d_sinks, None, None, None, None, None
 
 
@@ -264,10 +281,17 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, s
     W lets a query see its last W keys (implies causal); ``sinks`` is a float tensor [H] of
     per-head sink logits (gpt-oss). Returns O (and the natural-log LSE [B, H, S_q] in float32 with
     ``return_lse``). Masking conventions are those of ``course_utils.reference``. Differentiable
-    with respect to q, k, v and sinks: ``out.backward(d_out)`` runs the backward kernels.
+    (once) with respect to q, k, v and sinks, through O and the LSE: ``out.backward(d_out)`` runs the
+    backward kernels. ``sm_scale`` must be positive.
     """
     validate_attention_inputs(q, k, v, window_size=window_size, sinks=sinks)
     _check_supported(q)
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
+                             or not math.isfinite(sm_scale) or sm_scale <= 0):
+        raise ValueError(f"sm_scale must be a positive finite number (the kernels fold it into exp2); got {sm_scale!r}")
+    if window_size is not None and window_size >= k.shape[2]:
+        window_size = None  # a window as long as the keys hides nothing that causal masking does not
+        causal = True
     out, lse = _FlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks,
                                      bool(causal or window_size is not None), window_size, sm_scale, config,
                                      backward_config)

@@ -11,8 +11,8 @@ by ``sm_scale · log2(e)`` so the exponentials are ``exp2``; the LSE written out
 import tilelang.language as T
 from tilelang.layout import make_linear_layout
 
-from .flash_pieces import (NEG_INF, forward_epilogue, forward_tiles, key_block_range, online_softmax,
-                           prelude, visible)
+from .flash_pieces import (forward_epilogue, forward_tiles, init_running_max, key_block_range, mask_scores,
+                           online_softmax, prelude)
 from .tiles import TileBackend
 
 __all__ = ["flash_fwd_kernel"]
@@ -58,16 +58,15 @@ def flash_fwd_kernel(
             T.copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s)
             T.fill(acc_o, 0)
             T.fill(l, 0)
-            T.fill(m, NEG_INF)
+            init_running_max(tb, p, m, Sinks, by, block_M, has_sinks)
             k_start, k_end = key_block_range(p, qb, block_M, block_N)
             # endregion
 
             for kb in T.Pipelined(k_start, k_end, num_stages=num_stages):
                 # region: scores
                 T.copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s)
-                for i, j in tb.parallel(block_M, block_N):
-                    S[i, j] = T.if_then_else(visible(p, qb * block_M + i, kb * block_N + j), 0, NEG_INF)
-                T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                mask_scores(tb, p, S, qb, kb, block_M, block_N)
                 # endregion
 
                 # region: softmax

@@ -19,12 +19,11 @@ The variations chapter 07 measures and does not keep are in ``flash_fwd_hopper_v
 
 import tilelang.language as T
 
-from .flash_pieces import (NEG_INF, block_needs_mask, forward_epilogue, forward_tiles, key_block_range,
-                           online_softmax, prelude, visible)
+from .flash_pieces import (forward_epilogue, forward_tiles, init_running_max, key_block_range, mask_scores,
+                           online_softmax, prelude)
 from .tiles import TileBackend
 
-__all__ = ["flash_fwd_hopper_kernel", "issue_matmuls", "wait_for_turn", "pass_turn", "mask_scores",
-           "keep_stages_until_read"]
+__all__ = ["flash_fwd_hopper_kernel", "issue_matmuls", "wait_for_turn", "pass_turn", "keep_stages_until_read"]
 
 
 @T.macro
@@ -50,14 +49,6 @@ def wait_for_turn(kb, k_start):
 def pass_turn():
     """Let the other consumer warpgroup issue its matmuls."""
     T.call_extern("handle", "tl::__named_barrier_arrive", 9 - T.get_thread_binding() // 128, 256)
-
-
-@T.macro
-def mask_scores(p, S, qb, kb, block_M, block_N):
-    """Set the hidden pairs of a boundary tile to -inf (tiles inside the visible region skip this)."""
-    if block_needs_mask(p, qb, kb, block_M, block_N):
-        for i, j in T.Parallel(block_M, block_N):
-            S[i, j] = T.if_then_else(visible(p, qb * block_M + i, kb * block_N + j), S[i, j], NEG_INF)
 
 
 @T.macro
@@ -103,7 +94,7 @@ def flash_fwd_hopper_kernel(
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(P, 0)
-            T.fill(m, NEG_INF)
+            init_running_max(tb, p, m, Sinks, by, block_M, has_sinks)
             k_start, k_end = key_block_range(p, qb, block_M, block_N)
 
             # region: rotated loop
@@ -122,7 +113,7 @@ def flash_fwd_hopper_kernel(
                     pass_turn()
                 T.wait_wgmma(1)  # the scores are ready; P·V may still be running
                 if kb < k_end:
-                    mask_scores(p, S, qb, kb, block_M, block_N)
+                    mask_scores(tb, p, S, qb, kb, block_M, block_N)
                     online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
                     T.wait_wgmma(0)
                     for i, j in T.Parallel(block_M, dim):

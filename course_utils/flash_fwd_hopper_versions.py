@@ -13,9 +13,9 @@ import tilelang
 import tilelang.language as T
 
 from .flash_fwd import flash_fwd_kernel
-from .flash_fwd_hopper import (flash_fwd_hopper_kernel, issue_matmuls, keep_stages_until_read, mask_scores,
-                               pass_turn, wait_for_turn)
-from .flash_pieces import NEG_INF, forward_epilogue, forward_tiles, key_block_range, prelude
+from .flash_fwd_hopper import flash_fwd_hopper_kernel, issue_matmuls, keep_stages_until_read, pass_turn, wait_for_turn
+from .flash_pieces import (NEG_INF, forward_epilogue, forward_tiles, init_running_max, key_block_range, mask_scores,
+                           prelude)
 from .tiles import TileBackend, compile_kernel
 
 __all__ = ["Version", "VERSIONS", "versions_for", "flash_fwd_hopper_variant"]
@@ -87,7 +87,7 @@ def flash_fwd_hopper_variant(
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(P, 0)
-            T.fill(m, NEG_INF)
+            init_running_max(tb, p, m, Sinks, by, block_M, has_sinks)
             k_start, k_end = key_block_range(p, qb, block_M, block_N)
 
             for kb in T.Pipelined(k_start, k_end + 1, num_stages=num_stages):
@@ -108,7 +108,7 @@ def flash_fwd_hopper_variant(
                     pass_turn()
                 T.wait_wgmma(1)
                 if kb < k_end:
-                    mask_scores(p, S, qb, kb, block_M, block_N)
+                    mask_scores(tb, p, S, qb, kb, block_M, block_N)
                     T.copy(m, m_prev)
                     if rescale_threshold is None:
                         T.reduce_max(S, m, dim=1, clear=False)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 __all__ = ["LOG2E", "ACCUM", "NEG_INF", "Prelude", "prelude", "visible", "block_needs_mask", "key_block_range",
-           "query_block_range", "forward_tiles", "online_softmax", "forward_epilogue"]
+           "query_block_range", "mask_scores", "init_running_max", "forward_tiles", "online_softmax",
+           "forward_epilogue"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
 ACCUM = "float32"
@@ -132,6 +133,32 @@ def query_block_range(p, kb, block_M, block_N):
 
 
 @T.macro
+def mask_scores(tb, p, S, qb, kb, block_M, block_N):
+    """Set the hidden pairs of score tile (qb, kb) to -inf, after the QKᵀ product.
+
+    Masking by selection, not by adding -inf to the scores: a hidden key then has no influence at
+    all, even if it holds an inf or a NaN. Tiles inside the visible region skip the pass.
+    """
+    if block_needs_mask(p, qb, kb, block_M, block_N):
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = T.if_then_else(visible(p, qb * block_M + i, kb * block_N + j), S[i, j], NEG_INF)
+
+
+@T.macro
+def init_running_max(tb, p, m, Sinks, by, block_M, has_sinks):
+    """Start the running max at -inf, or at the sink's logit (in raw score units) when there is one.
+
+    A sink is a key with a logit and no value row; counting it in the max from the start keeps every
+    exponential at most 1, however large the sink or however small the scores.
+    """
+    if has_sinks:
+        for i in tb.parallel(block_M):
+            m[i] = Sinks[by] * (1.0 / p.sm_scale)
+    else:
+        T.fill(m, NEG_INF)
+
+
+@T.macro
 def forward_tiles(tb, block_M, block_N, dim, dtype):
     """The tiles of a forward kernel: Q, K, V, O in shared memory; scores and statistics in registers."""
     Q_s = tb.shared([block_M, dim], dtype)
@@ -178,12 +205,13 @@ def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by,
         shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] * p.scale_log2)
     if has_sinks:
         for i in tb.parallel(block_M):
-            l[i] += T.exp2(Sinks[by] * LOG2E - shift[i])  # the sink's term: no value row
+            l[i] += T.exp2(Sinks[by] * LOG2E - shift[i])  # the sink's term (≤ 1: m includes it); no value row
+    # Only a row that saw nothing has l = 0; a NaN the row saw stays NaN, as in PyTorch.
     for i, j in tb.parallel(block_M, dim):
-        acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0)
+        acc_o[i, j] = T.if_then_else(l[i] == 0, 0, acc_o[i, j] / l[i])
     T.copy(acc_o, O_s)
     T.copy(O_s, Output[bz, by, qb * block_M:(qb + 1) * block_M, :])
     for i in tb.parallel(block_M):
         if qb * block_M + i < p.seq_q:
             LSE[bz, by, qb * block_M + i] = T.if_then_else(
-                l[i] > 0, (shift[i] + T.log2(l[i])) / LOG2E, NEG_INF)
+                l[i] == 0, NEG_INF, (shift[i] + T.log2(l[i])) / LOG2E)
