@@ -78,8 +78,11 @@ def flash_bwd_kernel(
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
     accum = "float32"
-    dkv_dtype = dtype if p.group == 1 else accum
+    # region: gqa accumulators
+    dkv_dtype = dtype if p.group == 1 else accum  # GQA: several query heads add into one dK/dV head
+    # endregion
 
+    # region: launch
     @T.prim_func
     def flash_bwd(
         Q: T.Tensor([batch, heads, seq_q, dim], dtype),
@@ -107,7 +110,9 @@ def flash_bwd_kernel(
             dv = tb.fragment([block_N, dim], accum)
             dk = tb.fragment([block_N, dim], accum)
             dq = tb.fragment([block_M, dim], accum)
+            # endregion
 
+            # region: setup
             kv_head = by // p.group
             T.copy(K[bz, kv_head, bx * block_N:(bx + 1) * block_N, :], K_s)
             T.copy(V[bz, kv_head, bx * block_N:(bx + 1) * block_N, :], V_s)
@@ -116,12 +121,14 @@ def flash_bwd_kernel(
 
             # Only the query blocks that can see these keys.
             q_start, q_end = query_block_range(p, bx, block_M, block_N)
+            # endregion
 
             # A one-key window makes the range from q_start to q_end a single block, and TVM's bound
             # analysis then rejects the loop; counting from 0 avoids that. Every other kernel loops over
             # qb itself, which lets TVM prove qb < num_q_blocks and drop a bounds check.
             first, offset = (0, q_start) if p.window_size == 1 else (q_start, 0)
             for step in T.Pipelined(first, q_end - offset, num_stages=num_stages):
+                # region: recompute P
                 qb = offset + step
                 T.copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s)
                 T.copy(LSE[bz, by, qb * block_M:(qb + 1) * block_M], lse)
@@ -130,24 +137,32 @@ def flash_bwd_kernel(
                 for j, i in tb.parallel(block_N, block_M):
                     PT[j, i] = T.if_then_else(visible(p, qb * block_M + i, bx * block_N + j, guard_q=True),
                                               T.exp2(PT[j, i] * p.scale_log2 - lse[i] * LOG2E), 0)
+                # endregion
+                # region: dV
                 T.copy(dO[bz, by, qb * block_M:(qb + 1) * block_M, :], dO_s)
                 T.clear(dPT)
                 T.gemm(V_s, dO_s, dPT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.copy(PT, PT_cast)
                 T.gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += Pᵀ dO
+                # endregion
 
+                # region: dK
                 T.copy(Delta[bz, by, qb * block_M:(qb + 1) * block_M], delta)
                 for j, i in tb.parallel(block_N, block_M):
                     dST_cast[j, i] = PT[j, i] * (dPT[j, i] - delta[i])  # dSᵀ, without the scale
                 T.gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
+                # endregion
 
+                # region: dQ
                 T.copy(dST_cast, dST_s)
                 T.clear(dq)
                 T.gemm(dST_s, K_s, dq, transpose_A=True)  # this key block's share of dS K
                 for i, d in tb.parallel(block_M, dim):
                     if qb * block_M + i < seq_q:
                         T.atomic_add(dQ_acc[bz, by, qb * block_M + i, d], dq[i, d])
+                # endregion
 
+            # region: store
             for j, d in tb.parallel(block_N, dim):
                 dk[j, d] *= p.sm_scale
             if p.group == 1:
@@ -158,5 +173,6 @@ def flash_bwd_kernel(
                     if bx * block_N + j < seq_k:
                         T.atomic_add(dV[bz, kv_head, bx * block_N + j, d], dv[j, d])
                         T.atomic_add(dK[bz, kv_head, bx * block_N + j, d], dk[j, d])
+            # endregion
 
     return flash_bwd

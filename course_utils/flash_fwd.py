@@ -36,6 +36,7 @@ def flash_fwd_kernel(
                 sm_scale=sm_scale)
     accum = "float32"
 
+    # region: launch
     @T.prim_func
     def flash_fwd(
         Q: T.Tensor([batch, heads, seq_q, dim], dtype),
@@ -48,6 +49,7 @@ def flash_fwd_kernel(
         with tb.kernel(p.blocks(seq_q, block_M), heads, batch, threads=threads) as (bx, by, bz):
             Q_s, K_s, V_s, O_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_tiles(
                 tb, block_M, block_N, dim, dtype)
+            # endregion
             if linear_smem and tb.on_gpu:
                 T.annotate_layout({buf: make_linear_layout(buf) for buf in (Q_s, K_s, V_s, O_s)})
 

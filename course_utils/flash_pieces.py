@@ -203,15 +203,21 @@ def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by,
     # The shift is recomputed: a query block that sees no key never ran the loop.
     for i in tb.parallel(block_M):
         shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] * p.scale_log2)
+    # region: sink
     if has_sinks:
         for i in tb.parallel(block_M):
             l[i] += T.exp2(Sinks[by] * LOG2E - shift[i])  # the sink's term (≤ 1: m includes it); no value row
+    # endregion
+    # region: normalise
     # Only a row that saw nothing has l = 0; a NaN the row saw stays NaN, as in PyTorch.
     for i, j in tb.parallel(block_M, dim):
         acc_o[i, j] = T.if_then_else(l[i] == 0, 0, acc_o[i, j] / l[i])
     T.copy(acc_o, O_s)
     T.copy(O_s, Output[bz, by, qb * block_M:(qb + 1) * block_M, :])
+    # endregion
+    # region: lse
     for i in tb.parallel(block_M):
         if qb * block_M + i < p.seq_q:
             LSE[bz, by, qb * block_M + i] = T.if_then_else(
                 l[i] == 0, NEG_INF, (shift[i] + T.log2(l[i])) / LOG2E)
+    # endregion

@@ -88,6 +88,7 @@ def blockwise_attention(q, k, v, block_N, *, causal=False, sm_scale=None, return
     m = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     l = torch.zeros_like(m)
     o = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    # region: loop
     for start in range(0, seq_k, block_N):
         k_blk, v_blk = k[..., start:start + block_N, :], v[..., start:start + block_N, :]
         s = (q @ k_blk.transpose(-1, -2)) * scale
@@ -96,6 +97,7 @@ def blockwise_attention(q, k, v, block_N, *, causal=False, sm_scale=None, return
         p = torch.exp(s - safe_shift(m)[..., None])
         o = o * alpha[..., None] + p @ v_blk
     o = o / l[..., None]
+    # endregion
     if not return_lse:
         return o
     return o, safe_shift(m) + torch.log(l)
@@ -163,6 +165,7 @@ def softmax_online_kernel(M, N, *, scale=1.0, block_M=32, block_N=64, threads=12
             shift = tb.fragment([block_M], dtype)  # m · scale_log2, or 0 while m is -inf
             l = tb.fragment([block_M], dtype)  # running sum of exp2(x·scale_log2 − shift)
             row_sum = tb.fragment([block_M], dtype)
+            # region: passes
             T.fill(m, neg_inf)
             T.fill(l, 0)
             for kb in T.serial(N // block_N):  # pass 1: the online normaliser
@@ -184,5 +187,6 @@ def softmax_online_kernel(M, N, *, scale=1.0, block_M=32, block_N=64, threads=12
             for i in tb.parallel(block_M):
                 if bx * block_M + i < M:
                     LSE[bx * block_M + i] = (shift[i] + T.log2(l[i])) / LOG2E
+            # endregion
 
     return softmax_online

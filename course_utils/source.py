@@ -19,9 +19,14 @@ _REGION = re.compile(r"^\s*# region: (.+?)\s*$")
 _END_REGION = re.compile(r"^\s*# endregion\s*$")
 
 
+def _python_object(obj):
+    """The Python function behind ``obj`` (a TileLang macro keeps it as ``orig_func``)."""
+    return getattr(obj, "orig_func", obj)
+
+
 def source_regions(obj):
     """The names of the ``# region: name`` … ``# endregion`` blocks in ``obj``'s source."""
-    return [m.group(1) for line in inspect.getsourcelines(obj)[0] if (m := _REGION.match(line))]
+    return [m.group(1) for line in inspect.getsourcelines(_python_object(obj))[0] if (m := _REGION.match(line))]
 
 
 def show_source(obj, region=None):
@@ -31,7 +36,7 @@ def show_source(obj, region=None):
     ``# endregion`` (the marker lines themselves are left out). A region that does not exist is an
     error, so a chapter cannot silently show the wrong lines after a kernel changes.
     """
-    obj = getattr(obj, "orig_func", obj)  # a TileLang macro keeps its Python function here
+    obj = _python_object(obj)
     lines, first_line = inspect.getsourcelines(obj)
     lines = [line.rstrip("\n") for line in lines]
     numbers = range(first_line, first_line + len(lines))
