@@ -22,7 +22,7 @@ from .reference import validate_attention_inputs
 from .tiles import compile_kernel
 
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
-           "ForwardConfig", "BackwardConfig", "default_forward_config", "default_backward_config", "is_hopper",
+           "ForwardConfig", "BackwardConfig", "sink_logits", "default_forward_config", "default_backward_config", "is_hopper",
            "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS", "FORWARD_KERNELS", "BACKWARD_KERNELS"]
 
 # What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
@@ -46,6 +46,10 @@ class ForwardConfig(NamedTuple):
     threads: int
     kernel: str = "flash_fwd"
     pingpong: bool = False  # flash_fwd_hopper only: the two consumer warpgroups take turns
+
+    def tiling(self):
+        """The tiling as keyword arguments of a kernel factory."""
+        return dict(block_M=self.block_M, block_N=self.block_N, num_stages=self.num_stages, threads=self.threads)
 
 
 def is_hopper():
@@ -86,6 +90,8 @@ class BackwardConfig(NamedTuple):
     num_stages: int
     threads: int
     kernel: str = "flash_bwd"
+
+    tiling = ForwardConfig.tiling
 
 
 def default_backward_config(device_type):
@@ -128,8 +134,7 @@ def _compiled_forward(problem, has_sinks, config):
     pr = problem
     if config.kernel not in FORWARD_KERNELS:
         raise ValueError(f"ForwardConfig.kernel must be one of {sorted(FORWARD_KERNELS)}; got {config.kernel!r}")
-    tiling = dict(block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
-                  threads=config.threads)
+    tiling = config.tiling()
     variant = dict(heads_kv=pr.heads_kv, causal=pr.masked, window_size=pr.window_size, has_sinks=has_sinks,
                    sm_scale=pr.sm_scale, dtype=pr.dtype)
     if config.kernel == "flash_fwd_hopper":
@@ -167,7 +172,7 @@ def _compiled_backward(problem, config):
                                             **common), [2])
     if config.kernel not in BACKWARD_KERNELS:
         raise ValueError(f"BackwardConfig.kernel must be one of {sorted(BACKWARD_KERNELS)}; got {config.kernel!r}")
-    tiling = dict(block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages, threads=config.threads)
+    tiling = config.tiling()
     main = build(BACKWARD_KERNELS[config.kernel](pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, heads_kv=pr.heads_kv,
                                                  causal=pr.masked, window_size=pr.window_size, sm_scale=pr.sm_scale,
                                                  **common, **tiling), [])
@@ -205,6 +210,14 @@ def _no_sinks(heads, device):
     return torch.full((heads,), float("-inf"), device=device)
 
 
+def sink_logits(sinks, heads, device):
+    """The kernels' ``Sinks`` argument: float32 logits [H], or -inf for every head when there are none.
+
+    "No sink" is a sink of logit -inf: its exp() is 0, so one kernel signature serves both.
+    """
+    return sinks.detach().float().contiguous() if sinks is not None else _no_sinks(heads, device)
+
+
 def attention_backward(q, k, v, out, lse, d_out, *, d_lse=None, causal=False, window_size=None, sinks=None,
                        sm_scale=None, config=None):
     """Gradients of attention from the forward's O and LSE: returns (dQ, dK, dV, dsinks or None).
@@ -215,24 +228,30 @@ def attention_backward(q, k, v, out, lse, d_out, *, d_lse=None, causal=False, wi
     ∂LSE_i/∂S_ij = P_ij, it joins dS = P ∘ (dP − Δ) as Δ − dLSE.
     """
     kernels = backward_kernels(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale, config=config)
+    # region: three kernels
     d_out = d_out.contiguous()
     delta = kernels.preprocess(out, d_out)
     if d_lse is not None:
         delta = (delta - d_lse.float()).contiguous()
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # atomics add into it: zeroed
+    # region: gqa
     if kernels.postprocess_dkv is None:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
     else:
         dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+    # endregion
     kernels.main(q, k, v, d_out, lse, delta, dq_acc, dk, dv)
     dq = kernels.postprocess_dq(dq_acc)
     if kernels.postprocess_dkv is not None:
-        dk, dv = kernels.postprocess_dkv(dk), kernels.postprocess_dkv(dv)
+        dk, dv = kernels.postprocess_dkv(dk), kernels.postprocess_dkv(dv)  # GQA: cast the float32 sums
+    # endregion
+    # region: dsinks
     d_sinks = None
     if sinks is not None:
         # d(loss)/d(sink_h) = -Σ_{b,i} P_sink[b,h,i] · (Δ − dLSE)[b,h,i], with P_sink = exp(sink_h - LSE).
         p_sink = torch.exp(sinks.detach().float()[None, :, None] - lse)
         d_sinks = -(p_sink * delta).sum(dim=(0, 2))
+    # endregion
     return dq, dk, dv, d_sinks
 
 
@@ -241,11 +260,9 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, causal, window_size, sm_scale, fwd_config, bwd_config):
         fwd = forward_kernel(q, k, causal=causal, window_size=window_size, has_sinks=sinks is not None,
                              sm_scale=sm_scale, config=fwd_config)
-        # "No sink" is a sink of logit -inf: its exp() is 0, so one kernel signature serves both.
-        sink_logits = (sinks.detach().float().contiguous() if sinks is not None
-                       else _no_sinks(q.shape[1], q.device))
-        out, lse = fwd(q, k, v, sink_logits)
-        ctx.save_for_backward(q, k, v, out, lse, sink_logits)
+        logits = sink_logits(sinks, q.shape[1], q.device)
+        out, lse = fwd(q, k, v, logits)
+        ctx.save_for_backward(q, k, v, out, lse, logits)
         ctx.options = dict(causal=causal, window_size=window_size, sm_scale=sm_scale, config=bwd_config)
         ctx.has_sinks = sinks is not None
         return out, lse
@@ -253,8 +270,8 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the backward is kernels, not PyTorch ops: a second derivative must raise, not drop terms
     def backward(ctx, d_out, d_lse):
-        q, k, v, out, lse, sink_logits = ctx.saved_tensors
-        sinks = sink_logits if ctx.has_sinks and ctx.needs_input_grad[3] else None
+        q, k, v, out, lse, logits = ctx.saved_tensors
+        sinks = logits if ctx.has_sinks and ctx.needs_input_grad[3] else None
         if d_out is None:  # only the LSE was used
             d_out = torch.zeros_like(out)
         dq, dk, dv, d_sinks = attention_backward(q, k, v, out, lse, d_out, d_lse=d_lse, sinks=sinks, **ctx.options)

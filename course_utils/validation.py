@@ -12,11 +12,13 @@ runs the same checks on each and passes only if every one of them fails.
 
 import torch
 
-from .checks import CheckFailed, check_attention_error, check_close, expect_failure
+from .checks import (ERROR_FACTOR, ERROR_SLACK, CheckFailed, check_attention_error, check_close, expect_failure,
+                     tolerance_for)
+from .labels import NAIVE, PEERS
 from .reference import attention_reference
 
 __all__ = ["references", "check_forward", "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught",
-           "backward_without_delta"]
+           "backward_without_delta", "check_stored_errors"]
 
 # Float64 score matrices of at most this many elements per chunk of heads (2 GiB).
 _CHUNK_ELEMENTS = 2 ** 28
@@ -39,6 +41,8 @@ def references(q, k, v, *, d_out=None, causal=False, window_size=None, sinks=Non
 
     Returns a dict with ``out``, ``lse`` (float64 reference), ``out_low`` (low precision) and, with
     ``d_out``, the gradients ``dq, dk, dv[, dsinks]`` of both (keys ``grads`` and ``grads_low``).
+    The low-precision gradients come from autograd through the low-precision reference, except
+    dsinks, which FlashAttention-style backwards compute from the rounded O (see below).
     """
     kw = dict(causal=causal, window_size=window_size, sm_scale=sm_scale)
     want_grads = d_out is not None
@@ -54,21 +58,27 @@ def references(q, k, v, *, d_out=None, causal=False, window_size=None, sinks=Non
     for b, hq, hkv in _head_chunks(q, k):
         for key, dtype in (("", torch.float64), ("_low", q.dtype)):
             leaves = [t[b:b + 1, h].detach().to(dtype).requires_grad_(want_grads) for t, h in ((q, hq), (k, hkv), (v, hkv))]
-            sink = None if sinks is None else sinks[hq].detach().double().requires_grad_(want_grads)
+            sink = None if sinks is None else sinks[hq].detach().double().requires_grad_(want_grads and not key)
             with torch.enable_grad():
-                out = attention_reference(*leaves, sinks=sink, compute_dtype=dtype, return_lse=not key, **kw)
+                out, lse = attention_reference(*leaves, sinks=sink, compute_dtype=dtype, return_lse=True, **kw)
                 if not key:
-                    out, lse = out
                     result["lse"][b:b + 1, hq] = lse
                 result["out" + key][b:b + 1, hq] = out.detach()
-                if want_grads:
-                    wrt = leaves + ([sink] if sink is not None else [])
-                    grads = torch.autograd.grad(out, wrt, d_out[b:b + 1, hq].to(out.dtype))
-                    target = result["grads" + key]
-                    for index, (h, g) in enumerate(zip((hq, hkv, hkv), grads)):
-                        target[index][b:b + 1, h] = g
-                    if sink is not None:
-                        target[3][hq] += grads[3].to(target[3].dtype)
+                if not want_grads:
+                    continue
+                wrt = leaves + ([sink] if sink is not None and not key else [])
+                grads = torch.autograd.grad(out, wrt, d_out[b:b + 1, hq].to(out.dtype))
+                target = result["grads" + key]
+                for index, (h, g) in enumerate(zip((hq, hkv, hkv), grads)):
+                    target[index][b:b + 1, h] = g
+                if sink is not None and not key:
+                    target[3][hq] += grads[3].to(target[3].dtype)
+                elif sink is not None:
+                    # In low precision, dsinks is what every implementation computes from its rounded O
+                    # (FlashAttention's Δ): -Σ_i exp(z - LSE_i) · rowsum(dO ∘ O)_i, in float32.
+                    delta = (d_out[b:b + 1, hq].float() * out.detach().float()).sum(-1)
+                    p_sink = torch.exp(sink.detach().float()[None, :, None] - lse.detach())
+                    target[3][hq] += -(p_sink * delta).sum(dim=(0, 2)).double()
     return result
 
 
@@ -82,34 +92,66 @@ def check_forward(q, k, v, out, lse=None, *, name="", causal=False, window_size=
 
     16-bit O: the FlashAttention criterion (``check_attention_error``); float32 O and every LSE:
     float32's tolerance. Pass ``refs`` (from ``references``) to reuse references across checks.
+    Returns {quantity: {"err": ..., "allowed": ...}}, what records store.
     """
     refs = refs or references(q, k, v, causal=causal, window_size=window_size, sinks=sinks, sm_scale=sm_scale)
-    errors = {}
-    if out.dtype in (torch.float16, torch.bfloat16):
-        errors["O"], errors["O_low"] = check_attention_error(out, refs["out"], refs["out_low"], _label(name, "O"),
-                                                             quiet=quiet)
-    else:
-        errors["O"] = check_close(out, refs["out"], _label(name, "O"), dtype=torch.float32, quiet=quiet)
+    low = refs["out_low"] if _sixteen_bit(q) else None
+    errors = {"O": _check(out, refs["out"], low, _label(name, "O"), quiet)}
     if lse is not None:
-        errors["LSE"] = check_close(lse, refs["lse"], _label(name, "LSE"), dtype=torch.float32, quiet=quiet)
+        errors["LSE"] = _check(lse, refs["lse"], None, _label(name, "LSE"), quiet)
     return errors
 
 
 def check_backward(q, k, v, d_out, grads, *, name="", causal=False, window_size=None, sinks=None, sm_scale=None,
                    refs=None, quiet=False):
-    """Check dQ, dK, dV (and dsinks) of every head against the float64 reference; returns the errors."""
+    """Check dQ, dK, dV (and dsinks) of every head against the float64 reference; returns the errors.
+
+    ``grads`` may stop after dV when the sinks are not a leaf.
+    """
     refs = refs or references(q, k, v, d_out=d_out, causal=causal, window_size=window_size, sinks=sinks,
                               sm_scale=sm_scale)
-    names = ("dQ", "dK", "dV", "dsinks")
     errors = {}
-    for what, g, ref, low in zip(names, grads, refs["grads"], refs["grads_low"]):
+    for what, g, ref, low in zip(("dQ", "dK", "dV", "dsinks"), grads, refs["grads"], refs["grads_low"]):
         if g is None:
             raise CheckFailed(f"✗ {_label(name, what)}: no gradient was returned")
-        if q.dtype in (torch.float16, torch.bfloat16):
-            errors[what], errors[what + "_low"] = check_attention_error(g, ref, low, _label(name, what), quiet=quiet)
-        else:
-            errors[what] = check_close(g, ref, _label(name, what), dtype=torch.float32, quiet=quiet)
+        errors[what] = _check(g, ref, low if _sixteen_bit(q) else None, _label(name, what), quiet)
     return errors
+
+
+def _sixteen_bit(q):
+    return q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _check(actual, reference, low_precision, name, quiet):
+    """One quantity: by the FlashAttention criterion when a low-precision reference is given (16-bit
+    inputs; dsinks too, although it is float32), else by float32's tolerance (float32 problems, and
+    every LSE). Returns {"err": max error, "allowed": the bound it was held to}."""
+    if low_precision is not None:
+        err, base = check_attention_error(actual, reference, low_precision, name, quiet=quiet)
+        return {"err": err, "allowed": ERROR_FACTOR * base + ERROR_SLACK}
+    tol = tolerance_for(torch.float32)
+    err = check_close(actual, reference, name, dtype=torch.float32, quiet=quiet)
+    return {"err": err, "allowed": tol.atol + tol.rtol * float(reference.detach().abs().nan_to_num(0).max())}
+
+
+def check_stored_errors(rows, what="record", *, unchecked=PEERS + (NAIVE,)):
+    """Check that every measured row of a record (but the ``unchecked`` implementations: the peers,
+    whose correctness is not ours to prove) was validated, and within its bound.
+
+    Records store, for each checked quantity, its error against the float64 reference and the bound
+    it was held to when measured. A row without them was never checked, and fails here.
+    """
+    ours = [r for r in rows if r.get("impl") not in unchecked and not r.get("error")]
+    if not ours:
+        raise CheckFailed(f"✗ {what}: no measured rows to check")
+    missing = [r for r in ours if not r.get("errors")]
+    if missing:
+        raise CheckFailed(f"✗ {what}: {len(missing)} of {len(ours)} rows of ours carry no validation errors")
+    worst = max(((e["err"] / e["allowed"], q, r) for r in ours for q, e in r["errors"].items()), key=lambda t: t[0])
+    if worst[0] > 1:
+        raise CheckFailed(f"✗ {what}: {worst[1]} error {worst[2]['errors'][worst[1]]} exceeds its bound")
+    print(f"✓ {what}: all {len(ours)} measured rows were checked on every head; the worst used "
+          f"{worst[0]:.0%} of its allowed error ({worst[1]})")
 
 
 def _roll(t, dim):

@@ -6,7 +6,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from ..bench import attention_flops, tflops, time_cuda
-from ..labels import NAIVE
+from ..labels import FA2, NAIVE
 from ..validation import check_forward, references
 from .common import random_inputs, sdpa
 
@@ -28,8 +28,7 @@ def naive_vs_sdpa(seq_lens=(256, 512, 1024, 2048, 4096, 8192), batch=4, heads=16
     for seq in seq_lens:
         q, k, v = random_inputs(dict(batch=batch, heads=heads, seq=seq, dim=dim), torch.float16)
         flops = attention_flops(batch, heads, seq, seq, dim)
-        impls = {NAIVE: lambda: naive_attention(q, k, v),
-                 "SDPA flash": lambda: sdpa(q, k, v, False, SDPBackend.FLASH_ATTENTION)}
+        impls = {NAIVE: lambda: naive_attention(q, k, v), FA2: lambda: sdpa(q, k, v, False, SDPBackend.FLASH_ATTENTION)}
         refs = references(q, k, v)  # both must be right, on every head, before either is timed
         err = {impl: check_forward(q, k, v, fn(), name=f"{impl} S={seq}", refs=refs, quiet=True)
                for impl, fn in impls.items()}

@@ -4,7 +4,7 @@ import itertools
 
 import torch
 
-from ..attention import flash_attention
+from ..attention import default_forward_config, flash_attention
 from ..bench import attention_flops, tflops, time_cuda, time_side_by_side
 from ..labels import NAIVE, OURS
 from ..reference import attention_reference
@@ -62,7 +62,7 @@ def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
                 rows.append(dict(sh, impl=impl, mode=mode, window=window, ms=ms,
                                  tflops=tflops(flops * (2.5 if mode == "bwd" else 1.0), ms)))
                 if impl == OURS:
-                    rows[-1]["errors"] = errors
+                    rows[-1].update(errors=errors, config=default_forward_config("cuda", dim, True)._asdict())
             print(f"gpt-oss D={dim} window={window} {impl}: fwd {rows[-2]['tflops']:.0f}, bwd {rows[-1]['tflops']:.0f}")
     return rows
 
@@ -74,9 +74,11 @@ def gqa_backward_strategies(shape=None):
     group = sh["heads"] // sh["heads_kv"]
     b, h, s, d = sh["batch"], sh["heads"], sh["seq"], sh["dim"]
 
+    # region: split then sum
     def split_then_sum(q_, k_, v_):
         k_rep, v_rep = k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1)
         return flash_attention(q_, k_rep, v_rep, causal=True, sinks=sinks)  # autograd sums the repeats
+    # endregion
 
     atomic = lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=True, sinks=sinks)  # noqa: E731
     rows, grads, refs = [], {}, None
