@@ -81,7 +81,7 @@ for dtype, x in rows.items():
 # sum anyway. This is the **safe softmax** every library uses:
 
 # %%
-show_source(safe_softmax, "def safe_softmax", "return")
+show_source(safe_softmax)
 for dtype, x in rows.items():
     cu.check_close(safe_softmax(x), torch.softmax(x.double(), dim=-1), f"safe softmax, {dtype}")
 wide = torch.randn(64, 300) * 30  # logits far beyond both overflow limits
@@ -159,8 +159,8 @@ cu.check_close(torch.tensor(m + math.log(l), dtype=torch.float64), torch.logsume
 # %%
 from course_utils.softmax import online_softmax_update, safe_shift
 
-show_source(online_softmax_update, "m_new = ", "return")
-show_source(safe_shift, "return")
+show_source(online_softmax_update)
+show_source(safe_shift)
 
 # %% [markdown]
 # One subtlety: a masked score is $-\infty$ (a causal mask, a sliding window). While a row has
@@ -170,7 +170,7 @@ show_source(safe_shift, "return")
 # over the blocks of each row (pass 1), then writes the probabilities (pass 2):
 
 # %%
-show_source(blockwise_softmax, "m = torch.full", "return out")
+show_source(blockwise_softmax)
 x = torch.randn(256, 1000, dtype=torch.float64) * 5
 x[:64, :300] = float("-inf")  # some rows start with fully masked blocks
 for block_N in (64, 100, 1000):  # 100 does not divide 1000; 1000 is the whole row
@@ -192,7 +192,7 @@ for block_N in (64, 100, 1000):  # 100 does not divide 1000; 1000 is the whole r
 # scores never exists in full. This is the loop of FlashAttention, in PyTorch:
 
 # %%
-show_source(blockwise_attention, "for start in range", "o = o / l")
+show_source(blockwise_attention, "loop")
 
 # %% [markdown]
 # Checked against the float64 reference, with and without the causal mask, for block sizes that
@@ -300,7 +300,7 @@ cu.check_close(torch.exp(scaled - lse[..., None]), torch.softmax(scaled, dim=-1)
 # (chapter 00) and runs on the GPU, or on this CPU through TileLang's C backend.
 
 # %%
-show_source(softmax_row_kernel, "scale_log2 =", "T.copy(x, Y")
+show_source(softmax_row_kernel)
 
 # %%
 M, N = cu.pick(cpu=(200, 512), gpu=(4096, 1024))  # M is not a multiple of block_M on the CPU
@@ -327,7 +327,7 @@ cu.check_close(row_softmax(X), torch.softmax(scale * X.double(), dim=-1), "TileL
 # first blocks are masked turns into `NaN`.) At the end the kernel also writes the LSE.
 
 # %%
-show_source(softmax_online_kernel, "T.fill(m, neg_inf)", "LSE[bx")
+show_source(softmax_online_kernel, "passes")
 
 # %%
 online_softmax = compile_kernel(softmax_online_kernel(M, N, scale=scale, block_N=64), out_idx=[1, 2])

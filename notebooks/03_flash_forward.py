@@ -42,7 +42,12 @@ import matplotlib.pyplot as plt
 import torch
 
 from course_utils import diagrams, plots
-from course_utils.flash_fwd import LOG2E, flash_fwd_kernel
+from course_utils.benchmarks import CH03_FORWARD_CONFIG, RECORDS
+from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
+from course_utils.validation import check_stored_errors
+from course_utils.flash_fwd import flash_fwd_kernel
+from course_utils.flash_pieces import (LOG2E, Prelude, forward_epilogue, forward_tiles, key_block_range,
+                                       mask_scores, online_softmax, visible)
 from course_utils.source import count, cuda_source, grep, show_source
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
@@ -115,12 +120,15 @@ diagrams.visit_table(56, 56, 16, 16, causal=True, window_size=20)
 # ## 3 · The kernel, piece by piece
 #
 # The kernel is `course_utils.flash_fwd.flash_fwd_kernel`, a *factory*: a Python function that
-# takes the shapes and options and returns a `@T.prim_func`. We read it in order. First the
-# Python-side setup: ordinary Python, evaluated when the factory runs, so its numbers reach the
-# generated code as constants.
+# takes the shapes and options and returns a `@T.prim_func`. Like Triton's tutorial, which factors
+# the inner loop of its attention kernel out once, the course writes each piece that several
+# kernels need once, in `course_utils/flash_pieces.py`; the forward, the Hopper forward of
+# chapter 07 and the backward of chapter 05 are built from them. We read them in the order the
+# kernel uses them. First the **prelude**: ordinary Python, evaluated when the factory runs, so
+# its numbers reach the generated code as constants.
 
 # %%
-show_source(flash_fwd_kernel, "tb = TileBackend(target)", "num_k_blocks =")
+show_source(Prelude)
 
 # %% [markdown]
 # - **`scale_log2`** folds two constants into one. Since $e^x = 2^{x \log_2 e}$,
@@ -129,87 +137,87 @@ show_source(flash_fwd_kernel, "tb = TileBackend(target)", "num_k_blocks =")
 #   base-2 exponential instruction.
 # - **`past`** aligns the causal diagonal to the bottom-right when `S_k > S_q` (new queries
 #   attending to a longer history), the convention of `course_utils.reference`.
-# - `tb` is the `TileBackend` of chapter 00: on the CPU its "shared" and "fragment" tiles are
-#   plain local arrays, so this same source runs here.
+# - `group` is grouped-query attention (chapter 06); `blocks` counts tiles, the last one partial.
 #
 # `visible` builds the mask condition as a TileLang expression. `k_pos < seq_k` is the guard
 # for the partial last K tile; windows are chapter 06.
 
 # %%
-show_source(flash_fwd_kernel, "def visible", "return cond")
+show_source(visible)
 
 # %% [markdown]
-# **Allocation.** The kernel's signature names the tensors in HBM (`Sinks` is read only by the
-# gpt-oss variant of chapter 06). The launch creates the grid of section 1, and the tiles from
-# the table above are allocated: four in shared memory, the rest in registers. `S` holds the
-# scores and, a few lines later, the probabilities in place; `P` is the 16-bit copy the tensor
-# cores multiply with V.
+# **The launch and the tiles.** The kernel's signature names the tensors in HBM (`Sinks` is read
+# only by the gpt-oss variant of chapter 06). The launch creates the grid of section 1, and
+# `forward_tiles` allocates the tiles from the table above: four in shared memory, the rest in
+# registers. `tb` is the `TileBackend` of chapter 00: on the CPU its "shared" and "fragment" tiles
+# are plain local arrays, so this same source runs here.
 
 # %%
-show_source(flash_fwd_kernel, "@T.prim_func", "l = tb.fragment")
+show_source(flash_fwd_kernel, "launch")
+show_source(forward_tiles)
 
 # %% [markdown]
 # **The Q load and the initial state.** The reversed query-block index `qb` from section 1;
-# `kv_head` maps a query head to its K/V head (grouped-query attention, chapter 06). Q is
-# copied to shared memory once. The output accumulator and the denominator start at 0 and the
-# running max at −∞. The loop bounds are the skipped triangle of section 2 in one formula:
-# a causal query block stops after the key block holding its last row's key.
+# `kv_head` maps a query head to its K/V head (chapter 06). Q is copied to shared memory once.
+# The output accumulator and the denominator start at 0 and the running max at −∞
+# (`init_running_max`; chapter 06's sinks start it elsewhere). The loop bounds are the skipped
+# triangle of section 2 in one formula: a causal query block stops after the key block holding
+# its last row's diagonal key.
 
 # %%
-show_source(flash_fwd_kernel, "# Causal: the last query blocks", "k_start = T.max")
+show_source(flash_fwd_kernel, "setup")
+show_source(key_block_range)
 
 # %% [markdown]
-# **Masking and QKᵀ.** `T.Pipelined` is a loop whose copies TileLang may issue ahead of the
+# **QKᵀ, then the mask.** `T.Pipelined` is a loop whose copies TileLang may issue ahead of the
 # compute, with `num_stages` K/V buffers in flight (chapter 04 tunes it). Each iteration copies a
-# K tile, then sets `S` to 0 where a pair is visible and −∞ where not, *before* the matrix
-# product: `T.gemm` accumulates into its output (`S += Q Kᵀ`), so the mask costs no extra pass
-# over the scores.
-# `transpose_B=True` because K is stored `[keys, D]`. `FullRow` asks that each warp own whole
-# rows of `S`, which keeps the row reductions that follow inside a warp.
+# K tile and computes `S = Q Kᵀ` (`clear_accum=True`: overwrite, do not accumulate;
+# `transpose_B=True` because K is stored `[keys, D]`; `FullRow` asks that each warp own whole rows
+# of `S`, which keeps the row reductions inside a warp).
+#
+# Then `mask_scores` replaces every hidden score by −∞. It **selects** rather than adds −∞ to the
+# scores: a key the row must not see then has no influence at all, even if it holds an `inf` or a
+# `NaN` (`−∞ + ∞` would be `NaN`). And it runs only on tiles that cross a boundary
+# (`block_needs_mask`: the diagonal, the ragged end, a window's edge): the condition is the same
+# for every thread of the block, so the other tiles skip the pass for free.
 
 # %%
-show_source(flash_fwd_kernel, "for kb in T.Pipelined", "T.gemm(Q_s, K_s, S")
+show_source(flash_fwd_kernel, "scores")
+show_source(mask_scores)
 
 # %% [markdown]
-# **The running max, with `clear=False`.** `T.reduce_max(S, m, dim=1, clear=False)` does *not*
-# reset `m`: it folds this tile's row maxima into the value already there, so
-# `m = max(m_prev, rowmax(S))`. The new max is never smaller than the old one, so the rescale
-# factor `alpha = exp2((m_prev − m)·c)` is at most 1.
+# **The online softmax**, chapter 02's update for a tile of rows, is one piece shared by the
+# forward kernels. `T.reduce_max(S, m, dim=1, clear=False)` does *not* reset `m`: it folds this
+# tile's row maxima into the value already there, so `m = max(m_prev, rowmax(S))`. The new max
+# is never smaller than the old one, so the rescale factor `alpha = exp2((m_prev − m)·c)` is at
+# most 1.
 #
 # **The check_inf step.** A row whose visible keys so far number zero still has `m = −∞`. Then
 # `m_prev − m` would be `−∞ − (−∞) = NaN`. Shifting such a row by 0 instead gives `alpha = 0`
 # and probabilities `exp2(−∞) = 0`: the row simply stays empty until a visible key arrives.
+# The scores then become unnormalised probabilities in place, and their row sums update the
+# denominator, `l = l·alpha + rowsum`.
 
 # %%
-show_source(flash_fwd_kernel, "T.copy(m, m_prev)", "alpha[i] = T.exp2")
+show_source(online_softmax)
 
 # %% [markdown]
-# **exp2, row sum, rescale.** Scores become unnormalised probabilities in place; their row sums
-# update the denominator, `l = l·alpha + rowsum`. The probabilities are rounded to the input type
-# (`P`) for the second matrix product, and the output accumulator is scaled by `alpha`: its old
-# terms were exponentiated against a smaller max.
-
-# %%
-show_source(flash_fwd_kernel, "for i, j in tb.parallel(block_M, block_N):", "acc_o[i, j] *= alpha[i]",
-            after="alpha[i] = T.exp2")
-
-# %% [markdown]
-# **PV.** Load the V tile and accumulate `acc_o += P V`. That is the whole loop body: two
+# **Rescale and PV.** Back in the kernel, the probabilities are rounded to the input type (`P`)
+# for the second matrix product, the output accumulator is scaled by `alpha` (its old terms were
+# exponentiated against a smaller max), and `acc_o += P V`. That is the whole loop body: two
 # matrix products on the tensor cores and a handful of per-row operations in between.
 
 # %%
-show_source(flash_fwd_kernel, "T.copy(V[", "T.gemm(P, V_s")
+show_source(flash_fwd_kernel, "softmax")
+show_source(flash_fwd_kernel, "pv")
 
 # %% [markdown]
 # **Epilogue.** The shift is recomputed (the loop may have run zero times for a query block that
 # sees no key). The sink term is chapter 06. Then comes FlashAttention-2's single division by the
-# denominator, with rows that saw nothing left at 0 instead of 0/0. O goes out through shared
-# memory, which lets the store to HBM be wide and coalesced.
-
-# %%
-show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "T.copy(O_s, Output", after="T.gemm(P, V_s")
-
-# %% [markdown]
+# denominator. Only a row that saw no key at all has `l = 0`; it is left at 0 instead of 0/0,
+# while a `NaN` that a row did see stays `NaN`, as PyTorch's SDPA gives it. O goes out through
+# shared memory, which lets the store to HBM be wide and coalesced.
+#
 # **The LSE.** For each real row (the guard skips the padding of a partial last block) the
 # kernel writes the log-sum-exp of the row's scaled scores, converted from base 2 back to the
 # natural log: `LSE = (shift + log2 l) / log2 e = scale·m + ln l`. It costs `4·S` bytes per head
@@ -217,19 +225,32 @@ show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "T.copy(O_s, Out
 # running max: `P_ij = exp(scale·q_i·k_j − LSE_i)`.
 
 # %%
-show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "l[i] > 0, (shift[i]", after="T.copy(O_s, Output")
+show_source(forward_epilogue)
 
 # %% [markdown]
 # ## 4 · Run it here and check it
 #
 # `cu.flash_attention` (in `course_utils/attention.py`) validates the inputs, compiles the
 # kernel once per shape and options, and calls it. On this machine it runs through TileLang's C
-# backend in float32 with 16 × 16 tiles. The shapes below include a sequence that is not a
-# multiple of the block, one shorter than a single block, and `S_q ≠ S_k`.
+# backend in float32 with 16 × 16 tiles; on a GPU we ask for this chapter's kernel and tiling
+# explicitly (`CH03_FORWARD_CONFIG`: 128 × 128 tiles, two stages, 256 threads), because on an H100
+# `flash_attention` would otherwise run chapter 07's kernel. The shapes below include a sequence
+# that is not a multiple of the block, one shorter than a single block, and `S_q ≠ S_k`.
+#
+# **How a result is judged.** `cu.check_forward` compares O and the LSE of *every* batch entry
+# and head with the float64 reference. A float32 result must match to float32 rounding. A 16-bit
+# result cannot: the kernel rounds the probabilities to fp16 before P·V, and the output to fp16.
+# So we judge it the way FlashAttention's own tests do: run the same attention in PyTorch in the
+# same low precision, measure *its* error against float64, and allow ours at most 3× that, plus
+# 10⁻⁵. The allowance grows with what the problem really costs in rounding (long rows, large
+# values) instead of being one loose number for every case, so a bug ten times smaller than a
+# fixed tolerance would have to be still fails. The LSE is float32 in every kernel and is held to
+# float32's tolerance.
 
 # %%
 dtype = cu.pick(cpu=torch.float32, gpu=torch.float16)
-print(cu.attention.default_forward_config(cu.DEVICE.type, 64))
+config = cu.pick(cpu=None, gpu=CH03_FORWARD_CONFIG)
+print("tiling:", config or cu.attention.default_forward_config(cu.DEVICE.type, 64))
 # (batch, heads, S_q, S_k, head_dim, causal)
 cases = cu.pick(
     cpu=[(1, 2, 64, 64, 32, False), (1, 2, 64, 64, 32, True), (2, 2, 40, 40, 16, True),
@@ -243,11 +264,19 @@ torch.manual_seed(0)
 for batch, heads, seq_q, seq_k, dim, causal in cases:
     q = torch.randn(batch, heads, seq_q, dim, device=cu.DEVICE, dtype=dtype)
     k, v = (torch.randn(batch, heads, seq_k, dim, device=cu.DEVICE, dtype=dtype) for _ in range(2))
-    out, lse = cu.flash_attention(q, k, v, causal=causal, return_lse=True)
-    ref_out, ref_lse = cu.attention_reference(q, k, v, causal=causal, return_lse=True)
-    name = f"B={batch} H={heads} S_q={seq_q} S_k={seq_k} D={dim} causal={causal!s:5}"
-    cu.check_close(out, ref_out, f"O   {name}")
-    cu.check_close(lse, ref_lse, f"LSE {name}", dtype=dtype)
+    out, lse = cu.flash_attention(q, k, v, causal=causal, return_lse=True, config=config)
+    cu.check_forward(q, k, v, out, lse, causal=causal,
+                     name=f"B={batch} H={heads} S_q={seq_q} S_k={seq_k} D={dim} causal={causal!s:5}")
+
+# %% [markdown]
+# **Would these checks notice a wrong kernel?** A check is only worth something if it fails on a
+# wrong result. Here are results of the last case with the bugs kernels really have planted in
+# them: the output of a neighbouring head (a wrong head index), of another batch entry, an LSE
+# 1% off. Each must fail the same check, and does:
+
+# %%
+cu.show_bugs_caught(lambda o, l: cu.check_forward(q, k, v, o, l, causal=causal, quiet=True),
+                    cu.forward_bugs(out, lse))
 
 # %% [markdown]
 # The LSE is enough to rebuild the attention probabilities of the last case exactly, which is
@@ -257,7 +286,7 @@ for batch, heads, seq_q, seq_k, dim, causal in cases:
 scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) / math.sqrt(q.shape[-1])
 visible = cu.reference.visibility_mask(seq_q, seq_k, causal=causal, device=q.device)
 probs = torch.exp(scores - lse.double()[..., None]).masked_fill(~visible, 0)
-cu.check_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), "rows of exp(scale·QKᵀ − LSE)", dtype=dtype);
+cu.check_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), "rows of exp(scale·QKᵀ − LSE)", dtype=torch.float32);
 
 # %% [markdown]
 # Inputs the kernel cannot handle are rejected before anything is compiled, with a message
@@ -266,13 +295,14 @@ cu.check_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), "rows of exp(scale
 # %%
 x = torch.randn(1, 2, 32, 32, device=cu.DEVICE, dtype=dtype)
 bad_inputs = {
-    "wrong rank": (x[0], x[0], x[0]),
-    "mismatched dtypes": (x, x.double(), x),
-    "unsupported head dim": (torch.randn(1, 2, 32, 48, device=cu.DEVICE, dtype=dtype),) * 3,
+    "wrong rank": ((x[0], x[0], x[0]), {}),
+    "mismatched dtypes": ((x, x.double(), x), {}),
+    "unsupported head dim": ((torch.randn(1, 2, 32, 48, device=cu.DEVICE, dtype=dtype),) * 3, {}),
+    "scale of zero": ((x, x, x), dict(sm_scale=0.0, causal=True)),
 }
-for what, args in bad_inputs.items():
+for what, (args, kwargs) in bad_inputs.items():
     try:
-        cu.flash_attention(*args)
+        cu.flash_attention(*args, **kwargs)
     except ValueError as err:
         print(f"{what:>20}: ValueError: {err}")
     else:
@@ -362,29 +392,24 @@ for arch, src in (("sm_80 ", src_80), ("sm_90a", src_90)):
 # %% [markdown]
 # ## 6 · Measured on an H100
 #
-# The record below was measured with `cu.flash_attention` (its default GPU tiling, from
-# `default_forward_config` in `course_utils/attention.py`) against PyTorch's SDPA backends,
-# FlashAttention-2 and cuDNN, and naive PyTorch (up to 4k only). fp16, D = 128,
-# B·S = 16k tokens, H·D = 2048.
+# The record below was measured with this chapter's kernel and tiling (`CH03_FORWARD_CONFIG`)
+# against PyTorch's SDPA backends, FlashAttention-2 and cuDNN, and naive PyTorch (up to 4k only).
+# fp16, D = 128, B·S = 16k tokens, H·D = 2048. Before any implementation was timed, our output
+# was checked on every head as in section 4; the record keeps each error and the bound it was
+# held to, and the first lines below check them and the kernel the record says it measured.
 #
 # **FLOP convention:** a forward is two matrix products, `4·B·H·S²·D` FLOPs; causal counts half
 # of that (the pairs that are visible). TFLOP/s = FLOPs / time.
 
 # %%
-from course_utils.experiments import RECORDS
-
 rec = cu.measured("ch03_forward_vs_peers_h100", RECORDS["ch03_forward_vs_peers_h100"])
 rows = rec["results"]
-recomputed = [cu.tflops(cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"],
-                                           causal=r["causal"]), r["ms"]) for r in rows]
-cu.check_true(all(abs(t - r["tflops"]) < 1e-6 * t for t, r in zip(recomputed, rows)),
-              "stored TFLOP/s = attention_flops / time in every row")
-print("our tiling:", next((r["config"] for r in rows if "config" in r), "not stored in this record"))
-short = {"TileLang (ours)": "ours", "FlashAttention-2 (SDPA flash)": "FA2", "cuDNN (SDPA cudnn)": "cuDNN",
-         "naive PyTorch": "naive"}
+check_stored_errors(rows, "ch03 record")
+cu.check_true(all(r["config"] == CH03_FORWARD_CONFIG._asdict() for r in rows if r["impl"] == OURS),
+              f"every row of ours measured chapter 03's kernel: {CH03_FORWARD_CONFIG}")
 for causal in (False, True):
     print(f"TFLOP/s, {'causal' if causal else 'non-causal'}")
-    table_rows = [dict(r, impl=short[r["impl"]]) for r in rows if r["causal"] == causal]
+    table_rows = [dict(r, impl=SHORT[r["impl"]]) for r in rows if r["causal"] == causal]
     print(plots.text_table(table_rows, index="seq", columns="impl", value="tflops", width=8), "\n")
 
 # %%
@@ -396,13 +421,13 @@ for ax, causal in zip(axes, (False, True)):
                      title=f"{'causal' if causal else 'non-causal'} forward, fp16, D=128",
                      xlabel="sequence length S", ylabel="TFLOP/s")
 for causal, style in ((False, "-"), (True, "--")):
-    for peer in ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"):
-        ratios = [tf["TileLang (ours)", causal, s] / tf[peer, causal, s] for s in seqs]
+    for peer in PEERS:
+        ratios = [tf[OURS, causal, s] / tf[peer, causal, s] for s in seqs]
         axes[2].plot(seqs, ratios, style, marker="o", color=plots.IMPL_COLORS[peer],
-                     label=f"vs {short[peer]}, {'causal' if causal else 'non-causal'}")
+                     label=f"vs {SHORT[peer]}, {'causal' if causal else 'non-causal'}")
 axes[2].axhline(1, color="black", lw=1)
 axes[2].set_xscale("log", base=2)
-axes[2].set_xticks(seqs, [plots._short(s) for s in seqs])
+axes[2].set_xticks(seqs, [plots.seq_label(s) for s in seqs])
 axes[2].set(title="speedup of ours (time ratio)", xlabel="sequence length S", ylabel="×")
 axes[2].legend(fontsize=8, loc="upper left")
 for ax in axes[:2]:
@@ -415,13 +440,12 @@ plots.save(fig, "ch03_forward_vs_peers");
 
 # %%
 for causal in (False, True):
-    ours = tf["TileLang (ours)", causal, 4096]
+    ours = tf[OURS, causal, 4096]
     print(f"S=4k {'causal' if causal else 'non-causal':>10}: ours {ours:.0f} TFLOP/s = "
-          f"{ours / tf['FlashAttention-2 (SDPA flash)', causal, 4096]:.2f}× FlashAttention-2, "
-          f"{ours / tf['cuDNN (SDPA cudnn)', causal, 4096]:.2f}× cuDNN")
-for peer in ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"):
-    wins = sum(tf["TileLang (ours)", c, s] > tf[peer, c, s] for c in (False, True) for s in seqs)
-    print(f"ours faster than {short[peer]} in {wins} of {2 * len(seqs)} (S, causal) cases")
+          f"{ours / tf[FA2, causal, 4096]:.2f}× FlashAttention-2, {ours / tf[CUDNN, causal, 4096]:.2f}× cuDNN")
+for peer in PEERS:
+    wins = sum(tf[OURS, c, s] > tf[peer, c, s] for c in (False, True) for s in seqs)
+    print(f"ours faster than {SHORT[peer]} in {wins} of {2 * len(seqs)} (S, causal) cases")
 
 # %% [markdown]
 # The counts above say it: on the H100 our short kernel is ahead of SDPA's FlashAttention-2
@@ -530,7 +554,7 @@ show_failure("(2) causal, reset max", blockwise_forward(q1, k1, v1, causal=True,
 # Our kernel reads the one sink logit of its head directly from the `Sinks` tensor:
 
 # %%
-show_source(flash_fwd_kernel, "l[i] += T.exp2(Sinks[by]")
+show_source(forward_epilogue, "sink")
 
 # %% [markdown]
 # **(4) Sliding windows without check_inf.** With a window, the first key tile of a query block
@@ -551,13 +575,13 @@ show_failure("(4) window 8, no check_inf", blockwise_forward(q1, k1, v1, window_
 # run is half the rate. Applied to our own record:
 
 # %%
-r = next(r for r in rows if r["impl"] == "TileLang (ours)" and r["causal"] and r["seq"] == 16384)
+r = next(r for r in rows if r["impl"] == OURS and r["causal"] and r["seq"] == 16384)
 b, h, s, d = r["batch"], r["heads"], r["seq"], r["dim"]
 unhalved = 2 * b * h * s * s * (d + d)
 halved = cu.attention_flops(b, h, s, s, d, causal=True)
 print(f"FLOPs counted: {unhalved:.3e} (unhalved) vs {halved:.3e} (causal convention), ratio {unhalved / halved:.0f}")
 print(f"ours, causal S=16k: {cu.tflops(halved, r['ms']):.0f} TFLOP/s, or '{cu.tflops(unhalved, r['ms']):.0f}' "
-      f"if unhalved, more than the non-causal run's {tf['TileLang (ours)', False, 16384]:.0f}")
+      f"if unhalved, more than the non-causal run's {tf[OURS, False, 16384]:.0f}")
 print(f"the '630 TFLOPS' headline in the course's convention: {630 * halved / unhalved:.0f}")
 
 # %% [markdown]
@@ -608,7 +632,7 @@ ch03.check_kernel_flops(kernel_flops)
 # that the convention counts (the rest is the masked half of the diagonal tiles).
 
 # %%
-for r in (r for r in rows if r["impl"] == "TileLang (ours)" and r["causal"]):
+for r in (r for r in rows if r["impl"] == OURS and r["causal"]):
     executed = kernel_flops(r["batch"], r["heads"], r["seq"], r["dim"], 128, 128, True)
     useful = cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"], causal=True)
     print(f"S={r['seq']:>5}: counted / executed = {useful / executed:.3f}")

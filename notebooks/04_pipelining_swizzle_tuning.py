@@ -45,7 +45,9 @@ from tilelang.layout import make_linear_layout, make_swizzled_layout
 
 from course_utils import layouts, plots
 from course_utils.attention import TUNED_FORWARD_CONFIG, ForwardConfig
-from course_utils.experiments import RECORDS
+from course_utils.benchmarks import RECORDS
+from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
+from course_utils.validation import check_stored_errors
 from course_utils.flash_fwd import flash_fwd_kernel
 from course_utils.source import grep
 
@@ -404,6 +406,7 @@ fig.tight_layout()
 fig.text(0.01, -0.03, plots.record_caption(sweep), fontsize=7)
 plots.save(fig, "ch04_sweep")
 cu.check_true(len(sweep["results"]) == 2 * len(row_keys) * len(col_keys), "one row per tiling and masking mode")
+check_stored_errors(sweep["results"], "ch04 sweep: every tiling that ran")
 
 # %% [markdown]
 # **What the layouts predict.** For each tiling, TileLang's gemm layouts (Hopper's wgmma, as on
@@ -478,9 +481,8 @@ rows = final["results"]
 panels = [(dim, causal) for dim in (64, 128) for causal in (False, True)]
 fig = plots.forward_comparison_panels(final)
 plots.save(fig, "ch04_forward_final")
-ours_rows = [r for r in rows if r["impl"] == "TileLang (ours)"]
-cu.check_true(all(r["max_abs_err"] is not None for r in ours_rows),
-              "every configuration of ours was checked against the float64 reference")
+ours_rows = [r for r in rows if r["impl"] == OURS]
+check_stored_errors(rows, "ch04 final record")
 cu.check_true(all(ForwardConfig(**r["config"]) == default for r in ours_rows), f"all of ours ran with {default}")
 
 # %% [markdown]
@@ -490,18 +492,16 @@ cu.check_true(all(ForwardConfig(**r["config"]) == default for r in ours_rows), f
 combos = [(dtype, dim, causal) for dtype in ("float16", "bfloat16") for dim, causal in panels]
 seqs = sorted({r["seq"] for r in rows})
 tf = {(r["impl"], r["dtype"], r["dim"], r["causal"], r["seq"]): r["tflops"] for r in rows}
-PEERS = ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)")
 fig = plots.peer_ratio_heatmaps(rows, combos, seqs, PEERS)
 plots.save(fig, "ch04_forward_ratios")
 for causal in (False, True):
     key = ("float16", 128, causal, 4096)
-    ours, fa2, cudnn = (tf[(impl, *key)] for impl in ("TileLang (ours)", "FlashAttention-2 (SDPA flash)",
-                                                      "cuDNN (SDPA cudnn)"))
+    ours, fa2, cudnn = (tf[(impl, *key)] for impl in (OURS, FA2, CUDNN))
     print(f"S=4k, D=128, fp16, causal={causal!s:5}: ours {ours:.0f} TFLOP/s = {ours / fa2:.2f}× FA2, "
           f"{ours / cudnn:.2f}× cuDNN")
-for peer in ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"):
-    slower = [(c, s) for c in combos for s in seqs if tf[("TileLang (ours)", *c, s)] < tf[(peer, *c, s)]]
-    print(f"ours slower than {peer.split()[0]} in {len(slower)} of {len(combos) * len(seqs)} cases, "
+for peer in PEERS:
+    slower = [(c, s) for c in combos for s in seqs if tf[(OURS, *c, s)] < tf[(peer, *c, s)]]
+    print(f"ours slower than {SHORT[peer]} in {len(slower)} of {len(combos) * len(seqs)} cases, "
           f"at S = {sorted({s for _, s in slower})}")
 
 # %% [markdown]
@@ -527,16 +527,16 @@ PEAK_TFLOPS, HBM_TBS = 989, 3.35  # H100 SXM datasheet: dense fp16 tensor cores,
 fig, ax = plt.subplots(figsize=(7, 4.5))
 plots.roofline(ax, peak_tflops=PEAK_TFLOPS, bandwidth_tbs=HBM_TBS, xlim=(10, 2e4),
                title="fp16, D=128, non-causal: the forward on the H100 roofline")
-for impl in ("TileLang (ours)", "FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"):
+for impl in (OURS, FA2, CUDNN):
     sel = sorted((r for r in rows if (r["impl"], r["dtype"], r["dim"], r["causal"]) == (impl, "float16", 128, False)),
                  key=lambda r: r["seq"])
     flops = [cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"]) for r in sel]
     hbm_bytes = [4 * r["batch"] * r["heads"] * r["seq"] * r["dim"] * 2 for r in sel]
     plots.roofline_series(ax, impl, [f / b for f, b in zip(flops, hbm_bytes)], [r["tflops"] for r in sel],
-                          labels=[f"S={r['seq'] // 1024}k" if impl == "TileLang (ours)" and r["seq"] >= 1024 else ""
+                          labels=[f"S={r['seq'] // 1024}k" if impl == OURS and r["seq"] >= 1024 else ""
                                   for r in sel])
 fig.text(0.01, -0.02, plots.record_caption(final), fontsize=7)
-best_ours = max(r["tflops"] for r in rows if r["impl"] == "TileLang (ours)" and r["dtype"] == "float16")
+best_ours = max(r["tflops"] for r in rows if r["impl"] == OURS and r["dtype"] == "float16")
 print(f"best fp16 forward of ours: {best_ours:.0f} TFLOP/s = {best_ours / PEAK_TFLOPS:.0%} of the dense peak")
 cu.check_true(best_ours < PEAK_TFLOPS, "below the roof, as it must be")
 

@@ -49,12 +49,17 @@ import numpy as np
 import torch
 
 from course_utils import diagrams, plots
-from course_utils.attention import _FlashAttention
+from course_utils.attention import attention_backward
+from course_utils.benchmarks import GPT_OSS_SHAPE, RECORDS, gqa_backward_strategies
 from course_utils.flash_bwd import flash_bwd_kernel
 from course_utils.flash_fwd import flash_fwd_kernel
+from course_utils.flash_pieces import (Prelude, forward_epilogue, init_running_max, key_block_range, online_softmax,
+                                       query_block_range, visible)
 from course_utils.reference import visibility_mask
 from course_utils.softmax import safe_shift
+from course_utils.labels import CUDNN, FA2, NAIVE, OURS, PEERS
 from course_utils.source import show_source
+from course_utils.validation import check_stored_errors
 
 torch.manual_seed(0)
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
@@ -81,13 +86,13 @@ fig.tight_layout()
 #
 # The forward grid is still one thread block per (query block, **query** head, batch entry).
 # Query head `by` simply reads K and V from head `by // group`. Nothing else in the loop
-# changes: the kernel factory computes the group size once, and the two tile loads use it.
+# changes: the prelude computes the group size once (`Prelude.group`, chapter 03), the setup maps
+# the query head to its K/V head, and the two tile loads use it.
 
 # %%
-show_source(flash_fwd_kernel, "heads_kv = heads if", "group = heads")
-show_source(flash_fwd_kernel, "kv_head = by // group")
-show_source(flash_fwd_kernel, "T.copy(K[bz, kv_head")
-show_source(flash_fwd_kernel, "T.copy(V[bz, kv_head")
+show_source(flash_fwd_kernel, "setup")
+show_source(flash_fwd_kernel, "scores")
+show_source(flash_fwd_kernel, "pv")
 
 # %% [markdown]
 # ### The backward: a sum over the group
@@ -109,11 +114,10 @@ show_source(flash_fwd_kernel, "T.copy(V[bz, kv_head")
 #   float32 sums to the input dtype. With group = 1 the kernel writes dK and dV directly.
 
 # %%
-show_source(flash_bwd_kernel, "dkv_dtype =")
-show_source(flash_bwd_kernel, "if group == 1:", "T.atomic_add(dK[bz")
+show_source(flash_bwd_kernel, "gqa accumulators")
+show_source(flash_bwd_kernel, "store")
 print()
-show_source(_FlashAttention.backward, "if post_kv is None:", "dk, dv = (torch.zeros")
-show_source(_FlashAttention.backward, "if post_kv is not None:", "dk, dv = post_kv")
+show_source(attention_backward, "gqa")
 
 # %% [markdown]
 # The shared accumulators are float32: with 16-bit atomic adds, every one of the group's
@@ -124,13 +128,13 @@ show_source(_FlashAttention.backward, "if post_kv is not None:", "dk, dv = post_
 # ### Checking GQA against the reference
 #
 # `compare_with_reference` runs our kernels (forward, then backward through autograd) and
-# autograd through the float64 reference on the same inputs, and checks O and every gradient.
-# On the CPU the shapes are tiny and S is not a multiple of the 16-row blocks.
+# autograd through the float64 reference on the same inputs, and checks O, the LSE and every
+# gradient on every head (`cu.check_forward`, `cu.check_backward`: 16-bit results by chapter 03's
+# criterion). On the CPU the shapes are tiny and S is not a multiple of the 16-row blocks.
 
 # %%
 B, H, H_KV, S, D = cu.pick(cpu=(2, 4, 2, 40, 16), gpu=(2, 8, 2, 1000, 64))
 DTYPE = cu.pick(cpu=torch.float32, gpu=torch.float16)
-GRAD_TOL = cu.pick(cpu={}, gpu=dict(atol=2e-2, rtol=2e-2))  # 16-bit gradients: the GPU records' tolerance
 q = torch.randn(B, H, S, D, device=cu.DEVICE, dtype=DTYPE)
 k, v = (torch.randn(B, H_KV, S, D, device=cu.DEVICE, dtype=DTYPE) for _ in range(2))
 d_out = torch.randn(B, H, S, D, device=cu.DEVICE, dtype=DTYPE)
@@ -138,19 +142,16 @@ sinks = torch.randn(H, device=cu.DEVICE)  # one logit per query head, float32
 
 
 def compare_with_reference(label, q, k, v, d_out, sinks=None, **mask):
-    """Check O and the gradients of <O, d_out> from our kernels against the float64 reference."""
-    leaves = dict(q=q, k=k, v=v) | ({"sinks": sinks} if sinks is not None else {})
-    ours = {n: t.detach().clone().requires_grad_() for n, t in leaves.items()}
-    ref = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
-    out = cu.flash_attention(ours["q"], ours["k"], ours["v"], sinks=ours.get("sinks"), **mask)
-    out_ref = cu.attention_reference(ref["q"], ref["k"], ref["v"], sinks=ref.get("sinks"), **mask)
-    out.backward(d_out)
-    out_ref.backward(d_out.double())
-    cu.check_close(out, out_ref, f"{label}: O")
-    for n in leaves:
-        name = "d" + (n.upper() if len(n) == 1 else n)
-        cu.check_close(ours[n].grad, ref[n].grad, f"{label}: {name}", **GRAD_TOL)
-    return out, {n: t.grad for n, t in ours.items()}, {n: t.grad for n, t in ref.items()}
+    """Check O, the LSE and every gradient of our kernels against the float64 reference, on every head."""
+    names = ["q", "k", "v"] + (["sinks"] if sinks is not None else [])
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)[:len(names)]]
+    out, lse = cu.flash_attention(*leaves[:3], sinks=leaves[3] if sinks is not None else None, return_lse=True,
+                                  **mask)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    refs = cu.validation.references(q, k, v, d_out=d_out, sinks=sinks, **mask)
+    cu.check_forward(q, k, v, out.detach(), lse, sinks=sinks, refs=refs, name=f"{label}:", **mask)
+    cu.check_backward(q, k, v, d_out, grads, sinks=sinks, refs=refs, name=f"{label}:", **mask)
+    return out, dict(zip(names, grads)), dict(zip(names, refs["grads"]))
 
 
 print(f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, group {H // H_KV}, {DTYPE}")
@@ -167,8 +168,10 @@ group = H // H_KV
 k_rep, v_rep = (t.detach().double().repeat_interleave(group, dim=1).requires_grad_() for t in (k, v))
 cu.attention_reference(q.double(), k_rep, v_rep, causal=True).backward(d_out.double())
 print(f"per-query-head dK: {tuple(k_rep.grad.shape)} → summed over groups of {group}")
-cu.check_close(k_rep.grad.view(B, H_KV, group, S, D).sum(dim=2), ref_grads["k"], "split then sum: dK")
-cu.check_close(v_rep.grad.view(B, H_KV, group, S, D).sum(dim=2), ref_grads["v"], "split then sum: dV");
+cu.check_close(k_rep.grad.view(B, H_KV, group, S, D).sum(dim=2), ref_grads["k"], "split then sum: dK",
+               dtype=torch.float64)
+cu.check_close(v_rep.grad.view(B, H_KV, group, S, D).sum(dim=2), ref_grads["v"], "split then sum: dV",
+               dtype=torch.float64);
 
 # %% [markdown]
 # ## 2 · Sliding windows
@@ -205,7 +208,7 @@ diagrams.visit_table(128, 128, 16, 16, window_size=23)
 # ends after its block:
 
 # %%
-show_source(flash_fwd_kernel, "k_end = num_k_blocks", "k_start = T.max(")
+show_source(key_block_range)
 
 # %% [markdown]
 # The backward walks the other way: each thread block holds one key block and loops over query
@@ -214,7 +217,7 @@ show_source(flash_fwd_kernel, "k_end = num_k_blocks", "k_start = T.max(")
 # `(bx+1)·block_N − 1`, is last seen by query `(bx+1)·block_N − 1 + W − 1`.
 
 # %%
-show_source(flash_bwd_kernel, "q_start = 0", "q_end = T.min(")
+show_source(query_block_range)
 
 # %% [markdown]
 # Are these bounds tight, that is, do they visit exactly the tiles that hold at least one visible
@@ -253,12 +256,12 @@ cu.check_true(not wrong, f"forward and backward bounds visit exactly the needed 
               "(S, W, tile) configurations")
 
 # %% [markdown]
-# Inside a visited tile, the mask does the rest. It is built into the score tile before the
-# `Q Kᵀ` product adds to it: 0 where the pair is visible, $-\infty$ where it is not. The window
-# adds one condition to the causal one:
+# Inside a visited tile, the mask does the rest: after the `Q Kᵀ` product, `mask_scores` selects
+# $-\infty$ for every pair that is not visible (chapter 03), on the tiles that cross a boundary.
+# The window adds one condition to the causal one:
 
 # %%
-show_source(flash_fwd_kernel, "def visible", "return cond")
+show_source(visible)
 
 # %% [markdown]
 # ### The row that has seen nothing yet: `check_inf`
@@ -314,22 +317,21 @@ print("query block 2 starts at key block", key_blocks(2, 40, 23, 16, 16).start,
 # the loop and in the epilogue (where a row that saw nothing at all keeps $\ell = 0$, and gets output 0).
 
 # %%
-show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "alpha[i] = T.exp2", after="T.copy(m, m_prev)")
+show_source(online_softmax)
 
 # %% [markdown]
 # ### Checking windows on our kernels
 #
 # Forward and backward with W = 23 (not a multiple of the CPU's 16-row blocks; on the GPU a
 # larger W that is not a multiple of 64 or 128), then W = 1, where each query sees only itself so
-# the output must be exactly its own value row. (W = 1 is checked in the forward only: with square
-# tiles the backward's loop then provably runs exactly once per key block, and TileLang 0.1.15's
-# loop simplifier fails to compile that case.)
+# the output must be exactly its own value row. (With W = 1 and square tiles the backward's loop
+# provably runs once per key block, and TileLang 0.1.15's loop simplifier rejects a loop over
+# `qb` itself; `flash_bwd_kernel` counts its steps from 0 in that one case.)
 
 # %%
 W = cu.pick(cpu=23, gpu=300)
 compare_with_reference(f"GQA, window {W}", q, k, v, d_out, window_size=W)
-out_w1 = cu.flash_attention(q, k, v, window_size=1)
-cu.check_close(out_w1, cu.attention_reference(q, k, v, window_size=1), "window 1: O vs reference")
+out_w1, _, _ = compare_with_reference("GQA, window 1", q, k, v, d_out, window_size=1)
 cu.check_close(out_w1, v.repeat_interleave(group, dim=1), "window 1: O = own value row");
 
 # %% [markdown]
@@ -396,14 +398,17 @@ fig.tight_layout()
 #
 # ### The forward: one term in the epilogue
 #
-# The sink has no value row, so the main loop does not change at all. Only the denominator
-# does, once, after the last key block: $\ell \mathrel{+}= e^{z_h - m}$, written with `exp2` and
-# the same guarded `shift` as the scores. The LSE written for the backward is then
-# $\log_2$-based $m + \log \ell$ converted to natural log, and it includes the sink:
+# The sink has no value row, so the main loop does not change at all. Two things do. Before the
+# loop, the sink's logit starts the running max (in raw score units, $z_h / \text{scale}$), instead
+# of $-\infty$: every exponential is then at most 1 whatever the sink, so a sink of logit 100, or
+# a sink that dominates scores of −100, cannot overflow. And once, after the last key block, the
+# denominator gets the sink's term, $\ell \mathrel{+}= e^{z_h - m}$, written with `exp2` and the
+# same guarded `shift` as the scores. The LSE written for the backward is then the $\log_2$-based
+# $m + \log \ell$ converted to natural log, and it includes the sink:
 
 # %%
-show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "l[i] += T.exp2(Sinks", after="T.gemm(P, V_s")
-show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "l[i] > 0, (shift[i]", after="T.copy(O_s, Output")
+show_source(init_running_max)
+show_source(forward_epilogue)
 
 # %% [markdown]
 # The sink logit is read straight from the `Sinks` tensor, one value per head. (TileLang's
@@ -412,7 +417,7 @@ show_source(flash_fwd_kernel, "for i in tb.parallel(block_M):", "l[i] > 0, (shif
 # $z = -\infty$, whose term is $e^{-\infty} = 0$:
 
 # %%
-show_source(_FlashAttention.forward, "sink_logits = (", "else _no_sinks(")
+show_source(cu.attention.sink_logits)
 
 # %% [markdown]
 # ### The backward: the gradient of the sink logit
@@ -446,12 +451,13 @@ show_source(_FlashAttention.forward, "sink_logits = (", "else _no_sinks(")
 # are untouched, and dsinks is a few PyTorch operations on two $[B, H, S]$ tensors:
 
 # %%
-show_source(_FlashAttention.backward, "d_sinks = None", "d_sinks = -(p_sink")
+show_source(attention_backward, "dsinks")
 
 # %% [markdown]
-# Checked three ways: our kernels against autograd through the float64 reference (which only knows
-# the forward definition), and the reference's own dsinks against a central finite difference of
-# $L(z) = \langle O(z), dO \rangle$, one head at a time.
+# Checked two ways: our kernels (dsinks included) against autograd through the float64 reference,
+# which only knows the forward definition; and the reference's own dsinks against a central finite
+# difference of $L(z) = \langle O(z), dO \rangle$, one head at a time. Then the check must catch a
+# planted bug in dsinks and in the other gradients.
 
 # %%
 _, grads, ref_grads = compare_with_reference("GQA + sinks, causal", q, k, v, d_out, sinks=sinks, causal=True)
@@ -466,7 +472,9 @@ eps, z64 = 1e-6, sinks.double()
 unit = torch.eye(H, dtype=torch.float64, device=cu.DEVICE)
 finite_diff = torch.stack([(loss(z64 + eps * e) - loss(z64 - eps * e)) / (2 * eps) for e in unit])
 cu.check_close(ref_grads["sinks"], finite_diff, "reference dsinks vs finite difference", atol=1e-6, rtol=1e-6)
-cu.check_close(grads["sinks"], finite_diff.float(), "our dsinks vs finite difference", **GRAD_TOL);
+refs = cu.validation.references(q, k, v, d_out=d_out, sinks=sinks, causal=True)
+cu.show_bugs_caught(lambda *g: cu.check_backward(q, k, v, d_out, g, sinks=sinks, causal=True, refs=refs, quiet=True),
+                    cu.backward_bugs(tuple(grads.values())))
 
 # %% [markdown]
 # ## 4 · All of it at once, and bad input
@@ -516,8 +524,6 @@ for what, call in bad_inputs.items():
 # leaves far fewer pairs than full causal attention:
 
 # %%
-from course_utils.experiments import GPT_OSS_SHAPE, RECORDS
-
 g = GPT_OSS_SHAPE
 full = cu.attention_flops(g["batch"], g["heads"], g["seq"], g["seq"], g["dim"], causal=True)
 band = cu.attention_flops(g["batch"], g["heads"], g["seq"], g["seq"], g["dim"], window_size=g["window"])
@@ -527,12 +533,9 @@ print(f"shape {g}\nforward FLOPs at D={g['dim']}: full causal {full:.3e}, window
 # %%
 rec = cu.measured("ch06_gpt_oss_h100", RECORDS["ch06_gpt_oss_h100"])
 rows = rec["results"]
-recomputed = [cu.tflops(cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"], causal=True,
-                                           window_size=r["window"], mode=r["mode"]), r["ms"]) for r in rows]
-cu.check_true(all(abs(t - r["tflops"]) <= 1e-6 * t for t, r in zip(recomputed, rows)),
-              "stored TFLOP/s = attention_flops / time in every row")
-SHORT = {"TileLang (ours)": "ours", "naive PyTorch": "naive", "FlashAttention-2 (SDPA flash), no sinks": "FA2*",
-         "cuDNN (SDPA cudnn), no sinks": "cuDNN*"}
+check_stored_errors(rows, "ch06 gpt-oss record (O, LSE, dQ, dK, dV, dsinks)",
+                    unchecked=(NAIVE,) + tuple(f"{p}, no sinks" for p in PEERS))
+SHORT_NAMES = {OURS: "ours", NAIVE: "naive", f"{FA2}, no sinks": "FA2*", f"{CUDNN}, no sinks": "cuDNN*"}
 
 
 def layer(r):
@@ -540,11 +543,13 @@ def layer(r):
 
 
 for mode in ("fwd", "bwd"):
-    table = [dict(r, impl=SHORT[r["impl"]], layer=layer(r)) for r in rows if r["mode"] == mode]
+    table = [dict(r, impl=SHORT_NAMES[r["impl"]], layer=layer(r)) for r in rows if r["mode"] == mode]
     print(f"{mode} TFLOP/s (* = no sinks, K/V expanded)")
     print(plots.text_table(table, index="impl", columns="layer", value="tflops", fmt="{:.3g}", width=14), "\n")
-print("ours, max abs error of O vs the float64 reference: " + ", ".join(
-    f"{layer(r)} {r['max_abs_err']:.1e}" for r in rows if r["impl"] == "TileLang (ours)" and r["mode"] == "fwd"))
+print("ours, error of O and dQ vs the float64 reference (share of the allowed error): " + ", ".join(
+    f"{layer(r)} {r['errors']['O']['err']:.1e} ({r['errors']['O']['err'] / r['errors']['O']['allowed']:.0%}), "
+    f"{r['errors']['dQ']['err']:.1e} ({r['errors']['dQ']['err'] / r['errors']['dQ']['allowed']:.0%})"
+    for r in rows if r["impl"] == OURS and r["mode"] == "fwd"))
 
 # %%
 layers = list(dict.fromkeys(layer(r) for r in rows))
@@ -562,8 +567,8 @@ for ax, mode in zip(axes, ("fwd", "bwd")):
             xn = x + (n - (len(present) - 1) / 2) * width
             ax.bar(xn, tf[impl, mode, lay], width, color=colors.get(impl), label=impl,
                    hatch="//" if "no sinks" in impl else None)
-            if impl == "TileLang (ours)":
-                speedup = ms["naive PyTorch", mode, lay] / ms[impl, mode, lay]
+            if impl == OURS:
+                speedup = ms[NAIVE, mode, lay] / ms[impl, mode, lay]
                 ax.text(xn, tf[impl, mode, lay], f"{speedup:.0f}×", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(layers)), layers)
     ax.set(title=f"gpt-oss attention, {'forward' if mode == 'fwd' else 'backward'} (on ours: speedup vs naive)",
@@ -578,11 +583,10 @@ plots.save(fig, "ch06_gpt_oss");
 # %%
 for mode in ("fwd", "bwd"):
     for lay in layers:
-        line = f"{mode} {lay:>11}: ours {ms['TileLang (ours)', mode, lay]:.3f} ms = " \
-               f"{ms['naive PyTorch', mode, lay] / ms['TileLang (ours)', mode, lay]:.1f}× naive"
-        for peer in ("FlashAttention-2 (SDPA flash), no sinks", "cuDNN (SDPA cudnn), no sinks"):
+        line = f"{mode} {lay:>11}: ours {ms[OURS, mode, lay]:.3f} ms = {ms[NAIVE, mode, lay] / ms[OURS, mode, lay]:.1f}× naive"
+        for peer in (f"{p}, no sinks" for p in PEERS):
             if (peer, mode, lay) in ms:
-                line += f", {ms[peer, mode, lay] / ms['TileLang (ours)', mode, lay]:.2f}× {SHORT[peer]}"
+                line += f", {ms[peer, mode, lay] / ms[OURS, mode, lay]:.2f}× {SHORT_NAMES[peer]}"
         print(line)
 
 # %% [markdown]
@@ -596,9 +600,8 @@ for mode in ("fwd", "bwd"):
 # each query block of our forward visits with its GPU tiling (section 2's bounds):
 
 # %%
-from course_utils.attention import TUNED_FORWARD_CONFIG
-
-cfg = TUNED_FORWARD_CONFIG  # the forward this chapter's record was measured with
+cfg = cu.ForwardConfig(**next(r["config"] for r in rows if r["impl"] == OURS and r["window"] is not None))
+print("the forward the record measured on the window layers:", cfg)
 classes = diagrams.tile_classes(g["seq"], g["seq"], cfg.block_M, cfg.block_N, window_size=g["window"])
 visited = (classes != diagrams.SKIPPED).sum(axis=1)
 print(f"GPU forward tiles {cfg.block_M}×{cfg.block_N}: {classes.shape[0]} query blocks per head; with the window "
@@ -606,8 +609,8 @@ print(f"GPU forward tiles {cfg.block_M}×{cfg.block_N}: {classes.shape[0]} query
 for mode in ("fwd", "bwd"):
     for d in sorted({r["dim"] for r in rows}):
         causal_l, window_l = f"D={d} causal", f"D={d} W={g['window']}"
-        t_causal, t_window = ms["TileLang (ours)", mode, causal_l], ms["TileLang (ours)", mode, window_l]
-        flop_ratio = tf["TileLang (ours)", mode, causal_l] * t_causal / (tf["TileLang (ours)", mode, window_l] * t_window)
+        t_causal, t_window = ms[OURS, mode, causal_l], ms[OURS, mode, window_l]
+        flop_ratio = tf[OURS, mode, causal_l] * t_causal / (tf[OURS, mode, window_l] * t_window)
         print(f"ours {mode} D={d:>3}: window layer has {flop_ratio:.1f}× fewer FLOPs, takes {t_causal / t_window:.1f}× "
               f"less time ({t_window:.3f} ms)")
 
@@ -627,14 +630,11 @@ for mode in ("fwd", "bwd"):
 # layer (D = 64, with sinks, no window), each through `cu.flash_attention`:
 
 # %%
-from course_utils.experiments import gqa_backward_strategies
-
-show_source(gqa_backward_strategies, "def split_then_sum", "atomic = lambda")
+show_source(gqa_backward_strategies, "split then sum")
 rec_gqa = cu.measured("ch06_gqa_backward_h100", RECORDS["ch06_gqa_backward_h100"])
+check_stored_errors(rec_gqa["results"], "ch06 GQA strategies record (dQ, dK, dV)")
 for r in rec_gqa["results"]:
-    flops = cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"], causal=True, mode="bwd")
-    cu.check_true(abs(cu.tflops(flops, r["ms"]) - r["tflops"]) <= 1e-6 * r["tflops"],
-                  f"{r['strategy']:>14}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s (full-causal FLOPs)")
+    print(f"{r['strategy']:>14}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s (full-causal FLOPs)")
 t = {r["strategy"]: r["ms"] for r in rec_gqa["results"]}
 print(f"split then sum takes {t['split then sum'] / t['atomic adds']:.2f}× the time of atomic adds "
       f"(group {GPT_OSS_SHAPE['heads'] // GPT_OSS_SHAPE['heads_kv']})")

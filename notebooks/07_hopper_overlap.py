@@ -46,9 +46,12 @@ import numpy as np
 from course_utils import layouts, plots
 from course_utils.attention import HOPPER_FORWARD_CONFIGS, is_hopper
 from course_utils.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS, load_record
-from course_utils.experiments import RECORDS, ablation_steps
-from course_utils.flash_fwd_hopper import flash_fwd_hopper_kernel
+from course_utils.benchmarks import RECORDS
+from course_utils.flash_fwd_hopper import flash_fwd_hopper_kernel, issue_matmuls, keep_stages_until_read
+from course_utils.flash_fwd_hopper_versions import flash_fwd_hopper_variant, versions_for
+from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
 from course_utils.source import cuda_source, grep, ptxas_report, show_source
+from course_utils.validation import check_stored_errors
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET, "| Hopper GPU:", is_hopper())
 
@@ -119,11 +122,15 @@ cu.check_true(runs[True][1] < runs[False][1], f"the overlapped loop is shorter: 
 #
 # `T.gemm` is synchronous: on Hopper TileLang emits the wgmma batch *and* the wait. `T.wgmma_gemm`
 # (TileLang's CUDA dialect) emits only the batch; `T.wait_wgmma(n)` is the wait. Here is the loop
-# of `flash_fwd_hopper_kernel` (`course_utils/flash_fwd_hopper.py`); the rest of the kernel
-# (masks, sinks, LSE) is chapter 06's.
+# of `flash_fwd_hopper_kernel` (`course_utils/flash_fwd_hopper.py`); everything around it (the
+# prelude, the tiles, the mask, the online softmax, the epilogue with sinks and LSE) is the same
+# `flash_pieces` as chapters 03 and 06, and the two matmuls and the buffer read are small macros
+# of the Hopper module:
 
 # %%
-show_source(flash_fwd_hopper_kernel, "for kb in T.Pipelined", "stage_in_use[0] =")
+show_source(flash_fwd_hopper_kernel, "rotated loop")
+show_source(issue_matmuls)
+show_source(keep_stages_until_read)
 
 # %% [markdown]
 # Three details matter:
@@ -136,9 +143,10 @@ show_source(flash_fwd_hopper_kernel, "for kb in T.Pipelined", "stage_in_use[0] =
 #   would be the `wgmma_gemm` *issue*, and the producer could overwrite K or V while the tensor
 #   cores still read them.
 #
-# On an H100 we check the kernel against the float64 reference at the chapter's benchmark shape
-# (one (batch, head) slice is compared). On this machine there is no Hopper GPU, so the cell says
-# so; the H100 records below were each validated the same way before being timed.
+# On an H100 we check the kernel's O and LSE against the float64 reference at the chapter's
+# benchmark shape, on every batch entry and head, by chapter 03's criterion, and show the check
+# catching planted bugs. On this machine there is no Hopper GPU, so the cell says so; the H100
+# records below were each validated the same way before being timed.
 
 # %%
 if is_hopper():
@@ -148,9 +156,11 @@ if is_hopper():
     q, k, v = (torch.randn(shape["batch"], shape["heads"], shape["seq"], shape["dim"], device="cuda",
                            dtype=torch.float16) for _ in range(3))
     for causal in (False, True):
-        out = cu.flash_attention(q, k, v, causal=causal)  # chapter 07's kernel is the default on Hopper
-        ref = cu.attention_reference(q[:1, :1], k[:1, :1], v[:1, :1], causal=causal)
-        cu.check_close(out[:1, :1], ref, f"O[0, 0], S=4k, D=128, causal={causal}")
+        out, lse = cu.flash_attention(q, k, v, causal=causal, return_lse=True)  # chapter 07's kernel on Hopper
+        refs = cu.validation.references(q, k, v, causal=causal)
+        cu.check_forward(q, k, v, out, lse, causal=causal, refs=refs, name=f"S=4k, D=128, causal={causal}")
+    cu.show_bugs_caught(lambda o, l: cu.check_forward(q, k, v, o, l, causal=True, refs=refs, quiet=True),
+                        cu.forward_bugs(out, lse))
 else:
     print("No sm_90 GPU here: the kernel uses wgmma, which exists only on Hopper. Sections 5 and 6 show "
           "the H100 records, each validated against the float64 reference before timing.")
@@ -188,13 +198,14 @@ cu.check_true(order.index("arrive:") > first["wait_wgmma<0>:"], "buffers are rel
 # (`conditional_issue=True`). That lowers just as well, but ptxas, NVIDIA's assembler, must prove
 # that no other instruction touches a wgmma's accumulator registers while it runs; across those
 # branches it cannot, and it silently **serialises** the wgmmas — a wait after every batch. Only
-# its report says so. We compile both versions with `nvcc` (installed on the course machines; no
-# GPU needed):
+# its report says so. The shipped kernel has no such switch; the ablation's
+# `flash_fwd_hopper_variant` (in `course_utils/flash_fwd_hopper_versions.py`) does. We compile
+# both with `nvcc` (installed on the course machines; no GPU needed):
 
 # %%
 reports = {}
 for conditional in (False, True):
-    src = cuda_source(flash_fwd_hopper_kernel(**sizes, conditional_issue=conditional))
+    src = cuda_source(flash_fwd_hopper_variant(**sizes, conditional_issue=conditional))
     reports[conditional] = ptxas_report(src)
 if reports[False] is None:
     print("nvcc is not installed here; the course machines have it (CUDA 13).")
@@ -258,9 +269,8 @@ cu.check_true(loop.index("__sync_thread_partial((") < loop.index("wgmma_ss<")
 # %%
 ablation = cu.measured("ch07_forward_ablation_h100", RECORDS["ch07_forward_ablation_h100"])
 arows = ablation["results"]
-labels = [label for label, *_ in ablation_steps(causal=True)]
-PEERS = ["FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"]
-cu.check_true(all(r["max_abs_err"] is not None for r in arows if r["step"]), "every step was validated")
+labels = [version.label for version in versions_for(causal=True)]
+check_stored_errors(arows, "ch07 ablation: every version")
 tflops = {(r["impl"], r["dim"], r["causal"]): r["tflops"] for r in arows}
 cases = [(dim, causal) for dim in (128, 64) for causal in (False, True)]
 print(f"{'TFLOP/s, fp16, S=4k':46}" + "".join(f"{f'D={d}' + (' causal' if c else ''):>13}" for d, c in cases))
@@ -287,7 +297,7 @@ for ax, (dim, causal) in zip(axes.flat, cases):
     ax.set_yticks(range(len(names)), labels=[n.strip() for n in names], fontsize=8)
     ax.invert_yaxis()
     for peer, style in zip(PEERS, (":", "--")):
-        ax.axvline(tf[peer], color="black", linestyle=style, linewidth=1, label=f"{peer}: {tf[peer]:.0f}")
+        ax.axvline(tf[peer], color="black", linestyle=style, linewidth=1, label=f"{SHORT[peer]}: {tf[peer]:.0f}")
     ax.set(title=f"fp16, S=4k, D={dim}, causal={causal}", xlabel="TFLOP/s")
     ax.legend(fontsize=7, loc="lower right")
 fig.text(0.01, -0.02, plots.record_caption(ablation), fontsize=7)
@@ -329,7 +339,8 @@ for r in tiling["results"]:
     r["tiling"] = f"128 × {r['block_N']}" + (" ping-pong" if r.get("pingpong") else "")
 for dim in (128, 64):
     sel = [r for r in tiling["results"] if r["dim"] == dim]
-    cu.check_true(all(r["error"] is None for r in sel), f"D={dim}: every tiling compiled and was validated")
+    cu.check_true(all(r["error"] is None for r in sel), f"D={dim}: every tiling compiled")
+    check_stored_errors(sel, f"D={dim}: every tiling")
     print(f"D={dim}, fp16, S=4k — TFLOP/s (2 stages, 256 consumer threads)")
     print(plots.text_table(sel, index="tiling", columns="causal", value="tflops", width=8))
     for causal in (False, True):
@@ -352,9 +363,10 @@ for dim in (128, 64):
 # %%
 final = cu.measured("ch07_forward_vs_peers_h100", RECORDS["ch07_forward_vs_peers_h100"])
 rows = final["results"]
-ours_rows = [r for r in rows if r["impl"] == "TileLang (ours)"]
-cu.check_true(all(r["max_abs_err"] is not None for r in ours_rows), "every configuration of ours was validated")
-cu.check_true(all(r["config"]["overlap"] for r in ours_rows), "all of ours ran chapter 07's kernel")
+ours_rows = [r for r in rows if r["impl"] == OURS]
+check_stored_errors(rows, "ch07 final record")
+cu.check_true(all(cu.ForwardConfig(**r["config"]) == HOPPER_FORWARD_CONFIGS[r["dim"], r["causal"]] for r in ours_rows),
+              "every row of ours ran chapter 07's kernel at the default tiling for its head dim and mask")
 panels = [(dim, causal) for dim in (64, 128) for causal in (False, True)]
 fig = plots.forward_comparison_panels(final)
 plots.save(fig, "ch07_forward_vs_peers")
@@ -370,15 +382,14 @@ fig = plots.peer_ratio_heatmaps(rows, combos, seqs, PEERS)
 plots.save(fig, "ch07_forward_ratios")
 for causal in (False, True):
     key = ("float16", 128, causal, 4096)
-    ours, fa2, cudnn = (tf[(impl, *key)] for impl in ("TileLang (ours)", "FlashAttention-2 (SDPA flash)",
-                                                      "cuDNN (SDPA cudnn)"))
+    ours, fa2, cudnn = (tf[(impl, *key)] for impl in (OURS, FA2, CUDNN))
     print(f"S=4k, D=128, fp16, causal={causal!s:5}: ours {ours:.0f} TFLOP/s = {ours / fa2:.2f}× FA2, "
           f"{ours / cudnn:.2f}× cuDNN — target ≥ 1.0× cuDNN {'met' if ours >= cudnn else 'not met'}")
-for peer in ("FlashAttention-2 (SDPA flash)", "cuDNN (SDPA cudnn)"):
-    faster = [(c, s) for c in combos for s in seqs if tf[("TileLang (ours)", *c, s)] >= tf[(peer, *c, s)]]
+for peer in PEERS:
+    faster = [(c, s) for c in combos for s in seqs if tf[(OURS, *c, s)] >= tf[(peer, *c, s)]]
     cases = [f"{dict(float16='fp16', bfloat16='bf16')[d]} D={dim}{' causal' if causal else ''} S={s}"
              for (d, dim, causal), s in faster]
-    print(f"ours at least as fast as {peer.split()[0]} in {len(faster)} of {len(combos) * len(seqs)} cases"
+    print(f"ours at least as fast as {SHORT[peer]} in {len(faster)} of {len(combos) * len(seqs)} cases"
           + (": " + ", ".join(cases) if len(cases) < 6 else ""))
 
 # %% [markdown]
@@ -420,9 +431,9 @@ cu.check_true(best["tflops"] < PEAK_TFLOPS, "below the roof, as it must be")
 # %%
 backward = load_record("ch05_backward_vs_peers_h100")
 btf = {(r["impl"], r["dim"], r["causal"], r["seq"]): r["tflops"] for r in backward["results"]
-       if r["dtype"] == "float16"}
+       if r["dtype"] == "float16" and r.get("mode", "bwd") == "bwd"}
 for causal in (False, True):
-    ours, cudnn = btf["TileLang (ours)", 128, causal, 4096], btf["cuDNN (SDPA cudnn)", 128, causal, 4096]
+    ours, cudnn = btf[OURS, 128, causal, 4096], btf[CUDNN, 128, causal, 4096]
     print(f"backward, S=4k, D=128, fp16, causal={causal!s:5}: ours {ours:.0f} TFLOP/s = {ours / cudnn:.2f}× cuDNN")
 print("(" + plots.record_caption(backward) + ")")
 
