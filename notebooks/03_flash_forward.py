@@ -254,9 +254,9 @@ print("tiling:", config or cu.attention.default_forward_config(cu.DEVICE.type, 6
 # (batch, heads, S_q, S_k, head_dim, causal)
 cases = cu.pick(
     cpu=[(1, 2, 64, 64, 32, False), (1, 2, 64, 64, 32, True), (2, 2, 40, 40, 16, True),
-         (1, 1, 7, 7, 64, True), (1, 2, 24, 56, 32, True)],
+         (1, 1, 7, 7, 64, True), (2, 2, 24, 56, 32, True)],
     gpu=[(2, 8, 1024, 1024, 128, False), (2, 8, 1024, 1024, 128, True), (2, 4, 1000, 1000, 64, True),
-         (1, 4, 100, 100, 128, True), (1, 4, 300, 1000, 64, True)],
+         (1, 4, 100, 100, 128, True), (2, 4, 300, 1000, 64, True)],
 )
 
 # %%
