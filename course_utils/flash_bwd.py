@@ -8,6 +8,8 @@ P is recomputed from Q, K and the LSE instead of being stored. One thread block 
 registers, and the block walks over the query blocks that can see its keys. dQ gets
 contributions from every key block, so it is accumulated in float32 with atomic adds and
 cast by a last, small kernel.
+
+    python -m course_utils.flash_bwd     # check against the reference (and time it, on a GPU)
 """
 
 import tilelang.language as T
@@ -176,3 +178,11 @@ def flash_bwd_kernel(
             # endregion
 
     return flash_bwd
+
+
+if __name__ == "__main__":
+    from .benchmarks import CH05_BACKWARD_CONFIG
+    from .device import HAS_GPU
+    from .selfcheck import check_and_time_backward
+
+    check_and_time_backward(CH05_BACKWARD_CONFIG if HAS_GPU else None)  # this chapter's kernel, also on Hopper

@@ -87,3 +87,11 @@ def flash_fwd_kernel(
                              has_sinks)
 
     return flash_fwd
+
+
+if __name__ == "__main__":
+    from .attention import TUNED_FORWARD_CONFIG
+    from .device import HAS_GPU
+    from .selfcheck import check_and_time_forward
+
+    check_and_time_forward(TUNED_FORWARD_CONFIG if HAS_GPU else None)  # chapter 04's tiling on a GPU
