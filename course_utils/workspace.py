@@ -200,7 +200,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--teacher", action="store_true", help="the teacher edition (solutions included)")
     parser.add_argument("--reset", metavar="NN", help="back up your copy of chapter NN and write a fresh one")
-    parser.add_argument("--workspace", type=Path, default=WORKSPACE, help=argparse.SUPPRESS)
+    parser.add_argument("--workspace", type=Path, default=WORKSPACE, help="the folder of the editions (default: %(default)s)")
     args = parser.parse_args(argv)
     edition = "teacher" if args.teacher else "learner"
     if args.reset:
