@@ -161,16 +161,17 @@ def refresh(edition="learner", workspace=WORKSPACE, notebooks=NOTEBOOKS, only=No
     return report
 
 
-def reset(prefix, edition="learner", workspace=WORKSPACE, notebooks=NOTEBOOKS):
-    """Move the copies whose names start with ``prefix`` to ``workspace/backup/`` and write fresh ones."""
+def reset(prefix, edition="learner", workspace=WORKSPACE):
+    """Move the copies whose names start with ``prefix`` to ``workspace/backup/``; the next refresh writes fresh ones."""
+    if not re.fullmatch(r"\d\d", str(prefix)[:2]):
+        raise ValueError(f"--reset takes a chapter number such as 03, not {prefix!r}")
     workspace = Path(workspace)
     moved = []
-    for target in sorted((workspace / edition).glob(f"{prefix}*.ipynb")):
+    for target in sorted((workspace / edition).glob(f"{str(prefix)[:2]}_*.ipynb")):
         backup = workspace / "backup" / edition / f"{target.stem}-{time.strftime('%Y%m%d-%H%M%S')}.ipynb"
         backup.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(target, backup)
         moved.append(backup)
-    refresh(edition, workspace, notebooks, only=[prefix])
     return moved
 
 
@@ -204,6 +205,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     edition = "teacher" if args.teacher else "learner"
     if args.reset:
+        if not re.fullmatch(r"\d\d", args.reset[:2]):
+            parser.error(f"--reset takes a chapter number such as 03, not {args.reset!r}")
         for backup in reset(args.reset, edition, args.workspace):
             print(f"your copy is now {_relative(backup)}")
     report = refresh(edition, args.workspace)

@@ -167,8 +167,9 @@ def test_refresh_updates_untouched_copies_and_keeps_edited_ones(course, capsys):
 
     # a kept copy stays kept on every later refresh, until reset
     assert ws.refresh("learner", workspace, notebooks)["kept"] == ["01_first.ipynb"]
-    (backup,) = ws.reset("01", "learner", workspace, notebooks)
+    (backup,) = ws.reset("01", "learner", workspace)
     assert "my answer" in backup.read_text() and backup.parent == workspace / "backup" / "learner"
+    assert ws.refresh("learner", workspace, notebooks)["written"] == ["01_first.ipynb"]
     assert "revised" in mine.read_text() and "my answer" not in mine.read_text()
     assert ws.refresh("learner", workspace, notebooks)["unchanged"] == ["01_first.ipynb", "02_second.ipynb"]
 
