@@ -1,10 +1,13 @@
 """Plotting helpers shared by the chapters, in one consistent style.
 
 Figures use mid-tone colours on an opaque white background, so they read the same in
-JupyterLab's light and dark themes. ``save`` writes compressed PNGs under ``figures/``.
+JupyterLab's light and dark themes. ``save`` writes compressed PNGs under ``figures/`` (in the runs
+that make the committed notebooks).
 """
 
 from __future__ import annotations
+
+import os
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -35,17 +38,24 @@ style()
 
 
 def save(fig, name):
-    """Save ``fig`` as ``figures/<name>.png`` (palette-compressed when Pillow can) and return the path."""
-    FIGURES.mkdir(exist_ok=True)
-    path = FIGURES / f"{name}.png"
-    fig.savefig(path, bbox_inches="tight")
-    try:
-        from PIL import Image
+    """Save ``fig`` as ``figures/<name>.png`` (palette-compressed when Pillow can); return that path.
 
-        Image.open(path).convert("RGB").quantize(colors=128).save(path, optimize=True)
-    except ImportError:
-        pass
-    return path
+    The figures are tracked files made with the committed notebooks, so only the run that writes
+    those (``run_notebooks --in-place`` on a GPU, which sets ``COURSE_WRITE_FIGURES=1``) writes them;
+    a learner's session or a test run leaves them as they are. The path returned is relative to the
+    repository, so the stored output is the same on every machine.
+    """
+    path = FIGURES / f"{name}.png"
+    if os.environ.get("COURSE_WRITE_FIGURES") == "1":
+        FIGURES.mkdir(exist_ok=True)
+        fig.savefig(path, bbox_inches="tight")
+        try:
+            from PIL import Image
+
+            Image.open(path).convert("RGB").quantize(colors=128).save(path, optimize=True)
+        except ImportError:
+            pass
+    return path.relative_to(FIGURES.parent)
 
 
 def heatmap(ax, matrix, *, title=None, xlabel="key j", ylabel="query i", cmap="viridis",

@@ -6,6 +6,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+try:  # the browser test (tests/browser) needs playwright, which .ci/run installs; without it, skip the folder
+    import playwright  # noqa: F401
+except ImportError:
+    collect_ignore = ["browser"]
+
 
 @pytest.fixture(autouse=True)
 def _seed():
