@@ -1,11 +1,14 @@
-"""Pictures of how the FlashAttention forward splits its work (chapter 03 onwards).
+"""Explanatory pictures of how FlashAttention splits its work into tiles and grids (chapter 02 onwards).
 
+- ``online_softmax_diagram``: the online softmax as a chain of states over key blocks;
 - ``tile_classes``: for each (query block, key block) tile, whether the kernel skips it, visits it
   whole, or visits it with a mask (the causal diagonal, a window edge, keys past the end);
 - ``grid_mapping``: which thread block (blockIdx.x, .y, .z) owns which query block of which
   (batch, head), and how many K/V tiles it streams;
 - ``tile_visits``: the tiles over the score matrix, skipped triangle and masked diagonal visible;
-- ``visit_table``: the same as text, exact block indices.
+- ``visit_table``: the same as text, exact block indices;
+- ``backward_grid``, ``dq_layout_map``: the backward's grid and its dQ accumulator layout;
+- ``gqa_heads``: which K/V head each query head reads under grouped-query attention.
 Visibility follows ``course_utils.reference.visibility_mask`` (causal bottom-right aligned).
 """
 
@@ -15,10 +18,11 @@ import matplotlib
 import matplotlib.patches as mpatches
 import numpy as np
 
+from . import plots  # noqa: F401  (importing it applies the course style)
 from .reference import visibility_mask
 
-__all__ = ["SKIPPED", "FULL", "MASKED", "TILE_COLORS", "tile_classes", "visit_table", "grid_mapping",
-           "tile_visits"]
+__all__ = ["SKIPPED", "FULL", "MASKED", "TILE_COLORS", "online_softmax_diagram", "tile_classes", "visit_table",
+           "grid_mapping", "tile_visits", "gqa_heads", "backward_grid", "dq_layout_map"]
 
 SKIPPED, FULL, MASKED = 0, 1, 2
 TILE_COLORS = {FULL: "#1f77b4", MASKED: "#ff7f0e", SKIPPED: "#d9d9d9"}
@@ -124,6 +128,44 @@ def tile_visits(ax, seq_q, seq_k, block_M, block_N, *, causal=False, window_size
     ax.set_title(title or f"{kind}, S_q={seq_q}, S_k={seq_k}\n{visits} of {classes.size} tiles visited")
     return [mpatches.Patch(facecolor=TILE_COLORS[c], alpha=0.85 if c != SKIPPED else 1.0, edgecolor="black",
                            label=_LABELS[c], hatch="//" if c == SKIPPED else None) for c in (FULL, MASKED, SKIPPED)]
+
+
+# --- chapter 02: the online softmax -------------------------------------------------------------
+
+def online_softmax_diagram(ax, num_blocks=4):
+    """The online softmax as a chain: key block j updates the state (m, ℓ, o) left by block j − 1.
+
+    Top row: the key blocks, each read once. Bottom row: the running state after each block; the
+    horizontal arrows carry the old state, scaled by α_j = exp(m_{j−1} − m_j). The update rules
+    are written underneath.
+    """
+    def box(x, y, text, color, width=1.8, height=0.8):
+        ax.add_patch(mpatches.FancyBboxPatch((x - width / 2, y - height / 2), width, height, boxstyle="round,pad=0.05",
+                                             facecolor=color, edgecolor="black", linewidth=0.8))
+        ax.text(x, y, text, ha="center", va="center", fontsize=9)
+
+    def arrow(x0, x1, y0, y1, label=None, dx=0.0, dy=0.0):
+        ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="->", lw=1.1))
+        if label:
+            ax.text((x0 + x1) / 2 + dx, (y0 + y1) / 2 + dy, label, ha="center", va="center", fontsize=9)
+
+    step, top, bottom, half = 2.6, 2.1, 0.0, 0.95
+    box(-0.15, bottom, "start\n$m=-\\infty,\\ \\ell=o=0$", "#e8e8e8", width=2.2)
+    for j in range(num_blocks):
+        x = (j + 1) * step
+        box(x, top, f"key block {j}\n$S_{j},\\ V_{j}$", "#aec7e8")
+        box(x, bottom, f"$m_{j},\\ \\ell_{j},\\ o_{j}$", "#ffbb78")
+        arrow(x, x, top - 0.45, bottom + 0.45)
+        arrow(x - step + (1.0 if j == 0 else half), x - half, bottom, bottom, f"$\\times\\alpha_{j}$", dy=0.25)
+    x_end = (num_blocks + 1) * step
+    box(x_end, bottom, "$O = o\\,/\\,\\ell$\n$\\mathrm{LSE} = m + \\log \\ell$", "#98df8a", width=2.0)
+    arrow(x_end - step + half, x_end - 1.05, bottom, bottom)
+    rules = ("block $j$:   $m_j = \\max(m_{j-1},\\ \\mathrm{rowmax}\\, S_j)$,   "
+             "$\\alpha_j = e^{m_{j-1} - m_j}$,   $P_j = e^{S_j - m_j}$,   "
+             "$\\ell_j = \\alpha_j \\ell_{j-1} + \\mathrm{rowsum}\\, P_j$,   $o_j = \\alpha_j o_{j-1} + P_j V_j$")
+    ax.text(x_end / 2, bottom - 0.95, rules, ha="center", va="center", fontsize=9)
+    ax.set(xlim=(-1.4, x_end + 1.1), ylim=(-1.3, 2.6), aspect="equal")
+    ax.axis("off")
 
 
 # --- chapter 06: grouped-query attention -----------------------------------------------------------

@@ -1,90 +1,27 @@
-"""Layouts made visible (chapter 04): shared-memory banks, register fragments, pipeline timelines.
+"""What TileLang decides about layouts (chapter 04), read from TileLang itself, and its picture.
 
-Everything here is computed, not drawn by hand:
-
-- **Shared memory.** ``layout_offsets`` evaluates a TileLang ``Layout`` (e.g. ``make_swizzled_layout``
-  or ``make_linear_layout`` of a shared tile) at every element, giving the element offset where
-  the element is stored. ``wavefronts`` then counts how many shared-memory wavefronts a warp's
-  request needs under the usual model: 32 banks of 4 bytes, at most 128 bytes per wavefront, and
-  a bank serves one 4-byte word per wavefront (threads reading the *same* word share it).
+- **Shared tiles.** ``layout_offsets`` evaluates a TileLang ``Layout`` (e.g. ``make_swizzled_layout``
+  or ``make_linear_layout`` of a ``shared_tile``) at every element, giving the element offset where
+  the element is stored (``course_utils.banks`` counts the bank conflicts of such offsets).
 - **Registers.** ``fragment_tables`` evaluates a TileLang ``Fragment`` into two tables: which thread
-  holds each element, and in which of its registers. ``lower_with_layouts`` lowers a kernel for a
-  CUDA architecture and also returns the layouts TileLang's layout inference chose for every
-  buffer, so the tables describe the real kernel.
-- **Pipelines.** ``pipeline_schedule`` simulates the order of copies and compute that
-  ``T.Pipelined(num_stages=...)`` generates for the FlashAttention loop, for a timeline picture.
+  holds each element, and in which of its registers; ``fragment_map`` draws them.
+  ``lower_with_layouts`` lowers a kernel for a CUDA architecture and also returns the layouts
+  TileLang's layout inference chose for every buffer, so the tables describe the real kernel;
+  ``gemm_fragments`` builds the layouts of TileLang's tensor-core gemm directly.
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter, defaultdict
 from typing import NamedTuple
 
+import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.colors import ListedColormap
 
-__all__ = [
-    "BANKS", "BANK_BYTES", "WAVEFRONT_BYTES", "bank_of", "wavefronts", "ideal_wavefronts", "bank_hits",
-    "shared_tile", "layout_offsets", "fragment_tables", "bank_groups", "warp_access_patterns",
-    "conflict_table", "Lowered", "lower_with_layouts", "gemm_fragments", "loop_skeleton", "pipeline_schedule",
-    "overlap_schedule",
-]
+from . import plots  # noqa: F401  (importing it applies the course style)
 
-BANKS = 32  # shared memory banks
-BANK_BYTES = 4  # each bank serves one 4-byte word per wavefront
-WAVEFRONT_BYTES = BANKS * BANK_BYTES  # 128 bytes at most per wavefront
-
-
-# --------------------------------------------------------------------------- banks
-
-
-def bank_of(byte_address):
-    """The bank (0..31) that serves a byte address (works on ints and numpy arrays)."""
-    return (byte_address // BANK_BYTES) % BANKS
-
-
-def _words(address, width):
-    """The 4-byte words an access of ``width`` bytes at ``address`` touches."""
-    return range(address // BANK_BYTES, (address + max(width, 1) - 1) // BANK_BYTES + 1)
-
-
-def _phases(byte_addresses, width):
-    """Split a warp's addresses into the groups the hardware serves together.
-
-    Accesses of 16 bytes are served a quarter-warp (8 threads, 128 bytes) at a time, 8-byte ones a
-    half-warp at a time, smaller ones the whole warp at once. (``ldmatrix`` reads its 8x8 matrices
-    the same way: 8 row addresses of 16 bytes per phase.)
-    """
-    addrs = [int(a) for a in np.asarray(byte_addresses).ravel()]
-    size = max(1, min(len(addrs), WAVEFRONT_BYTES // max(width, 4)))
-    return [addrs[i:i + size] for i in range(0, len(addrs), size)]
-
-
-def wavefronts(byte_addresses, width):
-    """Wavefronts a warp-wide shared-memory request needs: per phase, the most distinct words in one bank."""
-    total = 0
-    for phase in _phases(byte_addresses, width):
-        words = {w for a in phase for w in _words(a, width)}
-        total += max(Counter(w % BANKS for w in words).values())
-    return total
-
-
-def ideal_wavefronts(byte_addresses, width):
-    """The fewest wavefronts the same request could need: its distinct bytes / 128, per phase."""
-    total = 0
-    for phase in _phases(byte_addresses, width):
-        words = {w for a in phase for w in _words(a, width)}
-        total += math.ceil(len(words) * BANK_BYTES / WAVEFRONT_BYTES)
-    return total
-
-
-def bank_hits(byte_addresses, width):
-    """For a picture of one phase: {bank: [(word, [threads reading it]), ...]} in thread order."""
-    hits = defaultdict(dict)
-    for thread, a in enumerate(int(x) for x in np.asarray(byte_addresses).ravel()):
-        for w in _words(a, width):
-            hits[w % BANKS].setdefault(w, []).append(thread)
-    return {bank: list(words.items()) for bank, words in sorted(hits.items())}
+__all__ = ["shared_tile", "layout_offsets", "fragment_tables", "Lowered", "lower_with_layouts", "gemm_fragments",
+           "fragment_map"]
 
 
 # --------------------------------------------------------------------------- evaluating layouts
@@ -177,42 +114,6 @@ def fragment_tables(fragment, replica=0):
     return threads, registers
 
 
-def bank_groups(offsets, elem_bytes):
-    """For each 16-byte chunk of a tile (rows x chunks): its group of 4 banks (0..7) in its 128-byte line."""
-    per_chunk = 16 // elem_bytes
-    first = offsets[:, ::per_chunk] * elem_bytes
-    return (first % WAVEFRONT_BYTES) // 16
-
-
-def warp_access_patterns(cols, elem_bytes=2):
-    """Three warp-wide accesses to a [rows x cols] tile, as (cells (i, j) per thread, bytes per thread).
-
-    - a copy into the tile (cp.async / vector stores): 32 threads x 16 bytes along the rows;
-    - ``ldmatrix.x4`` of a 16x16 operand block: 4 phases of 8 row addresses x 16 bytes;
-    - a warp reading one column: 32 rows x one element.
-    """
-    vec = 16 // elem_bytes
-    per_row = cols // vec
-    return {
-        "copy in: 32 threads x 16 B along rows": ([(t // per_row, (t % per_row) * vec) for t in range(32)], 16),
-        "ldmatrix.x4: 16 rows x 32 B (4 phases)": ([(t % 8 + 8 * ((t // 8) % 2), vec * (t // 16)) for t in range(32)], 16),
-        "one column: 32 rows x 2 B": ([(t, 0) for t in range(32)], elem_bytes),
-    }
-
-
-def conflict_table(offsets_by_layout, patterns, elem_bytes=2):
-    """Rows (pattern, ideal, wavefronts per layout...) for a set of access patterns and layouts."""
-    rows = []
-    for name, (cells, width) in patterns.items():
-        row = dict(pattern=name)
-        for layout_name, offsets in offsets_by_layout.items():
-            addrs = [int(offsets[i, j]) * elem_bytes for i, j in cells]
-            row.setdefault("ideal", ideal_wavefronts(addrs, width))  # the same for any layout
-            row[layout_name] = wavefronts(addrs, width)
-        rows.append(row)
-    return rows
-
-
 # --------------------------------------------------------------------------- the real kernel's layouts
 
 
@@ -284,104 +185,41 @@ def gemm_fragments(m, n, k, threads, *, transpose_b, hopper=False, a_dtype="floa
     return (m_warp, n_warp), {"C": emitter.make_mma_store_layout(c), "A": emitter.make_mma_load_layout(a, "A")}
 
 
-def loop_skeleton(source, loop_header, steps):
-    """The statements of one loop of generated code that match ``steps``, in order.
+# --------------------------------------------------------------------------- picture
 
-    ``loop_header`` is a regex for the loop's first line (e.g. ``r"for \\(int kb = 0"``); ``steps``
-    maps a label (``str.format``-ed with the regex's groups) to a regex. Consecutive equal labels
-    are merged ("label ×n"). Returns a list of (first line number, label).
+
+def fragment_map(ax, threads, registers=None, *, title=None, rows=None, cols=None, color_by="warp",
+                 annotate=False):
+    """Who holds each element of a register tile (tables from ``fragment_tables``).
+
+    ``color_by``: "warp" (each warp's cells labelled with its number), "lane" (thread % 32) or
+    "register" (the register index, with a colour bar). ``annotate`` writes 'lane / register' in
+    every cell (for a zoomed-in corner). ``rows`` / ``cols`` are (start, stop) ranges to show.
     """
-    import re
-
-    lines = source.splitlines()
-    start = next(n for n, line in enumerate(lines) if re.search(loop_header, line))
-    depth, out = 0, []
-    for n in range(start, len(lines)):
-        depth += lines[n].count("{") - lines[n].count("}")
-        for label, pattern in steps.items():
-            m = re.search(pattern, lines[n])
-            if m:
-                text = label.format(*(g or "" for g in m.groups()))
-                if out and out[-1][1] == text:
-                    out[-1][2] += 1
-                else:
-                    out.append([n + 1, text, 1])
-                break
-        if depth == 0 and n > start:
-            break
-    return [(n, text + (f" ×{k}" if k > 1 else "")) for n, text, k in out]
-
-
-# --------------------------------------------------------------------------- pipeline timelines
-
-
-def pipeline_schedule(num_stages, n_blocks, *, load, qk, softmax, pv):
-    """Timeline of the FlashAttention loop as ``T.Pipelined(num_stages=...)`` orders it (a model).
-
-    ``num_stages=0`` is a plain loop: load K, QK^T, softmax, load V, PV, one after the other.
-    With ``num_stages=s`` (what TileLang generates for this loop, sm_80 and sm_90a alike) K and V
-    each get ``s`` shared buffers; the first ``s`` tiles are loaded up front, and a buffer is
-    refilled with the tile ``s`` iterations ahead as soon as the gemm reading it is done. Loads run
-    asynchronously and take ``load`` time units each (latency-bound: several may be in flight).
-    Returns ``(events, total)``, events as (lane, start, duration, label, slot) with lanes
-    "load K", "load V" and "compute"; ``slot`` is the shared buffer a load fills (0 for compute).
-    """
-    events, t = [], 0.0
-    if num_stages == 0:
-        for k in range(n_blocks):
-            for lane, label, dur in (("load K", f"K{k}", load), ("compute", "QK", qk), ("compute", "sm", softmax),
-                                     ("load V", f"V{k}", load), ("compute", "PV", pv)):
-                events.append((lane, t, dur, label, 0))
-                t += dur
-        return events, t
-    ready = {}
-
-    def issue(kind, k, at):
-        if k < n_blocks:
-            events.append((f"load {kind}", at, load, f"{kind}{k}", k % num_stages))
-            ready[kind, k] = at + load
-
-    for k in range(min(num_stages, n_blocks)):
-        issue("K", k, 0.0)
-        issue("V", k, 0.0)
-    for k in range(n_blocks):
-        t = max(t, ready["K", k])
-        events.append(("compute", t, qk, "QK", 0))
-        t += qk
-        issue("K", k + num_stages, t)  # K buffer free again
-        events.append(("compute", t, softmax, "sm", 0))
-        t += softmax
-        t = max(t, ready["V", k])
-        events.append(("compute", t, pv, "PV", 0))
-        t += pv
-        issue("V", k + num_stages, t)  # V buffer free again
-    return events, t
-
-
-def overlap_schedule(n_blocks, *, qk, softmax, pv, overlap):
-    """Timeline of one consumer warpgroup's loop over key blocks, copies assumed hidden (a model).
-
-    Without ``overlap`` each block runs QKᵀ, softmax, P·V one after the other. With ``overlap``
-    (chapter 07's rotated loop) iteration k issues QKᵀ of block k and P·V of block k-1 back to back
-    on the tensor cores, waits only for QKᵀ, and computes the softmax of block k while P·V runs;
-    the idle matmuls of the first and last iteration are labelled "(PV)" and "(QK)".
-    Returns ``(events, total)``, events as (lane, start, duration, label, 0) with lanes
-    "tensor cores" and "softmax".
-    """
-    events, t = [], 0.0
-    if not overlap:
-        for k in range(n_blocks):
-            for lane, label, dur in (("tensor cores", f"QK{k}", qk), ("softmax", f"sm{k}", softmax),
-                                     ("tensor cores", f"PV{k}", pv)):
-                events.append((lane, t, dur, label, 0))
-                t += dur
-        return events, t
-    for k in range(n_blocks + 1):
-        events.append(("tensor cores", t, qk, f"QK{k}" if k < n_blocks else "(QK)", 0))
-        events.append(("tensor cores", t + qk, pv, f"PV{k - 1}" if k > 0 else "(PV)", 0))
-        end = t + qk + pv
-        if k < n_blocks:
-            events.append(("softmax", t + qk, softmax, f"sm{k}", 0))
-            end = max(end, t + qk + softmax)
-        t = end
-    return events, t
+    threads = np.asarray(threads)
+    rows = rows or (0, threads.shape[0])
+    cols = cols or (0, threads.shape[1])
+    t = threads[rows[0]:rows[1], cols[0]:cols[1]]
+    regs = None if registers is None else np.asarray(registers)[rows[0]:rows[1], cols[0]:cols[1]]
+    extent = (cols[0] - 0.5, cols[1] - 0.5, rows[1] - 0.5, rows[0] - 0.5)
+    if color_by == "register":
+        image = ax.imshow(regs, cmap="viridis", aspect="auto", interpolation="nearest", extent=extent)
+        ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="register index")
+    else:
+        key = t // 32 if color_by == "warp" else t % 32
+        n = int(key.max()) + 1
+        base = plt.get_cmap("tab10" if n <= 10 else "tab20").colors
+        cmap = ListedColormap([base[i % len(base)] for i in range(n)])
+        ax.imshow(key, cmap=cmap, vmin=-0.5, vmax=n - 0.5, aspect="auto", interpolation="nearest", extent=extent)
+        if color_by == "warp" and not annotate:
+            for w in np.unique(key):
+                ii, jj = np.nonzero(key == w)
+                ax.text(cols[0] + jj.mean(), rows[0] + ii.mean(), f"warp {w}", ha="center", va="center",
+                        fontsize=8, color="white")
+    if annotate:
+        for (i, j), thread in np.ndenumerate(t):
+            text = f"{thread % 32}" + ("" if regs is None else f"\n{regs[i, j]}")
+            ax.text(cols[0] + j, rows[0] + i, text, ha="center", va="center", fontsize=7, color="white",
+                    linespacing=0.9)
+    ax.grid(False)
+    ax.set(title=title, xlabel="column j", ylabel="row i")

@@ -3,8 +3,9 @@
 ``show_source`` prints a function, or one marked region of it (with the file's line numbers), so a
 chapter can explain a kernel piece by piece without copying its text.
 ``cuda_source`` lowers a ``@T.prim_func`` to CUDA for a given architecture without a GPU, and
-``grep`` prints short, numbered excerpts of that (long) source. ``ptxas_report`` compiles it
-with nvcc and returns what ptxas says about registers, spills and serialised wgmmas.
+``grep`` prints short, numbered excerpts of that (long) source, and ``loop_skeleton`` the steps of
+one of its loops in order. ``ptxas_report`` compiles it with nvcc and returns what ptxas says
+about registers, spills and serialised wgmmas.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import inspect
 import re
 
-__all__ = ["show_source", "source_regions", "cuda_source", "grep", "count", "ptxas_report"]
+__all__ = ["show_source", "source_regions", "cuda_source", "grep", "count", "loop_skeleton", "ptxas_report"]
 
 
 _REGION = re.compile(r"^\s*# region: (.+?)\s*$")
@@ -81,6 +82,32 @@ def count(source, patterns):
     """How many lines of ``source`` match each regex in ``patterns`` (a dict name → regex)."""
     lines = source.splitlines()
     return {name: sum(1 for line in lines if re.search(p, line)) for name, p in patterns.items()}
+
+
+def loop_skeleton(source, loop_header, steps):
+    """The statements of one loop of generated code that match ``steps``, in order.
+
+    ``loop_header`` is a regex for the loop's first line (e.g. ``r"for \\(int kb = 0"``); ``steps``
+    maps a label (``str.format``-ed with the regex's groups) to a regex. Consecutive equal labels
+    are merged ("label ×n"). Returns a list of (first line number, label).
+    """
+    lines = source.splitlines()
+    start = next(n for n, line in enumerate(lines) if re.search(loop_header, line))
+    depth, out = 0, []
+    for n in range(start, len(lines)):
+        depth += lines[n].count("{") - lines[n].count("}")
+        for label, pattern in steps.items():
+            m = re.search(pattern, lines[n])
+            if m:
+                text = label.format(*(g or "" for g in m.groups()))
+                if out and out[-1][1] == text:
+                    out[-1][2] += 1
+                else:
+                    out.append([n + 1, text, 1])
+                break
+        if depth == 0 and n > start:
+            break
+    return [(n, text + (f" ×{k}" if k > 1 else "")) for n, text, k in out]
 
 
 def ptxas_report(source, arch="sm_90a"):

@@ -35,7 +35,7 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
-from course_utils import plots
+from course_utils import diagrams
 from course_utils.softmax import (LOG2E, blockwise_attention, blockwise_softmax, naive_softmax,
                                   online_softmax_trace, safe_softmax, softmax_online_kernel,
                                   softmax_row_kernel)
@@ -249,7 +249,7 @@ print(f"after block 0, the max moved in {moved} of {alphas[1:].numel()} (row, bl
 
 # %%
 fig, ax = plt.subplots(figsize=(10, 3.2))
-plots.online_softmax_diagram(ax, num_blocks=4)
+diagrams.online_softmax_diagram(ax, num_blocks=4)
 plt.show()
 
 # %% [markdown]

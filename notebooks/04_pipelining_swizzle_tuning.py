@@ -43,13 +43,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tilelang.layout import make_linear_layout, make_swizzled_layout
 
-from course_utils import layouts, plots
+from course_utils import banks, layouts, plots, schedules
 from course_utils.attention import TUNED_FORWARD_CONFIG, ForwardConfig
 from course_utils.benchmarks import RECORDS
 from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
 from course_utils.validation import check_stored_errors
 from course_utils.flash_fwd import flash_fwd_kernel
-from course_utils.source import grep
+from course_utils.source import grep, loop_skeleton
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
 
@@ -73,11 +73,11 @@ print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
 
 # %%
 MODEL = dict(load=4, qk=1, softmax=1, pv=1)  # illustrative units, not measured
-runs = {s: layouts.pipeline_schedule(s, 6, **MODEL) for s in (0, 1, 2, 3)}
+runs = {s: schedules.pipeline_schedule(s, 6, **MODEL) for s in (0, 1, 2, 3)}
 fig, axes = plt.subplots(4, 1, figsize=(11, 7.4), sharex=True)
 for ax, (s, (events, total)) in zip(axes, runs.items()):
     name = "plain loop (no pipelining)" if s == 0 else f"num_stages={s}: {s} buffer{'s' * (s > 1)} each for K and V"
-    plots.pipeline_timeline(ax, events, title=f"{name} — 6 key blocks in {total:g} units", xmax=runs[0][1])
+    schedules.pipeline_timeline(ax, events, title=f"{name} — 6 key blocks in {total:g} units", xmax=runs[0][1])
 axes[-1].set_xlabel("time (model units)")
 fig.tight_layout()
 totals = [total for _, total in runs.values()]
@@ -118,7 +118,7 @@ AMPERE_STEPS = {
     "row {0} over the 4 lanes of a quad": r"AllReduce<tl::(\w+)Op",
     "exp2 (softmax)": r"exp2f",
 }
-for line, step in layouts.loop_skeleton(ampere.source, r"for \(int kb = 0", AMPERE_STEPS):
+for line, step in loop_skeleton(ampere.source, r"for \(int kb = 0", AMPERE_STEPS):
     print(f"{line:4d} │ {step}")
 print("-- one of those lines in full (the K_s index starts with the buffer number, kb & 1):")
 grep(ampere.source, r"cp_async_gs<16>.*K_s\)\[\(+kb", max_hits=1, width=100)
@@ -146,7 +146,7 @@ HOPPER_STEPS = {
 grep(hopper[2].source, r"__launch_bounds__", max_hits=1, width=60)
 for role, header in (("producer", r"for \(int kb = 0"), ("consumers", r"for \(int kb_1 = 0")):
     print(f"-- {role} loop")
-    for line, step in layouts.loop_skeleton(hopper[2].source, header, HOPPER_STEPS):
+    for line, step in loop_skeleton(hopper[2].source, header, HOPPER_STEPS):
         print(f"{line:4d} │ {step}")
 print("-- one of those lines in full:")
 grep(hopper[2].source, r"tma_load\(K_desc", max_hits=1, width=100)
@@ -237,14 +237,14 @@ phase_cells = [(r, 0) for r in range(8)]
 phase_addrs = {name: [int(off[i, j]) * 2 for i, j in phase_cells] for name, off in offsets.items()}
 fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), gridspec_kw={"height_ratios": [3, 2]})
 for col, (name, off) in enumerate(offsets.items()):
-    plots.bank_map(axes[0, col], layouts.bank_groups(off, 2)[:16], outline=phase_cells,
+    banks.bank_map(axes[0, col], banks.bank_groups(off, 2)[:16], outline=phase_cells,
                    title=f"{name}: bank group of each 16-byte chunk (rows 0–15)")
-    n = layouts.wavefronts(phase_addrs[name], 16)
-    plots.bank_hits_chart(axes[1, col], layouts.bank_hits(phase_addrs[name], 16), ymax=8,
+    n = banks.wavefronts(phase_addrs[name], 16)
+    banks.bank_hits_chart(axes[1, col], banks.bank_hits(phase_addrs[name], 16), ymax=8,
                           title=f"{name}: one ldmatrix phase (threads t0–t7) → {n} wavefront{'s' * (n > 1)}")
 fig.tight_layout()
 plots.save(fig, "ch04_bank_conflicts")
-cu.check_true(layouts.wavefronts(phase_addrs["row-major"], 16) == 8 * layouts.wavefronts(phase_addrs["swizzled"], 16),
+cu.check_true(banks.wavefronts(phase_addrs["row-major"], 16) == 8 * banks.wavefronts(phase_addrs["swizzled"], 16),
               "one ldmatrix phase: 8 wavefronts row-major, 1 swizzled")
 
 # %% [markdown]
@@ -253,7 +253,7 @@ cu.check_true(layouts.wavefronts(phase_addrs["row-major"], 16) == 8 * layouts.wa
 
 # %%
 # NBVAL_CHECK_OUTPUT
-table = layouts.conflict_table(offsets, layouts.warp_access_patterns(shape["dim"]))
+table = banks.conflict_table(offsets, banks.warp_access_patterns(shape["dim"]))
 print(f"{'access by one warp':42}{'ideal':>7}{'row-major':>11}{'swizzled':>10}   (wavefronts)")
 for row in table:
     print(f"{row['pattern']:42}{row['ideal']:>7}{row['row-major']:>11}{row['swizzled']:>10}")
@@ -329,10 +329,10 @@ cu.check_true((held == 1).all(), f"S: each of the 256 threads holds {per_thread}
 
 # %%
 fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [1, 1.5, 0.7]})
-plots.fragment_map(axes[0], s_threads, title="S (acc_s), 128×128: warp of each element")
-plots.fragment_map(axes[1], o_threads, o_regs, rows=(0, 16), color_by="register",
+layouts.fragment_map(axes[0], s_threads, title="S (acc_s), 128×128: warp of each element")
+layouts.fragment_map(axes[1], o_threads, o_regs, rows=(0, 16), color_by="register",
                    title="acc_o, warp 0's rows: register of each element")
-plots.fragment_map(axes[2], s_threads, s_regs, rows=(0, 16), cols=(0, 8), color_by="lane", annotate=True,
+layouts.fragment_map(axes[2], s_threads, s_regs, rows=(0, 16), cols=(0, 8), color_by="lane", annotate=True,
                    title="S, rows 0–15 × cols 0–7:\nlane / register")
 fig.tight_layout()
 plots.save(fig, "ch04_fragments")

@@ -43,14 +43,14 @@ import course_utils as cu
 import matplotlib.pyplot as plt
 import numpy as np
 
-from course_utils import layouts, plots
+from course_utils import plots, schedules
 from course_utils.attention import HOPPER_FORWARD_CONFIGS, is_hopper
 from course_utils.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS, load_record
 from course_utils.benchmarks import RECORDS
 from course_utils.flash_fwd_hopper import flash_fwd_hopper_kernel, issue_matmuls, keep_stages_until_read
 from course_utils.flash_fwd_hopper_versions import flash_fwd_hopper_variant, versions_for
 from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
-from course_utils.source import cuda_source, grep, ptxas_report, show_source
+from course_utils.source import cuda_source, grep, loop_skeleton, ptxas_report, show_source
 from course_utils.validation import check_stored_errors
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET, "| Hopper GPU:", is_hopper())
@@ -99,11 +99,11 @@ cu.check_true(abs(exp_time_per_matmul_time(64) - 2 * exp_time_per_matmul_time(12
 
 # %%
 MODEL = dict(qk=1, softmax=1, pv=1)  # illustrative units, not measured
-runs = {overlap: layouts.overlap_schedule(4, overlap=overlap, **MODEL) for overlap in (False, True)}
+runs = {overlap: schedules.overlap_schedule(4, overlap=overlap, **MODEL) for overlap in (False, True)}
 fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)
 for ax, (overlap, (events, total)) in zip(axes, runs.items()):
     name = "rotated loop: softmax k overlaps PV k-1" if overlap else "chapter 04: QK, softmax, PV in turn"
-    plots.pipeline_timeline(ax, events, lanes=("tensor cores", "softmax"), xmax=runs[False][1],
+    schedules.pipeline_timeline(ax, events, lanes=("tensor cores", "softmax"), xmax=runs[False][1],
                             title=f"{name} — 4 key blocks in {total:g} units")
 axes[-1].set_xlabel("time (model units)")
 fig.tight_layout()
@@ -183,7 +183,7 @@ STEPS = {
     "exp2 (softmax)": r"exp2f",
     "arrive: this K/V buffer may be refilled": r"\]\.arrive\(\)",
 }
-skeleton = layouts.loop_skeleton(source, r"for \(int kb_1 = ", STEPS)
+skeleton = loop_skeleton(source, r"for \(int kb_1 = ", STEPS)
 for line, step in skeleton:
     print(f"{line:4d} │ {step}")
 order = [step.split()[0] for _, step in skeleton]

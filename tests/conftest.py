@@ -1,10 +1,5 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 try:  # the browser test (tests/browser) needs playwright, which .ci/run installs; without it, skip the folder
     import playwright  # noqa: F401

@@ -2,7 +2,7 @@
 
 import torch
 
-from .. import layouts
+from .. import banks, layouts
 from .common import ExerciseWrong, check_exercise
 
 __all__ = ["check_bank_of", "check_swizzle"]
@@ -17,7 +17,7 @@ def check_bank_of(fn):
     """Check ``fn(byte_address) -> bank`` against 32 banks of 4 bytes."""
     hint = ("Successive 4-byte words go to successive banks, and there are 32 of them: "
             "divide the byte address by 4 (rounding down), then take the remainder modulo 32.")
-    check_exercise("bank_of", lambda a: torch.tensor(int(fn(a))), lambda a: torch.tensor(layouts.bank_of(a)),
+    check_exercise("bank_of", lambda a: torch.tensor(int(fn(a))), lambda a: torch.tensor(banks.bank_of(a)),
                    _ADDRESS_CASES, atol=0, rtol=0, hint=hint)
 
 
@@ -49,6 +49,6 @@ def check_swizzle(fn, rows=64, cols=64):
         raise ExerciseWrong("swizzled_offset: two elements share an offset")
     for chunk in range(cols // 8):
         addrs = [int(offsets[i, chunk * 8]) * 2 for i in range(8)]
-        if layouts.wavefronts(addrs, 16) != 1:
+        if banks.wavefronts(addrs, 16) != 1:
             raise ExerciseWrong(f"swizzled_offset: an ldmatrix phase on chunk {chunk} still conflicts")
     print("  and every ldmatrix phase (8 rows x 16 B) of your layout takes 1 wavefront.")
