@@ -1,0 +1,102 @@
+"""The TileLang exercises: each solution passes its checker, each mutant fails with its diagnosis,
+and the learner's edition (solutions stripped) says "not written yet" in one line.
+
+The solutions are read from the notebooks' .py sources, so a change there that drops a mutant's
+find text fails here. Every case compiles a kernel on the C backend (a few seconds each); the
+checkers stop at the first wrong case, so most mutants cost one compilation.
+"""
+
+import importlib
+import linecache
+import re
+from pathlib import Path
+
+import jupytext
+import pytest
+
+from course_utils.exercises.common import ExerciseFailed, ExerciseIncomplete, ExerciseWrong
+from exercise_mutants import EXERCISES, MUTANTS, PRELUDE
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+_SOLUTION = re.compile(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[^\n]*\n?", re.M | re.S)
+
+
+def strip_solutions(source):
+    """The learner's edition of a cell (the same rule as course_utils.student)."""
+    return _SOLUTION.sub(lambda m: f"{m.group(1)}raise NotImplementedError  # your code here\n", source)
+
+
+def exercise_source(exercise):
+    """The source of the notebook cells that define the exercise's functions, in notebook order."""
+    cells = [c.source for c in jupytext.read(NOTEBOOKS / f"{exercise.notebook}.py").cells if c.cell_type == "code"]
+    chosen = [src for src in cells if any(re.search(rf"^def {name}\(", src, re.M) for name in exercise.defines)]
+    defined = {name for name in exercise.defines if any(re.search(rf"^def {name}\(", src, re.M) for src in chosen)}
+    assert defined == set(exercise.defines), f"{exercise.notebook}: no cell defines {set(exercise.defines) - defined}"
+    return "\n\n".join(chosen)
+
+
+def load(exercise, source, label):
+    """Execute ``source`` like a notebook cell (TileLang reads a function's source through linecache)."""
+    filename = f"<{exercise.notebook} {label}>"
+    text = PRELUDE + "\n" + source
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    namespace = {"__name__": f"exercise_{abs(hash(filename))}"}
+    exec(compile(text, filename, "exec"), namespace)
+    return namespace[exercise.factory]
+
+
+def checker(exercise):
+    module, function = exercise.checker.split(":")
+    return getattr(importlib.import_module(f"course_utils.exercises.{module}"), function)
+
+
+def mutate(source, mutant):
+    for find, replace in mutant.edits:
+        assert find in source, f"mutant {mutant.name!r}: {find!r} is no longer in the solution"
+        source = source.replace(find, replace)
+    return source
+
+
+@pytest.mark.parametrize("key", EXERCISES)
+def test_solution_passes(key, capsys):
+    exercise = EXERCISES[key]
+    checker(exercise)(load(exercise, exercise_source(exercise), "solution"))
+    assert "✓" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key", EXERCISES)
+def test_blank_says_not_written_yet(key):
+    exercise = EXERCISES[key]
+    source = strip_solutions(exercise_source(exercise))
+    assert "raise NotImplementedError" in source
+    with pytest.raises(ExerciseIncomplete, match="not written yet") as info:
+        checker(exercise)(load(exercise, source, "learner edition"))
+    assert "\n" not in str(info.value) and info.value._render_traceback_() == [str(info.value)]
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.name}")
+def test_mutant_gets_its_diagnosis(mutant):
+    exercise = EXERCISES[mutant.exercise]
+    factory = load(exercise, mutate(exercise_source(exercise), mutant), mutant.name)
+    with pytest.raises(ExerciseWrong) as info:
+        checker(exercise)(factory)
+    message = str(info.value)
+    assert mutant.diagnosis in message, message
+    assert "\n" not in message
+
+
+def test_every_exercise_has_mutants():
+    assert {m.exercise for m in MUTANTS} == set(EXERCISES)
+
+
+def test_build_error_is_one_line():
+    exercise = EXERCISES["ch03_forward"]
+    source = exercise_source(exercise).replace("T.copy(m, m_prev)", "T.copy(m, m_previous)")
+    with pytest.raises(ExerciseWrong, match="does not build: NameError") as info:
+        checker(exercise)(load(exercise, source, "typo"))
+    assert "\n" not in str(info.value) and "m_previous" in str(info.value)
+
+
+def test_failures_render_as_one_line():
+    assert issubclass(ExerciseWrong, ExerciseFailed) and issubclass(ExerciseWrong, AssertionError)
+    assert ExerciseWrong("✗ x: wrong")._render_traceback_() == ["✗ x: wrong"]
