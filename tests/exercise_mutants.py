@@ -61,9 +61,9 @@ MUTANTS = [
                                                       "x[i, j] = T.exp2(x[i, j] * scale - shift[i])\n"),
             ("m_prev[i] * scale_log2", "m_prev[i] * scale")),
            "log2(e) is missing"),
-    Mutant("ch02_online_softmax", "row sum carried across blocks",
-           (("T.reduce_sum(x, row_sum, dim=1)", "T.reduce_sum(x, row_sum, dim=1, clear=False)"),),
-           "row_sum keeps the previous blocks"),
+    Mutant("ch02_online_softmax", "rescale factor from the new max",
+           (("l[i] * T.exp2(m_prev[i] * scale_log2 - shift[i])", "l[i] * T.exp2(m[i] * scale_log2 - shift[i])"),),
+           "ℓ is not rescaled"),  # α = exp2(m·c − m·c) = 1: the same bug
 
     # --- chapter 03: the forward's key-tile loop and epilogue ---
     Mutant("ch03_forward", "accumulator rescale forgotten",

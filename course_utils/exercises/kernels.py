@@ -129,13 +129,12 @@ def _bad(actual, expected, atol, rtol):
 
 
 def describe_rows(mask, what="row"):
-    """'rows 0–10 and 33' (with the head when there are several) for a boolean mask [..., S(, D)]."""
-    if mask.dim() >= 4:
+    """'rows 0–10, 33' (with the head when there are several) for a boolean mask [S], [S, D],
+    [B, H, S] or [B, H, S, D]."""
+    if mask.dim() in (2, 4):  # [S, D] or [B, H, S, D]: a row is wrong when any of its elements is
         mask = mask.any(dim=-1)
     if mask.dim() == 1:
         mask = mask[None, None]
-    elif mask.dim() == 2:
-        mask = mask[None]
     parts = []
     for head in range(mask.shape[1]):
         rows = torch.nonzero(mask[:, head].any(dim=0)).flatten().tolist()
