@@ -152,7 +152,20 @@ def describe_rows(mask, what="row"):
 
 
 def _symptom(got, expected, atol, rtol, rows_name):
-    """One clause naming the first wrong output: where, NaN or how far off."""
+    """One clause naming the wrong outputs (and the right ones), then where the first one is wrong."""
+    wrong = [out for out, want in expected.items() if _bad(got[out], want, atol, rtol).any()]
+    if not wrong:
+        return None, ""
+    right = [out for out in expected if out not in wrong]
+    first, detail = _first_symptom(got, {out: expected[out] for out in wrong}, atol, rtol, rows_name)
+    if len(expected) > 2 and len(wrong) > 1:
+        detail = f"{', '.join(wrong)} are wrong" + (f" ({', '.join(right)} right)" if right else "") + f"; {detail}"
+    elif len(expected) > 2 and right:
+        detail = f"{detail} ({', '.join(right)} right)"
+    return first, detail
+
+
+def _first_symptom(got, expected, atol, rtol, rows_name):
     for out, want in expected.items():
         have = got[out].detach().double().cpu()
         bad = _bad(have, want, atol, rtol)
