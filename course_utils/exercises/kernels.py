@@ -21,17 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
+import tilelang.language as T
 import torch
 
+from ..flash_fwd import LOG2E
 from ..tiles import compile_kernel
 from .common import ExerciseFailed, ExerciseWrong, not_written
 
-__all__ = ["KernelCase", "Suspect", "check_kernel", "build", "compile_c", "same_outputs", "describe_rows"]
+__all__ = ["KernelCase", "Suspect", "check_kernel", "build", "compile_c", "same_outputs", "describe_rows",
+           "forward_tile_step"]
 
 # TileLang logs the whole generated builder source at CRITICAL when a prim_func fails to build.
 _NOISY_LOGGERS = ("tilelang.language.eager.builder",)
@@ -233,3 +237,44 @@ def check_kernel(name, factory, cases, *, suspects=(), hint="", atol=1e-4, rtol=
         advice = f"Likely cause: {cause}" if cause else hint
         raise ExerciseWrong(f"✗ {name}, {case.label}: {symptom}. {advice}".strip())
     print(f"✓ {name}: correct on all {len(cases)} cases" + (f" ({summary})" if summary else ""))
+
+
+# --- Given building blocks: solved exercises that later chapters' skeletons call -----------------
+
+def forward_tile_step(tb, seq_q, seq_k, dim, *, block_M, block_N, causal=False, window=None):
+    """Chapter 03's exercise 3, solved: the body of the forward's key-tile loop as a ``T.macro``, with
+    an optional sliding window (query q sees key k iff k <= q + past and k > q + past − window)."""
+    scale_log2 = LOG2E / math.sqrt(dim)
+    past = seq_k - seq_q
+    neg_inf = -T.infinity("float32")
+
+    def visible(q, k):
+        cond = k < seq_k
+        if causal or window is not None:
+            cond = T.And(cond, k <= q + past)
+        if window is not None:
+            cond = T.And(cond, k > q + past - window)
+        return cond
+
+    @T.macro
+    def tile_step(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, l, row_sum, qb, kb):
+        T.clear(S)
+        T.gemm(Q_s, K_s, S, transpose_B=True)
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = T.if_then_else(visible(qb * block_M + i, kb * block_N + j), S[i, j], neg_inf)
+        T.copy(m, m_prev)
+        T.reduce_max(S, m, dim=1, clear=False)
+        for i in tb.parallel(block_M):
+            shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+            alpha[i] = T.exp2(m_prev[i] * scale_log2 - shift[i])
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
+        T.reduce_sum(S, row_sum, dim=1)
+        for i in tb.parallel(block_M):
+            l[i] = l[i] * alpha[i] + row_sum[i]
+        for i, j in tb.parallel(block_M, dim):
+            acc_o[i, j] *= alpha[i]
+        T.copy(S, P)
+        T.gemm(P, V_s, acc_o)
+
+    return tile_step
