@@ -355,6 +355,27 @@ grep(cuda, r"AllReduce<tl::MaxOp", max_hits=1)
 grep(cuda, r"\bm\[i_\d+\] = max\(", max_hits=1);
 
 # %% [markdown]
+# ## 8. Step through it
+#
+# The whole online normaliser on a small example, block by block: four rows of 32 scaled scores
+# (row 1's first block fully masked), blocks of 8 keys, and a value row per key. For each block:
+# the tile of scores read so far, the state $m$, $\ell$ and $\alpha$ of every row after it, and the
+# output of row 0 so far, $o/\ell$, which is exactly attention over the keys seen and meets the
+# reference at the last block. The static figure shows every step; in JupyterLab a slider follows
+# it to replay one block at a time.
+
+# %%
+from course_utils import steppers
+
+g = torch.Generator().manual_seed(2)
+tile_scores = torch.randn(4, 32, generator=g, dtype=torch.float64) * 1.5
+tile_scores[1, :8] = float("-inf")  # row 1 sees nothing in block 0: m stays −∞, the shift is 0
+tile_values = torch.randn(32, 8, generator=g, dtype=torch.float64)
+states = steppers.online_softmax_stepper(tile_scores, tile_values, block_N=8, row=0)
+cu.check_close(states[-1]["out"], torch.softmax(tile_scores, dim=-1) @ tile_values, "o/ℓ after the last block")
+cu.check_close(states[-1]["m"], tile_scores.amax(-1), "running max after the last block");
+
+# %% [markdown]
 # ## Exercises
 #
 # ### (a) Merge two softmax states

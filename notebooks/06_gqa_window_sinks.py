@@ -647,6 +647,31 @@ print(f"split then sum takes {t['split then sum'] / t['atomic adds']:.2f}× the 
 # The atomic version's lasting advantage is memory: it never allocates the expanded K, V, dK, dV.
 
 # %% [markdown]
+# ## 6 · The tile walk, step by step
+#
+# Which tiles does the forward compute, in which order, and which K/V head does each thread block
+# read? The figure shows the finished walk for causal attention, a window of 20 keys, and GQA with
+# 4 query heads on 2 K/V heads (S = 56, 16 × 16 tiles): full tiles in blue, tiles that need the
+# mask in orange, skipped tiles hatched; the numbers give the order in which one head's thread
+# blocks compute them (with a mask, the last query block starts first). In JupyterLab a stepper
+# follows: pick a walk and move tile by tile.
+
+# %%
+from course_utils import steppers
+
+walk_configs = {
+    "causal": dict(seq_q=56, seq_k=56, block_M=16, block_N=16, causal=True),
+    "window 20": dict(seq_q=56, seq_k=56, block_M=16, block_N=16, window_size=20),
+    "GQA 4 → 2, causal": dict(seq_q=56, seq_k=56, block_M=16, block_N=16, causal=True, heads=4, heads_kv=2),
+}
+walks = steppers.tile_walk_stepper(walk_configs)
+for name, walk in walks.items():
+    classes = diagrams.tile_classes(56, 56, 16, 16, causal=True, window_size=walk_configs[name].get("window_size"))
+    heads = walk_configs[name].get("heads", 1)
+    cu.check_true(len(walk) == heads * int((classes != diagrams.SKIPPED).sum()),
+                  f"{name}: {len(walk)} tiles computed = {heads} head(s) × the visited tiles")
+
+# %% [markdown]
 # ## Exercises
 #
 # ### (a) Attention with a sink, in PyTorch
