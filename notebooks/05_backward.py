@@ -821,7 +821,7 @@ def flash_backward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16,
             Q_s, dO_s = tb.shared([block_M, dim], f32), tb.shared([block_M, dim], f32)
             lse, delta = tb.shared([block_M], f32), tb.shared([block_M], f32)
             PT, dPT = tb.fragment([block_N, block_M], f32), tb.fragment([block_N, block_M], f32)  # Sᵀ→Pᵀ, dPᵀ
-            dST = tb.shared([block_N, block_M], f32)  # dSᵀ, keys as rows
+            PT_s, dST = tb.shared([block_N, block_M], f32), tb.shared([block_N, block_M], f32)  # gemm operands
             dv, dk = tb.fragment([block_N, dim], f32), tb.fragment([block_N, dim], f32)
             dq = tb.fragment([block_M, dim], f32)
             T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
@@ -834,7 +834,7 @@ def flash_backward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16,
                 T.copy(dO[b, h, qb * block_M:(qb + 1) * block_M, :], dO_s)
                 T.copy(LSE[b, h, qb * block_M:(qb + 1) * block_M], lse)
                 T.copy(Delta[b, h, qb * block_M:(qb + 1) * block_M], delta)
-                step(K_s, V_s, Q_s, dO_s, lse, delta, PT, dPT, dST, dv, dk, dq, qb, kb)
+                step(K_s, V_s, Q_s, dO_s, lse, delta, PT, PT_s, dPT, dST, dv, dk, dq, qb, kb)
                 for i, d in tb.parallel(block_M, dim):
                     if qb * block_M + i < seq_q:
                         T.atomic_add(dQ[b, h, qb * block_M + i, d], dq[i, d])
@@ -849,10 +849,11 @@ def flash_backward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16,
 # Write the two macros. `step`, for one (key block, query block) tile, keys as rows as in section 3:
 # $S^\top = K Q^\top$ (clear `PT` first: `T.gemm` accumulates); $P^\top$ recomputed from the
 # natural-log LSE, `exp2(Sᵀ·scale_log2 − lse·log2 e)` where `visible`, 0 elsewhere;
-# $dP^\top = V\,dO^\top$; $dV \mathrel{+}= P^\top dO$; $dS^\top = P^\top \circ (dP^\top - \Delta)$
-# (Δ indexed by query); $dK \mathrel{+}= dS^\top Q$; and this tile's share of $dQ$ in `dq`,
-# $dS\,K$ times the softmax scale (`T.gemm(dST, K_s, dq, transpose_A=True)` reads `dST` as $dS$).
-# `finish` applies what $dK$ still lacks after the walk.
+# $dP^\top = V\,dO^\top$; $dV \mathrel{+}= P^\top dO$, with $P^\top$ copied to `PT_s` first (on the GPU a
+# float32 gemm operand cannot keep the accumulator's register layout);
+# $dS^\top = P^\top \circ (dP^\top - \Delta)$ (Δ indexed by query); $dK \mathrel{+}= dS^\top Q$; and this
+# tile's share of $dQ$ in `dq`, $dS\,K$ times the softmax scale (`T.gemm(dST, K_s, dq, transpose_A=True)`
+# reads `dST` as $dS$). `finish` applies what $dK$ still lacks after the walk.
 
 # %% tags=["solution"]
 def backward_step_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
@@ -865,7 +866,7 @@ def backward_step_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
         return T.And(inside, k <= q + past) if causal else inside
 
     @T.macro
-    def step(K_s, V_s, Q_s, dO_s, lse, delta, PT, dPT, dST, dv, dk, dq, qb, kb):
+    def step(K_s, V_s, Q_s, dO_s, lse, delta, PT, PT_s, dPT, dST, dv, dk, dq, qb, kb):
         ### BEGIN SOLUTION
         T.clear(PT)
         T.gemm(K_s, Q_s, PT, transpose_B=True)
@@ -874,7 +875,8 @@ def backward_step_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
                                       T.exp2(PT[j, i] * scale_log2 - lse[i] * LOG2E), 0)
         T.clear(dPT)
         T.gemm(V_s, dO_s, dPT, transpose_B=True)
-        T.gemm(PT, dO_s, dv)
+        T.copy(PT, PT_s)
+        T.gemm(PT_s, dO_s, dv)
         for j, i in tb.parallel(block_N, block_M):
             dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])
         T.gemm(dST, Q_s, dk)

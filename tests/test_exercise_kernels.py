@@ -100,3 +100,39 @@ def test_build_error_is_one_line():
 def test_failures_render_as_one_line():
     assert issubclass(ExerciseWrong, ExerciseFailed) and issubclass(ExerciseWrong, AssertionError)
     assert ExerciseWrong("✗ x: wrong")._render_traceback_() == ["✗ x: wrong"]
+
+
+def test_cell_using_a_blank_function_says_not_written_yet():
+    """Chapter 03's cell after exercise 2 calls the learner's kernel_flops: blank, it ends in one line."""
+    import course_utils as cu
+    from course_utils.exercises import ch03
+
+    cells = [c.source for c in jupytext.read(NOTEBOOKS / "03_flash_forward.py").cells if c.cell_type == "code"]
+    solution = next(src for src in cells if src.startswith("def kernel_flops("))
+    downstream = next(src for src in cells if src.startswith('with ch03.needs("kernel_flops"'))
+    record = dict(impl="TileLang (ours)", causal=True, batch=1, heads=1, seq=256, dim=64)
+    namespace = {"cu": cu, "ch03": ch03, "rows": [record]}
+    exec(strip_solutions(solution), namespace)
+    with pytest.raises(ExerciseIncomplete, match="`kernel_flops` is not written yet: finish exercise 2"):
+        exec(downstream, namespace)
+
+
+# A GPU-sized configuration of each skeleton: it must lower for the H100 too (no GPU needed).
+_GPU_CONFIGS = {
+    "ch02_online_softmax": ((4096, 1024), dict(scale=0.5, block_M=8, block_N=64)),
+    "ch03_forward": ((1, 8, 1024, 1024, 64), dict(causal=True, block_M=64, block_N=64)),
+    "ch05_backward": ((1, 8, 1024, 1024, 64), dict(causal=True, block_M=64, block_N=64)),
+    "ch06_window_sinks": ((1, 8, 2, 1024, 1024, 64), dict(window=128, block_M=64, block_N=64)),
+}
+
+
+@pytest.mark.parametrize("key", EXERCISES)
+def test_solution_lowers_for_the_h100(key):
+    import tilelang
+    from tilelang import tvm
+
+    exercise = EXERCISES[key]
+    args, kwargs = _GPU_CONFIGS[key]
+    prim_func = load(exercise, exercise_source(exercise), "cuda")(*args, **kwargs, target="cuda")
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        assert "__global__" in tilelang.lower(prim_func).kernel_source
