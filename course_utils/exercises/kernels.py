@@ -236,7 +236,8 @@ def check_kernel(name, factory, cases, *, suspects=(), hint="", atol=1e-4, rtol=
         cause = _diagnose(suspects, case, got, kernel)
         advice = f"Likely cause: {cause}" if cause else hint
         raise ExerciseWrong(f"✗ {name}, {case.label}: {symptom}. {advice}".strip())
-    print(f"✓ {name}: correct on all {len(cases)} cases" + (f" ({summary})" if summary else ""))
+    counted = f"all {len(cases)} cases" if len(cases) > 1 else "its test case"
+    print(f"✓ {name}: correct on {counted}" + (f" ({summary})" if summary else ""))
 
 
 # --- Given building blocks: solved exercises that later chapters' skeletons call -----------------
