@@ -3,58 +3,28 @@ and the learner's edition (solutions stripped) says "not written yet" in one lin
 
 The solutions are read from the notebooks' .py sources, so a change there that drops a mutant's
 find text fails here. Every case compiles a kernel on the C backend (a few seconds each); the
-checkers stop at the first wrong case, so most mutants cost one compilation.
+checkers stop at the first wrong case, so most mutants cost one compilation, and the mutants are
+checked two at a time in worker processes.
 """
 
-import importlib
-import linecache
-import re
-from pathlib import Path
+import os
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import jupytext
 import pytest
 
 from course_utils.exercises.common import ExerciseFailed, ExerciseIncomplete, ExerciseWrong
-from exercise_mutants import EXERCISES, MUTANTS, PRELUDE
-
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-_SOLUTION = re.compile(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[^\n]*\n?", re.M | re.S)
+from exercise_harness import NOTEBOOKS, checker, exercise_source, load, mutant_verdict, strip_solutions
+from exercise_mutants import EXERCISES, MUTANTS
 
 
-def strip_solutions(source):
-    """The learner's edition of a cell (the same rule as course_utils.student)."""
-    return _SOLUTION.sub(lambda m: f"{m.group(1)}raise NotImplementedError  # your code here\n", source)
-
-
-def exercise_source(exercise):
-    """The source of the notebook cells that define the exercise's functions, in notebook order."""
-    cells = [c.source for c in jupytext.read(NOTEBOOKS / f"{exercise.notebook}.py").cells if c.cell_type == "code"]
-    chosen = [src for src in cells if any(re.search(rf"^def {name}\(", src, re.M) for name in exercise.defines)]
-    defined = {name for name in exercise.defines if any(re.search(rf"^def {name}\(", src, re.M) for src in chosen)}
-    assert defined == set(exercise.defines), f"{exercise.notebook}: no cell defines {set(exercise.defines) - defined}"
-    return "\n\n".join(chosen)
-
-
-def load(exercise, source, label):
-    """Execute ``source`` like a notebook cell (TileLang reads a function's source through linecache)."""
-    filename = f"<{exercise.notebook} {label}>"
-    text = PRELUDE + "\n" + source
-    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-    namespace = {"__name__": f"exercise_{abs(hash(filename))}"}
-    exec(compile(text, filename, "exec"), namespace)
-    return namespace[exercise.factory]
-
-
-def checker(exercise):
-    module, function = exercise.checker.split(":")
-    return getattr(importlib.import_module(f"course_utils.exercises.{module}"), function)
-
-
-def mutate(source, mutant):
-    for find, replace in mutant.edits:
-        assert find in source, f"mutant {mutant.name!r}: {find!r} is no longer in the solution"
-        source = source.replace(find, replace)
-    return source
+@pytest.fixture(scope="module")
+def verdicts():
+    """(kind, message) of the checker on every mutant, computed in parallel worker processes."""
+    workers = max(1, min(2, os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(mutant_verdict, range(len(MUTANTS))))
 
 
 @pytest.mark.parametrize("key", EXERCISES)
@@ -74,14 +44,11 @@ def test_blank_says_not_written_yet(key):
     assert "\n" not in str(info.value) and info.value._render_traceback_() == [str(info.value)]
 
 
-@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.name}")
-def test_mutant_gets_its_diagnosis(mutant):
-    exercise = EXERCISES[mutant.exercise]
-    factory = load(exercise, mutate(exercise_source(exercise), mutant), mutant.name)
-    with pytest.raises(ExerciseWrong) as info:
-        checker(exercise)(factory)
-    message = str(info.value)
-    assert mutant.diagnosis in message, message
+@pytest.mark.parametrize("index", range(len(MUTANTS)), ids=[f"{m.exercise}: {m.name}" for m in MUTANTS])
+def test_mutant_gets_its_diagnosis(index, verdicts):
+    kind, message = verdicts[index]
+    assert kind == "ExerciseWrong", f"{MUTANTS[index].name}: {kind}: {message}"
+    assert MUTANTS[index].diagnosis in message, message
     assert "\n" not in message
 
 
