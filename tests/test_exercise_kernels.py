@@ -15,8 +15,8 @@ import jupytext
 import pytest
 
 from course_utils.exercises.common import ExerciseFailed, ExerciseIncomplete, ExerciseWrong
-from exercise_harness import NOTEBOOKS, checker, exercise_source, load, mutant_verdict, strip_solutions
-from exercise_mutants import EXERCISES, MUTANTS
+from exercise_harness import NOTEBOOKS, checker, exercise_source, load, mutant_verdict, mutate, strip_solutions
+from exercise_mutants import EXERCISES, MUTANTS, VARIANTS
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,13 @@ def test_mutant_gets_its_diagnosis(index, verdicts):
     assert kind == "ExerciseWrong", f"{MUTANTS[index].name}: {kind}: {message}"
     assert MUTANTS[index].diagnosis in message, message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v.exercise}: {v.name}")
+def test_correct_variant_passes(variant, capsys):
+    exercise = EXERCISES[variant.exercise]
+    checker(exercise)(load(exercise, mutate(exercise_source(exercise), variant), variant.name))
+    assert "✓" in capsys.readouterr().out
 
 
 def test_every_exercise_has_mutants():
