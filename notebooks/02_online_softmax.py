@@ -355,6 +355,27 @@ grep(cuda, r"AllReduce<tl::MaxOp", max_hits=1)
 grep(cuda, r"\bm\[i_\d+\] = max\(", max_hits=1);
 
 # %% [markdown]
+# ## 8. Step through it
+#
+# The whole online normaliser on a small example, block by block: four rows of 32 scaled scores
+# (row 1's first block fully masked), blocks of 8 keys, and a value row per key. For each block:
+# the tile of scores read so far, the state $m$, $\ell$ and $\alpha$ of every row after it, and the
+# output of row 0 so far, $o/\ell$, which is exactly attention over the keys seen and meets the
+# reference at the last block. The static figure shows every step; in JupyterLab a slider follows
+# it to replay one block at a time.
+
+# %%
+from course_utils import steppers
+
+g = torch.Generator().manual_seed(2)
+tile_scores = torch.randn(4, 32, generator=g, dtype=torch.float64) * 1.5
+tile_scores[1, :8] = float("-inf")  # row 1 sees nothing in block 0: m stays −∞, the shift is 0
+tile_values = torch.randn(32, 8, generator=g, dtype=torch.float64)
+states = steppers.online_softmax_stepper(tile_scores, tile_values, block_N=8, row=0)
+cu.check_close(states[-1]["out"], torch.softmax(tile_scores, dim=-1) @ tile_values, "o/ℓ after the last block")
+cu.check_close(states[-1]["m"], tile_scores.amax(-1), "running max after the last block");
+
+# %% [markdown]
 # ## Exercises
 #
 # ### (a) Merge two softmax states
@@ -402,6 +423,70 @@ def combine_partial_attention(o_a, lse_a, o_b, lse_b):
 
 # %%
 check_combine_partial_attention(combine_partial_attention)
+
+# %% [markdown]
+# ### (c) The online update, in TileLang
+#
+# Now the kernel of section 7 with its heart left out. The factory below gives the tiles, the
+# loops and pass 2; pass 1's body is yours. For the block of scores just copied into `x`, update
+# the running max `m` (keep the old one in `m_prev`; `T.reduce_max` clears its output unless
+# `clear=False`), the shift (`m · scale_log2`, or 0 while `m` is still $-\infty$), the
+# exponentials with `exp2` and `log2 e` folded into `scale_log2`, this block's row sums, and
+# `ℓ = ℓ·α + row_sum` with $\alpha = 2^{m_\text{prev}\cdot c - \text{shift}}$. Pass 2 relies on
+# exactly these conventions for `shift` and `l`. The checker runs your kernel here, on rows chosen
+# to expose the usual mistakes (masked leading blocks, a masked block in the middle, large logits,
+# a max that grows at every block), and names the likely bug.
+
+# %% tags=["solution"]
+import tilelang.language as T
+
+from course_utils.tiles import TileBackend
+
+
+def online_softmax(M, N, *, scale=1.0, block_M=8, block_N=16, target=None):
+    """Y = softmax(scale · X) and the natural-log LSE of each row, X [M, N] float32, N % block_N == 0."""
+    tb = TileBackend(target)
+    scale_log2 = scale * LOG2E  # exp(scale·x) = exp2(x·scale_log2)
+    neg_inf = -T.infinity("float32")
+
+    @T.prim_func
+    def softmax(X: T.Tensor([M, N], "float32"), Y: T.Tensor([M, N], "float32"), LSE: T.Tensor([M], "float32")):
+        with tb.kernel(T.ceildiv(M, block_M), threads=128) as bx:
+            x = tb.fragment([block_M, block_N], "float32")
+            # running max of the raw scores, its value before this block, m·scale_log2 (0 while m = −∞),
+            # the running sum of exp2(x·scale_log2 − shift), and this block's row sums:
+            m, m_prev, shift, l, row_sum = (tb.fragment([block_M], "float32") for _ in range(5))
+            T.fill(m, neg_inf)
+            T.fill(l, 0)
+            for kb in T.serial(N // block_N):  # pass 1: the online normaliser
+                T.copy(X[bx * block_M:(bx + 1) * block_M, kb * block_N:(kb + 1) * block_N], x)
+                ### BEGIN SOLUTION
+                T.copy(m, m_prev)
+                T.reduce_max(x, m, dim=1, clear=False)
+                for i in tb.parallel(block_M):
+                    shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+                for i, j in tb.parallel(block_M, block_N):
+                    x[i, j] = T.exp2(x[i, j] * scale_log2 - shift[i])
+                T.reduce_sum(x, row_sum, dim=1)
+                for i in tb.parallel(block_M):
+                    l[i] = l[i] * T.exp2(m_prev[i] * scale_log2 - shift[i]) + row_sum[i]
+                ### END SOLUTION
+            for kb in T.serial(N // block_N):  # pass 2: normalise
+                T.copy(X[bx * block_M:(bx + 1) * block_M, kb * block_N:(kb + 1) * block_N], x)
+                for i, j in tb.parallel(block_M, block_N):
+                    x[i, j] = T.exp2(x[i, j] * scale_log2 - shift[i]) / l[i]
+                T.copy(x, Y[bx * block_M:(bx + 1) * block_M, kb * block_N:(kb + 1) * block_N])
+            for i in tb.parallel(block_M):
+                if bx * block_M + i < M:
+                    LSE[bx * block_M + i] = (shift[i] + T.log2(l[i])) / LOG2E
+
+    return softmax
+
+
+# %%
+from course_utils.exercises.ch02 import check_online_softmax_kernel
+
+check_online_softmax_kernel(online_softmax)
 
 # %% [markdown]
 # ## Takeaway

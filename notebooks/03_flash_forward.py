@@ -632,10 +632,122 @@ ch03.check_kernel_flops(kernel_flops)
 # that the convention counts (the rest is the masked half of the diagonal tiles).
 
 # %%
-for r in (r for r in rows if r["impl"] == OURS and r["causal"]):
-    executed = kernel_flops(r["batch"], r["heads"], r["seq"], r["dim"], 128, 128, True)
-    useful = cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"], causal=True)
-    print(f"S={r['seq']:>5}: counted / executed = {useful / executed:.3f}")
+with ch03.needs("kernel_flops", "exercise 2"):
+    for r in (r for r in rows if r["impl"] == OURS and r["causal"]):
+        executed = kernel_flops(r["batch"], r["heads"], r["seq"], r["dim"], 128, 128, True)
+        useful = cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"], causal=True)
+        print(f"S={r['seq']:>5}: counted / executed = {useful / executed:.3f}")
+
+# %% [markdown]
+# **Exercise 3: the forward's key-tile loop, in TileLang.** Now write the heart of the kernel
+# yourself. The factory below is given: the signature, the tiles, the Q load, the initial state,
+# the loop bounds and the K/V copies, written with `TileBackend` like `flash_fwd_kernel` (it lowers
+# for CUDA too). It calls two macros that you write in the next cell: `tile_step`, the body of the
+# key-tile loop, and `epilogue`, what happens after the loop. A `T.macro` is pasted into the kernel
+# where it is called, so it reads and writes the caller's tiles. Inputs and outputs are float32; on
+# the GPU `P` sits in shared memory because a float32 gemm operand cannot keep the scores' register
+# layout.
+
+# %%
+import tilelang.language as T
+
+from course_utils.tiles import TileBackend
+
+
+def flash_forward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=32, block_N=8, target=None):
+    """O [B, H, S_q, D] and the natural-log LSE [B, H, S_q] of softmax(Q Kᵀ/√D) V, float32."""
+    tb, f32 = TileBackend(target), "float32"
+    tile_step, epilogue = forward_tile_macros(tb, seq_q, seq_k, dim, causal=causal, block_M=block_M, block_N=block_N)
+    num_k_blocks = T.ceildiv(seq_k, block_N)
+
+    @T.prim_func
+    def forward(Q: T.Tensor([batch, heads, seq_q, dim], f32), K: T.Tensor([batch, heads, seq_k, dim], f32),
+                V: T.Tensor([batch, heads, seq_k, dim], f32), O: T.Tensor([batch, heads, seq_q, dim], f32),
+                LSE: T.Tensor([batch, heads, seq_q], f32)):
+        with tb.kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=128) as (qb, h, b):
+            Q_s, K_s, V_s = tb.shared([block_M, dim], f32), tb.shared([block_N, dim], f32), tb.shared([block_N, dim], f32)
+            S = tb.fragment([block_M, block_N], f32)  # scores, then probabilities
+            P = tb.shared([block_M, block_N], f32)  # the probabilities, as the PV gemm's operand
+            acc_o = tb.fragment([block_M, dim], f32)  # unnormalised output
+            # running max of the raw scores, its previous value, m·scale_log2 (0 while m = −∞), the rescale
+            # factor, the running denominator, this tile's row sums, and the LSE the epilogue writes:
+            m, m_prev, shift, alpha, l, row_sum, lse = (tb.fragment([block_M], f32) for _ in range(7))
+            T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+            T.fill(acc_o, 0)
+            T.fill(l, 0)
+            T.fill(m, -T.infinity(f32))
+            stop = T.min(num_k_blocks, T.ceildiv((qb + 1) * block_M + seq_k - seq_q, block_N)) if causal else num_k_blocks
+            for kb in T.Pipelined(stop, num_stages=1):
+                T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
+                T.copy(V[b, h, kb * block_N:(kb + 1) * block_N, :], V_s)
+                tile_step(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, l, row_sum, qb, kb)
+            epilogue(acc_o, m, shift, l, lse)
+            T.copy(acc_o, O[b, h, qb * block_M:(qb + 1) * block_M, :])
+            T.copy(lse, LSE[b, h, qb * block_M:(qb + 1) * block_M])
+
+    return forward
+
+
+# %% [markdown]
+# Fill in the two macros with the course's conventions (section 3 has every piece):
+# - `tile_step`: clear `S` (a `T.gemm` accumulates), `S = Q Kᵀ`, then mask **by selection**:
+#   `S = visible ? S : −∞`, where key `k` is visible from query `q` iff `k < seq_k` and, causal,
+#   `k <= q + past` (bottom-right); then the running max with `clear=False`, the shift guard
+#   (`0` while `m = −∞`), `α`, the probabilities with `exp2` and `scale_log2`, `ℓ = ℓ·α + rowsum`,
+#   `acc_o *= α`, and `acc_o += P V` (copy `S` into `P` first).
+# - `epilogue`: the shift again, the LSE in natural log (`−∞` where `ℓ = 0`), and one division,
+#   rows with `ℓ = 0` left at 0.
+#
+# The checker runs your kernel on this CPU with causal and non-causal cases built to expose the
+# usual mistakes, compares it with the float64 reference and names the likely bug.
+
+# %% tags=["solution"]
+def forward_tile_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
+    sm_scale = 1 / math.sqrt(dim)
+    scale_log2 = sm_scale * LOG2E  # exp(sm_scale·x) = exp2(x·scale_log2)
+    past = seq_k - seq_q  # causal: query q sees key k iff k <= q + past
+    neg_inf = -T.infinity("float32")
+
+    @T.macro
+    def tile_step(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, l, row_sum, qb, kb):
+        ### BEGIN SOLUTION
+        T.clear(S)
+        T.gemm(Q_s, K_s, S, transpose_B=True)
+        for i, j in tb.parallel(block_M, block_N):
+            q, k = qb * block_M + i, kb * block_N + j
+            visible = T.And(k < seq_k, k <= q + past) if causal else k < seq_k
+            S[i, j] = T.if_then_else(visible, S[i, j], neg_inf)
+        T.copy(m, m_prev)
+        T.reduce_max(S, m, dim=1, clear=False)
+        for i in tb.parallel(block_M):
+            shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+            alpha[i] = T.exp2(m_prev[i] * scale_log2 - shift[i])
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
+        T.reduce_sum(S, row_sum, dim=1)
+        for i in tb.parallel(block_M):
+            l[i] = l[i] * alpha[i] + row_sum[i]
+        for i, j in tb.parallel(block_M, dim):
+            acc_o[i, j] *= alpha[i]
+        T.copy(S, P)
+        T.gemm(P, V_s, acc_o)
+        ### END SOLUTION
+
+    @T.macro
+    def epilogue(acc_o, m, shift, l, lse):
+        ### BEGIN SOLUTION
+        for i in tb.parallel(block_M):
+            shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+            lse[i] = T.if_then_else(l[i] > 0, (shift[i] + T.log2(l[i])) / LOG2E, neg_inf)
+        for i, j in tb.parallel(block_M, dim):
+            acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0)
+        ### END SOLUTION
+
+    return tile_step, epilogue
+
+
+# %%
+ch03.check_flash_forward(flash_forward)
 
 # %% [markdown]
 # ## Takeaway

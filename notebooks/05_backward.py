@@ -773,6 +773,116 @@ check_dq_query_major(dq_query_major)
 # way runs (a) without its $dQ$ product (four products per tile) and then (b) (three): seven
 # instead of five, as section 2 said.
 #
+# ### (c) One step of the main kernel, in TileLang
+#
+# Now write (a)'s tile step as the kernel does it. The factory below is given: one thread block per
+# key block, `K` and `V` resident, the walk over the query blocks that can see them, the copies of
+# `Q`, `dO`, the LSE and Δ, the atomic add of your `dq` tile into `dQ`, and the stores of `dK` and
+# `dV`. Inputs and outputs are float32; `dQ` must be zero on entry.
+
+# %%
+import tilelang.language as T
+
+from course_utils.flash_fwd import LOG2E
+from course_utils.tiles import TileBackend
+
+
+def flash_backward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16, block_N=16, target=None):
+    """dK, dV (returned) and dQ (added into the zeroed dQ) of softmax(Q Kᵀ/√D) V, float32."""
+    tb, f32 = TileBackend(target), "float32"
+    step, finish = backward_step_macros(tb, seq_q, seq_k, dim, causal=causal, block_M=block_M, block_N=block_N)
+    q_shape, k_shape = [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]
+
+    @T.prim_func
+    def backward(Q: T.Tensor(q_shape, f32), K: T.Tensor(k_shape, f32), V: T.Tensor(k_shape, f32),
+                 dO: T.Tensor(q_shape, f32), LSE: T.Tensor(q_shape[:3], f32), Delta: T.Tensor(q_shape[:3], f32),
+                 dQ: T.Tensor(q_shape, f32), dK: T.Tensor(k_shape, f32), dV: T.Tensor(k_shape, f32)):
+        with tb.kernel(T.ceildiv(seq_k, block_N), heads, batch, threads=128) as (kb, h, b):
+            K_s, V_s = tb.shared([block_N, dim], f32), tb.shared([block_N, dim], f32)
+            Q_s, dO_s = tb.shared([block_M, dim], f32), tb.shared([block_M, dim], f32)
+            lse, delta = tb.shared([block_M], f32), tb.shared([block_M], f32)
+            PT, dPT = tb.fragment([block_N, block_M], f32), tb.fragment([block_N, block_M], f32)  # Sᵀ→Pᵀ, dPᵀ
+            PT_s, dST = tb.shared([block_N, block_M], f32), tb.shared([block_N, block_M], f32)  # gemm operands
+            dv, dk = tb.fragment([block_N, dim], f32), tb.fragment([block_N, dim], f32)
+            dq = tb.fragment([block_M, dim], f32)
+            T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
+            T.copy(V[b, h, kb * block_N:(kb + 1) * block_N, :], V_s)
+            T.clear(dv)
+            T.clear(dk)
+            start = T.max(0, (kb * block_N - (seq_k - seq_q)) // block_M) if causal else 0
+            for qb in T.Pipelined(start, T.ceildiv(seq_q, block_M), num_stages=1):
+                T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+                T.copy(dO[b, h, qb * block_M:(qb + 1) * block_M, :], dO_s)
+                T.copy(LSE[b, h, qb * block_M:(qb + 1) * block_M], lse)
+                T.copy(Delta[b, h, qb * block_M:(qb + 1) * block_M], delta)
+                step(K_s, V_s, Q_s, dO_s, lse, delta, PT, PT_s, dPT, dST, dv, dk, dq, qb, kb)
+                for i, d in tb.parallel(block_M, dim):
+                    if qb * block_M + i < seq_q:
+                        T.atomic_add(dQ[b, h, qb * block_M + i, d], dq[i, d])
+            finish(dk)
+            T.copy(dv, dV[b, h, kb * block_N:(kb + 1) * block_N, :])
+            T.copy(dk, dK[b, h, kb * block_N:(kb + 1) * block_N, :])
+
+    return backward
+
+
+# %% [markdown]
+# Write the two macros. `step`, for one (key block, query block) tile, keys as rows as in section 3:
+# $S^\top = K Q^\top$ (clear `PT` first: `T.gemm` accumulates); $P^\top$ recomputed from the
+# natural-log LSE, `exp2(Sᵀ·scale_log2 − lse·log2 e)` where `visible`, 0 elsewhere;
+# $dP^\top = V\,dO^\top$; $dV \mathrel{+}= P^\top dO$, with $P^\top$ copied to `PT_s` first (on the GPU a
+# float32 gemm operand cannot keep the accumulator's register layout);
+# $dS^\top = P^\top \circ (dP^\top - \Delta)$ (Δ indexed by query); $dK \mathrel{+}= dS^\top Q$; and this
+# tile's share of $dQ$ in `dq`, $dS\,K$ times the softmax scale (`T.gemm(dST, K_s, dq, transpose_A=True)`
+# reads `dST` as $dS$). `finish` applies what $dK$ still lacks after the walk.
+
+# %% tags=["solution"]
+def backward_step_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
+    sm_scale = 1 / math.sqrt(dim)
+    scale_log2 = sm_scale * LOG2E
+    past = seq_k - seq_q
+
+    def visible(q, k):  # query q may see key k: both inside their sequences, and causal bottom-right
+        inside = T.And(q < seq_q, k < seq_k)
+        return T.And(inside, k <= q + past) if causal else inside
+
+    @T.macro
+    def step(K_s, V_s, Q_s, dO_s, lse, delta, PT, PT_s, dPT, dST, dv, dk, dq, qb, kb):
+        ### BEGIN SOLUTION
+        T.clear(PT)
+        T.gemm(K_s, Q_s, PT, transpose_B=True)
+        for j, i in tb.parallel(block_N, block_M):
+            PT[j, i] = T.if_then_else(visible(qb * block_M + i, kb * block_N + j),
+                                      T.exp2(PT[j, i] * scale_log2 - lse[i] * LOG2E), 0)
+        T.clear(dPT)
+        T.gemm(V_s, dO_s, dPT, transpose_B=True)
+        T.copy(PT, PT_s)
+        T.gemm(PT_s, dO_s, dv)
+        for j, i in tb.parallel(block_N, block_M):
+            dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])
+        T.gemm(dST, Q_s, dk)
+        T.clear(dq)
+        T.gemm(dST, K_s, dq, transpose_A=True)
+        for i, d in tb.parallel(block_M, dim):
+            dq[i, d] *= sm_scale
+        ### END SOLUTION
+
+    @T.macro
+    def finish(dk):
+        ### BEGIN SOLUTION
+        for j, d in tb.parallel(block_N, dim):
+            dk[j, d] *= sm_scale
+        ### END SOLUTION
+
+    return step, finish
+
+
+# %%
+from course_utils.exercises.ch05 import check_flash_backward
+
+check_flash_backward(flash_backward)
+
+# %% [markdown]
 # ## Takeaway
 # - The backward of attention is five matrix products: $dV = P^\top dO$, $dP = dO\,V^\top$,
 #   $dS = P \circ (dP - \Delta)$, $dQ = s\,dS\,K$, $dK = s\,dS^\top Q$, and

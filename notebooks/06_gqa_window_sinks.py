@@ -647,6 +647,31 @@ print(f"split then sum takes {t['split then sum'] / t['atomic adds']:.2f}× the 
 # The atomic version's lasting advantage is memory: it never allocates the expanded K, V, dK, dV.
 
 # %% [markdown]
+# ## 6 · The tile walk, step by step
+#
+# Which tiles does the forward compute, in which order, and which K/V head does each thread block
+# read? The figure shows the finished walk for causal attention, a window of 20 keys, and GQA with
+# 4 query heads on 2 K/V heads (S = 56, 16 × 16 tiles): full tiles in blue, tiles that need the
+# mask in orange, skipped tiles hatched; the numbers give the order in which one head's thread
+# blocks compute them (with a mask, the last query block starts first). In JupyterLab a stepper
+# follows: pick a walk and move tile by tile.
+
+# %%
+from course_utils import steppers
+
+walk_configs = {
+    "causal": dict(seq_q=56, seq_k=56, block_M=16, block_N=16, causal=True),
+    "window 20": dict(seq_q=56, seq_k=56, block_M=16, block_N=16, window_size=20),
+    "GQA 4 → 2, causal": dict(seq_q=56, seq_k=56, block_M=16, block_N=16, causal=True, heads=4, heads_kv=2),
+}
+walks = steppers.tile_walk_stepper(walk_configs)
+for name, walk in walks.items():
+    classes = diagrams.tile_classes(56, 56, 16, 16, causal=True, window_size=walk_configs[name].get("window_size"))
+    heads = walk_configs[name].get("heads", 1)
+    cu.check_true(len(walk) == heads * int((classes != diagrams.SKIPPED).sum()),
+                  f"{name}: {len(walk)} tiles computed = {heads} head(s) × the visited tiles")
+
+# %% [markdown]
 # ## Exercises
 #
 # ### (a) Attention with a sink, in PyTorch
@@ -706,6 +731,95 @@ def visible_pairs(seq, window):
 
 # %%
 check_visible_pairs(visible_pairs)
+
+# %% [markdown]
+# ### (d) The window's key blocks and the sink, in the TileLang forward
+#
+# The kernel below is chapter 03's forward with grouped-query heads, a causal sliding window and
+# sinks. Its key-tile loop body is given (it is chapter 03's exercise 3, with the window in its mask);
+# two pieces are yours:
+# - `window_block_range`: the key blocks `[start, stop)` that query block `qb` visits. `stop` is
+#   the causal bound of chapter 03; `start` is the block that holds the first key in the window of
+#   the block's **first** row, never below 0. Visiting fewer blocks loses keys; visiting more costs
+#   time (the checker fills the keys no query can see with NaN, so it notices).
+# - the epilogue: add the sink's term to `l` with `exp2` and the guarded `shift` (the sink has no
+#   value row), then the LSE and the one division, as in chapter 03.
+
+# %%
+import tilelang.language as T
+
+from course_utils.exercises.kernels import forward_tile_step
+from course_utils.flash_fwd import LOG2E
+from course_utils.tiles import TileBackend
+
+
+def gpt_oss_forward(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_M=16, block_N=8, target=None):
+    """O and LSE of causal sliding-window attention with GQA and one sink logit per query head, float32."""
+    tb, f32 = TileBackend(target), "float32"
+    tile_step = forward_tile_step(tb, seq_q, seq_k, dim, block_M=block_M, block_N=block_N, window=window)
+    epilogue = sink_epilogue(tb, dim, block_M=block_M)
+    group = heads // heads_kv
+    q_shape, kv_shape = [batch, heads, seq_q, dim], [batch, heads_kv, seq_k, dim]
+
+    @T.prim_func
+    def forward(Q: T.Tensor(q_shape, f32), K: T.Tensor(kv_shape, f32), V: T.Tensor(kv_shape, f32),
+                Sinks: T.Tensor([heads], f32), O: T.Tensor(q_shape, f32), LSE: T.Tensor(q_shape[:3], f32)):
+        with tb.kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=128) as (qb, h, b):
+            Q_s, K_s, V_s = tb.shared([block_M, dim], f32), tb.shared([block_N, dim], f32), tb.shared([block_N, dim], f32)
+            S, P = tb.fragment([block_M, block_N], f32), tb.shared([block_M, block_N], f32)
+            acc_o = tb.fragment([block_M, dim], f32)
+            m, m_prev, shift, alpha, l, row_sum, lse = (tb.fragment([block_M], f32) for _ in range(7))
+            T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+            T.fill(acc_o, 0)
+            T.fill(l, 0)
+            T.fill(m, -T.infinity(f32))
+            start, stop = window_block_range(qb, block_M=block_M, block_N=block_N, seq_q=seq_q, seq_k=seq_k,
+                                             window=window)
+            for kb in T.Pipelined(start, stop, num_stages=1):
+                T.copy(K[b, h // group, kb * block_N:(kb + 1) * block_N, :], K_s)
+                T.copy(V[b, h // group, kb * block_N:(kb + 1) * block_N, :], V_s)
+                tile_step(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, l, row_sum, qb, kb)
+            epilogue(acc_o, m, shift, l, lse, Sinks[h])
+            T.copy(acc_o, O[b, h, qb * block_M:(qb + 1) * block_M, :])
+            T.copy(lse, LSE[b, h, qb * block_M:(qb + 1) * block_M])
+
+    return forward
+
+
+# %% tags=["solution"]
+def window_block_range(qb, *, block_M, block_N, seq_q, seq_k, window):
+    """The key blocks [start, stop) that query block qb visits (TileLang expressions of qb)."""
+    past = seq_k - seq_q  # query q sees key k iff q + past - window < k <= q + past
+    ### BEGIN SOLUTION
+    start = T.max(0, (qb * block_M + past - window + 1) // block_N)
+    stop = T.min(T.ceildiv(seq_k, block_N), T.ceildiv((qb + 1) * block_M + past, block_N))
+    ### END SOLUTION
+    return start, stop
+
+
+def sink_epilogue(tb, dim, *, block_M):
+    scale_log2 = LOG2E / math.sqrt(dim)
+    neg_inf = -T.infinity("float32")
+
+    @T.macro
+    def epilogue(acc_o, m, shift, l, lse, sink):  # sink: this head's logit (natural log units)
+        for i in tb.parallel(block_M):
+            shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+        ### BEGIN SOLUTION
+        for i in tb.parallel(block_M):
+            l[i] += T.exp2(sink * LOG2E - shift[i])
+            lse[i] = T.if_then_else(l[i] > 0, (shift[i] + T.log2(l[i])) / LOG2E, neg_inf)
+        for i, j in tb.parallel(block_M, dim):
+            acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0)
+        ### END SOLUTION
+
+    return epilogue
+
+
+# %%
+from course_utils.exercises.ch06 import check_gpt_oss_forward
+
+check_gpt_oss_forward(gpt_oss_forward)
 
 # %% [markdown]
 # ## Takeaway

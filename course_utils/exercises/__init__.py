@@ -1,5 +1,5 @@
 """Exercise checkers. Each chapter's checkers live in ``chNN.py``; they all use ``check_exercise``."""
 
-from .common import ExerciseIncomplete, ExerciseWrong, check_exercise
+from .common import ExerciseFailed, ExerciseIncomplete, ExerciseWrong, check_exercise, needs
 
-__all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_exercise"]
+__all__ = ["ExerciseFailed", "ExerciseIncomplete", "ExerciseWrong", "check_exercise", "needs"]

@@ -1,17 +1,20 @@
-"""Checkers for chapter 02 (online softmax): merging softmax states and partial attention outputs.
+"""Checkers for chapter 02 (online softmax): merging softmax states, partial attention outputs, and
+the online update written in TileLang.
 
-Both checkers first run the learner's function through ``check_exercise``; when it is wrong they
+The first two checkers run the learner's function through ``check_exercise``; when it is wrong they
 compare the answer with the usual mistakes (no rescaling, an inverted factor, adding LSEs, …)
-and say which one it looks like.
+and say which one it looks like. The kernel checker runs the learner's TileLang kernel on the C
+backend and names its bug with ``kernels.check_kernel``.
 """
 
 import torch
 
 from ..reference import attention_reference
-from ..softmax import safe_shift
+from ..softmax import LOG2E, safe_shift
 from .common import ExerciseWrong, check_exercise
+from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 
-__all__ = ["check_merge_softmax_states", "check_combine_partial_attention"]
+__all__ = ["check_merge_softmax_states", "check_combine_partial_attention", "check_online_softmax_kernel"]
 
 
 def _stats(x):
@@ -118,3 +121,75 @@ def check_combine_partial_attention(combine):
         check_exercise("combine_partial_attention", learner, expected, cases, rtol=1e-5, atol=1e-5)
     except ExerciseWrong as exc:
         raise ExerciseWrong(f"{str(exc).rstrip()} {_diagnose_combine(combine, cases, full)}") from None
+
+
+# --- Exercise (c): the online update inside a TileLang softmax kernel ------------------------------
+
+_M, _N, _SCALE, _BLOCK_M, _BLOCK_N = 24, 64, 0.5, 8, 16
+
+
+def _softmax_rows():
+    """Rows, four of each kind: random; the first two blocks masked (−∞); the second block masked;
+    large logits (scale·x beyond float32's exp range); a max that grows at every block."""
+    g = torch.Generator().manual_seed(20)
+    x = torch.randn(_M, _N, generator=g) * 4
+    x[4:8, :2 * _BLOCK_N] = float("-inf")
+    x[8:12, _BLOCK_N:2 * _BLOCK_N] = float("-inf")
+    x[12:16] *= 60
+    x[16:20] += 10 * torch.arange(_N // _BLOCK_N).repeat_interleave(_BLOCK_N)
+    return x
+
+
+def _simulate_online_softmax(x, bugs=()):
+    """The exercise's kernel in float32 PyTorch, with some of the known bugs switched on. Float32 like
+    the kernel, so that a bug that overflows there (a reset max on large logits) overflows here too."""
+    c = _SCALE * LOG2E
+    c_step = _SCALE if "no log2e" in bugs else c
+    m = torch.full((x.shape[0],), float("-inf"), dtype=x.dtype)
+    l = torch.zeros_like(m)
+    for start in range(0, x.shape[1], _BLOCK_N):
+        block = x[:, start:start + _BLOCK_N]
+        m_prev = m
+        m = block.amax(1) if "max reset" in bugs else torch.maximum(m_prev, block.amax(1))
+        shift = m * c_step if "no guard" in bugs else torch.where(m == float("-inf"), 0.0, m * c_step)
+        block_sum = torch.exp2(block * c_step - shift[:, None]).sum(1)
+        l = l + block_sum if "no rescale" in bugs else l * torch.exp2(m_prev * c_step - shift) + block_sum
+    y = torch.exp2(x * c - shift[:, None]) / l[:, None]
+    return {"Y": y, "LSE": (shift + torch.log2(l)) / LOG2E}
+
+
+def _online_softmax_cases():
+    x = _softmax_rows()
+
+    def run(kernel):
+        y, lse = kernel(x)
+        return {"Y": y, "LSE": lse}
+
+    expected = {"Y": torch.softmax(_SCALE * x.double(), dim=-1), "LSE": torch.logsumexp(_SCALE * x.double(), dim=-1)}
+    return [KernelCase(f"X [{_M}, {_N}], {_BLOCK_M}×{_BLOCK_N} tiles, scale {_SCALE}", (_M, _N),
+                       dict(scale=_SCALE, block_M=_BLOCK_M, block_N=_BLOCK_N), [1, 2], run, expected, data=dict(x=x))]
+
+
+def _like(*bugs):
+    return lambda case, got, kernel: same_outputs(got, _simulate_online_softmax(case.data["x"], bugs))
+
+
+_ONLINE_SOFTMAX_SUSPECTS = [
+    Suspect("NaN in rows whose first blocks are all −∞: there m = −∞ and x·c − m·c is −∞ − (−∞). Keep the "
+            "guard: shift = 0 while m is −∞, m·scale_log2 otherwise.", _like("no guard")),
+    Suspect("the running max is reset at every block: T.reduce_max clears m unless clear=False. The rescale "
+            "factor can then exceed 1 (and overflow on large logits), and after a fully masked block m = −∞ "
+            "wipes the sum gathered so far. Write T.reduce_max(x, m, dim=1, clear=False).", _like("max reset")),
+    Suspect("ℓ is not rescaled when the max grows: ℓ = ℓ·exp2(m_prev·scale_log2 − shift) + row_sum.",
+            _like("no rescale")),
+    Suspect("log2(e) is missing: exp2(x·scale) is 2^(scale·x), not e^(scale·x). Use scale_log2 = "
+            "scale·log2(e) in the exponentials and in the shift.", _like("no log2e")),
+]
+
+
+def check_online_softmax_kernel(factory):
+    """Check ``factory(M, N, *, scale, block_M, block_N, target)`` (a prim_func X -> Y, LSE) on the C backend."""
+    check_kernel("online softmax kernel", factory, _online_softmax_cases, suspects=_ONLINE_SOFTMAX_SUSPECTS,
+                 hint="Compare your update with section 7: clear=False, the shift guard, exp2 with scale_log2, "
+                      "and ℓ rescaled by exp2(m_prev·scale_log2 − shift).",
+                 summary="masked leading and middle blocks, large logits, a growing max")

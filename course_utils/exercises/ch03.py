@@ -1,11 +1,17 @@
-"""Checkers for chapter 03: which K/V blocks a query block visits, and the FLOPs the kernel executes."""
+"""Checkers for chapter 03: which K/V blocks a query block visits, the FLOPs the kernel executes, and
+the forward's key-tile loop written in TileLang (run on the C backend, bugs named by ``kernels``)."""
+
+import math
 
 import torch
 
 from ..diagrams import SKIPPED, tile_classes
-from .common import ExerciseWrong, check_exercise
+from ..flash_fwd import LOG2E
+from ..reference import attention_reference
+from .common import ExerciseWrong, check_exercise, needs
+from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 
-__all__ = ["check_kv_blocks_visited", "check_kernel_flops"]
+__all__ = ["check_kv_blocks_visited", "check_kernel_flops", "check_flash_forward", "needs"]
 
 # (q_block, block_M, block_N, seq, causal): multiples and non-multiples of the blocks, one block,
 # a sequence shorter than one block, block_M != block_N both ways.
@@ -60,3 +66,131 @@ def check_kernel_flops(fn):
         lambda *a: torch.tensor(_kernel_flops(*a), dtype=torch.float64), _FLOP_CASES, atol=0, rtol=1e-12,
         hint="Each visited tile costs two block_M×block_N×dim matmuls, 2·2·block_M·block_N·dim FLOPs; "
              "sum the visited tiles of every query block and multiply by batch·heads.")
+
+
+# --- Exercise 3: the forward's key-tile loop and epilogue, in TileLang ---------------------------
+
+def _forward_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, seed, logit_scale=(1.0,)):
+    """Inputs (float32; head h of Q multiplied by logit_scale[h]) and the float64 reference."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq_q, dim, generator=g)
+    q *= torch.tensor(logit_scale + (1.0,) * (heads - len(logit_scale)))[None, :, None, None]
+    k, v = (torch.randn(batch, heads, seq_k, dim, generator=g) for _ in range(2))
+    out, lse = attention_reference(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
+    kwargs = dict(causal=causal, block_M=block_M, block_N=block_N)
+
+    def run(kernel):
+        o, l = kernel(q, k, v)
+        return {"O": o, "LSE": l}
+
+    return KernelCase(label, (batch, heads, seq_q, seq_k, dim), kwargs, [3, 4], run,
+                      {"O": out, "LSE": lse.double()}, data=dict(q=q, k=k, v=v, **kwargs), rows="query row")
+
+
+def _forward_cases():
+    """The cases of ``check_flash_forward``, most revealing first. Causal with S_q = 40 > S_k = 29:
+    the diagonal is bottom-right (past = −11), query rows 0–10 see no key at all, and with 32 × 8
+    tiles the first rows of a query block meet two key tiles they cannot see (which a reset running
+    max turns into a wiped row); head 1 has larger logits. Then non-causal with S_q = 7, less than a
+    block, and S_k = 29, not a multiple of block_N (the last key tile holds padding)."""
+    return [
+        _forward_case("causal, S_q=40 > S_k=29, 32×8 tiles", 1, 2, 40, 29, 16, causal=True, block_M=32, block_N=8,
+                      seed=31, logit_scale=(1.0, 4.0)),
+        _forward_case("non-causal, S_q=7 < block_M, S_k=29 (ragged), 32×8 tiles", 1, 1, 7, 29, 16, causal=False,
+                      block_M=32, block_N=8, seed=32),
+    ]
+
+
+def _simulate_forward(q, k, v, *, causal, block_M, block_N, bugs=()):
+    """The exercise's kernel in float64 PyTorch, tile by tile, with some of the known bugs switched on."""
+    q, k, v = q.double(), k.double(), v.double()
+    batch, heads, seq_q, dim = q.shape
+    seq_k = k.shape[2]
+    sm_scale = 1 / math.sqrt(dim)
+    c = sm_scale * LOG2E
+    c_step = sm_scale if "no log2e" in bugs else c
+    past = seq_k - seq_q
+    n_k = -(-seq_k // block_N)
+    kp, vp = (torch.zeros(batch, heads, n_k * block_N, dim, dtype=torch.float64) for _ in range(2))
+    kp[:, :, :seq_k], vp[:, :, :seq_k] = k, v
+    out = torch.zeros_like(q)
+    lse = torch.zeros(batch, heads, seq_q, dtype=torch.float64)
+    inf = torch.tensor(-math.inf, dtype=torch.float64)
+    for qb in range(-(-seq_q // block_M)):
+        rows = torch.arange(qb * block_M, min((qb + 1) * block_M, seq_q))
+        m = torch.full((batch, heads, len(rows)), -math.inf, dtype=torch.float64)
+        l, acc = torch.zeros_like(m), torch.zeros(batch, heads, len(rows), dim, dtype=torch.float64)
+        stop = min(n_k, -(-((qb + 1) * block_M + past) // block_N)) if causal else n_k
+        for kb in range(max(stop, 0)):
+            keys = torch.arange(kb * block_N, (kb + 1) * block_N)
+            s = q[:, :, rows] @ kp[:, :, keys].transpose(-1, -2)
+            diag = rows[:, None] if "top-left" in bugs else rows[:, None] + past
+            causal_ok = keys[None, :] < diag if "causal strict" in bugs else keys[None, :] <= diag
+            in_bounds = torch.ones_like(causal_ok) if "no bounds" in bugs else keys[None, :] < seq_k
+            visible = in_bounds & causal_ok if causal else in_bounds
+            s = torch.where(visible, s, torch.zeros(()) if "mask zero" in bugs else inf)
+            m_prev = m
+            m = s.amax(-1) if "max reset" in bugs else torch.maximum(m_prev, s.amax(-1))
+            shift = torch.where(m == -math.inf, 0.0, m * c_step)
+            alpha = torch.exp2(m_prev * c_step - shift)
+            p = torch.exp2(s * c_step - shift[..., None])
+            l = l + p.sum(-1) if "l not rescaled" in bugs else l * alpha + p.sum(-1)
+            acc = (acc if "acc not rescaled" in bugs else acc * alpha[..., None]) + p @ vp[:, :, keys]
+        shift = torch.where(m == -math.inf, 0.0, m * c)
+        log_l = shift + torch.log2(l)
+        lse[:, :, rows] = torch.where(l > 0, log_l if "lse base 2" in bugs else log_l / LOG2E, inf)
+        out[:, :, rows] = acc / l[..., None] if "no div guard" in bugs else \
+            torch.where(l[..., None] > 0, acc / l[..., None], 0.0)
+    return {"O": out, "LSE": lse}
+
+
+def _like(*bugs):
+    def test(case, got, kernel):
+        d = case.data
+        model = _simulate_forward(d["q"], d["k"], d["v"], causal=d["causal"], block_M=d["block_M"],
+                                  block_N=d["block_N"], bugs=bugs)
+        return same_outputs(got, model)
+    return test
+
+
+def _like_base2_softmax(case, got, kernel):
+    d = case.data
+    o = attention_reference(d["q"].double(), d["k"].double(), d["v"].double(), causal=d["causal"],
+                            sm_scale=1 / (math.sqrt(d["q"].shape[-1]) * LOG2E))
+    return same_outputs({"O": got["O"]}, {"O": o})
+
+
+_FORWARD_SUSPECTS = [
+    Suspect("rows that see no key have ℓ = 0, and acc_o / ℓ is 0/0 = NaN: divide only where ℓ > 0 and "
+            "leave the other rows at 0 (their LSE is −∞).", _like("no div guard")),
+    Suspect("the running max is reset at every key tile: T.reduce_max clears m first unless clear=False. "
+            "After a tile in which a row sees no key, m = −∞, and the next α wipes what the row had "
+            "gathered. Write T.reduce_max(S, m, dim=1, clear=False).", _like("max reset")),
+    Suspect("acc_o is not rescaled: multiply it by α = exp2(m_prev·scale_log2 − shift) before adding this "
+            "tile's P V, exactly as ℓ is.", _like("acc not rescaled")),
+    Suspect("ℓ is not rescaled: ℓ = ℓ·α + rowsum(P), with α = exp2(m_prev·scale_log2 − shift).",
+            _like("l not rescaled")),
+    Suspect("log2(e) is missing: exp2(x·sm_scale) is 2^(x/√D), not e^(x/√D). Use scale_log2 = "
+            "sm_scale·log2(e) in every exp2 and in the shift.",
+            lambda case, got, kernel: _like("no log2e")(case, got, kernel) or _like_base2_softmax(case, got, kernel)),
+    Suspect("the causal mask is off by one: query q sees key k when k <= q + (S_k − S_q), its own "
+            "position included (you used <).", _like("causal strict")),
+    Suspect("the causal diagonal is aligned top-left: with S_q ≠ S_k, query q sees key k iff "
+            "k <= q + (S_k − S_q) (bottom-right, as course_utils.reference does).", _like("top-left")),
+    Suspect("keys past the end of K are not masked: the last key tile holds zero-padded positions "
+            "k >= S_k, which every row must skip (k < seq_k), causal or not.", _like("no bounds")),
+    Suspect("masked scores were set to 0, not −∞: exp2(0 − shift) still gives those keys weight. "
+            "Select −∞ (neg_inf) where a key is not visible.", _like("mask zero")),
+    Suspect("the LSE is in base 2: shift + log2(ℓ) is log2 of the denominator; divide it by log2(e) "
+            "for the natural-log LSE.", _like("lse base 2")),
+]
+
+
+def check_flash_forward(factory):
+    """Check the learner's forward (``factory(batch, heads, seq_q, seq_k, dim, *, causal, block_M,
+    block_N, target)`` returning a prim_func with outputs O and LSE) on the C backend."""
+    check_kernel(
+        "flash forward", factory, _forward_cases, suspects=_FORWARD_SUSPECTS,
+        hint="Compare your loop body with section 3: scores by selection after T.gemm, clear=False, the "
+             "shift guard, α on both ℓ and acc_o, one division at the end, and the LSE in natural log.",
+        summary="causal with rows that see no key, non-causal with a ragged tail")

@@ -2,17 +2,20 @@
 
 Each checker runs the learner's function through ``check_exercise``; when the answer is wrong it
 compares it with the usual mistakes (a sink dropped before the softmax, a scaled sink logit, a
-sign error, a window off by one, …) and says which one it looks like.
+sign error, a window off by one, …) and says which one it looks like. The kernel checker runs the
+learner's TileLang forward (window range and sink) on the C backend and names its bug.
 """
 
 import math
 
 import torch
 
+from ..flash_fwd import LOG2E
 from ..reference import attention_reference, visibility_mask
 from .common import ExerciseWrong, check_exercise
+from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 
-__all__ = ["check_sink_attention", "check_dsinks", "check_visible_pairs"]
+__all__ = ["check_sink_attention", "check_dsinks", "check_visible_pairs", "check_gpt_oss_forward"]
 
 
 def _close(a, b, tol=1e-9):
@@ -146,3 +149,146 @@ def check_visible_pairs(fn):
     hint = "Query i sees min(i + 1, W) keys; add that up over i = 0 … S − 1 (or find the closed form)."
     _with_diagnosis("visible_pairs", lambda: check_exercise(
         "visible_pairs", learner, _pairs, _PAIR_CASES, atol=0, rtol=0, hint=hint), mistakes)
+
+
+# --- Exercise (d): the window's key-block range and the sink, in the TileLang forward -----------------
+
+def _gpt_oss_case(label, heads, heads_kv, seq_q, seq_k, dim, window, sinks, *, block_M, block_N, seed, poison):
+    """Inputs, the float64 reference, and (``poison``) K/V with NaN in every key block that no query can
+    see, so that a loop that visits such a block shows it (a visited key's P is 0, but 0 · NaN is NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, seq_q, dim, generator=g)
+    k, v = (torch.randn(1, heads_kv, seq_k, dim, generator=g) for _ in range(2))
+    sinks = torch.tensor(sinks, dtype=torch.float32)
+    out, lse = attention_reference(q.double(), k.double(), v.double(), window_size=window, sinks=sinks.double(),
+                                   return_lse=True)
+    first_seen = int(visibility_mask(seq_q, seq_k, window_size=window).any(0).nonzero()[0])
+    dead = first_seen // block_N * block_N if poison else 0  # keys of the blocks no query sees
+    k_run, v_run = k.clone(), v.clone()
+    k_run[:, :, :dead], v_run[:, :, :dead] = float("nan"), float("nan")
+
+    def run(kernel, clean=False):
+        o, l = kernel(q, k if clean else k_run, v if clean else v_run, sinks)
+        return {"O": o, "LSE": l}
+
+    kwargs = dict(window=window, block_M=block_M, block_N=block_N)
+    return KernelCase(label, (1, heads, heads_kv, seq_q, seq_k, dim), kwargs, [4, 5], run,
+                      {"O": out, "LSE": lse.double()}, data=dict(q=q, k=k, v=v, sinks=sinks, **kwargs),
+                      rows="query row")
+
+
+def _gpt_oss_cases():
+    """Window 9 with S_q = 40 < S_k = 88: the windows of query block 0 (rows 0–19) start at key 40, on a
+    block boundary, those of block 1 at key 60, inside a block; keys 0–39 are seen by no query (NaN
+    here); 4 query heads share 2 K/V heads, each with its own sink. Then window 5 over S = 30."""
+    return [
+        _gpt_oss_case("window 9, S_q=40 < S_k=88, 4 query heads on 2 K/V heads, sinks, 20×8 tiles", 4, 2, 40, 88, 16,
+                      9, [1.5, -1.0, 3.0, 0.0], block_M=20, block_N=8, seed=61, poison=True),
+        _gpt_oss_case("window 5, S=30, 2 query heads on 1 K/V head, sinks, 16×8 tiles", 2, 1, 30, 30, 16, 5,
+                      [0.5, 2.0], block_M=16, block_N=8, seed=62, poison=False),
+    ]
+
+
+def _model(data, sink, lse_sink, first_block=None):
+    """O and LSE of windowed attention with a per-row sink logit ``sink`` [1, H, S_q] (None: no sink), the
+    LSE with ``lse_sink`` in its place, and keys before block ``first_block(qb)`` of each query block dropped."""
+    q, k, v = (data[n].double() for n in ("q", "k", "v"))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    visible = visibility_mask(seq_q, seq_k, window_size=data["window"])
+    if first_block is not None:
+        starts = torch.tensor([first_block(i // data["block_M"]) * data["block_N"] for i in range(seq_q)])
+        visible = visible & (torch.arange(seq_k)[None, :] >= starts[:, None])
+    scores = scores.masked_fill(~visible, -math.inf)
+
+    def lse_with(z):
+        return torch.logsumexp(scores, dim=-1) if z is None else torch.logaddexp(torch.logsumexp(scores, dim=-1), z)
+
+    out = torch.nan_to_num(torch.exp(scores - lse_with(sink)[..., None])) @ v
+    return {"O": out, "LSE": lse_with(lse_sink)}
+
+
+def _sinks(data):
+    return data["sinks"].double()[None, :, None].expand(1, -1, data["q"].shape[2])
+
+
+def _like(sink=None, lse_sink=None, first_block=None):
+    """A suspect's test: the learner's outputs equal ``_model``'s (each argument a function of the case data)."""
+    def test(case, got, kernel):
+        d = case.data
+        model = _model(d, sink and sink(d), lse_sink and lse_sink(d), first_block and first_block(d))
+        return same_outputs(got, model)
+    return test
+
+
+def _visits_dead_blocks(case, got, kernel):
+    """NaN where the reference is finite, and the same kernel is right once the NaN keys are made finite."""
+    if not torch.isnan(got["O"]).any():
+        return False
+    clean = case.run(kernel, clean=True)["O"].double()
+    return bool(torch.allclose(clean, case.expected["O"], atol=1e-4, rtol=1e-3))
+
+
+def _unshifted_sink(data):
+    """The sink term added as exp2(z·log2 e), not exp2(z·log2 e − shift): relative to the shift, a logit of
+    z + scale·m, with m the row's running max of the raw scores."""
+    q, k = data["q"].double(), data["k"].double().repeat_interleave(data["q"].shape[1] // data["k"].shape[1], 1)
+    visible = visibility_mask(q.shape[2], k.shape[2], window_size=data["window"])
+    raw = (q @ k.transpose(-1, -2)).masked_fill(~visible, -math.inf)
+    return _sinks(data) + raw.amax(-1) / math.sqrt(q.shape[-1])
+
+
+def _start(from_last_row=False, round_up=False):
+    """first_block(data) -> (qb -> the first key block a mistaken range visits)."""
+    def first_block(data):
+        past = data["k"].shape[2] - data["q"].shape[2]
+        bm, bn, w = data["block_M"], data["block_N"], data["window"]
+
+        def start(qb):
+            first_key = qb * bm + (bm - 1 if from_last_row else 0) + past - w + 1
+            return max(0, -(-first_key // bn) if round_up else first_key // bn)
+        return start
+    return first_block
+
+
+def _scaled_sinks(data):
+    return _sinks(data) / math.sqrt(data["q"].shape[-1])
+
+
+def _sinks_over_log2e(data):
+    return _sinks(data) / LOG2E
+
+
+_GPT_OSS_SUSPECTS = [
+    Suspect("your loop visits key blocks that no row of the query block can see (this test fills the keys "
+            "no query sees with NaN): start at the block of the first row's first key, "
+            "(qb·block_M + past − W + 1) // block_N, not earlier.", _visits_dead_blocks),
+    Suspect("the sink is missing: add its term to ℓ, l[i] += exp2(sink·log2 e − shift[i]), before the "
+            "division and the LSE.", _like()),
+    Suspect("the sink is left out of the LSE: add its term to ℓ before computing the LSE (the backward "
+            "recomputes P from this LSE, and P_sink = exp(z − LSE)).", _like(sink=_sinks)),
+    Suspect("the sink logit was multiplied by the softmax scale: it is already a logit, on the footing of the "
+            "scaled scores, so its exp2 argument is sink·log2(e) − shift.", _like(_scaled_sinks, _scaled_sinks)),
+    Suspect("the sink's exp2 lacks log2(e): e^z = exp2(z·log2 e), so add exp2(sink·log2 e − shift).",
+            _like(_sinks_over_log2e, _sinks_over_log2e)),
+    Suspect("the sink term is not shifted: ℓ holds exp2(x·scale_log2 − shift), so the sink adds "
+            "exp2(sink·log2 e − shift), not exp2(sink·log2 e).", _like(_unshifted_sink, _unshifted_sink)),
+    Suspect("the window's first key block is computed from the query block's last row; its first row needs "
+            "earlier keys. Start at the block of the first row's first key, (qb·block_M + past − W + 1) // block_N.",
+            _like(_sinks, _sinks, _start(from_last_row=True))),
+    Suspect("the first key block is rounded up (ceildiv): the block holding the first key of the window is only "
+            "partly inside it, and it must be visited. Round down: // block_N.",
+            _like(_sinks, _sinks, _start(round_up=True))),
+]
+
+
+def check_gpt_oss_forward(factory):
+    """Check ``factory(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_M, block_N, target)``
+    (a prim_func (Q, K, V, Sinks) -> O, LSE) on the C backend."""
+    check_kernel(
+        "gpt-oss forward", factory, _gpt_oss_cases, suspects=_GPT_OSS_SUSPECTS,
+        hint="The first key block holds the first key of the block's first row, (qb·block_M + past − W + 1); the "
+             "sink adds exp2(sink·log2 e − shift) to ℓ before the division and the LSE.",
+        summary="window with S_q < S_k and GQA, window over a short self-attention, sinks")

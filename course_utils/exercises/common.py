@@ -1,14 +1,60 @@
-"""Run a learner's function on test cases and explain, in plain words, what went wrong."""
+"""Run a learner's function on test cases and explain, in plain words, what went wrong.
+
+A checker's verdict is one line. In a notebook, IPython shows an exception that defines
+``_render_traceback_()`` with the lines it returns instead of a traceback through the checker, so
+``ExerciseIncomplete`` and ``ExerciseWrong`` appear as their message alone; in plain Python and
+pytest they stay ordinary ``AssertionError`` subclasses with a full traceback.
+"""
+
+import contextlib
+import traceback
 
 import torch
 
 
-class ExerciseIncomplete(AssertionError):
+class ExerciseFailed(AssertionError):
+    """A checker's verdict: shown in a notebook as its one-line message, without a traceback."""
+
+    def _render_traceback_(self):
+        return [str(self)]
+
+
+class ExerciseIncomplete(ExerciseFailed):
     """The exercise still has its ``raise NotImplementedError`` placeholder."""
 
 
-class ExerciseWrong(AssertionError):
+class ExerciseWrong(ExerciseFailed):
     """The learner's answer ran but gave a wrong result."""
+
+
+def placeholder_function(exc):
+    """The name of the function whose ``raise NotImplementedError`` raised ``exc`` (innermost frame)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return frames[-1].name if frames else None
+
+
+def not_written(name, exc=None):
+    """The ``ExerciseIncomplete`` for a placeholder still in place; names the function that raised it."""
+    where = placeholder_function(exc) if exc is not None else None
+    what = f"`{where}` is not written yet" if where and where not in (name, "<module>") else "not written yet"
+    return ExerciseIncomplete(f"{name}: {what} — replace the `raise NotImplementedError` line with your code "
+                              "and run the cell again.")
+
+
+@contextlib.contextmanager
+def needs(name, exercise):
+    """Run a cell that uses the learner's ``name``: a placeholder still in it ends the cell in one line.
+
+        with needs("kernel_flops", "exercise 2"):
+            ...   # code that calls kernel_flops
+    """
+    try:
+        yield
+    except NotImplementedError as exc:
+        where = placeholder_function(exc)
+        who = f"`{where}`" if where and where != "<module>" else f"`{name}`"
+        raise ExerciseIncomplete(f"{who} is not written yet: finish {exercise} above, then run this cell "
+                                 "again.") from None
 
 
 def _describe(args):
@@ -24,9 +70,10 @@ def check_exercise(name, learner_fn, reference_fn, cases, *, atol=1e-6, rtol=1e-
     for index, args in enumerate(cases):
         try:
             got = learner_fn(*args)
-        except NotImplementedError:
-            raise ExerciseIncomplete(f"{name}: not written yet — replace the `raise NotImplementedError` "
-                                     "line with your code and run the cell again.") from None
+        except NotImplementedError as exc:
+            raise not_written(name, exc) from None
+        except ExerciseFailed:
+            raise
         except Exception as exc:
             raise ExerciseWrong(f"{name}: your function raised {type(exc).__name__}: {exc} "
                                 f"on case {index} ({_describe(args)})") from exc

@@ -1,0 +1,152 @@
+"""The kernel exercises and their mutants: the notebook's solution with one planted bug each.
+
+An exercise names the notebook, the functions its cells define (the given skeleton and the
+learner's solution cell, read from the notebook's .py), the checker and the prelude of imports
+the chapter's first cell provides. A mutant is a list of (find, replace) edits applied to that
+source (each find text must occur; every occurrence is replaced) and a piece of the diagnosis the
+checker must give. ``tests/test_exercise_kernels.py`` runs them.
+"""
+
+from dataclasses import dataclass
+
+PRELUDE = """
+import math
+import torch
+import tilelang.language as T
+from course_utils.flash_fwd import LOG2E
+from course_utils.tiles import TileBackend
+"""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    notebook: str  # stem of notebooks/<stem>.py
+    defines: tuple  # functions whose cells make up the exercise (skeleton and solution)
+    checker: str  # "module:function" in course_utils.exercises
+    factory: str  # the name passed to the checker
+
+
+@dataclass(frozen=True)
+class Mutant:
+    exercise: str
+    name: str
+    edits: tuple  # ((find, replace), ...)
+    diagnosis: str  # must appear in the checker's message
+
+
+EXERCISES = {
+    "ch02_online_softmax": Exercise("02_online_softmax", ("online_softmax",), "ch02:check_online_softmax_kernel",
+                                    "online_softmax"),
+    "ch03_forward": Exercise("03_flash_forward", ("flash_forward", "forward_tile_macros"),
+                             "ch03:check_flash_forward", "flash_forward"),
+    "ch05_backward": Exercise("05_backward", ("flash_backward", "backward_step_macros"),
+                              "ch05:check_flash_backward", "flash_backward"),
+    "ch06_window_sinks": Exercise("06_gqa_window_sinks", ("gpt_oss_forward", "window_block_range", "sink_epilogue"),
+                                  "ch06:check_gpt_oss_forward", "gpt_oss_forward"),
+}
+
+MUTANTS = [
+    # --- chapter 02: the online-softmax update of a row-softmax kernel ---
+    Mutant("ch02_online_softmax", "rescale forgotten",
+           (("l[i] = l[i] * T.exp2(m_prev[i] * scale_log2 - shift[i]) + row_sum[i]", "l[i] = l[i] + row_sum[i]"),),
+           "ℓ is not rescaled"),
+    Mutant("ch02_online_softmax", "max reset per block",
+           (("T.reduce_max(x, m, dim=1, clear=False)", "T.reduce_max(x, m, dim=1)"),),
+           "running max is reset"),
+    Mutant("ch02_online_softmax", "masked-row guard missing",
+           (("shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)", "shift[i] = m[i] * scale_log2"),),
+           "guard"),
+    Mutant("ch02_online_softmax", "log2(e) missing",
+           (("m[i] * scale_log2)", "m[i] * scale)"), ("x[i, j] = T.exp2(x[i, j] * scale_log2 - shift[i])\n",
+                                                      "x[i, j] = T.exp2(x[i, j] * scale - shift[i])\n"),
+            ("m_prev[i] * scale_log2", "m_prev[i] * scale")),
+           "log2(e) is missing"),
+    Mutant("ch02_online_softmax", "rescale factor from the new max",
+           (("l[i] * T.exp2(m_prev[i] * scale_log2 - shift[i])", "l[i] * T.exp2(m[i] * scale_log2 - shift[i])"),),
+           "ℓ is not rescaled"),  # α = exp2(m·c − m·c) = 1: the same bug
+
+    # --- chapter 03: the forward's key-tile loop and epilogue ---
+    Mutant("ch03_forward", "accumulator rescale forgotten",
+           (("        for i, j in tb.parallel(block_M, dim):\n            acc_o[i, j] *= alpha[i]\n", ""),),
+           "acc_o is not rescaled"),
+    Mutant("ch03_forward", "denominator rescale forgotten",
+           (("l[i] = l[i] * alpha[i] + row_sum[i]", "l[i] = l[i] + row_sum[i]"),),
+           "ℓ is not rescaled"),
+    Mutant("ch03_forward", "max reset per block",
+           (("T.reduce_max(S, m, dim=1, clear=False)", "T.reduce_max(S, m, dim=1)"),),
+           "running max is reset"),
+    Mutant("ch03_forward", "log2(e) missing",
+           (("shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)\n            alpha[i] = "
+             "T.exp2(m_prev[i] * scale_log2 - shift[i])",
+             "shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * sm_scale)\n            alpha[i] = "
+             "T.exp2(m_prev[i] * sm_scale - shift[i])"),
+            ("S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])", "S[i, j] = T.exp2(S[i, j] * sm_scale - shift[i])")),
+           "log2(e) is missing"),
+    Mutant("ch03_forward", "causal bound off by one",
+           (("k <= q + past", "k < q + past"),), "off by one"),
+    Mutant("ch03_forward", "causal diagonal top-left",
+           (("k <= q + past", "k <= q"),), "aligned top-left"),
+    Mutant("ch03_forward", "bounds mask missing",
+           (("T.And(k < seq_k, k <= q + past) if causal else k < seq_k", "k <= q + past if causal else True"),),
+           "keys past the end of K are not masked"),
+    Mutant("ch03_forward", "masked scores set to 0",
+           (("S[i, j] = T.if_then_else(visible, S[i, j], neg_inf)", "S[i, j] = T.if_then_else(visible, S[i, j], 0)"),),
+           "set to 0, not −∞"),
+    Mutant("ch03_forward", "0/0 for rows that see no key",
+           (("acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0)", "acc_o[i, j] = acc_o[i, j] / l[i]"),),
+           "0/0"),
+    Mutant("ch03_forward", "LSE left in base 2",
+           (("(shift[i] + T.log2(l[i])) / LOG2E", "shift[i] + T.log2(l[i])"),), "LSE is in base 2"),
+
+    # --- chapter 05: one step of the backward ---
+    Mutant("ch05_backward", "Δ omitted",
+           (("PT[j, i] * (dPT[j, i] - delta[i])", "PT[j, i] * dPT[j, i]"),), "Δ is missing"),
+    Mutant("ch05_backward", "dK missing the softmax scale",
+           (("dk[j, d] *= sm_scale", "dk[j, d] *= 1.0"),), "dK is missing the softmax scale"),
+    Mutant("ch05_backward", "dQ missing the softmax scale",
+           (("dq[i, d] *= sm_scale", "dq[i, d] *= 1.0"),), "dQ is missing the softmax scale"),
+    Mutant("ch05_backward", "LSE used as a base-2 logarithm",
+           (("lse[i] * LOG2E", "lse[i]"),), "natural log"),
+    Mutant("ch05_backward", "causal mask missing from the recomputed P",
+           (("visible(qb * block_M + i, kb * block_N + j)", "True"),), "mask"),
+
+    # --- chapter 06: the sink in the epilogue and the window's key-block range ---
+    Mutant("ch06_window_sinks", "sink left out",
+           (("            l[i] += T.exp2(sink * LOG2E - shift[i])\n", ""),), "sink is missing"),
+    Mutant("ch06_window_sinks", "sink left out of the LSE",
+           (("            l[i] += T.exp2(sink * LOG2E - shift[i])\n            lse[i] = T.if_then_else(l[i] > 0, "
+             "(shift[i] + T.log2(l[i])) / LOG2E, neg_inf)\n",
+             "            lse[i] = T.if_then_else(l[i] > 0, (shift[i] + T.log2(l[i])) / LOG2E, neg_inf)\n"
+             "            l[i] += T.exp2(sink * LOG2E - shift[i])\n"),),
+           "sink is left out of the LSE"),
+    Mutant("ch06_window_sinks", "sink multiplied by the softmax scale",
+           (("sink * LOG2E", "sink * scale_log2"),), "multiplied by the softmax scale"),
+    Mutant("ch06_window_sinks", "sink without log2(e)",
+           (("T.exp2(sink * LOG2E - shift[i])", "T.exp2(sink - shift[i])"),), "log2(e)"),
+    Mutant("ch06_window_sinks", "sink not shifted",
+           (("T.exp2(sink * LOG2E - shift[i])", "T.exp2(sink * LOG2E)"),), "shift"),
+    Mutant("ch06_window_sinks", "window start from the block's last row",
+           (("qb * block_M + past - window + 1", "(qb + 1) * block_M - 1 + past - window + 1"),),
+           "first row"),
+    Mutant("ch06_window_sinks", "window start rounded up",
+           (("(qb * block_M + past - window + 1) // block_N", "T.ceildiv(qb * block_M + past - window + 1, block_N)"),),
+           "rounded up"),
+    Mutant("ch06_window_sinks", "window start one key early",
+           (("qb * block_M + past - window + 1", "qb * block_M + past - window"),), "no row of the query block"),
+    Mutant("ch06_window_sinks", "no window skipping",
+           (("start = T.max(0, (qb * block_M + past - window + 1) // block_N)", "start = 0"),),
+           "no row of the query block"),
+]
+
+# Correct solutions written differently: the checker must pass them (a diagnosis never names a right kernel).
+VARIANTS = [
+    Mutant("ch03_forward", "mask filled in before the gemm (S = visible ? 0 : −∞, then S += Q Kᵀ)",
+           (("        T.clear(S)\n        T.gemm(Q_s, K_s, S, transpose_B=True)\n", ""),
+            ("S[i, j] = T.if_then_else(visible, S[i, j], neg_inf)\n",
+             "S[i, j] = T.if_then_else(visible, 0, neg_inf)\n        T.gemm(Q_s, K_s, S, transpose_B=True)\n")),
+           ""),
+    Mutant("ch05_backward", "softmax scale folded into dS once",
+           (("dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])", "dST[j, i] = sm_scale * PT[j, i] * (dPT[j, i] - delta[i])"),
+            ("dq[i, d] *= sm_scale", "dq[i, d] *= 1.0"), ("dk[j, d] *= sm_scale", "dk[j, d] *= 1.0")),
+           ""),
+]
