@@ -783,7 +783,7 @@ check_dq_query_major(dq_query_major)
 # %%
 import tilelang.language as T
 
-from course_utils.flash_fwd import LOG2E
+from course_utils.flash_pieces import LOG2E
 from course_utils.tiles import TileBackend
 
 

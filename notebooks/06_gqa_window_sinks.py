@@ -749,7 +749,7 @@ check_visible_pairs(visible_pairs)
 import tilelang.language as T
 
 from course_utils.exercises.kernels import forward_tile_step
-from course_utils.flash_fwd import LOG2E
+from course_utils.flash_pieces import LOG2E
 from course_utils.tiles import TileBackend
 
 

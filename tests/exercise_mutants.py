@@ -13,7 +13,7 @@ PRELUDE = """
 import math
 import torch
 import tilelang.language as T
-from course_utils.flash_fwd import LOG2E
+from course_utils.flash_pieces import LOG2E
 from course_utils.tiles import TileBackend
 """
 

@@ -6,7 +6,7 @@ import math
 import torch
 
 from ..diagrams import SKIPPED, tile_classes
-from ..flash_fwd import LOG2E
+from ..flash_pieces import LOG2E
 from ..reference import attention_reference
 from .common import ExerciseWrong, check_exercise, needs
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs

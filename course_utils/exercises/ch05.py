@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..flash_fwd import LOG2E
+from ..flash_pieces import LOG2E
 from ..reference import attention_reference, visibility_mask
 from .common import ExerciseWrong, check_exercise
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs

@@ -30,7 +30,7 @@ from typing import Callable
 import tilelang.language as T
 import torch
 
-from ..flash_fwd import LOG2E
+from ..flash_pieces import LOG2E
 from ..tiles import compile_kernel
 from .common import ExerciseFailed, ExerciseWrong, not_written
 
