@@ -68,8 +68,9 @@ def check_close(actual, expected, name="result", *, atol=None, rtol=None, dtype=
     atol = tol.atol if atol is None else atol
     rtol = tol.rtol if rtol is None else rtol
 
-    a = actual.detach().to("cpu", torch.float64)
-    e = expected.detach().to("cpu", torch.float64)
+    # On the device of the reference (the GPU for the records: these tensors can be gigabytes).
+    e = expected.detach().to(torch.float64)
+    a = actual.detach().to(e.device, torch.float64)
     if torch.isnan(a).any():
         raise CheckFailed(f"✗ {name}: {int(torch.isnan(a).sum())} NaN value(s) in the result")
     finite = torch.isfinite(e)
@@ -105,8 +106,9 @@ ERROR_SLACK = 1e-5
 
 def _max_abs_error(actual, expected):
     """Largest |actual − expected| over the finite reference values; NaN or a misplaced inf is an error."""
-    a = actual.detach().to("cpu", torch.float64)
-    e = expected.detach().to("cpu", torch.float64)
+    # On the device of the reference (the GPU for the records: these tensors can be gigabytes).
+    e = expected.detach().to(torch.float64)
+    a = actual.detach().to(e.device, torch.float64)
     if a.shape != e.shape:
         return None, f"shape {tuple(a.shape)} != expected {tuple(e.shape)}"
     nan_a, nan_e = torch.isnan(a), torch.isnan(e)
