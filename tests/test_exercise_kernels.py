@@ -84,8 +84,10 @@ def test_cell_using_a_blank_function_says_not_written_yet():
     cells = [c.source for c in jupytext.read(NOTEBOOKS / "03_flash_forward.py").cells if c.cell_type == "code"]
     solution = next(src for src in cells if src.startswith("def kernel_flops("))
     downstream = next(src for src in cells if src.startswith('with ch03.needs("kernel_flops"'))
-    record = dict(impl="TileLang (ours)", causal=True, batch=1, heads=1, seq=256, dim=64)
-    namespace = {"cu": cu, "ch03": ch03, "rows": [record]}
+    from course_utils.labels import OURS
+
+    record = dict(impl=OURS, causal=True, batch=1, heads=1, seq=256, dim=64)
+    namespace = {"cu": cu, "ch03": ch03, "rows": [record], "OURS": OURS}
     exec(strip_solutions(solution), namespace)
     with pytest.raises(ExerciseIncomplete, match="`kernel_flops` is not written yet: finish exercise 2"):
         exec(downstream, namespace)
