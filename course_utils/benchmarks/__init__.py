@@ -27,6 +27,7 @@ __all__ = ["RECORDS", "CH03_FORWARD_CONFIG", "CH05_BACKWARD_CONFIG", "SDPA_PEERS
 CH03_FORWARD_CONFIG = ForwardConfig(128, 128, 2, 256)
 CH05_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
 _CH07_SEQS = (1024, 2048, 4096, 8192, 16384)
+_CH05_SEQS = (1024, 4096, 16384)
 
 RECORDS = {
     "ch01_naive_vs_sdpa_h100": naive_vs_sdpa,
@@ -37,7 +38,8 @@ RECORDS = {
         include_naive_up_to=0, config=TUNED_FORWARD_CONFIG),
     "ch05_backward_sweep_h100": backward_config_sweep,
     "ch05_backward_vs_peers_h100": lambda: backward_vs_peers(
-        shapes=comparison_shapes(dim=64) + comparison_shapes(dim=128), config=CH05_BACKWARD_CONFIG),
+        shapes=comparison_shapes(seq_lens=_CH05_SEQS, dim=64) + comparison_shapes(seq_lens=_CH05_SEQS, dim=128),
+        config=CH05_BACKWARD_CONFIG),
     "ch06_gpt_oss_h100": gpt_oss_vs_peers,
     "ch06_gqa_backward_h100": gqa_backward_strategies,
     "ch07_forward_ablation_h100": forward_ablation,
