@@ -71,3 +71,9 @@ def test_stored_records_without_validation_fail():
     with pytest.raises(CheckFailed, match="exceeds its bound"):
         check_stored_errors([dict(impl="TileLang (ours)", errors={"O": {"err": 2e-3, "allowed": 1e-3}})])
     check_stored_errors([dict(impl="TileLang (ours)", errors={"O": {"err": 5e-4, "allowed": 1e-3}})])
+    legacy = [dict(impl="TileLang (ours)", max_abs_err=3e-2)]
+    with pytest.raises(CheckFailed, match="carry no validation"):
+        check_stored_errors(legacy)  # a legacy record is accepted only where a chapter says so
+    with pytest.raises(CheckFailed, match="exceeds its tolerance"):
+        check_stored_errors(legacy, legacy_tolerance=2e-2)
+    check_stored_errors([dict(impl="TileLang (ours)", max_abs_err=1e-3)], legacy_tolerance=2e-2)
