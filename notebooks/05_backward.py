@@ -620,7 +620,8 @@ for causal_ in (False, True):
 peers = cu.measured("ch05_backward_vs_peers_h100", RECORDS["ch05_backward_vs_peers_h100"])
 prow = [r for r in peers["results"] if r.get("mode", "bwd") == "bwd"]
 check_stored_errors(prow, "ch05 backward record", legacy_tolerance=2e-2)
-cu.check_true(all(r["config"] == {**CH05_BACKWARD_CONFIG._asdict(), **r["config"]} for r in prow if r["impl"] == OURS),
+cu.check_true(all({**CH05_BACKWARD_CONFIG._asdict(), **r["config"]} == CH05_BACKWARD_CONFIG._asdict()
+                  for r in prow if r["impl"] == OURS),
               f"every row of ours measured chapter 05's kernel: {CH05_BACKWARD_CONFIG}")
 bwd = {(r["impl"], r["dim"], r["causal"], r["seq"]): r for r in prow}
 dims, seqs = sorted({r["dim"] for r in prow}), sorted({r["seq"] for r in prow})
