@@ -84,7 +84,7 @@ def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, T
                 rows.append(dict(impl=impl, mode=mode, dtype=dtype_name, causal=causal, ms=ms,
                                  tflops=tflops(flops, ms), **shape))
                 if impl == OURS:
-                    rows[-1].update(errors=errors, config=(config or default_backward_config("cuda"))._asdict())
+                    rows[-1].update(errors=errors, config=(config or default_backward_config("cuda", d, causal))._asdict())
             print(f"{mode} {dtype_name} D={d} causal={causal!s:5} S={s:>5}: " + ", ".join(
                 f"{r['impl'].split()[0]} {r['tflops']:.0f}" for r in rows[-len(attns):]))
     return rows
