@@ -30,7 +30,7 @@ from .flash_fwd_hopper import keep_stages_until_read
 from .flash_pieces import LOG2E, block_needs_mask, key_block_range, prelude, query_block_range, visible
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "needs_mask",
-           "query_steps", "consumer_barrier", "PASS_CONFIGS"]
+           "query_steps", "key_steps", "padded_rows", "consumer_barrier", "PASS_CONFIGS"]
 
 ACCUM = "float32"
 # The main kernel places its own barriers (consumer_barrier); TileLang must not add its conservative ones.
@@ -53,6 +53,18 @@ def needs_mask(p, qb, kb, block_M, block_N):
     if p.seq_q % block_M:
         cond = T.Or(cond, (qb + 1) * block_M > p.seq_q)
     return cond
+
+
+def padded_rows(block_M):
+    """Rows of the LSE and Δ stage buffers: a multiple of 32 floats, so that every stage starts on the
+    128-byte boundary TMA needs (80 rows would put the second stage 320 bytes in)."""
+    return -(-block_M // 32) * 32
+
+
+def key_steps(p, qb, block_M, block_N):
+    """``(first, end, offset)`` over the key blocks query block ``qb`` sees (see ``query_steps``)."""
+    k_start, k_end = key_block_range(p, qb, block_M, block_N)
+    return (0, k_end - k_start, k_start) if p.window_size == 1 else (k_start, k_end, 0)
 
 
 def query_steps(p, kb, block_M, block_N):
@@ -100,6 +112,7 @@ def flash_bwd_hopper_kernel(
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
     swap_dq = block_M % 64 != 0
+    stat_rows = padded_rows(block_M)
     group = p.group if deterministic else 1  # query heads visited by one block
     dkv_dtype = dtype if p.group == group else ACCUM
     dq_shape = [dim, block_M] if swap_dq else [block_M, dim]
@@ -110,8 +123,8 @@ def flash_bwd_hopper_kernel(
         V_s = T.alloc_shared([block_N, dim], dtype)
         Q_s = T.alloc_shared([block_M, dim], dtype)
         dO_s = T.alloc_shared([block_M, dim], dtype)
-        lse = T.alloc_shared([block_M], ACCUM)
-        delta = T.alloc_shared([block_M], ACCUM)
+        lse = T.alloc_shared([stat_rows], ACCUM)
+        delta = T.alloc_shared([stat_rows], ACCUM)
         PT = T.alloc_fragment([block_N, block_M], ACCUM)  # Sᵀ, then Pᵀ: keys are rows
         dPT = T.alloc_fragment([block_N, block_M], ACCUM)
         PT_cast = T.alloc_fragment([block_N, block_M], dtype)
@@ -146,8 +159,8 @@ def flash_bwd_hopper_kernel(
                 head = by
             T.copy(Q[bz, head, qb * block_M:(qb + 1) * block_M, :], Q_s)
             T.copy(dO[bz, head, qb * block_M:(qb + 1) * block_M, :], dO_s)
-            T.copy(LSE[bz, head, qb * block_M:(qb + 1) * block_M], lse)
-            T.copy(Delta[bz, head, qb * block_M:(qb + 1) * block_M], delta)
+            T.copy(LSE[bz, head, qb * block_M:(qb + 1) * block_M], lse[0:block_M])
+            T.copy(Delta[bz, head, qb * block_M:(qb + 1) * block_M], delta[0:block_M])
             # region: one step
             T.wgmma_gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
             T.wgmma_gemm(V_s, dO_s, dPT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
@@ -263,8 +276,9 @@ def flash_bwd_hopper_dq_kernel(
                 lse[i] = T.if_then_else(qb * block_M + i < seq_q, LSE[bz, by, qb * block_M + i] * LOG2E, 0)
                 delta[i] = T.if_then_else(qb * block_M + i < seq_q, Delta[bz, by, qb * block_M + i], 0)
             T.clear(dq)
-            k_start, k_end = key_block_range(p, qb, block_M, block_N)
-            for kb in T.Pipelined(k_start, k_end, num_stages=num_stages):
+            first, end, offset = key_steps(p, qb, block_M, block_N)
+            for step in T.Pipelined(first, end, num_stages=num_stages):
+                kb = offset + step
                 T.copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s)
                 T.copy(V[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s)
                 T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)

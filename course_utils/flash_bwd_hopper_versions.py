@@ -18,12 +18,12 @@ import tilelang.language as T
 import torch
 
 from .flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from .flash_bwd_hopper import PASS_CONFIGS, consumer_barrier, needs_mask, query_steps
+from .flash_bwd_hopper import PASS_CONFIGS, consumer_barrier, needs_mask, padded_rows, query_steps
 from .flash_fwd_hopper import keep_stages_until_read
 from .flash_pieces import LOG2E, prelude, visible
 from .tiles import TileBackend, compile_kernel
 
-__all__ = ["Version", "VERSIONS", "SHIPPED_VERSION", "versions_for", "flash_bwd_hopper_variant", "fused_preprocess_kernel",
+__all__ = ["Version", "VERSIONS", "SHIPPED_VERSION", "shipped_version", "versions_for", "flash_bwd_hopper_variant", "fused_preprocess_kernel",
            "MANUAL_SYNC_PASS_CONFIGS"]
 
 ACCUM = "float32"
@@ -58,6 +58,7 @@ def flash_bwd_hopper_variant(
     if manual_sync and ds_buffers != 2:
         raise ValueError("manual_sync drops the barrier before the dS store: it needs ds_buffers=2")
     swap_dq = block_M % 64 != 0
+    stat_rows = padded_rows(block_M)
     dkv_dtype = dtype if p.group == 1 else ACCUM
     dq_shape = [dim, block_M] if swap_dq else [block_M, dim]
     lse_scale = 1.0 if lse_log2 else LOG2E
@@ -95,8 +96,8 @@ def flash_bwd_hopper_variant(
             V_s = T.alloc_shared([block_N, dim], dtype)
             Q_s = T.alloc_shared([block_M, dim], dtype)
             dO_s = T.alloc_shared([block_M, dim], dtype)
-            lse = T.alloc_shared([block_M], ACCUM)
-            delta = T.alloc_shared([block_M], ACCUM)
+            lse = T.alloc_shared([stat_rows], ACCUM)
+            delta = T.alloc_shared([stat_rows], ACCUM)
             PT = T.alloc_fragment([block_N, block_M], ACCUM)
             dPT = T.alloc_fragment([block_N, block_M], ACCUM)
             PT_cast = T.alloc_fragment([block_N, block_M], dtype)
@@ -123,8 +124,8 @@ def flash_bwd_hopper_variant(
                 buf = step % ds_buffers
                 T.copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s)
                 T.copy(dO[bz, by, qb * block_M:(qb + 1) * block_M, :], dO_s)
-                T.copy(LSE[bz, by, qb * block_M:(qb + 1) * block_M], lse)
-                T.copy(Delta[bz, by, qb * block_M:(qb + 1) * block_M], delta)
+                T.copy(LSE[bz, by, qb * block_M:(qb + 1) * block_M], lse[0:block_M])
+                T.copy(Delta[bz, by, qb * block_M:(qb + 1) * block_M], delta[0:block_M])
                 gemm(K_s, Q_s, PT, transpose_B=True, policy=policy, clear_accum=True)
                 gemm(V_s, dO_s, dPT, transpose_B=True, policy=policy, clear_accum=True)
                 wait(1)
@@ -249,6 +250,7 @@ class Version:
     causal_only: bool = False
     dims: tuple = (64, 128)
     chapter05: bool = False  # version 1: chapter 05's kernel, synchronous T.gemm, as flash_attention ran it
+    shipped_code: bool = False  # the shipped kernel's code (at this version's tiling)
     fused_preprocess: bool = False
 
     def tiling(self, dim, causal):
@@ -327,43 +329,49 @@ _SHIPPED = dict(dv_during_ds=False, ds_buffers=2, manual_sync=True)
 VERSIONS = [
     Version(1, "chapter 05's kernel (synchronous T.gemm)", "every matmul waits; dQ by per-element atomics",
             chapter05=True, knobs={"all": dict(num_stages=1)}),
-    Version(2, "  (this chapter's skeleton, still synchronous)", "same work, this chapter's loop",
-            knobs={"all": dict(_ATOMIC_1, asynchronous=False, mask_all_tiles=True)}, kept=False),
-    Version(3, "+ FlashAttention-3's order with async wgmma",
+    Version(2, "+ FlashAttention-3's order with async wgmma",
             "Sᵀ and dPᵀ issued together, exponentials under dPᵀ, dSᵀ under dV",
             knobs={"all": dict(_ATOMIC_1, mask_all_tiles=True)}),
-    Version(4, "+ mask only on boundary tiles", "interior tiles skip the visibility test", knobs={"all": _ATOMIC_1}),
-    Version(5, "+ two stages for Q and dO", "the next query block loads during this one",
+    Version(3, "+ mask only on boundary tiles", "interior tiles skip the visibility test", knobs={"all": _ATOMIC_1}),
+    Version(4, "+ two stages for Q and dO", "the next query block loads during this one",
             knobs={"all": dict(_ATOMIC_1, num_stages=2)}),
-    Version(6, "+ dQ by one bulk reduce-add from shared memory", "the copy engine adds the whole tile",
+    Version(5, "+ dQ by one bulk reduce-add from shared memory", "the copy engine adds the whole tile",
             knobs={"all": dict(dq_before_dk=False)}),
-    Version(7, "+ dQ issued before dK", "dQ's trip through shared memory runs while dK is on the tensor cores",
+    Version(6, "+ dQ issued before dK", "dQ's trip through shared memory runs while dK is on the tensor cores",
             knobs={"all": dict()}),
-    Version(8, "+ dSᵀ formed before dV is issued", "fewer live registers: P and dP die before dV starts",
+    Version(7, "+ dSᵀ formed before dV is issued", "fewer live registers: P and dP die before dV starts",
             knobs={"all": dict(dv_during_ds=False)}),
-    Version(9, "+ two dSᵀ buffers, our own two barriers", "TileLang's four barriers per step become two",
-            knobs={"all": _SHIPPED}),
-    Version(10, "+ FlashAttention-3's tiles (80 × 128 at D=128, 128 × 128 at D=64)",
+    Version(8, "+ two dSᵀ buffers, our own two barriers", "TileLang's four barriers per step become two",
+            knobs={"all": _SHIPPED}, shipped_code=True),
+    Version(9, "+ FlashAttention-3's tiles (80 × 128 at D=128, 128 × 128 at D=64)",
             "more queries per step; dQᵀ = Kᵀ dSᵀ where 80 rows cannot be split in 64s",
-            knobs={"all": _SHIPPED, **_FA3_TILES}),
-    Version(11, "  (TileLang's four barriers)", "two dSᵀ buffers, barriers left to TileLang",
+            knobs={"all": _SHIPPED, **_FA3_TILES}, shipped_code=True),
+    Version(10, "  (TileLang's four barriers)", "two dSᵀ buffers, barriers left to TileLang",
             knobs={"all": dict(_SHIPPED, manual_sync=False), **_FA3_TILES}, kept=False),
-    Version(12, "  (FlashAttention-3's preprocess)", "Δ, LSE·log2(e) and dQ_acc = 0 in one kernel",
+    Version(11, "  (FlashAttention-3's preprocess)", "Δ, LSE·log2(e) and dQ_acc = 0 in one kernel",
             knobs={"all": _SHIPPED, **_FA3_TILES}, kept=False, fused_preprocess=True),
-    Version(13, "  (one stage)", "one Q/dO stage", knobs={"all": dict(_SHIPPED, num_stages=1), **_FA3_TILES},
+    Version(12, "  (one stage)", "one Q/dO stage", knobs={"all": dict(_SHIPPED, num_stages=1), **_FA3_TILES},
             kept=False),
-    Version(14, "  (per-element dQ atomics)", "dQ added from registers",
+    Version(13, "  (per-element dQ atomics)", "dQ added from registers",
             knobs={"all": dict(_SHIPPED, dq_reduce="atomic"), **_FA3_TILES}, kept=False),
-    Version(15, "  (dV under dSᵀ, dSᵀ from the 16-bit P)", "overlap kept, registers saved by rounding P first",
+    Version(14, "  (dV under dSᵀ, dSᵀ from the 16-bit P)", "overlap kept, registers saved by rounding P first",
             knobs={"all": dict(_SHIPPED, dv_during_ds=True, ds_from_rounded_p=True), **_FA3_TILES}, kept=False),
-    Version(16, "  (80 × 128 tiles with the causal mask)", "FlashAttention-3 keeps 64 × 128 when masked",
-            knobs={"all": _SHIPPED, (128, True): dict(block_M=80)}, kept=False, causal_only=True, dims=(128,)),
-    Version(17, "  (light key blocks first)", "the launch order the causal kernel does not use",
+    Version(15, "  (80 × 128 tiles with the causal mask)", "FlashAttention-3 keeps 64 × 128 when masked",
+            knobs={"all": _SHIPPED, (128, True): dict(block_M=80)}, kept=False, causal_only=True, dims=(128,),
+            shipped_code=True),
+    Version(16, "  (light key blocks first)", "the launch order the causal kernel does not use",
             knobs={"all": dict(_SHIPPED, light_first=True), **_FA3_TILES}, kept=False, causal_only=True),
 ]
-SHIPPED_VERSION = 10
+SHIPPED_VERSION = 9
 
 
 def versions_for(causal, dim=None):
     """The versions the ablation times for a causal or non-causal problem."""
     return [v for v in VERSIONS if (causal or not v.causal_only) and (dim is None or dim in v.dims)]
+
+
+def shipped_version(dim, causal, tiling):
+    """The version whose row in the ablation is the shipped kernel at ``tiling`` (block_M, block_N)."""
+    candidates = [v for v in VERSIONS if v.shipped_code and (causal or not v.causal_only) and dim in v.dims
+                  and v.tiling(dim, causal) == tuple(tiling)]
+    return max(candidates, key=lambda v: v.number == SHIPPED_VERSION)

@@ -137,3 +137,12 @@ def test_every_version_has_a_distinct_number_and_tiling():
     for v, dim, causal in itertools.product(VERSIONS, (64, 128), (False, True)):
         block_M, block_N = v.tiling(dim, causal)
         assert block_N == 128 and block_M in (64, 80, 128)
+
+
+def test_lse_and_delta_stages_start_on_128_byte_boundaries():
+    """TMA writes each LSE/Δ stage to shared memory at a 128-byte boundary: with 80-row tiles a stage of
+    80 floats would put the second one 320 bytes in (the H100 stops with a misaligned address)."""
+    source = cuda_source(flash_bwd_hopper_kernel(**dict(SHAPE, seq_q=1000, seq_k=1000), dim=128, block_M=80),
+                         pass_configs=PASS_CONFIGS)
+    strides = re.findall(r"\(\(float\*\)(?:lse|delta)\)\[\(\(qb & 1\) \* (\d+)\)\]", source)
+    assert strides and all(int(s) * 4 % 128 == 0 for s in strides), strides

@@ -51,6 +51,6 @@ RECORDS = {
     "ch08_backward_ablation_h100": backward_ablation,
     "ch08_deterministic_h100": deterministic_cost,
     "ch08_backward_vs_peers_h100": lambda: backward_vs_peers(
-        shapes=comparison_shapes(seq_lens=CH08_SEQS, dim=64) + comparison_shapes(seq_lens=CH08_SEQS, dim=128),
-        dtypes=("float16", "bfloat16")),
+        shapes=comparison_shapes(seq_lens=CH08_SEQS, dim=128) + comparison_shapes(seq_lens=CH08_SEQS, dim=64),
+        dtypes=("float16", "bfloat16"), modes=("bwd",)),
 }
