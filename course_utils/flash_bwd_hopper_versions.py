@@ -12,6 +12,7 @@ Every version runs the whole backward (preprocess, main kernel, postprocess) thr
 """
 
 import functools
+import threading
 from dataclasses import dataclass, field
 
 import tilelang.language as T
@@ -281,7 +282,11 @@ class Version:
                                             lse_log2=self.fused_preprocess)
             options = dict(pass_configs=MANUAL_SYNC_PASS_CONFIGS) if knobs.get("manual_sync") else {}
         main = compile_kernel(func, out_idx=[], target="cuda", dtype=dtype, **options)
-        pre, post_q, post_kv = _helper_kernels(batch, heads, heads_kv, seq, seq_k, dim, dtype, self.fused_preprocess)
+        key = (batch, heads, heads_kv, seq, seq_k, dim, dtype, self.fused_preprocess)
+        with _HELPER_LOCK:  # versions built in parallel threads share one compile of each helper
+            lock = _HELPER_LOCKS.setdefault(key, threading.Lock())
+        with lock:
+            pre, post_q, post_kv = _helper_kernels(*key)
         fused = self.fused_preprocess
 
         def backward(q, k, v, out, lse, d_out):
@@ -301,6 +306,9 @@ class Version:
             return dq, dk, dv
 
         return backward
+
+
+_HELPER_LOCK, _HELPER_LOCKS = threading.Lock(), {}
 
 
 @functools.lru_cache(maxsize=32)

@@ -8,8 +8,8 @@ step() {  # step CAP command...: run with timeout min(CAP, time left - 25 s kept
   timeout $(( cap < left ? cap : left )) "$@" 2>&1 | grep -v "^\s*$" | tee -a $L
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader | tee $L
-step 200 python3 $C ablation
-step 170 python3 $C precompile
+step 220 python3 $C ablation
+step 150 python3 $C precompile
 step 60 python3 $C features
 step 150 python3 $C final
 step 60 python3 $C deterministic
