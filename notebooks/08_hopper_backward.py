@@ -98,7 +98,7 @@ for dim in (64, 128):
 # - **dQ's many writers**: gigabytes of partial sums must be added into one float32 accumulator;
 #   chapter 05 does it with one atomic add per element pair, from the compute threads;
 # - **registers**: dK and dV accumulators for 128 keys × D, plus S, dP, P and dS of one step, plus
-#   dQ: at D = 128 that is more than 200 of the 240 registers a thread may have.
+#   dQ: at D = 128, most of the 240 registers a thread may have (section 5 shows ptxas running out).
 #
 # ## 2 · FlashAttention-3's schedule, warpgroup by warpgroup
 #
@@ -325,7 +325,31 @@ fig.tight_layout()
 plots.save(fig, "ch08_ablation")
 
 # %% [markdown]
-# ABLATION_READING
+# Reading the record (the table above; the path to the shipped kernel is the blue bars):
+#
+# - **Asynchronous matmuls alone gain little.** With one stage and dQ added by per-element atomics
+#   from the compute threads, the matmuls were not what the step waited for.
+# - **Two stages** pay at D = 128: the next Q and dO arrive while this step computes.
+# - **The copy engine's reduce-add for dQ** is the largest single step at D = 128, with and without
+#   the mask: dQ's many writers were the bottleneck. At D = 64 it does not pay on its own: the dQ
+#   tiles are half as large, and the atomics were cheap.
+# - **Issuing dQ before dK**, so that dQ's trip through shared memory runs under dK, gains a little
+#   everywhere.
+# - **FlashAttention-3's order** (dSᵀ formed before dV is issued) *costs* at 64 × 128 tiles: the
+#   overlap of dSᵀ with dV was worth more than the registers it frees. It is there to make the
+#   larger tiles fit (section 5).
+# - **Our own two barriers** instead of TileLang's four win back what the previous row lost; the
+#   variation "(TileLang's four barriers)" shows the same at the final tiles.
+# - **FlashAttention-3's tiles** help at D = 128 without a mask, and they are the largest step at
+#   D = 64 (128 × 128: twice the queries per step and per barrier).
+# - Variations: one stage and per-element atomics lose clearly, as the prototype's ablation
+#   predicted; FlashAttention-3's preprocess (dQ zeroed and LSE·log2 e stored by Δ's kernel) is
+#   within noise; 80 × 128 tiles with the causal mask lose badly (80-row blocks straddle the
+#   128-key diagonal: more masked tiles); light key blocks first is no better than heavy first.
+# - **Not kept, but better in places**: keeping dV under dSᵀ by forming dSᵀ from the 16-bit P is the
+#   fastest row at D = 128 without a mask and at D = 64 with one, and slower at D = 64 without; at
+#   D = 128 with the mask, version 6 (one dSᵀ buffer, TileLang's barriers, dV under dSᵀ) is the
+#   fastest. The shipped kernel is one code for all cases, the one the final record measures.
 #
 # ## 7 · The final backward against FlashAttention-2 and cuDNN
 #
@@ -361,7 +385,21 @@ for dtype in dtypes:
               f"{ours / cudnn:.2f}× cuDNN — {target}")
 
 # %% [markdown]
-# FINAL_READING
+# The kernel is well ahead of FlashAttention-2 everywhere, and behind cuDNN everywhere: the target of
+# cuDNN's speed at S = 4k is **not met** (the lines above give the ratios). It comes closest at
+# D = 64 and at the shortest and the longest non-causal sequences; the gap is largest for long
+# causal sequences at D = 128, where cuDNN keeps gaining with S and ours flattens. bf16 behaves like
+# fp16. What separates the two, as far as this chapter's measurements show:
+#
+# - **dQ's path still runs on the compute warpgroups.** FlashAttention-3 hands the dQ tile to a
+#   dedicated warp that waits for it and issues the reduce-add, so the consumers never wait for the
+#   copy engine nor meet for it. TileLang's automatic warp specialisation makes one producer
+#   warpgroup for the loads and has no place for such a warp; a hand-written producer would.
+# - **Two block-wide barriers per step** keep the two consumer warpgroups in lockstep.
+# - **No persistent scheduling**: every block starts cold, loads K and V, and ends with its dK/dV
+#   epilogue; with the causal mask, blocks of very different lengths share the machine.
+# - The best variations of the ablation per case would close part of the gap (at most a few
+#   percent each in this record), not all of it.
 #
 # ## 8 · A deterministic backward
 #
@@ -381,9 +419,11 @@ for dtype in dtypes:
 #   key block it sees and accumulates dQ = Σ dS K in registers, in key order — the structure of the
 #   forward, with three matmuls per tile.
 #
-# The price is two extra matmuls per tile (7 instead of 5). FlashAttention-3 makes the other
-# choice: it keeps one kernel and makes the key blocks take turns on each dQ tile with a semaphore
-# in global memory, which costs waiting instead of arithmetic.
+# The price is two extra matmuls per tile (7 instead of 5): if time followed the matmuls, the
+# deterministic backward would run at 5/7 of the default's speed at best. FlashAttention-3 makes the
+# other choice: it keeps one kernel and makes the key blocks take turns on each dQ tile with a
+# semaphore in global memory, which costs waiting instead of arithmetic. Both modes, side by side
+# on the H100, each checked on every head, each repeated on the same inputs:
 
 # %%
 det = cu.measured("ch08_deterministic_h100", RECORDS["ch08_deterministic_h100"])
@@ -399,7 +439,18 @@ for r in drows:
               f"TFLOP/s = {r['tflops'] / base['tflops']:.2f}× (7/5 of the matmuls: at best {5 / 7:.2f}×)")
 
 # %% [markdown]
-# DETERMINISTIC_READING
+# The prediction was wrong: the deterministic backward is **as fast as the default**, while it does
+# 40% more matmuls. Its two kernels are simpler than the fused one. The dK/dV kernel has no
+# barrier at all and sends nothing through shared memory but its inputs; the dQ kernel is the
+# forward's loop with one more matmul. Both keep the tensor cores busier than the fused kernel,
+# whose dQ path costs two block-wide barriers, a round trip through shared memory and a copy-engine
+# operation per step. In this kernel, written with TileLang's automatic warp specialisation, the
+# matmuls that fusion saves do not pay for the synchronisation it adds. (The default mode stays
+# the fused kernel here: the final record above measured it. The comparison suggests trying the
+# split backward as the default, over the whole range of S.)
+#
+# And the reason to want it: the default's dQ differs from run to run in its last bits (the
+# record's "differs run to run"), the deterministic mode's never does.
 #
 # ## Takeaways
 #
@@ -412,7 +463,8 @@ for r in drows:
 # - In TileLang this is `T.wgmma_gemm`/`T.wait_wgmma`, `T.atomic_add(..., use_tma=True)`, and two
 #   barriers of our own where the compiler would place four; ptxas's report says whether the
 #   registers still fit.
-# - Bitwise reproducibility has a price; here it is paid in arithmetic.
+# - Fusion is not free: here, recomputing S and dP in a separate dQ kernel (bitwise reproducible,
+#   no atomics) was as fast as sharing them at the cost of barriers and a reduction.
 #
 # ## Exercises
 #
