@@ -10,7 +10,7 @@ import torch
 
 from ..attention import backward_kernels, flash_attention, forward_kernel
 from ..bench import attention_flops, tflops, time_side_by_side
-from ..flash_bwd_hopper_versions import versions_for
+from ..flash_bwd_hopper_versions import SHIPPED_VERSION, versions_for
 from ..validation import check_backward, references
 from .common import SDPA_PEERS, backward_timer, comparison_shapes, in_parallel, random_inputs, sdpa
 
@@ -183,4 +183,4 @@ def self_check():
                             or "C75" in line))
         return
     feature_checks()
-    backward_ablation(versions=[v for v in versions_for(True) if v.number in (1, 10)])
+    backward_ablation(versions=[v for v in versions_for(True) if v.number in (1, SHIPPED_VERSION)])
