@@ -16,6 +16,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
+from .flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
+from .flash_bwd_hopper import flash_bwd_hopper_dq_kernel, flash_bwd_hopper_kernel
 from .flash_fwd import flash_fwd_kernel
 from .flash_fwd_hopper import flash_fwd_hopper_kernel
 from .reference import validate_attention_inputs
@@ -23,7 +25,8 @@ from .tiles import compile_kernel
 
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
            "ForwardConfig", "BackwardConfig", "sink_logits", "default_forward_config", "default_backward_config", "is_hopper",
-           "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS", "FORWARD_KERNELS", "BACKWARD_KERNELS"]
+           "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS", "FORWARD_KERNELS", "BACKWARD_KERNELS",
+           "TUNED_BACKWARD_CONFIG", "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
 
 # What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
 SUPPORTED = {
@@ -32,9 +35,9 @@ SUPPORTED = {
 }
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # The kernels a ForwardConfig or BackwardConfig can select: chapter 03/04's and chapter 07's Hopper
-# forward; chapter 05's backward.
+# forward; chapter 05's and chapter 08's Hopper backward.
 FORWARD_KERNELS = {"flash_fwd": flash_fwd_kernel, "flash_fwd_hopper": flash_fwd_hopper_kernel}
-BACKWARD_KERNELS = {"flash_bwd": flash_bwd_kernel}
+BACKWARD_KERNELS = {"flash_bwd": flash_bwd_kernel, "flash_bwd_hopper": flash_bwd_hopper_kernel}
 
 
 class ForwardConfig(NamedTuple):
@@ -94,12 +97,28 @@ class BackwardConfig(NamedTuple):
     tiling = ForwardConfig.tiling
 
 
-def default_backward_config(device_type):
-    """The backward tiling used when none is given: small tiles on the CPU, the chapter 05 sweep's best on the GPU."""
+# Best of the chapter 05 sweep on the H100 (figures/ch05_backward_sweep_h100.json), causal and not.
+TUNED_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
+# Chapter 08's Hopper backward, tiled per (head dim, causal or window mask) as FlashAttention-3 tiles
+# it (block_M queries per step, block_N resident keys), checked by chapter 08's ablation on the H100.
+HOPPER_BACKWARD_CONFIGS = {
+    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
+}
+# The deterministic backward's dQ kernel: (block_M queries, block_N keys per step) by head dim.
+HOPPER_DQ_TILES = {128: (128, 64), 64: (128, 128)}
+
+
+def default_backward_config(device_type, dim=None, masked=False):
+    """The backward used when none is given: small tiles on the CPU, chapter 08's kernel on Hopper
+    GPUs, chapter 05's tuned tiling on other GPUs. ``masked``: causal or sliding-window attention."""
     if device_type == "cpu":
         return BackwardConfig(16, 16, 1, 1)
-    # Best of the chapter 05 sweep on the H100 (figures/ch05_backward_sweep_h100.json), causal and not.
-    return BackwardConfig(64, 128, 1, 256)
+    if is_hopper() and (dim, bool(masked)) in HOPPER_BACKWARD_CONFIGS:
+        return HOPPER_BACKWARD_CONFIGS[dim, bool(masked)]
+    return TUNED_BACKWARD_CONFIG
 
 
 class _Problem(NamedTuple):
@@ -149,33 +168,60 @@ def _compiled_forward(problem, has_sinks, config):
     return compile_kernel(func, out_idx=[4, 5], target=pr.target, dtype=pr.dtype)
 
 
+def _check_backward_options(config, target, deterministic):
+    """A clear error for a backward that cannot run here (raised when the forward is called)."""
+    if config.kernel not in BACKWARD_KERNELS:
+        raise ValueError(f"BackwardConfig.kernel must be one of {sorted(BACKWARD_KERNELS)}; got {config.kernel!r}")
+    hopper = config.kernel == "flash_bwd_hopper"
+    if hopper and (target != "cuda" or not is_hopper()):
+        raise ValueError("BackwardConfig(kernel='flash_bwd_hopper') is chapter 08's Hopper kernel: it needs an sm_90 GPU")
+    if deterministic and not hopper:
+        raise ValueError("deterministic=True needs chapter 08's Hopper backward (kernel='flash_bwd_hopper', sm_90 "
+                         "GPU); chapter 05's kernel adds dQ with atomics in whatever order blocks finish")
+
+
 class BackwardKernels(NamedTuple):
-    """The compiled backward: Δ, then dK/dV and the float32 dQ accumulator, then the dQ (and GQA dK/dV) casts."""
+    """The compiled backward: Δ, then dK/dV and the float32 dQ accumulator, then the dQ (and GQA dK/dV) casts.
+
+    The deterministic backward (chapter 08) has no accumulators: ``main`` is then
+    (Q, K, V, dO, LSE, Δ, dK, dV) -> None, writing dK and dV once in the input dtype, ``dq`` is
+    (Q, K, V, dO, LSE, Δ) -> dQ, and the two postprocess kernels are None.
+    """
 
     preprocess: object  # (O, dO) -> Δ
     main: object  # (Q, K, V, dO, LSE, Δ, dQ_acc, dK, dV) -> None, accumulating in place
     postprocess_dq: object  # dQ_acc -> sm_scale · dQ_acc in the input dtype
     postprocess_dkv: object  # GQA only (else None): the float32 dK/dV accumulators -> the input dtype
+    dq: object = None  # deterministic only: dQ in a fixed order, one block per query block
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _compiled_backward(problem, config):
+def _compiled_backward(problem, config, deterministic=False):
     pr = problem
     small = 16 if pr.target == "c" else 64
     threads = 1 if pr.target == "c" else 128
 
-    def build(func, out_idx):
-        return compile_kernel(func, out_idx=out_idx, target=pr.target, dtype=pr.dtype)
+    def build(func, out_idx, pass_configs=None):
+        return compile_kernel(func, out_idx=out_idx, target=pr.target, dtype=pr.dtype, pass_configs=pass_configs)
 
     common = dict(dtype=pr.dtype, target=pr.target)
     pre = build(flash_bwd_preprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, block=small, threads=threads,
                                             **common), [2])
-    if config.kernel not in BACKWARD_KERNELS:
-        raise ValueError(f"BackwardConfig.kernel must be one of {sorted(BACKWARD_KERNELS)}; got {config.kernel!r}")
+    _check_backward_options(config, pr.target, deterministic)
+    hopper = config.kernel == "flash_bwd_hopper"
     tiling = config.tiling()
-    main = build(BACKWARD_KERNELS[config.kernel](pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, heads_kv=pr.heads_kv,
-                                                 causal=pr.masked, window_size=pr.window_size, sm_scale=pr.sm_scale,
-                                                 **common, **tiling), [])
+    variant = dict(heads_kv=pr.heads_kv, causal=pr.masked, window_size=pr.window_size, sm_scale=pr.sm_scale)
+    shape = (pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim)
+    if hopper:
+        main = build(flash_bwd_hopper_kernel(*shape, **variant, dtype=pr.dtype, **tiling, deterministic=deterministic),
+                     [], HOPPER_BACKWARD_PASS_CONFIGS)
+    else:
+        main = build(flash_bwd_kernel(*shape, **variant, **common, **tiling), [])
+    if deterministic:
+        block_M, block_N = HOPPER_DQ_TILES[pr.dim]
+        dq = build(flash_bwd_hopper_dq_kernel(*shape, **variant, dtype=pr.dtype, block_M=block_M, block_N=block_N),
+                   [6])
+        return BackwardKernels(pre, main, None, None, dq)
     post_q = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, scale=pr.sm_scale, block=small,
                                                 threads=threads, **common), [1])
     post_kv = None
@@ -197,11 +243,12 @@ def forward_kernel(q, k, *, causal=False, window_size=None, has_sinks=False, sm_
     return _compiled_forward(problem, bool(has_sinks), ForwardConfig(*config))
 
 
-def backward_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, config=None):
+def backward_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, config=None, deterministic=False):
     """The compiled ``BackwardKernels`` ``flash_attention``'s backward runs for these shapes."""
     problem = _problem(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
-    config = BackwardConfig(*config) if config is not None else default_backward_config(q.device.type)
-    return _compiled_backward(problem, config)
+    config = (BackwardConfig(*config) if config is not None
+              else default_backward_config(q.device.type, q.shape[-1], problem.masked))
+    return _compiled_backward(problem, config, bool(deterministic))
 
 
 @functools.lru_cache(maxsize=16)
@@ -219,31 +266,39 @@ def sink_logits(sinks, heads, device):
 
 
 def attention_backward(q, k, v, out, lse, d_out, *, d_lse=None, causal=False, window_size=None, sinks=None,
-                       sm_scale=None, config=None):
+                       sm_scale=None, config=None, deterministic=False):
     """Gradients of attention from the forward's O and LSE: returns (dQ, dK, dV, dsinks or None).
 
     The backward half of ``flash_attention``, as a plain function: P is rebuilt from Q, K and the
     LSE, so it also serves ``out`` and ``lse`` that were merged from several partial forwards.
     ``d_lse`` is the gradient reaching the LSE (a loss that uses it, such as a z-loss): since
     ∂LSE_i/∂S_ij = P_ij, it joins dS = P ∘ (dP − Δ) as Δ − dLSE.
+    ``deterministic``: bitwise-reproducible gradients (chapter 08; Hopper only): no float atomics,
+    every gradient summed in a fixed order, at the price of recomputing S and dP for dQ.
     """
-    kernels = backward_kernels(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale, config=config)
+    kernels = backward_kernels(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale, config=config,
+                               deterministic=deterministic)
     # region: three kernels
     d_out = d_out.contiguous()
     delta = kernels.preprocess(out, d_out)
     if d_lse is not None:
         delta = (delta - d_lse.float()).contiguous()
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # atomics add into it: zeroed
-    # region: gqa
-    if kernels.postprocess_dkv is None:
+    if kernels.dq is not None:  # deterministic: each gradient is written once, by one block
         dk, dv = torch.empty_like(k), torch.empty_like(v)
+        kernels.main(q, k, v, d_out, lse, delta, dk, dv)
+        dq = kernels.dq(q, k, v, d_out, lse, delta)
     else:
-        dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
-    # endregion
-    kernels.main(q, k, v, d_out, lse, delta, dq_acc, dk, dv)
-    dq = kernels.postprocess_dq(dq_acc)
-    if kernels.postprocess_dkv is not None:
-        dk, dv = kernels.postprocess_dkv(dk), kernels.postprocess_dkv(dv)  # GQA: cast the float32 sums
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # atomics add into it: zeroed
+        # region: gqa
+        if kernels.postprocess_dkv is None:
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+        else:
+            dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+        # endregion
+        kernels.main(q, k, v, d_out, lse, delta, dq_acc, dk, dv)
+        dq = kernels.postprocess_dq(dq_acc)
+        if kernels.postprocess_dkv is not None:
+            dk, dv = kernels.postprocess_dkv(dk), kernels.postprocess_dkv(dv)  # GQA: cast the float32 sums
     # endregion
     # region: dsinks
     d_sinks = None
@@ -257,13 +312,14 @@ def attention_backward(q, k, v, out, lse, d_out, *, d_lse=None, causal=False, wi
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, causal, window_size, sm_scale, fwd_config, bwd_config):
+    def forward(ctx, q, k, v, sinks, causal, window_size, sm_scale, fwd_config, bwd_config, deterministic):
         fwd = forward_kernel(q, k, causal=causal, window_size=window_size, has_sinks=sinks is not None,
                              sm_scale=sm_scale, config=fwd_config)
         logits = sink_logits(sinks, q.shape[1], q.device)
         out, lse = fwd(q, k, v, logits)
         ctx.save_for_backward(q, k, v, out, lse, logits)
-        ctx.options = dict(causal=causal, window_size=window_size, sm_scale=sm_scale, config=bwd_config)
+        ctx.options = dict(causal=causal, window_size=window_size, sm_scale=sm_scale, config=bwd_config,
+                           deterministic=deterministic)
         ctx.has_sinks = sinks is not None
         return out, lse
 
@@ -275,7 +331,7 @@ class _FlashAttention(torch.autograd.Function):
         if d_out is None:  # only the LSE was used
             d_out = torch.zeros_like(out)
         dq, dk, dv, d_sinks = attention_backward(q, k, v, out, lse, d_out, d_lse=d_lse, sinks=sinks, **ctx.options)
-        return dq, dk, dv, d_sinks, None, None, None, None, None
+        return dq, dk, dv, d_sinks, None, None, None, None, None, None
 
 
 def _check_supported(q):
@@ -291,7 +347,7 @@ def _check_supported(q):
 
 
 def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, sinks=None,
-                    return_lse=False, config=None, backward_config=None):
+                    return_lse=False, config=None, backward_config=None, deterministic=False):
     """Attention with the course's TileLang FlashAttention kernel.
 
     q: [B, H, S_q, D]; k, v: [B, H_kv, S_k, D] with H a multiple of H_kv (GQA). ``window_size``
@@ -299,7 +355,8 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, s
     per-head sink logits (gpt-oss). Returns O (and the natural-log LSE [B, H, S_q] in float32 with
     ``return_lse``). Masking conventions are those of ``course_utils.reference``. Differentiable
     (once) with respect to q, k, v and sinks, through O and the LSE: ``out.backward(d_out)`` runs the
-    backward kernels. ``sm_scale`` must be positive.
+    backward kernels. ``sm_scale`` must be positive. ``deterministic=True`` makes the gradients
+    bitwise reproducible from run to run (Hopper backward only; see ``attention_backward``).
     """
     validate_attention_inputs(q, k, v, window_size=window_size, sinks=sinks)
     _check_supported(q)
@@ -309,7 +366,11 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, s
     if window_size is not None and window_size >= k.shape[2]:
         window_size = None  # a window as long as the keys hides nothing that causal masking does not
         causal = True
+    masked = bool(causal or window_size is not None)
+    bwd = (BackwardConfig(*backward_config) if backward_config is not None
+           else default_backward_config(q.device.type, q.shape[-1], masked))
+    _check_backward_options(bwd, "cuda" if q.device.type == "cuda" else "c", deterministic)
     out, lse = _FlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks,
                                      bool(causal or window_size is not None), window_size, sm_scale, config,
-                                     backward_config)
+                                     backward_config, bool(deterministic))
     return (out, lse) if return_lse else out

@@ -87,7 +87,11 @@ def overlap_schedule(n_blocks, *, qk, softmax, pv, overlap):
 
 # --------------------------------------------------------------------------- picture
 
-_STEP_COLORS = {"QK": "#d62728", "sm": "#ff7f0e", "PV": "#9467bd", "K": "#1f77b4", "V": "#2ca02c"}
+_STEP_COLORS = {"QK": "#d62728", "sm": "#ff7f0e", "PV": "#9467bd", "K": "#1f77b4", "V": "#2ca02c",
+                # chapter 08's backward step
+                "S": "#d62728", "dP": "#e377c2", "dV": "#9467bd", "dQ": "#8c564b", "dK": "#1f77b4",
+                "exp": "#ff7f0e", "dS": "#bcbd22", "dQ atomics": "#7f7f7f", "dQ→smem": "#8c564b",
+                "reduce-add": "#2ca02c"}
 
 
 def pipeline_timeline(ax, events, *, title=None, lanes=("load K", "load V", "compute"), xmax=None):

@@ -23,6 +23,7 @@ def headline_table():
     sources = []
     for label, name in (("forward (ch07 kernel, Hopper)", "ch07_forward_vs_peers_h100"),
                         ("forward (ch04 kernel)", "ch04_forward_final_h100"),
+                        ("backward (ch08 kernel, Hopper)", "ch08_backward_vs_peers_h100"),
                         ("backward (ch05 kernel)", "ch05_backward_vs_peers_h100")):
         record = load_record(name)
         for causal in (False, True):

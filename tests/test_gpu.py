@@ -124,3 +124,46 @@ def test_sinks_that_dominate_stay_finite_on_the_gpu():
 
 def test_hopper_default_is_the_hopper_kernel():
     assert (default_forward_config("cuda", 128).kernel == "flash_fwd_hopper") == is_hopper()
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 08: the Hopper backward (flash_bwd_hopper) and its deterministic mode, on every head.
+
+_HOPPER_ONLY = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                                  reason="needs an sm_90 GPU")
+
+
+@_HOPPER_ONLY
+def test_hopper_backward_is_the_default_on_hopper():
+    from course_utils.attention import default_backward_config
+
+    for dim in (64, 128):
+        for masked in (False, True):
+            assert default_backward_config("cuda", dim, masked).kernel == "flash_bwd_hopper"
+
+
+@_HOPPER_ONLY
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", ["GQA 8/2 causal", "window 128", "one-key window", "sinks, GQA, window, bf16",
+                                  "ragged causal S=1000", "S_q=500, S_k=1000 causal", "S_q=1000, S_k=700 causal"])
+def test_hopper_backward_features(case, deterministic):
+    """GQA, windows, sinks (dsinks too), ragged lengths, S_q ≠ S_k: dQ, dK, dV on every head, both modes."""
+    from course_utils.benchmarks.ch08_hopper_backward import FEATURE_CASES, feature_checks
+
+    (row,) = feature_checks({case: FEATURE_CASES[case]}, deterministic_options=(deterministic,))
+    assert row["error"] is None, row["error"]
+
+
+@_HOPPER_ONLY
+@pytest.mark.parametrize("dim, causal", [(128, False), (64, True)])
+def test_hopper_backward_deterministic_is_bitwise_reproducible(dim, causal):
+    q, k, v = (torch.randn(2, 4, 1024, dim, device="cuda", dtype=torch.float16) for _ in range(3))  # FEATURE_CASES
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    d_out = torch.randn_like(q)
+    runs = [torch.autograd.grad(flash_attention(*leaves, causal=causal, deterministic=True), leaves, d_out)
+            for _ in range(3)]
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+    default = torch.autograd.grad(flash_attention(*leaves, causal=causal), leaves, d_out)
+    for a, b in zip(default, runs[0]):
+        check_close(a.float(), b.float(), "default vs deterministic", atol=2e-2, rtol=2e-2)

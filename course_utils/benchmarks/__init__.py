@@ -16,18 +16,20 @@ from .ch03_forward import forward_config_sweep, forward_vs_peers
 from .ch05_backward import backward_config_sweep, backward_vs_peers
 from .ch06_gpt_oss import GPT_OSS_SHAPE, gpt_oss_vs_peers, gqa_backward_strategies
 from .ch07_hopper import forward_ablation, hopper_tiling_sweep
+from .ch08_hopper_backward import backward_ablation, deterministic_cost, feature_checks
 from .common import SDPA_PEERS, comparison_shapes
 
 __all__ = ["RECORDS", "CH03_FORWARD_CONFIG", "CH05_BACKWARD_CONFIG", "SDPA_PEERS", "comparison_shapes",
            "naive_attention", "naive_vs_sdpa", "forward_vs_peers", "forward_config_sweep", "backward_config_sweep",
            "backward_vs_peers", "GPT_OSS_SHAPE", "gpt_oss_vs_peers", "gqa_backward_strategies", "forward_ablation",
-           "hopper_tiling_sweep"]
+           "hopper_tiling_sweep", "backward_ablation", "deterministic_cost", "feature_checks", "CH08_SEQS"]
 
 # Chapter 03's kernel as the chapter writes it (two pipeline stages), and chapter 05's backward.
 CH03_FORWARD_CONFIG = ForwardConfig(128, 128, 2, 256)
 CH05_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
 _CH07_SEQS = (1024, 2048, 4096, 8192, 16384)
 _CH05_SEQS = (1024, 4096, 16384)
+CH08_SEQS = _CH07_SEQS
 
 RECORDS = {
     "ch01_naive_vs_sdpa_h100": naive_vs_sdpa,
@@ -47,4 +49,10 @@ RECORDS = {
     "ch07_forward_vs_peers_h100": lambda: forward_vs_peers(
         shapes=comparison_shapes(seq_lens=_CH07_SEQS, dim=64) + comparison_shapes(seq_lens=_CH07_SEQS, dim=128),
         dtypes=("float16", "bfloat16"), include_naive_up_to=0),
+    "ch08_feature_checks_h100": feature_checks,
+    "ch08_backward_ablation_h100": backward_ablation,
+    "ch08_deterministic_h100": deterministic_cost,
+    "ch08_backward_vs_peers_h100": lambda: backward_vs_peers(
+        shapes=comparison_shapes(seq_lens=CH08_SEQS, dim=128) + comparison_shapes(seq_lens=CH08_SEQS, dim=64),
+        dtypes=("float16", "bfloat16"), modes=("bwd",)),
 }

@@ -54,10 +54,12 @@ def _training_step(attn, q, k, v, seed=1):
     return lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), d_out)
 
 
-def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, True), config=None):
+def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, True), config=None,
+                      modes=("bwd", "fwd+bwd")):
     """Backward and forward+backward TFLOP/s of ours vs SDPA's FlashAttention-2 and cuDNN, side by side.
 
     Ours is ``flash_attention`` as it runs by default (``config`` sets the backward tiling only).
+    ``modes``: what is timed, the backward alone ("bwd") and a whole training step ("fwd+bwd").
     """
     rows = []
     jobs = list(itertools.product(shapes or comparison_shapes(), dtypes, causal_options))
@@ -77,14 +79,14 @@ def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, T
         for name, backend in SDPA_PEERS.items():
             attns[name] = lambda q_, k_, v_, b_=backend: sdpa(q_, k_, v_, causal, b_)
         errors, _ = _validate(attns[OURS], q, k, v, causal, name=f"S={s} causal={causal}")
-        for mode, make in (("bwd", lambda a: backward_timer(a, q, k, v)[0]),
-                           ("fwd+bwd", lambda a: _training_step(a, q, k, v))):
+        timers = {"bwd": lambda a: backward_timer(a, q, k, v)[0], "fwd+bwd": lambda a: _training_step(a, q, k, v)}
+        for mode, make in ((mode, timers[mode]) for mode in modes):
             flops = attention_flops(b, h, s, s, d, causal=causal, mode=mode)
             for impl, ms in time_side_by_side({impl: make(attn) for impl, attn in attns.items()}).items():
                 rows.append(dict(impl=impl, mode=mode, dtype=dtype_name, causal=causal, ms=ms,
                                  tflops=tflops(flops, ms), **shape))
                 if impl == OURS:
-                    rows[-1].update(errors=errors, config=(config or default_backward_config("cuda"))._asdict())
+                    rows[-1].update(errors=errors, config=(config or default_backward_config("cuda", d, causal))._asdict())
             print(f"{mode} {dtype_name} D={d} causal={causal!s:5} S={s:>5}: " + ", ".join(
                 f"{r['impl'].split()[0]} {r['tflops']:.0f}" for r in rows[-len(attns):]))
     return rows

@@ -1,0 +1,519 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08 · The backward on Hopper: five matmuls, two reductions and dQ's many writers
+#
+# **Question.** In training, the backward takes about two thirds of attention's time, and it is
+# where chapter 05's kernel lags furthest behind cuDNN on the H100. Chapter 07 brought the forward
+# close to cuDNN by overlapping the softmax with asynchronous matmuls. What does the same idea look
+# like in the backward, where there are five matmuls per tile instead of two, and can a TileLang
+# kernel reach cuDNN there too?
+#
+# | section | idea | evidence |
+# |---|---|---|
+# | 1 | the backward's work: five matmuls, two reductions, dQ written by every key block | arithmetic, checked against the FLOP convention |
+# | 2 | FlashAttention-3's schedule, warpgroup by warpgroup | a dataflow picture of one step |
+# | 3 | issue matmuls in batches, wait only for what is needed next | timeline model |
+# | 4 | the kernel in TileLang | the source, checked on the H100 |
+# | 5 | what the compiler makes of it: the step, its barriers, ptxas | generated CUDA and ptxas report (no GPU) |
+# | 6 | what each change is worth | ablation measured on the H100 |
+# | 7 | the final backward against FlashAttention-2 and cuDNN | H100 record over S, D, dtype, masking |
+# | 8 | a deterministic backward, and what it costs | H100 record |
+#
+# *Credit.* Jay Shah, Ganesh Bikshandi, Ying Zhang, Vijay Thakkar, Pradeep Ramani, Tri Dao,
+# [FlashAttention-3](https://arxiv.org/abs/2407.08608) (2024), and its backward in
+# `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp` (the order of one step, the transposed Sᵀ and dPᵀ, the
+# dQ bulk reduce-add, the tile shapes of `hopper/flash_bwd_launch_template.h`) and its
+# deterministic mode. TileLang's examples `example_gqa_bwd_tma_reduce.py` (the dQ reduce through
+# `T.atomic_add(..., use_tma=True)`) and the wgmma-pipelined backward it later removed showed the
+# way in TileLang. The kernel here is written from these ideas with chapter 05's pieces.
+
+# %%
+# %config InlineBackend.figure_format = "png"
+import course_utils as cu
+
+import matplotlib.pyplot as plt
+
+from course_utils import plots, schedules
+from course_utils.attention import HOPPER_BACKWARD_CONFIGS, HOPPER_DQ_TILES, is_hopper
+from course_utils.backward_diagrams import LANES, dataflow, step_schedule
+from course_utils.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS, load_record
+from course_utils.benchmarks import RECORDS, comparison_shapes
+from course_utils.flash_bwd_hopper import PASS_CONFIGS, flash_bwd_hopper_kernel
+from course_utils.flash_bwd_hopper_versions import VERSIONS, flash_bwd_hopper_variant, shipped_version
+from course_utils.labels import CUDNN, FA2, OURS
+from course_utils.source import cuda_source, loop_skeleton, ptxas_report, show_source
+
+print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET, "| Hopper GPU:", is_hopper())
+
+# %% [markdown]
+# ## 1 · Why the backward is harder
+#
+# With P = softmax(S), S = Q Kᵀ · scale and the forward's LSE (chapter 05):
+#
+# $$dV = P^\top dO,\quad dP = dO\,V^\top,\quad dS = P \circ (dP - \Delta),\quad dQ = dS\,K \cdot s,\quad dK = dS^\top Q \cdot s$$
+#
+# with Δ = rowsum(dO ∘ O), computed once by a small preprocess kernel. Per tile of scores that is
+# **five** matmuls (S is recomputed) against the forward's two, which is where the convention
+# "backward = 2.5 × forward" comes from, and **two reductions** in opposite directions: dK and dV
+# sum over the queries, dQ over the keys. A block that owns a tile of keys keeps dK and dV in
+# registers for its whole life, but its share of dQ belongs to rows that every other key block
+# also writes: for S_k keys in blocks of 128, each row of dQ receives S_k / 128 partial sums,
+# from blocks running at the same time on different SMs.
+
+# %%
+shape = dict(batch=4, heads=16, seq=4096, dim=128)  # the comparison shape: B·S = 16k, H·D = 2048
+b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
+block_N = 128
+matmul_flops = 5 * 2 * b * h * s * s * d  # five products of 2·S·S·D each
+cu.check_true(matmul_flops == cu.attention_flops(b, h, s, s, d, mode="bwd"), "five matmuls = 2.5 × the forward's two")
+inputs_mb = 5 * b * h * s * d * 2 / 2**20  # Q, K, V, O, dO in fp16
+dq_partials_mb = (s // block_N) * b * h * s * d * 4 / 2**20  # float32 dQ tiles added, one per key block
+print(f"Q, K, V, O, dO: {inputs_mb:.0f} MiB read; dQ partial sums reduce-added: {dq_partials_mb:.0f} MiB "
+      f"({dq_partials_mb / inputs_mb:.0f}× the inputs)")
+for dim in (64, 128):
+    ratio = (1 / H100_SFU_TFLOPS) / (2 * 5 * dim / H100_MATMUL_TFLOPS)  # chapter 07's exercise 1
+    print(f"D={dim:>3}: exponentials ÷ matmul time = {ratio:.2f} (the forward's: {ratio * 5 / 2:.2f})")
+
+# %% [markdown]
+# So the exponentials matter less than in the forward (a fifth of the matmul time at D = 128), but
+# three other costs appear:
+#
+# - **dependencies**: dS needs both P and dP; dV needs P; dQ and dK need dS. A kernel that waits
+#   for each matmul before the next one (chapter 05's, with `T.gemm`) leaves the tensor cores
+#   idle during every exponential, every dS and every dQ update;
+# - **dQ's many writers**: gigabytes of partial sums must be added into one float32 accumulator;
+#   chapter 05 does it with one atomic add per element pair, from the compute threads;
+# - **registers**: dK and dV accumulators for 128 keys × D, plus S, dP, P and dS of one step, plus
+#   dQ: at D = 128, most of the 240 registers a thread may have (section 5 shows ptxas running out).
+#
+# ## 2 · FlashAttention-3's schedule, warpgroup by warpgroup
+#
+# One thread block owns 128 keys of one (batch, head) and walks over the query blocks that see
+# them, as in chapter 05. TileLang's warp specialisation (chapter 07) splits it into three
+# warpgroups of 128 threads:
+#
+# - the **producer** streams Q, dO, LSE and Δ of the next query blocks with TMA, two stages deep;
+# - **consumer 0** owns keys 0–63, **consumer 1** keys 64–127: each keeps the dK and dV
+#   accumulators of its keys. They compute **Sᵀ = K Qᵀ** and **dPᵀ = V dOᵀ**, with keys as rows, so
+#   that Pᵀ and dSᵀ come out of the tensor cores already in the register layout that the next
+#   matmuls, dV += Pᵀ dO and dK += dSᵀ Q, take as their A operand (`wgmma` "RS": A from registers);
+# - **dQ = dS K** sums over all 128 keys, half of them in each consumer: dSᵀ has to go through
+#   shared memory, where both halves meet. dQ then goes through shared memory once more, and one
+#   thread asks the **copy engine** to add the whole tile to the float32 accumulator in global memory
+#   (`cp.reduce.async.bulk`), instead of 64 × 128 atomic adds from the compute threads.
+
+# %%
+config = HOPPER_BACKWARD_CONFIGS[128, False]
+fig, ax = plt.subplots(figsize=(13, 7.2))
+dataflow(ax, block_M=config.block_M, block_N=config.block_N, dim=128)
+ax.set_title(f"One step of the Hopper backward (D = 128, {config.block_M} queries × {config.block_N} keys)")
+fig.tight_layout()
+plots.save(fig, "ch08_dataflow")
+
+# %% [markdown]
+# ## 3 · Issue in batches, wait only for what comes next
+#
+# `T.wgmma_gemm` issues a batch of wgmmas and returns; `T.wait_wgmma(n)` waits until at most `n`
+# batches are still running (chapter 07). One step of FlashAttention-3's schedule, for each
+# consumer warpgroup:
+#
+# 1. issue Sᵀ and dPᵀ; wait until only one batch runs (Sᵀ is done) and compute the exponentials
+#    while dPᵀ finishes;
+# 2. wait for dPᵀ, form dSᵀ = Pᵀ ∘ (dPᵀ − Δ), store it to shared memory, meet the other consumer;
+# 3. issue dV, dQ and dK together; wait until only dK runs, store dQ to shared memory while dK
+#    finishes, meet again, and one thread starts the copy engine's reduce-add, which overlaps the
+#    next step.
+#
+# A model of the two schedules, one warpgroup, illustrative durations (one unit per matmul):
+
+# %%
+runs = {asynchronous: step_schedule(3, asynchronous=asynchronous) for asynchronous in (False, True)}
+fig, axes = plt.subplots(2, 1, figsize=(12, 3.8), sharex=True)
+for ax, (asynchronous, (events, total)) in zip(axes, runs.items()):
+    name = "chapter 08: batches issued, waits only where needed" if asynchronous else \
+        "chapter 05: every matmul waits, dQ added by the compute threads"
+    schedules.pipeline_timeline(ax, events, lanes=LANES, xmax=runs[False][1], title=f"{name} — 3 steps in {total:g} units")
+axes[-1].set_xlabel("time (model units)")
+fig.tight_layout()
+cu.check_true(runs[True][1] < runs[False][1], f"the asynchronous steps are shorter: {runs[True][1]:g} < {runs[False][1]:g}")
+
+# %% [markdown]
+# The model still shows idle tensor cores while the exponentials and dSᵀ run. The second consumer
+# warpgroup fills them: its matmuls run while this one computes. The two meet twice per step (the
+# barriers), so they cannot drift apart, but within a step their work interleaves.
+#
+# ## 4 · The kernel in TileLang
+#
+# `flash_bwd_hopper_kernel` (`course_utils/flash_bwd_hopper.py`) has chapter 05's inputs and
+# outputs and is built from the same pieces (`prelude`, `visible`, `query_block_range`); one step:
+
+# %%
+show_source(flash_bwd_hopper_kernel, "one step")
+
+# %% [markdown]
+# Details that matter:
+#
+# - **Masking** happens only on tiles that cross a boundary (`probabilities_t`): the causal
+#   diagonal, a window's edge, keys past S_k, and here also rows past S_q (the backward walks
+#   query blocks, so the last one can be ragged). A hidden pair gets P = 0 by selection.
+# - **Two dSᵀ buffers.** Step i writes buffer i mod 2 while the other consumer may still be
+#   reading buffer (i − 1) mod 2 in its dQ matmul. That lets the kernel meet only twice per step
+#   (`consumer_barrier`, named barriers 5 and 6), and it compiles with `PASS_CONFIGS`, which stops
+#   TileLang from adding its own, more conservative barriers (section 5 counts them).
+# - **Stage release.** As in chapter 07, `keep_stages_until_read` reads Q and dO after the last
+#   wait, so the producer refills a stage only when the wgmmas that read it are done.
+# - **80 queries per step** at D = 128 without a mask (FlashAttention-3's tile): a warpgroup's
+#   wgmma owns 64 rows of its output, so 80 query rows cannot be split between the consumers.
+#   The kernel computes dQᵀ = Kᵀ dSᵀ instead (128 rows of D) and transposes it on its way into
+#   shared memory.
+#
+# On an H100 the default backward of `cu.flash_attention` is this kernel; the cell below checks
+# every gradient on every head against the float64 reference. On a machine without a Hopper GPU
+# the cell says so; the H100 records below were each validated the same way before being timed.
+
+# %%
+if is_hopper():
+    import torch
+
+    shape = comparison_shapes(seq_lens=(4096,), dim=128)[0]  # B=4, H=16, S=4k
+    q, k, v = (torch.randn(shape["batch"], shape["heads"], shape["seq"], 128, device="cuda", dtype=torch.float16)
+               for _ in range(3))
+    for causal in (False, True):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        d_out = torch.randn_like(q)
+        grads = torch.autograd.grad(cu.flash_attention(*leaves, causal=causal), leaves, d_out)
+        cu.check_backward(q, k, v, d_out, grads, causal=causal, name=f"S=4k D=128 causal={causal}")
+else:
+    print("No sm_90 GPU here: the kernel uses wgmma and TMA, which exist only on Hopper. "
+          "Sections 6-8 show the H100 records, each validated on every head before timing.")
+
+# %% [markdown]
+# Every feature of chapter 05/06's backward, checked the same way on the H100 in both modes of
+# section 8 (GQA with dK and dV summed over the group, causal and sliding windows, sinks with
+# their gradient, ragged lengths, S_q ≠ S_k):
+
+# %%
+features = cu.measured("ch08_feature_checks_h100", RECORDS["ch08_feature_checks_h100"])
+for r in features["results"]:
+    worst = "" if r["error"] else max((k for k in r["errors"] if not k.endswith("_low")),
+                                      key=lambda k: r["errors"][k] / max(r["errors"][k + "_low"], 1e-30))
+    print(f"{'✗' if r['error'] else '✓'} {r['case']:28} deterministic={r['deterministic']!s:5} "
+          + (r["error"] or f"closest to its bound: {worst} {r['errors'][worst]:.1e} (PyTorch low precision "
+                           f"{r['errors'][worst + '_low']:.1e})"))
+cu.check_true(all(r["error"] is None for r in features["results"]), "every case passed on every head")
+
+# %% [markdown]
+# ## 5 · What the compiler makes of it
+#
+# Lowering needs no GPU. The consumer loop of the shipped kernel, reduced to its synchronisation
+# and matmul steps:
+
+# %%
+sizes = dict(batch=4, heads=16, seq_q=4096, seq_k=4096, dim=128)
+source = cuda_source(flash_bwd_hopper_kernel(**sizes, block_M=config.block_M, block_N=config.block_N),
+                     pass_configs=PASS_CONFIGS)
+STEPS = {
+    "wait on an mbarrier (a Q, dO, LSE or Δ stage arrived)": r"mbarrier\[[^\]]*\]\.wait",
+    "wgmma_{0} batch issued": r"tl::wgmma_(ss|rs)<",
+    "wait_wgmma<{0}>: at most {0} batch(es) still running": r"wait_wgmma<(\d)>",
+    "exp2 (P)": r"exp2f",
+    "barrier {0} (both consumers)": r"__sync_thread_partial\((\d)",
+    "copy engine: dQ tile reduce-added": r"tma_store_add",
+    "arrive: a stage may be refilled": r"\]\.arrive\(\)",
+}
+skeleton = loop_skeleton(source, r"for \(int qb_1 = ", STEPS)
+for line, step in skeleton:
+    print(f"{line:4d} │ {step}")
+order = [step.split(" (")[0].split(":")[0] for _, step in skeleton]
+cu.check_true(order.index("exp2") < order.index("barrier 6") < order.index("copy engine")
+              and order.count("barrier 5") == order.count("barrier 6") == 1,
+              "exponentials, dSᵀ barrier, dQ barrier, reduce-add — two barriers per step")
+
+# %% [markdown]
+# The matmul batches (`wgmma_ss`: both operands in shared memory, `wgmma_rs`: A from registers)
+# appear in the order of section 3; the `×8` or `×4` of each is the unrolled loop over its
+# contraction dimension, one batch. Left to itself (without `PASS_CONFIGS`), TileLang protects the
+# same step with four barriers, since it cannot tell that the two dSᵀ buffers alternate:
+
+# %%
+auto = cuda_source(flash_bwd_hopper_variant(**sizes, block_M=config.block_M, ds_buffers=2, dv_during_ds=False))
+loop = lambda src: src[src.index("for (int qb_1 = "):]  # noqa: E731
+barriers = {"TileLang's barriers": loop(auto).count("__sync_thread_partial("),
+            "our own (PASS_CONFIGS)": loop(source).count("__sync_thread_partial(")}
+print(barriers)
+cu.check_true(barriers == {"TileLang's barriers": 4, "our own (PASS_CONFIGS)": 2}, "four barriers per step become two")
+
+# %% [markdown]
+# **Registers.** ptxas, NVIDIA's assembler, gives the consumer warpgroups 240 registers per thread
+# (`setmaxnreg`). At 80 × 128 the natural order — issue dV as soon as P is ready and form dSᵀ while
+# it runs — keeps the float32 Pᵀ alive next to its 16-bit copy, dPᵀ, dSᵀ, and the dV and dK
+# accumulators. That does not fit: ptxas **serialises** every wgmma (warning C7512) and spills.
+# Forming dSᵀ first, as FlashAttention-3 does, lets Pᵀ and dPᵀ die before dV starts. Compiling
+# both with nvcc (installed on the course machines; no GPU needed):
+
+# %%
+variants = {"dV issued before dSᵀ (float32 P kept)": dict(dv_during_ds=True),
+            "dSᵀ formed first (shipped)": dict(dv_during_ds=False)}
+reports = {name: ptxas_report(cuda_source(flash_bwd_hopper_variant(**sizes, block_M=80, ds_buffers=2, manual_sync=True,
+                                                                   **knobs), pass_configs=PASS_CONFIGS))
+           for name, knobs in variants.items()}
+if None in reports.values():
+    print("nvcc is not installed here; the course machines have it (CUDA 13).")
+else:
+    for name, report in reports.items():
+        print(name)
+        for line in report:
+            if "C75" in line or "registers" in line or "spill" in line:
+                print("   ", line.removeprefix("ptxas info    : ")[:140])
+    serialised = {name: any("serialized" in line for line in r) for name, r in reports.items()}
+    cu.check_true(list(serialised.values()) == [True, False], "only the order that keeps P alive serialises")
+
+# %% [markdown]
+# ## 6 · What each change is worth (H100)
+#
+# One record, one process, the same inputs (fp16, S = 4k, B = 4, H·D = 2048, D = 128 and 64). Each
+# version runs the **whole** backward (Δ preprocess, main kernel, dQ postprocess) and was checked on
+# every head against the float64 reference before it was timed, next to SDPA's FlashAttention-2 and
+# cuDNN backends. Unindented rows add one change to the row above; indented rows in parentheses
+# vary the shipped kernel (the last unindented row) and are not kept.
+
+# %%
+ablation = cu.measured("ch08_backward_ablation_h100", RECORDS["ch08_backward_ablation_h100"])
+arows = ablation["results"]
+cases = [(dim, causal) for dim in (128, 64) for causal in (False, True)]
+tf = {(r["impl"], r["dim"], r["causal"]): r["tflops"] for r in arows if r.get("tflops")}
+labels = [v.label for v in VERSIONS]
+cu.check_true(all(r["errors"] for r in arows if r.get("version") and r.get("tflops")), "every timed version was validated")
+print(f"{'TFLOP/s, fp16, S=4k':58}" + "".join(f"{f'D={d}' + (' causal' if c else ''):>13}" for d, c in cases))
+for impl in labels + [FA2, CUDNN]:
+    print(f"{impl[:58]:58}" + "".join(f"{tf[impl, d, c]:13.0f}" if (impl, d, c) in tf else f"{'–':>13}" for d, c in cases))
+# Versions marked shipped_code run the shipped kernel; flash_attention uses the tiling that won here.
+shipped = {(d, c): shipped_version(d, c, HOPPER_BACKWARD_CONFIGS[d, c][:2]).label for d, c in cases}
+print(f"{'shipped (the tiling flash_attention uses) ÷ cuDNN':58}"
+      + "".join(f"{tf[shipped[d, c], d, c] / tf[CUDNN, d, c]:13.2f}" for d, c in cases))
+print(f"{'chapter 05 ÷ cuDNN':58}" + "".join(f"{tf[labels[0], d, c] / tf[CUDNN, d, c]:13.2f}" for d, c in cases))
+
+# %%
+fig, axes = plt.subplots(2, 2, figsize=(14, 9), sharex=True)
+for ax, (dim, causal) in zip(axes.flat, cases):
+    names = [label for label in labels if (label, dim, causal) in tf]
+    ax.barh(range(len(names)), [tf[n, dim, causal] for n in names],
+            color=[plots.COLORS[7] if n.startswith(" ") else plots.COLORS[0] for n in names])
+    ax.set_yticks(range(len(names)), labels=[n.strip()[:52] for n in names], fontsize=7)
+    ax.invert_yaxis()
+    for peer, style in ((FA2, ":"), (CUDNN, "--")):
+        ax.axvline(tf[peer, dim, causal], color="black", linestyle=style, linewidth=1,
+                   label=f"{peer}: {tf[peer, dim, causal]:.0f}")
+    ax.set(title=f"fp16, S=4k, D={dim}, causal={causal}", xlabel="TFLOP/s (whole backward)")
+    ax.legend(fontsize=7, loc="lower right")
+fig.text(0.01, -0.01, plots.record_caption(ablation), fontsize=7)
+fig.tight_layout()
+plots.save(fig, "ch08_ablation")
+
+# %% [markdown]
+# Reading the record (the table above; the path to the shipped kernel is the blue bars):
+#
+# - **Asynchronous matmuls alone gain little.** With one stage and dQ added by per-element atomics
+#   from the compute threads, the matmuls were not what the step waited for.
+# - **Two stages** pay at D = 128: the next Q and dO arrive while this step computes.
+# - **The copy engine's reduce-add for dQ** is the largest single step at D = 128, with and without
+#   the mask: dQ's many writers were the bottleneck. At D = 64 it does not pay on its own: the dQ
+#   tiles are half as large, and the atomics were cheap.
+# - **Issuing dQ before dK**, so that dQ's trip through shared memory runs under dK, gains a little
+#   everywhere.
+# - **FlashAttention-3's order** (dSᵀ formed before dV is issued) *costs* at 64 × 128 tiles: the
+#   overlap of dSᵀ with dV was worth more than the registers it frees. It is there to make the
+#   larger tiles fit (section 5).
+# - **Our own two barriers** instead of TileLang's four win back what the previous row lost; the
+#   variation "(TileLang's four barriers)" shows the same at the final tiles.
+# - **FlashAttention-3's tiles** help at D = 128 without a mask, and they are the largest step at
+#   D = 64 (128 × 128: twice the queries per step and per barrier).
+# - Variations: one stage and per-element atomics lose clearly, as the prototype's ablation
+#   predicted; FlashAttention-3's preprocess (dQ zeroed and LSE·log2 e stored by Δ's kernel) is
+#   within noise; 80 × 128 tiles with the causal mask lose badly (80-row blocks straddle the
+#   128-key diagonal: more masked tiles); light key blocks first is no better than heavy first.
+# - **Not kept, but better in places**: keeping dV under dSᵀ by forming dSᵀ from the 16-bit P is the
+#   fastest row at D = 128 without a mask and at D = 64 with one, and slower at D = 64 without; at
+#   D = 128 with the mask, version 6 (one dSᵀ buffer, TileLang's barriers, dV under dSᵀ) is the
+#   fastest. The shipped kernel is one code for all cases, the one the final record measures.
+#
+# ## 7 · The final backward against FlashAttention-2 and cuDNN
+#
+# The usual shapes (B·S = 16k tokens, H·D = 2048), S from 1k to 16k, D = 64 and 128, fp16 and
+# bf16, causal and not; ours is `cu.flash_attention`'s default backward, timed on
+# `torch.autograd.grad` like the two SDPA backends, side by side in one process, after a check of
+# every gradient on every head:
+
+# %%
+final = cu.measured("ch08_backward_vs_peers_h100", RECORDS["ch08_backward_vs_peers_h100"])
+rows = [r for r in final["results"] if r["mode"] == "bwd"]
+ours_rows = [r for r in rows if r["impl"] == OURS]
+cu.check_true(all(r["errors"] for r in ours_rows), "every configuration of ours was validated")
+cu.check_true(all(r["config"]["kernel"] == "flash_bwd_hopper" for r in ours_rows), "all of ours ran this chapter's kernel")
+dtypes = [dtype for dtype in ("float16", "bfloat16") if any(r["dtype"] == dtype for r in rows)]
+fig = plots.forward_comparison_panels(dict(final, results=rows), dtypes=dtypes)
+fig.suptitle("backward TFLOP/s (2.5 × the forward's FLOPs, causal halved)", y=1.02)
+plots.save(fig, "ch08_backward_vs_peers")
+
+# %%
+panels = [(dim, causal) for dim in (64, 128) for causal in (False, True)]
+combos = [(dtype, dim, causal) for dtype in dtypes for dim, causal in panels]
+seqs = sorted({r["seq"] for r in rows})
+fig = plots.peer_ratio_heatmaps(rows, combos, seqs, [FA2, CUDNN])
+plots.save(fig, "ch08_backward_ratios")
+btf = {(r["impl"], r["dtype"], r["dim"], r["causal"], r["seq"]): r["tflops"] for r in rows}
+for dtype in dtypes:
+    for dim, causal in panels:
+        key = (dtype, dim, causal, 4096)
+        ours, fa2, cudnn = (btf[(impl, *key)] for impl in (OURS, FA2, CUDNN))
+        target = "target ≥ 1.0× cuDNN " + ("met" if ours >= cudnn else "not met") if dtype == "float16" else "(reported)"
+        print(f"S=4k {dtype:8} D={dim:>3} causal={causal!s:5}: ours {ours:4.0f} TFLOP/s = {ours / fa2:.2f}× FA2, "
+              f"{ours / cudnn:.2f}× cuDNN — {target}")
+
+# %% [markdown]
+# The kernel is well ahead of FlashAttention-2 everywhere, and behind cuDNN everywhere: the target of
+# cuDNN's speed at S = 4k is **not met** (the lines above give the ratios). It comes closest at
+# D = 64 and at the shortest and the longest non-causal sequences; the gap is largest for long
+# causal sequences at D = 128, where cuDNN keeps gaining with S and ours flattens. bf16 behaves like
+# fp16. What separates the two, as far as this chapter's measurements show:
+#
+# - **dQ's path still runs on the compute warpgroups.** FlashAttention-3 hands the dQ tile to a
+#   dedicated warp that waits for it and issues the reduce-add, so the consumers never wait for the
+#   copy engine nor meet for it. TileLang's automatic warp specialisation makes one producer
+#   warpgroup for the loads and has no place for such a warp; a hand-written producer would.
+# - **Two block-wide barriers per step** keep the two consumer warpgroups in lockstep.
+# - **No persistent scheduling**: every block starts cold, loads K and V, and ends with its dK/dV
+#   epilogue; with the causal mask, blocks of very different lengths share the machine.
+# - The best variations of the ablation per case would close part of the gap (at most a few
+#   percent each in this record), not all of it.
+#
+# ## 8 · A deterministic backward
+#
+# The default backward adds dQ's partial sums in whatever order the key blocks finish, and float
+# addition is not associative: two runs on the same inputs give gradients that differ in the last
+# bits. Training people ask for bitwise-reproducible gradients because they make a run
+# **repeatable** (a loss spike or a NaN at step 40 000 can be replayed exactly, a bisection over
+# code changes compares like with like, a regression test can compare checkpoints bit for bit),
+# and because these tiny differences grow: after thousands of optimiser steps two "identical" runs
+# drift apart, and a difference between two experiments can then be noise.
+#
+# `cu.flash_attention(..., deterministic=True)` runs a backward with **no float atomics at all**:
+#
+# - dK and dV as before, except that with GQA one block loops over every query head of its group,
+#   so the group's sum is accumulated in registers, always in the same order;
+# - dQ by a second kernel with one block per query block, which recomputes S and dP against every
+#   key block it sees and accumulates dQ = Σ dS K in registers, in key order — the structure of the
+#   forward, with three matmuls per tile.
+#
+# The price is two extra matmuls per tile (7 instead of 5): if time followed the matmuls, the
+# deterministic backward would run at 5/7 of the default's speed at best. FlashAttention-3 makes the
+# other choice: it keeps one kernel and makes the key blocks take turns on each dQ tile with a
+# semaphore in global memory, which costs waiting instead of arithmetic. Both modes, side by side
+# on the H100, each checked on every head, each repeated on the same inputs:
+
+# %%
+det = cu.measured("ch08_deterministic_h100", RECORDS["ch08_deterministic_h100"])
+drows = det["results"]
+cu.check_true(all(r["errors"] for r in drows), "both modes validated on every head")
+cu.check_true(all(r["bitwise_identical"] for r in drows if r["deterministic"]),
+              "deterministic=True: every repeat bitwise identical")
+for r in drows:
+    if r["deterministic"]:
+        base = next(x for x in drows if not x["deterministic"] and (x["dim"], x["causal"]) == (r["dim"], r["causal"]))
+        print(f"D={r['dim']:>3} causal={r['causal']!s:5}: default {base['tflops']:4.0f} TFLOP/s "
+              f"(dQ differs run to run by up to {base['dq_max_run_to_run']:.1e}), deterministic {r['tflops']:4.0f} "
+              f"TFLOP/s = {r['tflops'] / base['tflops']:.2f}× (7/5 of the matmuls: at best {5 / 7:.2f}×)")
+
+# %% [markdown]
+# The prediction was wrong: the deterministic backward is **as fast as the default**, while it does
+# 40% more matmuls. Its two kernels are simpler than the fused one. The dK/dV kernel has no
+# barrier at all and sends nothing through shared memory but its inputs; the dQ kernel is the
+# forward's loop with one more matmul. Both keep the tensor cores busier than the fused kernel,
+# whose dQ path costs two block-wide barriers, a round trip through shared memory and a copy-engine
+# operation per step. In this kernel, written with TileLang's automatic warp specialisation, the
+# matmuls that fusion saves do not pay for the synchronisation it adds. (The default mode stays
+# the fused kernel here: the final record above measured it. The comparison suggests trying the
+# split backward as the default, over the whole range of S.)
+#
+# And the reason to want it: the default's dQ differs from run to run in its last bits (the
+# record's "differs run to run"), the deterministic mode's never does.
+#
+# ## Takeaways
+#
+# - The backward's difficulty is not the exponentials but the dependencies between five matmuls
+#   and the dQ reduction that every key block contributes to.
+# - FlashAttention-3's schedule issues the matmuls in batches (Sᵀ with dPᵀ; dV, dQ and dK
+#   together) and waits only for what the next instructions read; computing Sᵀ rather than S puts
+#   Pᵀ and dSᵀ straight into the registers where dV and dK want them.
+# - dQ leaves through shared memory and one bulk reduce-add of the copy engine per tile.
+# - In TileLang this is `T.wgmma_gemm`/`T.wait_wgmma`, `T.atomic_add(..., use_tma=True)`, and two
+#   barriers of our own where the compiler would place four; ptxas's report says whether the
+#   registers still fit.
+# - Fusion is not free: here, recomputing S and dP in a separate dQ kernel (bitwise reproducible,
+#   no atomics) was as fast as sharing them at the cost of barriers and a reduction.
+#
+# ## Exercises
+#
+# **Exercise 1.** How many bytes does the dQ reduction add into the float32 accumulator, for
+# `batch`, `heads`, `seq_q` queries, `seq_k` keys, head dimension `dim` and key blocks of `block_N`
+# (no mask)? Write `dq_reduce_bytes(batch, heads, seq_q, seq_k, dim, block_N)`.
+
+# %% tags=["solution"]
+def dq_reduce_bytes(batch, heads, seq_q, seq_k, dim, block_N):
+    ### BEGIN SOLUTION
+    key_blocks = -(-seq_k // block_N)
+    return key_blocks * batch * heads * seq_q * dim * 4
+    ### END SOLUTION
+
+
+# %%
+from course_utils.exercises import ch08
+
+ch08.check_dq_reduce_bytes(dq_reduce_bytes)
+
+# %% [markdown]
+# **Exercise 2.** The heart of the deterministic mode: partial sums that arrive in any order must
+# give the same bits every time. `parts` is a list of `(key_block, tensor)` pairs in arrival order;
+# return their float32 sum, the same bits whatever the arrival order.
+
+# %% tags=["solution"]
+def fixed_order_sum(parts):
+    ### BEGIN SOLUTION
+    total = None
+    for _, part in sorted(parts, key=lambda pair: pair[0]):
+        total = part.clone() if total is None else total + part
+    return total
+    ### END SOLUTION
+
+
+# %%
+ch08.check_fixed_order_sum(fixed_order_sum)
+
+# %% [markdown]
+# **Exercise 3.** A step issues dV, dQ and dK in this order and then calls `T.wait_wgmma(n)` before
+# storing dQ. What is the largest `n` that makes dQ safe to read, and what may still be running?
+# Write `wait_before_dq_store()` returning `(n, names_still_running)`.
+
+# %% tags=["solution"]
+def wait_before_dq_store():
+    ### BEGIN SOLUTION
+    return 1, ["dK"]
+    ### END SOLUTION
+
+
+# %%
+ch08.check_wait_before_dq_store(wait_before_dq_store)

@@ -1,0 +1,148 @@
+"""Chapter 08's Hopper backward without a GPU: which tiles it masks, the schedule it lowers to for
+sm_90a, its own two barriers, ptxas's report, and clear errors where it cannot run."""
+
+import itertools
+import re
+
+import numpy as np
+import pytest
+import torch
+from tilelang import tvm
+
+from course_utils import flash_attention
+from course_utils.attention import HOPPER_BACKWARD_CONFIGS, BackwardConfig, default_backward_config
+from course_utils.diagrams import MASKED, SKIPPED, tile_classes
+from course_utils.flash_bwd_hopper import (PASS_CONFIGS, flash_bwd_hopper_dq_kernel, flash_bwd_hopper_kernel,
+                                           needs_mask, query_steps)
+from course_utils.flash_bwd_hopper_versions import SHIPPED_VERSION, VERSIONS, flash_bwd_hopper_variant
+from course_utils.flash_pieces import prelude
+from course_utils.source import cuda_source, ptxas_report
+
+SHAPE = dict(batch=2, heads=4, seq_q=2048, seq_k=2048)
+
+
+def _value(expr):
+    """A TileLang condition built from Python ints, as a Python bool."""
+    if isinstance(expr, (bool, int, np.bool_)):
+        return bool(expr)
+    return bool(tvm.arith.Analyzer().simplify(expr))
+
+
+@pytest.mark.parametrize("seq_q, seq_k, causal, window", [(256, 256, False, None), (200, 256, False, None),
+                                                          (200, 256, True, None),
+                                                          (256, 200, True, None), (300, 300, True, 70),
+                                                          (130, 300, True, 1)])
+@pytest.mark.parametrize("block_M, block_N", [(64, 128), (80, 128), (128, 128)])
+def test_visited_and_masked_tiles(seq_q, seq_k, causal, window, block_M, block_N):
+    """Every tile with a visible pair is visited, and every visited tile with a hidden pair or a row past
+    the queries' end is masked (the backward's rows run past S_q: it needs the query guard too)."""
+    p = prelude(1, seq_q, seq_k, 64, causal=causal, window_size=window)
+    classes = tile_classes(seq_q, seq_k, block_M, block_N, causal=causal, window_size=window)
+    for kb in range(classes.shape[1]):
+        first, end, offset = query_steps(p, kb, block_M, block_N)
+        visited = {_as_int(offset) + s for s in range(_as_int(first), _as_int(end))}
+        assert visited >= {qb for qb in range(classes.shape[0]) if classes[qb, kb] != SKIPPED}
+        for qb in visited:
+            ragged_rows = (qb + 1) * block_M > seq_q
+            must_mask = classes[qb, kb] == MASKED or ragged_rows or classes[qb, kb] == SKIPPED
+            assert _value(needs_mask(p, qb, kb, block_M, block_N)) or not must_mask, (qb, kb)
+
+
+def _as_int(x):
+    return int(x) if isinstance(x, int) else int(tvm.arith.Analyzer().simplify(x))
+
+
+def _source(factory=flash_bwd_hopper_kernel, pass_configs=PASS_CONFIGS, dim=128, **options):
+    return cuda_source(factory(**SHAPE, dim=dim, **options), pass_configs=pass_configs)
+
+
+def _consumer_loop(source):
+    start = source.index("for (int qb_1 = ")
+    return source[start:source.index("stage_in_use[0] =", start)]
+
+
+STEP = ["wgmma_ss<", "wgmma_ss<", "wait_wgmma<1>", "exp2f", "wait_wgmma<0>", "__sync_thread_partial(6, 256)",
+        "wgmma_rs<", "wgmma_ss<", "wgmma_rs<", "wait_wgmma<1>", "__sync_thread_partial(5, 256)", "tma_store_add",
+        "wait_wgmma<0>"]
+
+
+@pytest.mark.parametrize("dim, masked", sorted(HOPPER_BACKWARD_CONFIGS))
+def test_one_step_in_flash_attention_3_order(dim, masked):
+    """Sᵀ and dPᵀ issued together, exponentials after the first wait, dSᵀ stored, one barrier, dV, dQ and
+    dK issued together, dQ stored under dK, a second barrier, the bulk reduce-add; no other barrier."""
+    config = HOPPER_BACKWARD_CONFIGS[dim, masked]
+    loop = _consumer_loop(_source(dim=dim, causal=masked, block_M=config.block_M, block_N=config.block_N))
+    position = 0
+    for mark in STEP:
+        found = loop.find(mark, position)
+        assert found >= 0, f"{mark} missing after position {position}"
+        position = found + len(mark)
+    assert loop.count("__sync_thread_partial") == 2
+    assert "AtomicAdd" not in loop
+
+
+def test_tilelang_adds_four_barriers_without_the_pass_config():
+    """The reason for PASS_CONFIGS: left to itself, TileLang guards the same step with four barriers."""
+    loop = _consumer_loop(_source(flash_bwd_hopper_variant, pass_configs={}, ds_buffers=2, dv_during_ds=False))
+    assert loop.count("__sync_thread_partial(3, 256)") == 4
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(block_M=80, heads_kv=2, window_size=100, seq=1000)])
+def test_shipped_kernel_is_the_ablations_last_step(options):
+    """The shipped kernel and the ablation's shipped version generate the same CUDA."""
+    shipped = next(v for v in VERSIONS if v.number == SHIPPED_VERSION)
+    knobs = {k: v for k, v in shipped.knobs_for(128, True).items() if k not in ("block_M", "block_N")}
+    seq = options.pop("seq", SHAPE["seq_q"])
+    shape = dict(SHAPE, seq_q=seq, seq_k=seq)
+    a = cuda_source(flash_bwd_hopper_kernel(**shape, dim=128, **options), pass_configs=PASS_CONFIGS)
+    b = cuda_source(flash_bwd_hopper_variant(**shape, dim=128, **options, **knobs), pass_configs=PASS_CONFIGS)
+    name = re.compile(r"flash_bwd_hopper(_variant)?_kernel")
+    assert name.sub("K", a) == name.sub("K", b)
+
+
+def test_deterministic_kernels_add_nothing_atomically():
+    dkdv = _source(causal=True, heads_kv=2, deterministic=True)
+    dq = _source(flash_bwd_hopper_dq_kernel, pass_configs={}, causal=True, block_M=128, block_N=64)
+    for source in (dkdv, dq):
+        assert not re.search(r"[Aa]tomic|tma_store_add|red\.", source)
+    assert "tma_store_add" in _source(causal=True, heads_kv=2)
+
+
+def test_ptxas_keeps_every_wgmma_async_without_spills():
+    """At 80 × 128, issuing dV before dSᵀ is formed keeps the float32 P alive next to everything else:
+    ptxas runs out of registers and serialises the wgmmas. The shipped order does not."""
+    good = ptxas_report(_source(causal=False, block_M=80))
+    if good is None:
+        pytest.skip("nvcc is not installed")
+    bad = ptxas_report(_source(flash_bwd_hopper_variant, block_M=80, ds_buffers=2, manual_sync=True))
+    assert not any("C751" in line for line in good), good
+    assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in good), good
+    assert any("serialized" in line for line in bad), bad
+
+
+def test_defaults_and_clear_errors_off_hopper():
+    assert default_backward_config("cpu", 64).kernel == "flash_bwd"
+    assert default_backward_config("cuda", 128, True).kernel == "flash_bwd"  # no Hopper GPU here
+    q = torch.randn(1, 2, 32, 16)
+    with pytest.raises(ValueError, match="sm_90"):
+        flash_attention(q, q, q, backward_config=HOPPER_BACKWARD_CONFIGS[128, False])
+    with pytest.raises(ValueError, match="deterministic=True needs"):
+        flash_attention(q, q, q, deterministic=True)
+    with pytest.raises(ValueError, match="must be one of"):
+        flash_attention(q, q, q, backward_config=BackwardConfig(16, 16, 1, 1, kernel="flash_bwd_hoper"))
+
+
+def test_every_version_has_a_distinct_number_and_tiling():
+    assert [v.number for v in VERSIONS] == list(range(1, len(VERSIONS) + 1))
+    for v, dim, causal in itertools.product(VERSIONS, (64, 128), (False, True)):
+        block_M, block_N = v.tiling(dim, causal)
+        assert block_N == 128 and block_M in (64, 80, 128)
+
+
+def test_lse_and_delta_stages_start_on_128_byte_boundaries():
+    """TMA writes each LSE/Δ stage to shared memory at a 128-byte boundary: with 80-row tiles a stage of
+    80 floats would put the second one 320 bytes in (the H100 stops with a misaligned address)."""
+    source = cuda_source(flash_bwd_hopper_kernel(**dict(SHAPE, seq_q=1000, seq_k=1000), dim=128, block_M=80),
+                         pass_configs=PASS_CONFIGS)
+    strides = re.findall(r"\(\(float\*\)(?:lse|delta)\)\[\(\(qb & 1\) \* (\d+)\)\]", source)
+    assert strides and all(int(s) * 4 % 128 == 0 for s in strides), strides
