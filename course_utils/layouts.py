@@ -27,7 +27,7 @@ __all__ = [
     "BANKS", "BANK_BYTES", "WAVEFRONT_BYTES", "bank_of", "wavefronts", "ideal_wavefronts", "bank_hits",
     "shared_tile", "layout_offsets", "fragment_tables", "bank_groups", "warp_access_patterns",
     "conflict_table", "Lowered", "lower_with_layouts", "gemm_fragments", "loop_skeleton", "pipeline_schedule",
-    "overlap_schedule", "block_timelines", "greedy_dispatch",
+    "overlap_schedule", "block_timelines",
 ]
 
 BANKS = 32  # shared memory banks
@@ -402,16 +402,3 @@ def block_timelines(tiles_per_sm, cost, label=str):
         ends.append(t)
     return events, max(ends, default=0.0)
 
-
-def greedy_dispatch(tiles, num_sms, cost):
-    """The tiles in launch order, each handed to the SM that frees up first (how the hardware
-    schedules one thread block per tile when a block fills an SM). Returns one list per SM."""
-    import heapq
-
-    free = [(0.0, sm) for sm in range(num_sms)]
-    lists = [[] for _ in range(num_sms)]
-    for tile in tiles:
-        t, sm = heapq.heappop(free)
-        lists[sm].append(tile)
-        heapq.heappush(free, (t + cost(tile), sm))
-    return lists
