@@ -20,13 +20,15 @@ from .flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
 from .flash_bwd_hopper import flash_bwd_hopper_dq_kernel, flash_bwd_hopper_kernel
 from .flash_fwd import flash_fwd_kernel
 from .flash_fwd_hopper import flash_fwd_hopper_kernel
+from .flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
 from .reference import validate_attention_inputs
 from .tiles import compile_kernel
 
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
-           "ForwardConfig", "BackwardConfig", "sink_logits", "default_forward_config", "default_backward_config", "is_hopper",
-           "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS", "FORWARD_KERNELS", "BACKWARD_KERNELS",
-           "TUNED_BACKWARD_CONFIG", "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
+           "ForwardConfig", "BackwardConfig", "sink_logits", "default_forward_config", "default_backward_config",
+           "is_hopper", "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS", "THREE_WARPGROUPS_MIN_SEQ",
+           "hopper_forward_config", "FORWARD_KERNELS", "BACKWARD_KERNELS", "TUNED_BACKWARD_CONFIG",
+           "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
 
 # What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
 SUPPORTED = {
@@ -34,9 +36,12 @@ SUPPORTED = {
     "cpu": {"dtypes": (torch.float32, torch.float16), "head_dims": (16, 32, 64, 128)},
 }
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# The kernels a ForwardConfig or BackwardConfig can select: chapter 03/04's and chapter 07's Hopper
-# forward; chapter 05's and chapter 08's Hopper backward.
-FORWARD_KERNELS = {"flash_fwd": flash_fwd_kernel, "flash_fwd_hopper": flash_fwd_hopper_kernel}
+# The kernels a ForwardConfig or BackwardConfig can select: chapter 03/04's forward, chapter 07's two
+# Hopper forwards (the rotated loop, and its persistent version); chapter 05's and chapter 08's
+# Hopper backward.
+FORWARD_KERNELS = {"flash_fwd": flash_fwd_kernel, "flash_fwd_hopper": flash_fwd_hopper_kernel,
+                   "flash_fwd_hopper_persistent": flash_fwd_hopper_persistent_kernel}
+_HOPPER_KERNELS = ("flash_fwd_hopper", "flash_fwd_hopper_persistent")
 BACKWARD_KERNELS = {"flash_bwd": flash_bwd_kernel, "flash_bwd_hopper": flash_bwd_hopper_kernel}
 
 
@@ -48,7 +53,7 @@ class ForwardConfig(NamedTuple):
     num_stages: int
     threads: int
     kernel: str = "flash_fwd"
-    pingpong: bool = False  # flash_fwd_hopper only: the two consumer warpgroups take turns
+    pingpong: bool = False  # Hopper kernels only: the consumer warpgroups take turns issuing their matmuls
 
     def tiling(self):
         """The tiling as keyword arguments of a kernel factory."""
@@ -62,26 +67,44 @@ def is_hopper():
 
 # Best of the chapter 04 sweep on the H100 (figures/ch04_forward_sweep_h100.json), causal and not.
 TUNED_FORWARD_CONFIG = ForwardConfig(128, 128, 1, 256)
-# Chapter 07's kernel, tiled per (head dim, causal or window mask) from its sweep on the H100
-# (figures/ch07_overlap_sweep_h100.json): wider key blocks pay with a mask (fewer iterations for
-# the short rows), and ping-pong pays where the exponentials weigh most (D = 64 with a mask).
+# Chapter 07's persistent kernel, tiled per (head dim, causal or window mask) from its ablation and
+# sweep on the H100 (figures/ch07_forward_ablation_h100.json, ch07_overlap_sweep_h100.json): the
+# consumer warpgroups take turns issuing their matmuls (ping-pong), and at D = 64 three of them share
+# each K/V tile (192 query rows per block, as FlashAttention-3).
 HOPPER_FORWARD_CONFIGS = {
-    (128, False): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper"),
-    (128, True): ForwardConfig(128, 192, 2, 256, kernel="flash_fwd_hopper"),
-    (64, False): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper"),
-    (64, True): ForwardConfig(128, 192, 2, 256, kernel="flash_fwd_hopper", pingpong=True),
+    (128, False): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True),
+    (128, True): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True),
+    (64, False): ForwardConfig(192, 128, 2, 384, kernel="flash_fwd_hopper_persistent", pingpong=True),
+    (64, True): ForwardConfig(192, 128, 2, 384, kernel="flash_fwd_hopper_persistent", pingpong=True),
 }
+# Below this many queries 192-row tiles waste more than a third warpgroup gains: at S = 1k the last
+# tile is two-thirds padding and a causal tile of 192 rows straddles 1.5 key blocks of its diagonal.
+THREE_WARPGROUPS_MIN_SEQ = 2048
 
 
-def default_forward_config(device_type, dim, masked=False):
+def hopper_forward_config(dim, masked=False, *, seq_len=None, window=False):
+    """The forward ``flash_attention`` runs on a Hopper GPU (whichever device this runs on).
+
+    ``HOPPER_FORWARD_CONFIGS[dim, masked]``, except that three consumer warpgroups (block_M = 192)
+    fall back to two for fewer than ``THREE_WARPGROUPS_MIN_SEQ`` queries, and for a sliding window,
+    whose two-sided mask does not fit in the 160 registers a thread of three warpgroups gets.
+    """
+    config = HOPPER_FORWARD_CONFIGS[dim, bool(masked)]
+    if config.block_M == 192 and (window or (seq_len is not None and seq_len < THREE_WARPGROUPS_MIN_SEQ)):
+        config = config._replace(block_M=128, threads=256)
+    return config
+
+
+def default_forward_config(device_type, dim, masked=False, *, seq_len=None, window=False):
     """The kernel and tiling used when none is given: small tiles on the CPU, the fastest on the GPU.
 
-    ``masked``: causal or sliding-window attention.
+    ``masked``: causal or sliding-window attention; ``seq_len``: the number of queries; ``window``:
+    whether a sliding window is used. On Hopper this is ``hopper_forward_config``.
     """
     if device_type == "cpu":
         return ForwardConfig(16, 16, 1, 1)
     if is_hopper() and (dim, bool(masked)) in HOPPER_FORWARD_CONFIGS:
-        return HOPPER_FORWARD_CONFIGS[dim, bool(masked)]
+        return hopper_forward_config(dim, masked, seq_len=seq_len, window=window)
     return TUNED_FORWARD_CONFIG
 
 
@@ -156,13 +179,17 @@ def _compiled_forward(problem, has_sinks, config):
     tiling = config.tiling()
     variant = dict(heads_kv=pr.heads_kv, causal=pr.masked, window_size=pr.window_size, has_sinks=has_sinks,
                    sm_scale=pr.sm_scale, dtype=pr.dtype)
-    if config.kernel == "flash_fwd_hopper":
+    if config.kernel in _HOPPER_KERNELS:
         if pr.target != "cuda" or not is_hopper():
-            raise ValueError("ForwardConfig(kernel='flash_fwd_hopper') is chapter 07's Hopper kernel: it needs an sm_90 GPU")
-        func = flash_fwd_hopper_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, **variant, **tiling,
-                                       pingpong=config.pingpong)
+            raise ValueError(f"ForwardConfig(kernel={config.kernel!r}) is one of chapter 07's Hopper kernels: "
+                             "it needs an sm_90 GPU")
+        if config.kernel == "flash_fwd_hopper_persistent":  # one persistent block per SM
+            variant["num_ctas"] = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        func = FORWARD_KERNELS[config.kernel](pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, **variant, **tiling,
+                                              pingpong=config.pingpong)
     elif config.pingpong:
-        raise ValueError("ForwardConfig(pingpong=True) needs kernel='flash_fwd_hopper' (chapter 07's Hopper kernel)")
+        raise ValueError("ForwardConfig(pingpong=True) needs one of chapter 07's Hopper kernels "
+                         f"{_HOPPER_KERNELS}")
     else:
         func = flash_fwd_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, target=pr.target, **variant, **tiling)
     return compile_kernel(func, out_idx=[4, 5], target=pr.target, dtype=pr.dtype)
@@ -239,7 +266,8 @@ def forward_kernel(q, k, *, causal=False, window_size=None, has_sinks=False, sm_
     """
     problem = _problem(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
     if config is None:
-        config = default_forward_config(q.device.type, q.shape[-1], problem.masked)
+        config = default_forward_config(q.device.type, q.shape[-1], problem.masked, seq_len=q.shape[2],
+                                        window=window_size is not None)
     return _compiled_forward(problem, bool(has_sinks), ForwardConfig(*config))
 
 

@@ -198,8 +198,13 @@ def online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N,
 
 
 @T.macro
-def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by, qb, block_M, dim, has_sinks):
-    """Add the sink, normalise once, store O through shared memory and write the natural-log LSE."""
+def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by, qb, block_M, dim, has_sinks,
+                     wait_for_store=True):
+    """Add the sink, normalise once, store O through shared memory and write the natural-log LSE.
+
+    ``wait_for_store=False`` (CUDA only) leaves the TMA store of O in flight: a persistent kernel
+    overlaps it with its next tile and calls ``T.tma_store_wait()`` before it writes ``O_s`` again.
+    """
     # The shift is recomputed: a query block that sees no key never ran the loop.
     for i in tb.parallel(block_M):
         shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] * p.scale_log2)
@@ -213,7 +218,10 @@ def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by,
     for i, j in tb.parallel(block_M, dim):
         acc_o[i, j] = T.if_then_else(l[i] == 0, 0, acc_o[i, j] / l[i])
     T.copy(acc_o, O_s)
-    T.copy(O_s, Output[bz, by, qb * block_M:(qb + 1) * block_M, :])
+    if wait_for_store:
+        T.copy(O_s, Output[bz, by, qb * block_M:(qb + 1) * block_M, :])
+    else:
+        T.tma_copy(O_s, Output[bz, by, qb * block_M:(qb + 1) * block_M, :])
     # endregion
     # region: lse
     for i in tb.parallel(block_M):

@@ -187,8 +187,9 @@ def text_table(rows, *, index, columns, value, fmt="{:.0f}", missing="–", widt
     col_keys = list(dict.fromkeys(r[columns] for r in rows))
     cells = {(r[index], r[columns]): fmt.format(r[value]) for r in rows if r.get(value) is not None}
     width = width or max(len(str(c)) for c in col_keys) + 2
-    lines = [f"{index:>8}" + "".join(f"{str(c):>{width}}" for c in col_keys)]
+    labels = {k: seq_label(k) if isinstance(k, int) else str(k) for k in row_keys}
+    first = max(8, len(index), *(len(label) for label in labels.values()))
+    lines = [f"{index:>{first}}" + "".join(f"{str(c):>{width}}" for c in col_keys)]
     for k in row_keys:
-        label = seq_label(k) if isinstance(k, int) else str(k)
-        lines.append(f"{label:>8}" + "".join(f"{cells.get((k, c), missing):>{width}}" for c in col_keys))
+        lines.append(f"{labels[k]:>{first}}" + "".join(f"{cells.get((k, c), missing):>{width}}" for c in col_keys))
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .plots import COLORS
 
-__all__ = ["pipeline_schedule", "overlap_schedule", "pipeline_timeline"]
+__all__ = ["pipeline_schedule", "overlap_schedule", "pipeline_timeline", "block_timelines"]
 
 
 def pipeline_schedule(num_stages, n_blocks, *, load, qk, softmax, pv):
@@ -86,6 +86,22 @@ def overlap_schedule(n_blocks, *, qk, softmax, pv, overlap):
 
 
 # --------------------------------------------------------------------------- picture
+
+def block_timelines(tiles_per_sm, cost, label=str):
+    """Each SM runs its list of tiles back to back (a persistent block's static schedule).
+
+    ``tiles_per_sm``: one list of tiles per SM; ``cost(tile)``: its duration; ``label(tile)``: its text.
+    Returns ``(events, makespan)``, events as (lane "SM i", start, duration, label, 0).
+    """
+    events, ends = [], []
+    for sm, tiles in enumerate(tiles_per_sm):
+        t = 0.0
+        for tile in tiles:
+            events.append((f"SM {sm}", t, cost(tile), label(tile), 0))
+            t += cost(tile)
+        ends.append(t)
+    return events, max(ends, default=0.0)
+
 
 _STEP_COLORS = {"QK": "#d62728", "sm": "#ff7f0e", "PV": "#9467bd", "K": "#1f77b4", "V": "#2ca02c",
                 # chapter 08's backward step

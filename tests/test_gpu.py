@@ -123,7 +123,57 @@ def test_sinks_that_dominate_stay_finite_on_the_gpu():
 
 
 def test_hopper_default_is_the_hopper_kernel():
-    assert (default_forward_config("cuda", 128).kernel == "flash_fwd_hopper") == is_hopper()
+    from course_utils.attention import default_forward_config, is_hopper
+
+    assert (default_forward_config("cuda", 128).kernel == "flash_fwd_hopper_persistent") == is_hopper()
+
+
+# --- Chapter 07's persistent Hopper forward (flash_fwd_hopper_persistent_kernel): the default on Hopper ---
+
+_PERSISTENT_PROBLEMS = {
+    # name: (batch, heads, heads_kv, seq_q, seq_k, dim, dtype, causal, window, sinks)
+    "S=4k D=128": (2, 16, 16, 4096, 4096, 128, torch.float16, False, None, False),
+    "S=4k D=64 causal (3 warpgroups)": (2, 32, 32, 4096, 4096, 64, torch.float16, True, None, False),
+    "S=1k D=128 causal bf16": (16, 16, 16, 1024, 1024, 128, torch.bfloat16, True, None, False),
+    "ragged D=64 (2 warpgroups)": (3, 4, 4, 1000, 1000, 64, torch.float16, False, None, False),
+    "ragged D=64 causal (3 warpgroups)": (1, 8, 8, 2500, 2500, 64, torch.float16, True, None, False),
+    "S_q < S_k causal GQA": (1, 8, 2, 500, 1300, 128, torch.float16, True, None, False),
+    "S_q > S_k causal sinks": (1, 4, 4, 1300, 500, 64, torch.float16, True, None, True),
+    "gpt-oss window": (1, 64, 8, 2048, 2048, 64, torch.bfloat16, True, 128, True),
+    "window 1": (1, 4, 4, 777, 777, 64, torch.float16, True, 1, False),
+}
+
+
+@pytest.mark.parametrize("problem", _PERSISTENT_PROBLEMS)
+def test_persistent_forward_every_head(problem):
+    """flash_attention's default on Hopper (the persistent kernel, 2 or 3 consumer warpgroups) on every head."""
+    from course_utils.attention import default_forward_config, is_hopper
+    from course_utils.validation import check_forward
+
+    if not is_hopper():
+        pytest.skip("the persistent kernel needs an sm_90 GPU")
+    b, h, hkv, sq, sk, dim, dtype, causal, window, with_sinks = _PERSISTENT_PROBLEMS[problem]
+    config = default_forward_config("cuda", dim, causal or window is not None, seq_len=sq, window=window is not None)
+    assert config.kernel == "flash_fwd_hopper_persistent"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, h, sq, dim, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(b, hkv, sk, dim, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    sinks = torch.randn(h, device="cuda", generator=g) if with_sinks else None
+    out, lse = flash_attention(q, k, v, causal=causal, window_size=window, sinks=sinks, return_lse=True)
+    check_forward(q, k, v, out, lse, causal=causal, window_size=window, sinks=sinks,
+                  name=f"{problem} ({config.block_M}x{config.block_N})")
+
+
+def test_persistent_forward_twice_in_a_row_is_the_same():
+    """The persistent blocks keep no state between launches (mbarrier phases restart with each launch)."""
+    from course_utils.attention import is_hopper
+
+    if not is_hopper():
+        pytest.skip("the persistent kernel needs an sm_90 GPU")
+    q, k, v = (torch.randn(4, 16, 2048, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    first = flash_attention(q, k, v, causal=True)
+    second = flash_attention(q, k, v, causal=True)
+    assert torch.equal(first, second)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,14 +15,15 @@ from .ch01_naive import naive_attention, naive_vs_sdpa
 from .ch03_forward import forward_config_sweep, forward_vs_peers
 from .ch05_backward import backward_config_sweep, backward_vs_peers
 from .ch06_gpt_oss import GPT_OSS_SHAPE, gpt_oss_vs_peers, gqa_backward_strategies
-from .ch07_hopper import forward_ablation, hopper_tiling_sweep
+from .ch07_hopper import forward_ablation, hopper_tiling_sweep, persistent_vs_rotated
 from .ch08_hopper_backward import backward_ablation, deterministic_cost, feature_checks
 from .common import SDPA_PEERS, comparison_shapes
 
 __all__ = ["RECORDS", "CH03_FORWARD_CONFIG", "CH05_BACKWARD_CONFIG", "SDPA_PEERS", "comparison_shapes",
            "naive_attention", "naive_vs_sdpa", "forward_vs_peers", "forward_config_sweep", "backward_config_sweep",
            "backward_vs_peers", "GPT_OSS_SHAPE", "gpt_oss_vs_peers", "gqa_backward_strategies", "forward_ablation",
-           "hopper_tiling_sweep", "backward_ablation", "deterministic_cost", "feature_checks", "CH08_SEQS"]
+           "hopper_tiling_sweep", "persistent_vs_rotated", "backward_ablation", "deterministic_cost", "feature_checks",
+           "CH08_SEQS"]
 
 # Chapter 03's kernel as the chapter writes it (two pipeline stages), and chapter 05's backward.
 CH03_FORWARD_CONFIG = ForwardConfig(128, 128, 2, 256)
@@ -46,6 +47,7 @@ RECORDS = {
     "ch06_gqa_backward_h100": gqa_backward_strategies,
     "ch07_forward_ablation_h100": forward_ablation,
     "ch07_overlap_sweep_h100": hopper_tiling_sweep,
+    "ch07_persistent_vs_rotated_h100": persistent_vs_rotated,
     "ch07_forward_vs_peers_h100": lambda: forward_vs_peers(
         shapes=comparison_shapes(seq_lens=_CH07_SEQS, dim=64) + comparison_shapes(seq_lens=_CH07_SEQS, dim=128),
         dtypes=("float16", "bfloat16"), include_naive_up_to=0),

@@ -16,7 +16,9 @@ __all__ = ["forward_vs_peers", "forward_config_sweep"]
 
 
 def _config_for(config, shape, causal):
-    return ForwardConfig(*config) if config is not None else default_forward_config("cuda", shape["dim"], causal)
+    if config is not None:
+        return ForwardConfig(*config)
+    return default_forward_config("cuda", shape["dim"], causal, seq_len=shape["seq"])
 
 
 def forward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, True), config=None,
