@@ -49,12 +49,15 @@ def show_source(obj, region=None):
         print(f"{number:4d} │ {line[indent:]}")
 
 
-def cuda_source(prim_func, arch="sm_90a"):
-    """The CUDA source TileLang generates for ``prim_func`` on ``arch`` (no GPU needed)."""
+def cuda_source(prim_func, arch="sm_90a", pass_configs=None):
+    """The CUDA source TileLang generates for ``prim_func`` on ``arch`` (no GPU needed).
+
+    ``pass_configs``: TileLang pass options, as ``compile_kernel`` takes them (e.g. warp
+    specialisation off)."""
     import tilelang
     from tilelang import tvm
 
-    with tvm.target.Target({"kind": "cuda", "arch": arch}):
+    with tvm.transform.PassContext(config=dict(pass_configs or {})), tvm.target.Target({"kind": "cuda", "arch": arch}):
         return tilelang.lower(prim_func).kernel_source
 
 
