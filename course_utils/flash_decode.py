@@ -31,7 +31,7 @@ import tilelang
 import tilelang.language as T
 
 from .flash_pieces import (ACCUM, LOG2E, NEG_INF, key_range_of_queries, natural_lse, normalise_rows, online_softmax,
-                           prelude, visible, with_lengths)
+                           prelude, visible, with_lengths, zero_rows_past_end)
 from .tiles import TileBackend
 
 __all__ = ["DecodeConfig", "DECODE_CONFIGS", "decode_config", "decode_rows", "flash_decode_kernel",
@@ -189,13 +189,15 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
                 for i, d in tb.parallel(block_M, dim):
                     acc_o[i, d] *= alpha[i]
                 load_tile(V, BlockTable, V_s, b, kv_head, kb)
+                zero_rows_past_end(tb, V_s, kb * block_N, p.seq_k, block_N, dim)  # never-written cache slots
                 T.gemm(P_s, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             # region: partial result
             normalise_rows(tb, p, acc_o, l, m, shift, None, 0, block_M, dim, False)  # the sink joins in the merge
-            for i, d in tb.parallel(block_M, dim):
+            for i, d in tb.parallel(block_M, dim):  # row r: new token r // group, query head of the group r % group
                 if first_row + i < rows:
-                    O_part[b, (first_row + i) // group, kv_head * group + (first_row + i) % group, split, d] = acc_o[i, d]
+                    O_part[b, (first_row + i) // group, kv_head * group + (first_row + i) % group, split, d] = \
+                        acc_o[i, d]
             for i in tb.parallel(block_M):
                 if first_row + i < rows:
                     LSE_part[b, (first_row + i) // group, kv_head * group + (first_row + i) % group, split] = \

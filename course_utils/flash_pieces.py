@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 __all__ = ["LOG2E", "ACCUM", "NEG_INF", "Prelude", "prelude", "with_lengths", "visible", "block_needs_mask",
-           "key_block_range", "key_range_of_queries", "query_block_range", "mask_scores", "init_running_max", "forward_tiles", "online_softmax",
-           "normalise_rows", "natural_lse", "forward_epilogue"]
+           "key_block_range", "key_range_of_queries", "query_block_range", "mask_scores", "init_running_max",
+           "forward_tiles", "online_softmax", "normalise_rows", "natural_lse", "forward_epilogue", "zero_rows_past_end"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
 ACCUM = "float32"
@@ -252,3 +252,25 @@ def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by,
     for i in tb.parallel(block_M):
         if qb * block_M + i < p.seq_q:
             LSE[bz, by, qb * block_M + i] = natural_lse(l[i], shift[i])
+
+
+@T.macro
+def zero_rows_past_end(tb, tile, first_row, length, rows, cols=None):
+    """Zero the rows of a loaded tile that lie past its sequence's end (only a tile that runs past it).
+
+    ``tile`` holds rows ``first_row …`` of a sequence of ``length`` rows (``cols`` columns, or a vector).
+    Masking the scores gives a key past the end P = 0, but P·V still multiplies 0 by its value row,
+    and 0 · NaN = NaN: the rows past a sequence's end (another sequence's tokens when sequences are
+    packed, never-written slots of a KV cache) must not reach its result, whatever they hold.
+    """
+    if first_row + rows > length:
+        # Written as a read of the tile: TileLang's warp specialisation waits for a tile's load before
+        # the first *read* of it, and would let a plain store run before the data has arrived.
+        if cols is None:
+            for i in tb.parallel(rows):
+                tile[i] = T.if_then_else(first_row + i < length, tile[i], 0)
+        else:
+            for i, j in tb.parallel(rows, cols):
+                tile[i, j] = T.if_then_else(first_row + i < length, tile[i, j], 0)
+        if tb.on_gpu:
+            T.fence_proxy_async()  # order these stores before the copy engine's next write to the buffer

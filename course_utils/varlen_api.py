@@ -16,15 +16,21 @@ already trusted (the kernels then read whatever the indices point at).
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from .attention import SUPPORTED, _DTYPE_NAMES, _no_sinks
+from .attention import (SUPPORTED, _DTYPE_NAMES, BackwardConfig, ForwardConfig, _no_sinks, default_backward_config,
+                        default_forward_config, is_hopper)
 from .flash_decode import (choose_num_splits, decode_config, decode_rows, flash_decode_kernel,
                            flash_decode_merge_kernel)
+from .flash_varlen import (SCHEDULES, VARLEN_HOPPER_CONFIGS, flash_varlen_bwd_kernel, flash_varlen_fwd_kernel,
+                           scale_cast_kernel, varlen_delta_kernel, varlen_work_list)
 from .tiles import compile_kernel
 
-__all__ = ["flash_decode", "decode_kernels", "decode_num_splits"]
+__all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_num_splits",
+           "VARLEN_SCHEDULE"]
 
 _CACHE_SIZE = 32
 
@@ -270,3 +276,240 @@ def _self_check_decode():
             worst = max(worst, float((out[b:b + 1].transpose(1, 2).double() - ref.double()).abs().max()))
         print(f"flash_decode, {name} cache: max abs error vs float64 {worst:.2e}")
         assert worst < (2e-2 if HAS_GPU else 1e-5), name
+
+
+# ---------------------------------------------------------------------------------------------- varlen
+
+# The forward's and backward's work lists ("list" schedule) are made on the host from the lengths;
+# every layer of a model sees the same batch, so they are cached by the lengths themselves.
+VARLEN_SCHEDULE = "list"
+
+
+class _Plan(NamedTuple):
+    """What the kernels need from ``cu_seqlens`` beyond the tensors: lengths and the two work lists."""
+
+    lengths_q: torch.Tensor  # CPU
+    lengths_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    forward_items: torch.Tensor  # on the device: (sequence, query block), heaviest first
+    backward_items: torch.Tensor  # (sequence, key block)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_block, bwd_block, causal, device):
+    lengths_q = torch.tensor(bounds_q[1:]) - torch.tensor(bounds_q[:-1])
+    lengths_k = torch.tensor(bounds_k[1:]) - torch.tensor(bounds_k[:-1])
+    fwd = varlen_work_list(lengths_q, lengths_k, fwd_block, causal=causal)
+    bwd = varlen_work_list(lengths_q, lengths_k, bwd_block, causal=causal, by_keys=True)
+    return _Plan(lengths_q, lengths_k, max_seqlen_q, max_seqlen_k, fwd.to(device), bwd.to(device))
+
+
+def _check_bounds(name, bounds, total, max_seqlen, max_name):
+    """cu_seqlens read on the host: starts at 0, never decreases, ends at the packed length."""
+    if bounds[0] != 0:
+        raise ValueError(f"{name}[0] must be 0 (prefix sums of the lengths); got {bounds[0]}")
+    for b in range(len(bounds) - 1):
+        if bounds[b + 1] < bounds[b]:
+            raise ValueError(f"{name} must be non-decreasing (prefix sums of the lengths); "
+                             f"{name}[{b + 1}] = {bounds[b + 1]} < {name}[{b}] = {bounds[b]}")
+    if bounds[-1] != total:
+        raise ValueError(f"{name}[-1] = {bounds[-1]} must equal the packed length {total} of the tensor")
+    longest = max(bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1))
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"{max_name} must be an int; got {type(max_seqlen).__name__}")
+    if max_seqlen < longest:
+        b = max(range(len(bounds) - 1), key=lambda i: bounds[i + 1] - bounds[i])
+        raise ValueError(f"{max_name} = {max_seqlen} is smaller than the length {longest} of sequence {b}")
+
+
+def _varlen_configs(target, dim, masked, config, backward_config):
+    if config is not None:
+        fwd = ForwardConfig(*config)
+    elif target == "cuda" and is_hopper() and (dim, bool(masked)) in VARLEN_HOPPER_CONFIGS:
+        fwd = ForwardConfig(*VARLEN_HOPPER_CONFIGS[dim, bool(masked)])
+    else:
+        fwd = default_forward_config("cpu" if target == "c" else "cuda", dim, masked)
+    bwd = BackwardConfig(*backward_config) if backward_config is not None else default_backward_config(
+        "cpu" if target == "c" else "cuda")
+    if fwd.kernel not in ("flash_fwd", "flash_fwd_hopper"):
+        raise ValueError(f"config.kernel must be 'flash_fwd' or 'flash_fwd_hopper'; got {fwd.kernel!r}")
+    if fwd.kernel == "flash_fwd_hopper" and not (target == "cuda" and is_hopper()):
+        raise ValueError("config.kernel='flash_fwd_hopper' is chapter 07's Hopper loop: it needs an sm_90 GPU")
+    return fwd, bwd
+
+
+class _VarlenProblem(NamedTuple):
+    heads: int
+    heads_kv: int
+    dim: int
+    causal: bool
+    window_size: "int | None"
+    sm_scale: float
+    dtype: str
+    target: str
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _varlen_forward(pr, config, schedule):
+    func = flash_varlen_fwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
+                                   window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
+                                   block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
+                                   threads=config.threads, schedule=schedule, target=pr.target,
+                                   hopper=config.kernel == "flash_fwd_hopper", pingpong=config.pingpong)
+    return compile_kernel(func, out_idx=[7, 8], target=pr.target, dtype=pr.dtype)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _varlen_backward(pr, config, schedule):
+    func = flash_varlen_bwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
+                                   window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
+                                   block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
+                                   threads=config.threads, schedule=schedule, target=pr.target)
+    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _varlen_small_kernels(dim, dtype, target):
+    """Δ and the scale-and-cast kernel: per-token work, the same for every batch and head count."""
+    small = dict(block=16 if target == "c" else 64, threads=1 if target == "c" else 128, target=target, dtype=dtype)
+    return (compile_kernel(varlen_delta_kernel(dim, **small), out_idx=[2], target=target, dtype=dtype),
+            compile_kernel(scale_cast_kernel(dim, **small), out_idx=[2], target=target, dtype=dtype))
+
+
+def _schedule_arg(schedule, plan, forward):
+    if schedule == "grid":
+        return plan.max_seqlen_q if forward else plan.max_seqlen_k
+    return plan.forward_items if forward else plan.backward_items
+
+
+class _FlashAttentionVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_q, cu_k, plan, problem, config, backward_config, schedule):
+        fwd = _varlen_forward(problem, config, schedule)
+        sink_logits = _sink_logits(sinks, problem.heads, q.device)
+        out, lse = fwd(q, k, v, cu_q, cu_k, _schedule_arg(schedule, plan, True), sink_logits)
+        ctx.save_for_backward(q, k, v, out, lse, sink_logits, cu_q, cu_k)
+        ctx.args = (plan, problem, backward_config, schedule)
+        ctx.has_sinks = sinks is not None
+        return out, lse
+
+    @staticmethod
+    @once_differentiable  # the backward is kernels, not PyTorch ops
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse, sink_logits, cu_q, cu_k = ctx.saved_tensors
+        plan, pr, config, schedule = ctx.args
+        delta_kernel, scale_cast = _varlen_small_kernels(pr.dim, pr.dtype, pr.target)
+        d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
+        delta = delta_kernel(out, d_out)
+        if d_lse is not None:  # ∂LSE_i/∂S_ij = P_ij: the LSE's gradient joins dS = P ∘ (dP − Δ) as Δ − dLSE
+            delta = (delta - d_lse.float()).contiguous()
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        gqa = pr.heads_kv != pr.heads
+        dk, dv = ((torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)) if gqa
+                  else (torch.empty_like(k), torch.empty_like(v)))
+        _varlen_backward(pr, config, schedule)(q, k, v, d_out, lse, delta, cu_q, cu_k,
+                                               _schedule_arg(schedule, plan, False), dq_acc, dk, dv)
+        dq = scale_cast(dq_acc.view(-1, pr.dim), pr.sm_scale).view(q.shape)
+        if gqa:
+            dk, dv = (scale_cast(t.view(-1, pr.dim), 1.0).view(k.shape) for t in (dk, dv))
+        d_sinks = None
+        if ctx.has_sinks and ctx.needs_input_grad[3]:
+            # d(loss)/d(sink_h) = −Σ_t P_sink[h, t] · (Δ − dLSE)[h, t], with P_sink = exp(sink_h − LSE).
+            d_sinks = -(torch.exp(sink_logits[:, None] - lse) * delta).sum(dim=1)
+        return dq, dk, dv, d_sinks, None, None, None, None, None, None, None
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                           sm_scale=None, window_size=None, sinks=None, return_lse=False, schedule=None, config=None,
+                           backward_config=None):
+    """Attention over a packed batch of variable-length sequences (FlashAttention's ``flash_attn_varlen_func``).
+
+    q: [total_q, H, D]; k, v: [total_k, H_kv, D] (H a multiple of H_kv: GQA). ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` (int32 [B + 1], on q's device) are the prefix sums of the lengths: sequence b is
+    q rows ``cu_seqlens_q[b] … cu_seqlens_q[b+1] − 1`` against k/v rows likewise; a sequence may be
+    empty. ``max_seqlen_*`` must be at least the longest length. Masking as in ``flash_attention``
+    for each sequence on its own (causal aligned bottom-right when its q and k lengths differ; a
+    ``window_size`` implies causal; ``sinks`` float [H]). Returns O [total_q, H, D] (and the
+    natural-log LSE [H, total_q], float32, with ``return_lse``). Differentiable once with respect to
+    q, k, v and sinks, through O and the LSE. ``schedule`` ("list" or "grid", see
+    ``course_utils.flash_varlen``), ``config`` (a ``ForwardConfig``) and ``backward_config`` choose
+    the kernels; the defaults are the fastest measured.
+    """
+    _check_tensor("q", q, 3, "[total_q, heads, head_dim]")
+    _check_tensor("k", k, 3, "[total_k, heads_kv, head_dim]")
+    _check_tensor("v", v, 3, "[total_k, heads_kv, head_dim]")
+    scale = _check_common("flash_attention_varlen", q, k, v, 1, sinks=sinks, window_size=window_size,
+                          sm_scale=sm_scale)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if isinstance(t, torch.Tensor) and t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D ([batch + 1]); got shape {list(t.shape)}")
+        _check_index_tensor(name, t, (t.shape[0] if isinstance(t, torch.Tensor) else 0,), q.device)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have batch + 1 ≥ 2 entries; got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        raise ValueError(f"the packed q and k must hold at least one token each; got {q.shape[0]} and {k.shape[0]}")
+    bounds_q, bounds_k = tuple(cu_seqlens_q.tolist()), tuple(cu_seqlens_k.tolist())  # one wait for the GPU
+    _check_bounds("cu_seqlens_q", bounds_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+    _check_bounds("cu_seqlens_k", bounds_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    schedule = VARLEN_SCHEDULE if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
+    if window_size is not None and window_size >= max_seqlen_k:
+        window_size, causal = None, True  # a window as long as every sequence hides only what causal hides
+    causal = bool(causal or window_size is not None)
+    target = _target(q)
+    fwd_config, bwd_config = _varlen_configs(target, q.shape[-1], causal, config, backward_config)
+    plan = _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_config.block_M, bwd_config.block_N, causal,
+                 q.device)
+    problem = _VarlenProblem(q.shape[1], k.shape[1], q.shape[2], causal, window_size, scale, _DTYPE_NAMES[q.dtype],
+                             target)
+    out, lse = _FlashAttentionVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, cu_seqlens_q,
+                                           cu_seqlens_k, plan, problem, fwd_config, bwd_config, schedule)
+    return (out, lse) if return_lse else out
+
+
+def varlen_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, schedule=None, config=None,
+                   backward_config=None):
+    """The compiled (forward, backward main) kernels ``flash_attention_varlen`` runs for q and k like these."""
+    target = _target(q)
+    causal = bool(causal or window_size is not None)
+    fwd_config, bwd_config = _varlen_configs(target, q.shape[-1], causal, config, backward_config)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    problem = _VarlenProblem(q.shape[1], k.shape[1], q.shape[2], causal, window_size, scale, _DTYPE_NAMES[q.dtype],
+                             target)
+    schedule = VARLEN_SCHEDULE if schedule is None else schedule
+    return _varlen_forward(problem, fwd_config, schedule), _varlen_backward(problem, bwd_config, schedule)
+
+
+def _self_check_varlen():
+    """``python -m course_utils.flash_varlen``: a packed batch against the float64 reference, per sequence."""
+    from .device import DEVICE, HAS_GPU
+    from .reference import attention_reference
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if HAS_GPU else torch.float32
+    heads, heads_kv, dim = (16, 4, 128) if HAS_GPU else (4, 2, 16)
+    lengths = [1000, 1, 4096, 0, 129] if HAS_GPU else [20, 1, 16, 0, 17]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    total = int(cu[-1])
+    q = torch.randn(total, heads, dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(total, heads_kv, dim, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
+    out = flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    worst = {}
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        leaves = [t[rows].detach().double().transpose(0, 1)[None].requires_grad_() for t in (q, k, v)]
+        ref = attention_reference(*leaves, causal=True)
+        ref_grads = torch.autograd.grad(ref, leaves, d_out[rows].double().transpose(0, 1)[None])
+        for name, mine, theirs in zip(("O", "dQ", "dK", "dV"), (out,) + grads, (ref,) + ref_grads):
+            err = float((mine[rows].detach().double() - theirs[0].detach().transpose(0, 1)).abs().max())
+            worst[name] = max(worst.get(name, 0.0), err)
+    print("flash_attention_varlen, causal, lengths", lengths, "max abs error vs float64:",
+          ", ".join(f"{n} {e:.2e}" for n, e in worst.items()))
+    assert all(e < (5e-2 if HAS_GPU else 1e-4) for e in worst.values()), worst
