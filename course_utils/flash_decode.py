@@ -266,17 +266,16 @@ def choose_num_splits(batch, heads_kv, capacity, *, num_sms, config, dim, row_ti
                       min_blocks_per_split=2):
     """How many splits one decoding step uses, from (B, H_kv, cache capacity) and the GPU's SMs.
 
-    Without splitting there are B·H_kv·row_tiles thread blocks. When they already fill every SM
-    (as many blocks as fit at once, ``blocks_per_sm``), splitting only adds merge work: 1 split.
-    Otherwise split each sequence's cache until one wave of blocks fills the GPU, keeping at least
-    ``min_blocks_per_split`` key tiles per split (fewer is all prologue, and more partials to merge).
+    Without splitting there are B·H_kv·row_tiles thread blocks; the GPU runs ``num_sms ·
+    blocks_per_sm`` of them at once (one *wave*). When they fill a wave already, splitting only adds
+    merge work: 1 split. Otherwise use as many splits as still fit in one wave, so every block
+    starts at once and they all finish together (one more split would spill a few blocks into a
+    second, nearly empty wave), keeping at least ``min_blocks_per_split`` key tiles per split.
     """
     blocks = batch * heads_kv * row_tiles
-    resident = num_sms * blocks_per_sm(config, dim)
-    if blocks >= resident:
-        return 1
+    wave = num_sms * blocks_per_sm(config, dim)
     key_blocks = math.ceil(capacity / config.block_N)
-    splits = math.ceil(resident / blocks)
+    splits = wave // blocks
     return int(max(1, min(splits, max_splits, key_blocks // min_blocks_per_split)))
 
 

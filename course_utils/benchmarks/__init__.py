@@ -16,12 +16,13 @@ from .ch03_forward import forward_config_sweep, forward_vs_peers
 from .ch05_backward import backward_config_sweep, backward_vs_peers
 from .ch06_gpt_oss import GPT_OSS_SHAPE, gpt_oss_vs_peers, gqa_backward_strategies
 from .ch07_hopper import forward_ablation, hopper_tiling_sweep
+from .ch09_varlen_decode import decode_bandwidth, decode_split_sweep, varlen_vs_dense
 from .common import SDPA_PEERS, comparison_shapes
 
 __all__ = ["RECORDS", "CH03_FORWARD_CONFIG", "CH05_BACKWARD_CONFIG", "SDPA_PEERS", "comparison_shapes",
            "naive_attention", "naive_vs_sdpa", "forward_vs_peers", "forward_config_sweep", "backward_config_sweep",
            "backward_vs_peers", "GPT_OSS_SHAPE", "gpt_oss_vs_peers", "gqa_backward_strategies", "forward_ablation",
-           "hopper_tiling_sweep"]
+           "hopper_tiling_sweep", "decode_bandwidth", "decode_split_sweep", "varlen_vs_dense"]
 
 # Chapter 03's kernel as the chapter writes it (two pipeline stages), and chapter 05's backward.
 CH03_FORWARD_CONFIG = ForwardConfig(128, 128, 2, 256)
@@ -45,4 +46,7 @@ RECORDS = {
     "ch07_forward_vs_peers_h100": lambda: forward_vs_peers(
         shapes=comparison_shapes(seq_lens=_CH07_SEQS, dim=64) + comparison_shapes(seq_lens=_CH07_SEQS, dim=128),
         dtypes=("float16", "bfloat16"), include_naive_up_to=0),
+    "ch09_decode_h100": decode_bandwidth,
+    "ch09_decode_splits_h100": decode_split_sweep,
+    "ch09_varlen_h100": varlen_vs_dense,
 }
