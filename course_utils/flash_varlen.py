@@ -34,7 +34,7 @@ from .flash_pieces import (ACCUM, LOG2E, NEG_INF, forward_tiles, init_running_ma
 from .tiles import TileBackend
 
 __all__ = ["SCHEDULES", "VARLEN_HOPPER_CONFIGS", "varlen_work_list", "flash_varlen_fwd_kernel",
-           "flash_varlen_bwd_kernel", "varlen_delta_kernel", "scale_cast_kernel"]
+           "flash_varlen_bwd_kernel", "varlen_delta_kernel", "scale_cast_kernel", "padded_rows"]
 
 SCHEDULES = ("grid", "list")
 
@@ -200,7 +200,8 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
 
     Chapter 05's backward per sequence: a block owns ``block_N`` keys of one sequence and head, keeps
     K and V resident, and walks the query blocks that see them. Tensors: Q, K, V, dO as in the
-    forward; LSE and Delta [H, total_q] (float32); CuSeqlensQ/K; MaxSeqlenK (``"grid"``) or WorkItems
+    forward; LSE and Delta [H, ≥ total_q] (float32; rows padded to a multiple of 4, see ``padded_rows``);
+    CuSeqlensQ/K; MaxSeqlenK (``"grid"``) or WorkItems
     [items, 2] of (sequence, key block) (``"list"``); dQ_acc [total_q, H, D] float32, zero on entry
     (pre-scale, like chapter 05's); dK, dV [total_k, H_kv, D], in ``dtype`` for MHA, float32
     accumulators (zero on entry) for GQA.
@@ -212,6 +213,9 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
                       sm_scale=sm_scale)
     dkv_dtype = dtype if p_model.group == 1 else ACCUM
     total_q, total_k, num_bounds, items = T.dynamic("total_q, total_k, num_bounds, work_items")
+    # LSE and Delta rows are padded to a multiple of 4 floats: the copy engine (TMA) needs a row stride
+    # that is a multiple of 16 bytes, and TileLang cannot check that for a length known only at run time.
+    rows_padded = T.dynamic("rows_padded")
     batch = num_bounds - 1
     q_shape, kv_shape = [total_q, heads, dim], [total_k, p_model.heads_kv, dim]
 
@@ -301,8 +305,8 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
         @T.prim_func
         def flash_varlen_bwd(
             Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype),
-            dO: T.Tensor(q_shape, dtype), LSE: T.Tensor([heads, total_q], ACCUM),
-            Delta: T.Tensor([heads, total_q], ACCUM),
+            dO: T.Tensor(q_shape, dtype), LSE: T.Tensor([heads, rows_padded], ACCUM),
+            Delta: T.Tensor([heads, rows_padded], ACCUM),
             CuSeqlensQ: T.Tensor([num_bounds], "int32"), CuSeqlensK: T.Tensor([num_bounds], "int32"),
             MaxSeqlenK: T.int32, dQ_acc: T.Tensor(q_shape, ACCUM),
             dK: T.Tensor(kv_shape, dkv_dtype), dV: T.Tensor(kv_shape, dkv_dtype),
@@ -313,8 +317,8 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
         @T.prim_func
         def flash_varlen_bwd(
             Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype),
-            dO: T.Tensor(q_shape, dtype), LSE: T.Tensor([heads, total_q], ACCUM),
-            Delta: T.Tensor([heads, total_q], ACCUM),
+            dO: T.Tensor(q_shape, dtype), LSE: T.Tensor([heads, rows_padded], ACCUM),
+            Delta: T.Tensor([heads, rows_padded], ACCUM),
             CuSeqlensQ: T.Tensor([num_bounds], "int32"), CuSeqlensK: T.Tensor([num_bounds], "int32"),
             WorkItems: T.Tensor([items, 2], "int32"), dQ_acc: T.Tensor(q_shape, ACCUM),
             dK: T.Tensor(kv_shape, dkv_dtype), dV: T.Tensor(kv_shape, dkv_dtype),
@@ -326,16 +330,23 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
     return flash_varlen_bwd
 
 
+def padded_rows(total):
+    """The row length of the backward's LSE and Delta: ``total`` rounded up to a multiple of 4 floats."""
+    return (total + 3) // 4 * 4
+
+
 def varlen_delta_kernel(dim, *, dtype="float16", block=64, threads=128, target=None):
-    """Δ[h, t] = Σ_d dO[t, h, d] · O[t, h, d] in float32, for packed [total, H, D] tensors (any total, H)."""
+    """Δ[h, t] = Σ_d dO[t, h, d] · O[t, h, d] in float32, for packed [total, H, D] tensors (any total, H).
+
+    Delta is [H, rows_padded] (``padded_rows(total)``, the backward's layout); the padding holds 0."""
     tb = TileBackend(target)
-    total, heads = T.dynamic("total, heads")
+    total, heads, rows_padded = T.dynamic("total, heads, rows_padded")
 
     @T.prim_func
     def varlen_delta(
         O: T.Tensor([total, heads, dim], dtype),
         dO: T.Tensor([total, heads, dim], dtype),
-        Delta: T.Tensor([heads, total], ACCUM),
+        Delta: T.Tensor([heads, rows_padded], ACCUM),
     ):
         with tb.kernel(T.ceildiv(total, block), heads, threads=threads) as (bx, by):
             o = tb.fragment([block, dim], ACCUM)

@@ -26,7 +26,7 @@ from .attention import (SUPPORTED, _DTYPE_NAMES, BackwardConfig, ForwardConfig, 
 from .flash_decode import (choose_num_splits, decode_config, decode_rows, flash_decode_kernel,
                            flash_decode_merge_kernel)
 from .flash_varlen import (SCHEDULES, VARLEN_HOPPER_CONFIGS, flash_varlen_bwd_kernel, flash_varlen_fwd_kernel,
-                           scale_cast_kernel, varlen_delta_kernel, varlen_work_list)
+                           padded_rows, scale_cast_kernel, varlen_delta_kernel, varlen_work_list)
 from .tiles import compile_kernel
 
 __all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_num_splits",
@@ -162,6 +162,11 @@ def decode_kernels(q, k_cache, *, block_table=None, causal=False, window_size=No
     return split, _decode_merge(heads, dim, seq_new, _DTYPE_NAMES[q.dtype], target), config
 
 
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def decode_num_splits(q, k_cache, *, block_table=None):
     """The split count ``flash_decode`` picks when ``num_splits=None`` (``choose_num_splits``).
 
@@ -176,7 +181,7 @@ def decode_num_splits(q, k_cache, *, block_table=None):
     page_size = None if block_table is None else k_cache.shape[1]
     config = decode_config("cuda", heads, heads_kv, dim, seq_new, page_size)
     rows = decode_rows(heads, heads_kv, seq_new)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     return choose_num_splits(batch, heads_kv, capacity, num_sms=sms, config=config, dim=dim,
                              row_tiles=math.ceil(rows / config.block_M))
 
@@ -276,6 +281,15 @@ def _self_check_decode():
             worst = max(worst, float((out[b:b + 1].transpose(1, 2).double() - ref.double()).abs().max()))
         print(f"flash_decode, {name} cache: max abs error vs float64 {worst:.2e}")
         assert worst < (2e-2 if HAS_GPU else 1e-5), name
+    if HAS_GPU:  # a quick look at the speed; chapter 09's records are the measurements
+        from .bench import time_side_by_side
+
+        full = torch.full_like(lengths, seq_max)
+        ms = time_side_by_side({"ours": lambda: flash_decode(q, k, v, full, sinks=sinks, check_indices=False),
+                                "torch.sum": lambda: torch.sum(k) + torch.sum(v)})
+        nbytes = 2 * k.numel() * k.element_size()
+        print(f"B={batch}, context {seq_max}: ours {nbytes / ms['ours'] / 1e6:.0f} GB/s, "
+              f"torch.sum over the same bytes {nbytes / ms['torch.sum'] / 1e6:.0f} GB/s")
 
 
 # ---------------------------------------------------------------------------------------------- varlen
@@ -373,7 +387,7 @@ def _varlen_backward(pr, config, schedule):
 def _varlen_small_kernels(dim, dtype, target):
     """Δ and the scale-and-cast kernel: per-token work, the same for every batch and head count."""
     small = dict(block=16 if target == "c" else 64, threads=1 if target == "c" else 128, target=target, dtype=dtype)
-    return (compile_kernel(varlen_delta_kernel(dim, **small), out_idx=[2], target=target, dtype=dtype),
+    return (compile_kernel(varlen_delta_kernel(dim, **small), out_idx=[], target=target, dtype=dtype),
             compile_kernel(scale_cast_kernel(dim, **small), out_idx=[2], target=target, dtype=dtype))
 
 
@@ -401,14 +415,18 @@ class _FlashAttentionVarlen(torch.autograd.Function):
         plan, pr, config, schedule = ctx.args
         delta_kernel, scale_cast = _varlen_small_kernels(pr.dim, pr.dtype, pr.target)
         d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
-        delta = delta_kernel(out, d_out)
+        total, rows = q.shape[0], padded_rows(q.shape[0])  # LSE/Delta rows padded for the copy engine
+        delta = torch.empty(pr.heads, rows, dtype=torch.float32, device=q.device)
+        delta_kernel(out, d_out, delta)
         if d_lse is not None:  # ∂LSE_i/∂S_ij = P_ij: the LSE's gradient joins dS = P ∘ (dP − Δ) as Δ − dLSE
-            delta = (delta - d_lse.float()).contiguous()
+            delta[:, :total] -= d_lse.float()
+        lse_rows = torch.zeros(pr.heads, rows, dtype=torch.float32, device=q.device)
+        lse_rows[:, :total] = lse
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         gqa = pr.heads_kv != pr.heads
         dk, dv = ((torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)) if gqa
                   else (torch.empty_like(k), torch.empty_like(v)))
-        _varlen_backward(pr, config, schedule)(q, k, v, d_out, lse, delta, cu_q, cu_k,
+        _varlen_backward(pr, config, schedule)(q, k, v, d_out, lse_rows, delta, cu_q, cu_k,
                                                _schedule_arg(schedule, plan, False), dq_acc, dk, dv)
         dq = scale_cast(dq_acc.view(-1, pr.dim), pr.sm_scale).view(q.shape)
         if gqa:
@@ -416,7 +434,7 @@ class _FlashAttentionVarlen(torch.autograd.Function):
         d_sinks = None
         if ctx.has_sinks and ctx.needs_input_grad[3]:
             # d(loss)/d(sink_h) = −Σ_t P_sink[h, t] · (Δ − dLSE)[h, t], with P_sink = exp(sink_h − LSE).
-            d_sinks = -(torch.exp(sink_logits[:, None] - lse) * delta).sum(dim=1)
+            d_sinks = -(torch.exp(sink_logits[:, None] - lse) * delta[:, :total]).sum(dim=1)
         return dq, dk, dv, d_sinks, None, None, None, None, None, None, None
 
 
@@ -513,3 +531,9 @@ def _self_check_varlen():
     print("flash_attention_varlen, causal, lengths", lengths, "max abs error vs float64:",
           ", ".join(f"{n} {e:.2e}" for n, e in worst.items()))
     assert all(e < (5e-2 if HAS_GPU else 1e-4) for e in worst.values()), worst
+    if HAS_GPU:  # a quick look at the speed; chapter 09's records are the measurements
+        from .bench import attention_flops, time_cuda, tflops
+
+        ms = time_cuda(lambda: flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True))
+        flops = sum(attention_flops(1, heads, n, n, dim, causal=True) for n in lengths)
+        print(f"forward: {ms:.3f} ms, {tflops(flops, ms):.0f} TFLOP/s")
