@@ -581,9 +581,9 @@ fig.text(0.01, -0.03, plots.record_caption(rec_d), fontsize=7)
 plots.save(fig, "ch09_decode_bandwidth");
 
 # %% [markdown]
-# How to read it. Small problems (B = 1 with a short context; a few megabytes) finish in a few
-# microseconds, where launching the two kernels and the Python around them dominate, for every
-# implementation; bandwidth there says little. The large ones are a read of gigabytes, and the
+# How to read it. Small problems (B = 1 with a short context: a few megabytes, under a microsecond
+# of reading at 3 TB/s) cost about as much as launching two kernels and the Python around them, for
+# every implementation; bandwidth there says little. The large ones are a read of gigabytes, and the
 # fraction of `torch.sum`'s bandwidth is the measure of the kernel. The paged cache reads the same
 # bytes, a tile from one looked-up page at a time, so its cost is the block-table lookups.
 
