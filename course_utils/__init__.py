@@ -24,11 +24,12 @@ from .device import DEVICE, HAS_GPU, TILE_TARGET, describe_machine, pick
 from .reference import attention_reference
 from .tiles import TileBackend, compile_kernel
 from .validation import backward_bugs, check_backward, check_forward, forward_bugs, show_bugs_caught
+from .varlen_api import flash_attention_varlen, flash_decode
 
 __all__ = [
     "SUPPORTED", "ForwardConfig", "BackwardConfig", "flash_attention", "attention_backward", "forward_kernel",
     "backward_kernels", "attention_flops", "measured", "time_cuda", "tflops", "CheckFailed", "check_close",
     "check_true", "check_attention_error", "expect_failure", "DEVICE", "HAS_GPU", "TILE_TARGET",
     "describe_machine", "pick", "attention_reference", "TileBackend", "compile_kernel", "check_forward",
-    "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught",
+    "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught", "flash_attention_varlen", "flash_decode",
 ]

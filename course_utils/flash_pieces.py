@@ -11,14 +11,15 @@ return TileLang expressions, and the ``@T.macro`` pieces are inlined where they 
 a kernel built from pieces generates the same CUDA as one written out in full.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import tilelang.language as T
 
-__all__ = ["LOG2E", "ACCUM", "NEG_INF", "Prelude", "prelude", "visible", "block_needs_mask", "key_block_range",
-           "query_block_range", "mask_scores", "init_running_max", "forward_tiles", "online_softmax",
-           "forward_epilogue"]
+__all__ = ["LOG2E", "ACCUM", "NEG_INF", "Prelude", "prelude", "with_lengths", "visible", "block_needs_mask",
+           "key_block_range", "key_range_of_queries", "query_block_range", "mask_scores", "init_running_max",
+           "forward_tiles", "online_softmax", "normalise_rows", "natural_lse", "forward_epilogue", "zero_rows_past_end"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
 ACCUM = "float32"
@@ -27,7 +28,12 @@ NEG_INF = -T.infinity(ACCUM)
 
 @dataclass(frozen=True)
 class Prelude:
-    """The constants an attention kernel derives from its problem before touching a tile."""
+    """The constants an attention kernel derives from its problem before touching a tile.
+
+    ``seq_q`` and ``seq_k`` are Python ints for kernels compiled for one shape, or run-time
+    lengths (TIR expressions, e.g. read from ``cu_seqlens``) in a per-sequence prelude made with
+    ``with_lengths`` inside a kernel; every piece below accepts either.
+    """
 
     heads: int
     heads_kv: int
@@ -71,6 +77,16 @@ def prelude(heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, window_siz
                    causal=bool(causal), window_size=window_size)
 
 
+def with_lengths(p, seq_q, seq_k):
+    """The per-sequence prelude: ``p`` with the lengths of one sequence, known only at run time.
+
+    Called inside a kernel whose sequences are packed (varlen) or cached (decoding): ``seq_q`` and
+    ``seq_k`` are expressions such as ``cu_seqlens[b + 1] - cu_seqlens[b]``. The causal diagonal
+    (``past``), the block counts and every range below then follow each sequence's own lengths.
+    """
+    return dataclasses.replace(p, seq_q=seq_q, seq_k=seq_k)
+
+
 def visible(p, q_pos, k_pos, *, guard_q=False):
     """Whether key position ``k_pos`` counts for query position ``q_pos`` (both absolute).
 
@@ -108,12 +124,22 @@ def key_block_range(p, qb, block_M, block_N):
     Causal stops after the block holding the last row's diagonal key; a window starts at the block
     holding the first row's oldest visible key. Everything outside is skipped: no load, no math.
     """
+    return key_range_of_queries(p, qb * block_M, (qb + 1) * block_M, block_N)
+
+
+def key_range_of_queries(p, first_q, end_q, block_N):
+    """The key blocks ``[start, end)`` that query positions ``first_q … end_q − 1`` must visit.
+
+    ``key_block_range`` for any set of consecutive queries: a decoding tile packs the query heads
+    of a group, so its rows are not one query each. (``end`` may fall below ``start`` when no
+    query sees a key: the loop then runs no iteration.)
+    """
     end = p.blocks(p.seq_k, block_N)
     if p.masked:
-        end = T.min(end, T.ceildiv((qb + 1) * block_M + p.past, block_N))
+        end = T.min(end, T.ceildiv(end_q + p.past, block_N))
     start = 0
     if p.window_size is not None:
-        start = T.max(0, (qb * block_M + p.past - p.window_size + 1) // block_N)
+        start = T.max(0, (first_q + p.past - p.window_size + 1) // block_N)
     return start, end
 
 
@@ -197,14 +223,15 @@ def online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N,
         l[i] = l[i] * alpha[i] + row_sum[i]
 
 
-@T.macro
-def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by, qb, block_M, dim, has_sinks,
-                     wait_for_store=True):
-    """Add the sink, normalise once, store O through shared memory and write the natural-log LSE.
+def natural_lse(l_i, shift_i):
+    """The natural-log LSE of a row from its denominator and shift (exp2 units); -inf if it saw nothing."""
+    return T.if_then_else(l_i == 0, NEG_INF, (shift_i + T.log2(l_i)) / LOG2E)
 
-    ``wait_for_store=False`` (CUDA only) leaves the TMA store of O in flight: a persistent kernel
-    overlaps it with its next tile and calls ``T.tma_store_wait()`` before it writes ``O_s`` again.
-    """
+
+@T.macro
+def normalise_rows(tb, p, acc_o, l, m, shift, Sinks, by, block_M, dim, has_sinks):
+    """Add the sink of head ``by`` to the denominators, divide the accumulator by them once, and leave
+    in ``shift`` what ``natural_lse`` needs. A row that saw nothing (``l == 0``) gets 0."""
     # The shift is recomputed: a query block that sees no key never ran the loop.
     for i in tb.parallel(block_M):
         shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] * p.scale_log2)
@@ -217,6 +244,19 @@ def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by,
     # Only a row that saw nothing has l = 0; a NaN the row saw stays NaN, as in PyTorch.
     for i, j in tb.parallel(block_M, dim):
         acc_o[i, j] = T.if_then_else(l[i] == 0, 0, acc_o[i, j] / l[i])
+    # endregion
+
+
+@T.macro
+def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by, qb, block_M, dim, has_sinks,
+                     wait_for_store=True):
+    """Add the sink, normalise once, store O through shared memory and write the natural-log LSE.
+
+    ``wait_for_store=False`` (CUDA only) leaves the TMA store of O in flight: a persistent kernel
+    overlaps it with its next tile and calls ``T.tma_store_wait()`` before it writes ``O_s`` again.
+    """
+    normalise_rows(tb, p, acc_o, l, m, shift, Sinks, by, block_M, dim, has_sinks)
+    # region: store
     T.copy(acc_o, O_s)
     if wait_for_store:
         T.copy(O_s, Output[bz, by, qb * block_M:(qb + 1) * block_M, :])
@@ -226,6 +266,27 @@ def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by,
     # region: lse
     for i in tb.parallel(block_M):
         if qb * block_M + i < p.seq_q:
-            LSE[bz, by, qb * block_M + i] = T.if_then_else(
-                l[i] == 0, NEG_INF, (shift[i] + T.log2(l[i])) / LOG2E)
+            LSE[bz, by, qb * block_M + i] = natural_lse(l[i], shift[i])
     # endregion
+
+
+@T.macro
+def zero_rows_past_end(tb, tile, first_row, length, rows, cols=None):
+    """Zero the rows of a loaded tile that lie past its sequence's end (only a tile that runs past it).
+
+    ``tile`` holds rows ``first_row …`` of a sequence of ``length`` rows (``cols`` columns, or a vector).
+    Masking the scores gives a key past the end P = 0, but P·V still multiplies 0 by its value row,
+    and 0 · NaN = NaN: the rows past a sequence's end (another sequence's tokens when sequences are
+    packed, never-written slots of a KV cache) must not reach its result, whatever they hold.
+    """
+    if first_row + rows > length:
+        # Written as a read of the tile: TileLang's warp specialisation waits for a tile's load before
+        # the first *read* of it, and would let a plain store run before the data has arrived.
+        if cols is None:
+            for i in tb.parallel(rows):
+                tile[i] = T.if_then_else(first_row + i < length, tile[i], 0)
+        else:
+            for i, j in tb.parallel(rows, cols):
+                tile[i, j] = T.if_then_else(first_row + i < length, tile[i, j], 0)
+        if tb.on_gpu:
+            T.fence_proxy_async()  # order these stores before the copy engine's next write to the buffer

@@ -26,7 +26,7 @@ from .reference import visibility_mask
 from .tiles import TileBackend
 
 __all__ = ["LOG2E", "naive_softmax", "safe_softmax", "safe_shift", "online_softmax_update",
-           "blockwise_softmax", "blockwise_attention", "online_softmax_trace",
+           "blockwise_softmax", "blockwise_attention", "online_softmax_trace", "merge_attention_states",
            "softmax_row_kernel", "softmax_online_kernel"]
 
 
@@ -101,6 +101,21 @@ def blockwise_attention(q, k, v, block_N, *, causal=False, sm_scale=None, return
     if not return_lse:
         return o
     return o, safe_shift(m) + torch.log(l)
+
+
+def merge_attention_states(o, lse, dim=0):
+    """Combine attention results computed over disjoint sets of keys into the result over all of them.
+
+    ``o`` [..., D] holds the parts' outputs (each normalised over its own keys) and ``lse`` their
+    natural-log log-sum-exps, the parts along ``dim`` (an index of ``lse``'s dimensions, the same in
+    ``o``). With LSE = log Σ_s e^{LSE_s}, each part's share of the total denominator is
+    e^{LSE_s − LSE}, so O = Σ_s e^{LSE_s − LSE} · O_s: the online normaliser's merge over any number of
+    parts (split-KV decoding, chapter 09). A part that saw no key (LSE_s = -inf) weighs 0; if none
+    did, O = 0 and LSE = -inf.
+    """
+    total = torch.logsumexp(lse, dim=dim)
+    weights = torch.exp(lse - safe_shift(total).unsqueeze(dim))
+    return (weights.unsqueeze(-1) * o).sum(dim=dim), total
 
 
 def online_softmax_trace(x, block_N):

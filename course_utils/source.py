@@ -56,8 +56,10 @@ def show_source(obj, region=None):
 
 
 def cuda_source(prim_func, arch="sm_90a", pass_configs=None):
-    """The CUDA source TileLang generates for ``prim_func`` on ``arch`` (no GPU needed), with the
-    TileLang ``pass_configs`` the kernel is compiled with (e.g. chapter 08's own barriers)."""
+    """The CUDA source TileLang generates for ``prim_func`` on ``arch`` (no GPU needed).
+
+    ``pass_configs``: TileLang pass options, as ``compile_kernel`` takes them (e.g. chapter 08's own
+    barriers, or warp specialisation off)."""
     import tilelang
     from tilelang import tvm
 

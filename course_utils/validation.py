@@ -18,7 +18,8 @@ from .labels import NAIVE, PEERS
 from .reference import attention_reference
 
 __all__ = ["references", "check_forward", "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught",
-           "backward_without_delta", "check_stored_errors"]
+           "backward_without_delta", "check_stored_errors", "varlen_references", "decode_references",
+           "cached_keys"]
 
 # Float64 score matrices of at most this many elements per chunk of heads (2 GiB).
 _CHUNK_ELEMENTS = 2 ** 28
@@ -234,3 +235,84 @@ def show_bugs_caught(check, bugs):
     """Run ``check(*bug)`` on every planted bug; each must fail (printed), or this raises."""
     for label, bug in bugs.items():
         expect_failure(label, lambda bug=bug: check(*bug))
+
+
+# Packed (varlen) and cached (decoding) layouts: the same float64 and low-precision references, one
+# sequence at a time, laid out like the kernel's outputs so check_forward / check_backward apply as they are.
+
+def _empty_keys_row(sinks, heads):
+    """LSE of rows that see no key: the sink's logit, or -inf without one (their O is 0)."""
+    return (sinks.detach().double().cpu() if sinks is not None else torch.full((heads,), float("-inf"),
+                                                                              dtype=torch.float64))
+
+
+def varlen_references(q, k, v, cu_seqlens_q, cu_seqlens_k, *, d_out=None, causal=False, window_size=None,
+                      sinks=None, sm_scale=None):
+    """``references`` for a packed batch (q [total_q, H, D], k/v [total_k, H_kv, D]): every sequence on
+    its own, packed back (O [total_q, H, D], LSE [H, total_q], gradients like q, k, v and sinks)."""
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    heads = q.shape[1]
+    result = {"out": torch.zeros(q.shape, dtype=torch.float64, device=q.device), "out_low": torch.zeros_like(q),
+              "lse": torch.empty(heads, q.shape[0], dtype=torch.float32, device=q.device)}
+    want_grads = d_out is not None
+    if want_grads:
+        for key in ("grads", "grads_low"):
+            dtype = torch.float64 if key == "grads" else q.dtype
+            result[key] = [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v)]
+            if sinks is not None:
+                result[key].append(torch.zeros(sinks.shape, dtype=torch.float64, device=sinks.device))
+
+    def as_bhsd(t, part):  # [n, H, D] rows of one sequence -> [1, H, n, D]
+        return t[part].transpose(0, 1)[None]
+
+    for b in range(len(bq) - 1):
+        rows, keys = slice(bq[b], bq[b + 1]), slice(bk[b], bk[b + 1])
+        if bq[b + 1] == bq[b]:
+            continue
+        if bk[b + 1] == bk[b]:  # no key at all: O = 0 and no gradient; the LSE is the sink's
+            result["lse"][:, rows] = _empty_keys_row(sinks, heads).float().to(q.device)[:, None]
+            continue
+        r = references(as_bhsd(q, rows), as_bhsd(k, keys), as_bhsd(v, keys), causal=causal, window_size=window_size,
+                       sinks=sinks, sm_scale=sm_scale, d_out=None if d_out is None else as_bhsd(d_out, rows))
+        result["out"][rows] = r["out"][0].transpose(0, 1)
+        result["out_low"][rows] = r["out_low"][0].transpose(0, 1)
+        result["lse"][:, rows] = r["lse"][0]
+        for key in ("grads", "grads_low") if want_grads else ():
+            for index, part in enumerate((rows, keys, keys)):
+                result[key][index][part] = r[key][index][0].transpose(0, 1).to(result[key][index].dtype)
+            if sinks is not None:
+                result[key][3] += r[key][3].to(torch.float64)
+    return result
+
+
+def cached_keys(cache, cache_seqlens, block_table, b):
+    """The keys (or values) of sequence ``b`` of a contiguous or paged cache, in order: [1, H_kv, L, D]."""
+    length = int(cache_seqlens[b])
+    if block_table is None:
+        rows = cache[b, :length]
+    else:
+        page_size = cache.shape[1]
+        pages = block_table[b, :(length + page_size - 1) // page_size].long()
+        rows = cache[pages].flatten(0, 1)[:length]
+    return rows.transpose(0, 1)[None]
+
+
+def decode_references(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal=False, window_size=None,
+                      sinks=None, sm_scale=None):
+    """``references`` for one decoding step (q [B, S_new, H, D]): O [B, S_new, H, D] and LSE [B, H, S_new],
+    each sequence against its own ``cache_seqlens[b]`` keys (the new tokens last, causal aligned bottom-right)."""
+    heads = q.shape[2]
+    result = {"out": torch.zeros(q.shape, dtype=torch.float64, device=q.device), "out_low": torch.zeros_like(q),
+              "lse": torch.empty(q.shape[0], heads, q.shape[1], dtype=torch.float32, device=q.device)}
+    lengths = cache_seqlens.cpu()
+    for b in range(q.shape[0]):
+        if int(lengths[b]) == 0:
+            result["lse"][b] = _empty_keys_row(sinks, heads).float().to(q.device)[:, None]
+            continue
+        keys, values = (cached_keys(c, lengths, block_table, b) for c in (k_cache, v_cache))
+        r = references(q[b:b + 1].transpose(1, 2), keys, values, causal=causal, window_size=window_size, sinks=sinks,
+                       sm_scale=sm_scale)
+        result["out"][b] = r["out"][0].transpose(0, 1)
+        result["out_low"][b] = r["out_low"][0].transpose(0, 1)
+        result["lse"][b] = r["lse"][0]
+    return result

@@ -17,13 +17,14 @@ from .ch05_backward import backward_config_sweep, backward_vs_peers
 from .ch06_gpt_oss import GPT_OSS_SHAPE, gpt_oss_vs_peers, gqa_backward_strategies
 from .ch07_hopper import forward_ablation, hopper_tiling_sweep, persistent_vs_rotated
 from .ch08_hopper_backward import backward_ablation, deterministic_cost, feature_checks
+from .ch09_varlen_decode import decode_bandwidth, decode_split_sweep, varlen_vs_dense
 from .common import SDPA_PEERS, comparison_shapes
 
 __all__ = ["RECORDS", "CH03_FORWARD_CONFIG", "CH05_BACKWARD_CONFIG", "SDPA_PEERS", "comparison_shapes",
            "naive_attention", "naive_vs_sdpa", "forward_vs_peers", "forward_config_sweep", "backward_config_sweep",
            "backward_vs_peers", "GPT_OSS_SHAPE", "gpt_oss_vs_peers", "gqa_backward_strategies", "forward_ablation",
            "hopper_tiling_sweep", "persistent_vs_rotated", "backward_ablation", "deterministic_cost", "feature_checks",
-           "CH08_SEQS"]
+           "CH08_SEQS", "decode_bandwidth", "decode_split_sweep", "varlen_vs_dense"]
 
 # Chapter 03's kernel as the chapter writes it (two pipeline stages), and chapter 05's backward.
 CH03_FORWARD_CONFIG = ForwardConfig(128, 128, 2, 256)
@@ -57,4 +58,7 @@ RECORDS = {
     "ch08_backward_vs_peers_h100": lambda: backward_vs_peers(
         shapes=comparison_shapes(seq_lens=CH08_SEQS, dim=128) + comparison_shapes(seq_lens=CH08_SEQS, dim=64),
         dtypes=("float16", "bfloat16"), modes=("bwd",)),
+    "ch09_decode_h100": decode_bandwidth,
+    "ch09_decode_splits_h100": decode_split_sweep,
+    "ch09_varlen_h100": varlen_vs_dense,
 }

@@ -1,0 +1,539 @@
+"""``flash_attention_varlen`` and ``flash_decode``: chapter 09's kernels behind FlashAttention's conventions.
+
+* ``flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``: a batch
+  of sequences of different lengths, packed without padding (``q`` is ``[total_q, H, D]``; sequence
+  ``b`` is rows ``cu_seqlens_q[b] … cu_seqlens_q[b+1] − 1``), each attended independently.
+  Differentiable with respect to q, k, v and sinks. FlashAttention's ``flash_attn_varlen_func``.
+* ``flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, ...)``: one decoding step
+  against a KV cache, contiguous or paged. FlashAttention's ``flash_attn_with_kvcache``.
+
+Every input is checked here, before anything is compiled or launched: a bad input gets a
+``ValueError`` (or ``TypeError``) that says what is wrong. The index tensors (``cu_seqlens``,
+``cache_seqlens``, ``block_table``) are read on the host for that, which waits for the GPU once per
+call; ``flash_decode(..., check_indices=False)`` skips that read for a decoding loop whose indices are
+already trusted (the kernels then read whatever the indices point at).
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .attention import (SUPPORTED, _DTYPE_NAMES, BackwardConfig, ForwardConfig, _no_sinks, default_backward_config,
+                        default_forward_config, is_hopper)
+from .flash_decode import (choose_num_splits, decode_config, decode_rows, flash_decode_kernel,
+                           flash_decode_merge_kernel)
+from .flash_varlen import (SCHEDULES, VARLEN_HOPPER_CONFIGS, flash_varlen_bwd_kernel, flash_varlen_fwd_kernel,
+                           padded_rows, scale_cast_kernel, varlen_delta_kernel, varlen_work_list)
+from .tiles import compile_kernel
+
+__all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_num_splits",
+           "VARLEN_SCHEDULE"]
+
+_CACHE_SIZE = 32
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+def _check_tensor(name, t, dims, layout):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have shape {layout}; got {tuple(t.shape)}")
+
+
+def _check_index_tensor(name, t, shape, device):
+    """An int32 index tensor of the given shape on ``device`` (FlashAttention's convention)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of dtype int32; got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must have dtype torch.int32; got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}; got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (with q); got {t.device}")
+
+
+def _check_supported(fn, q):
+    device_type = q.device.type
+    if device_type not in SUPPORTED:
+        raise ValueError(f"{fn} runs on CUDA or the CPU; got device {q.device}")
+    support = SUPPORTED[device_type]
+    if q.dtype not in support["dtypes"]:
+        names = ", ".join(str(d) for d in support["dtypes"])
+        raise ValueError(f"on {device_type}, {fn} supports dtypes {names}; got {q.dtype}")
+    if q.shape[-1] not in support["head_dims"]:
+        raise ValueError(f"on {device_type}, head_dim must be one of {support['head_dims']}; got {q.shape[-1]}")
+
+
+def _check_common(fn, q, k, v, heads_dim, *, sinks, window_size, sm_scale):
+    """Checks both functions share: dtypes, devices, head counts and dims, sinks, window, scale."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head dims differ: q has {q.shape[-1]}, k/v have {k.shape[-1]}")
+    hq, hkv = q.shape[heads_dim], k.shape[-2]
+    if hq == 0 or hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv}) for GQA")
+    _check_supported(fn, q)
+    if window_size is not None and (not isinstance(window_size, int) or isinstance(window_size, bool)
+                                    or window_size < 1):
+        raise ValueError(f"window_size must be a positive int or None; got {window_size!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,):
+            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks must be a tensor of shape [{hq}] (one logit per query head); got {shape}")
+        if not sinks.is_floating_point():
+            raise ValueError(f"sinks must be a floating-point tensor; got {sinks.dtype}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks must be on {q.device}; got {sinks.device}")
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
+                                 or not math.isfinite(sm_scale) or sm_scale <= 0):
+        raise ValueError(f"sm_scale must be a positive finite number (the kernels fold it into exp2); got {sm_scale!r}")
+    return 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+
+
+def _target(t):
+    return "cuda" if t.device.type == "cuda" else "c"
+
+
+def _sink_logits(sinks, heads, device):
+    """Sink logits as float32 [H]; "no sink" is a sink of logit -inf (its exp() is 0)."""
+    return sinks.detach().float().contiguous() if sinks is not None else _no_sinks(heads, device)
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _decode_split(heads, heads_kv, dim, seq_new, page_size, causal, window_size, sm_scale, dtype, target, config):
+    func = flash_decode_kernel(heads, heads_kv, dim, seq_new, page_size=page_size, causal=causal,
+                               window_size=window_size, sm_scale=sm_scale, dtype=dtype, target=target,
+                               **config._asdict())
+    return compile_kernel(func, out_idx=[], target=target, dtype=dtype, pass_configs=config.pass_configs())
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _decode_merge(heads, dim, seq_new, dtype, target):
+    return compile_kernel(flash_decode_merge_kernel(heads, dim, seq_new, dtype=dtype, target=target),
+                          out_idx=[3, 4], target=target, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _no_block_table(batch, device):
+    """What a contiguous cache passes for the block table (the kernel never reads it)."""
+    return torch.zeros(batch, 1, dtype=torch.int32, device=device)
+
+
+def _cache_layout(q, k_cache, block_table):
+    """(capacity of each sequence's cache, page_size or None) after checking the cache's shape."""
+    batch = q.shape[0]
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"a contiguous cache has one row per sequence: k_cache.shape[0] must be {batch}; "
+                             f"got {k_cache.shape[0]}")
+        return k_cache.shape[1], None
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must have shape [batch, max_pages]; got {list(block_table.shape)}")
+    _check_index_tensor("block_table", block_table, (batch, block_table.shape[1]), q.device)
+    page_size = k_cache.shape[1]
+    if page_size % 16:
+        raise ValueError(f"page_size (k_cache.shape[1] = {page_size}) must be a multiple of 16 (a key tile "
+                         "never straddles two pages)")
+    return block_table.shape[1] * page_size, page_size
+
+
+def decode_kernels(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None):
+    """The compiled (split, merge) kernels and their ``DecodeConfig`` that ``flash_decode`` runs here."""
+    page_size = None if block_table is None else k_cache.shape[1]
+    target = _target(q)
+    batch, seq_new, heads, dim = q.shape
+    heads_kv = k_cache.shape[2]
+    config = decode_config(target, heads, heads_kv, dim, seq_new, page_size)
+    scale = 1.0 / math.sqrt(dim) if sm_scale is None else float(sm_scale)
+    causal = bool(causal or window_size is not None)
+    split = _decode_split(heads, heads_kv, dim, seq_new, page_size, causal, window_size, scale,
+                          _DTYPE_NAMES[q.dtype], target, config)
+    return split, _decode_merge(heads, dim, seq_new, _DTYPE_NAMES[q.dtype], target), config
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_num_splits(q, k_cache, *, block_table=None):
+    """The split count ``flash_decode`` picks when ``num_splits=None`` (``choose_num_splits``).
+
+    It looks at shapes only (the cache's capacity, not ``cache_seqlens``), so choosing costs no wait
+    for the GPU; on the CPU it is 1.
+    """
+    if q.device.type != "cuda":
+        return 1
+    batch, seq_new, heads, dim = q.shape
+    heads_kv = k_cache.shape[2]
+    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    page_size = None if block_table is None else k_cache.shape[1]
+    config = decode_config("cuda", heads, heads_kv, dim, seq_new, page_size)
+    rows = decode_rows(heads, heads_kv, seq_new)
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return choose_num_splits(batch, heads_kv, capacity, num_sms=sms, config=config, dim=dim,
+                             row_tiles=math.ceil(rows / config.block_M))
+
+
+def _check_decode_indices(cache_seqlens, block_table, capacity, page_size, num_pages):
+    lengths = cache_seqlens.cpu()  # one wait for the GPU
+    if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > capacity):
+        where = "the pages given (max_pages × page_size)" if page_size else "the cache (k_cache.shape[1])"
+        raise ValueError(f"cache_seqlens must lie in [0, {capacity}], the capacity of {where}; got values from "
+                         f"{int(lengths.min())} to {int(lengths.max())}")
+    if page_size is None:
+        return
+    table = block_table.cpu()
+    pages_used = (lengths.long() + page_size - 1) // page_size
+    used = torch.arange(table.shape[1])[None, :] < pages_used[:, None]
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the cache "
+                         f"(pages 0 … {num_pages - 1}); sequence {b} uses its first {int(pages_used[b])} entries")
+
+
+def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal=False, sm_scale=None,
+                 window_size=None, sinks=None, num_splits=None, return_lse=False, check_indices=True):
+    """One decoding step against a KV cache (FlashAttention's ``flash_attn_with_kvcache`` layout).
+
+    q: [B, S_new, H, D], the S_new new query tokens of each sequence. The cache is contiguous,
+    k_cache/v_cache [B, S_max, H_kv, D], or paged, [num_pages, page_size, H_kv, D] with an int32
+    ``block_table`` [B, max_pages] listing each sequence's pages in order. ``cache_seqlens`` (int32 [B])
+    counts each sequence's valid keys, the S_new new tokens (already written to the cache, last)
+    included. With ``causal``, new token i of sequence b sits at position ``cache_seqlens[b] − S_new + i``;
+    a ``window_size`` W (implies causal) lets it see its last W keys; ``sinks`` (float [H]) are
+    gpt-oss's per-head sink logits. ``num_splits`` (None: ``decode_num_splits``) is how many thread
+    blocks share one sequence's cache. Returns O [B, S_new, H, D] (and the natural-log LSE
+    [B, H, S_new], float32, with ``return_lse``). Forward only.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        layout = "[batch, new_tokens, heads, head_dim]" if name == "q" else \
+            "[batch, seq_max, heads_kv, head_dim] or [num_pages, page_size, heads_kv, head_dim]"
+        _check_tensor(name, t, 4, layout)
+    scale = _check_common("flash_decode", q, k_cache, v_cache, 2, sinks=sinks, window_size=window_size,
+                          sm_scale=sm_scale)
+    batch, seq_new = q.shape[:2]
+    if batch == 0 or seq_new == 0:
+        raise ValueError(f"q must hold at least one sequence and one new token; got {tuple(q.shape)}")
+    _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
+    capacity, page_size = _cache_layout(q, k_cache, block_table)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous (decoding reads the cache in place; a copy "
+                         "would cost more than the step)")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
+    if check_indices:
+        _check_decode_indices(cache_seqlens, block_table, capacity, page_size, k_cache.shape[0])
+    if window_size is not None and window_size >= capacity:
+        window_size, causal = None, True  # a window as long as the cache hides only what causal hides
+
+    split, merge, _ = decode_kernels(q, k_cache, block_table=block_table, causal=causal, window_size=window_size,
+                                     sm_scale=scale)
+    splits = decode_num_splits(q, k_cache, block_table=block_table) if num_splits is None else num_splits
+    heads, dim = q.shape[2], q.shape[3]
+    o_part = torch.empty(batch, seq_new, heads, splits, dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(batch, seq_new, heads, splits, dtype=torch.float32, device=q.device)
+    table = _no_block_table(batch, q.device) if block_table is None else block_table
+    split(q.contiguous(), k_cache, v_cache, table, cache_seqlens, o_part, lse_part)
+    out, lse = merge(o_part, lse_part, _sink_logits(sinks, heads, q.device))
+    return (out, lse) if return_lse else out
+
+
+def _self_check_decode():
+    """``python -m course_utils.flash_decode``: contiguous and paged decoding against the float64 reference."""
+    from .device import DEVICE, HAS_GPU
+    from .reference import attention_reference
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if HAS_GPU else torch.float32
+    batch, seq_new, heads, heads_kv, dim = (4, 1, 64, 8, 64) if HAS_GPU else (3, 2, 4, 2, 16)
+    seq_max, page_size = (4096, 256) if HAS_GPU else (48, 16)
+    q = torch.randn(batch, seq_new, heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(batch, seq_max, heads_kv, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    lengths = torch.randint(seq_new, seq_max + 1, (batch,), device=DEVICE, dtype=torch.int32)
+    sinks = torch.randn(heads, device=DEVICE)
+    pages = seq_max // page_size
+    table = torch.randperm(batch * pages, device=DEVICE).view(batch, pages).to(torch.int32)
+    k_pages, v_pages = (torch.empty(batch * pages, page_size, heads_kv, dim, device=DEVICE, dtype=dtype)
+                        for _ in range(2))
+    k_pages[table.long()] = k.view(batch, pages, page_size, heads_kv, dim)
+    v_pages[table.long()] = v.view(batch, pages, page_size, heads_kv, dim)
+    for name, caches, extra in (("contiguous", (k, v), {}), ("paged", (k_pages, v_pages), dict(block_table=table))):
+        out = flash_decode(q, *caches, lengths, causal=True, sinks=sinks, **extra)
+        worst = 0.0
+        for b in range(batch):
+            n = int(lengths[b])
+            ref = attention_reference(q[b:b + 1].transpose(1, 2), k[b:b + 1, :n].transpose(1, 2),
+                                      v[b:b + 1, :n].transpose(1, 2), causal=True, sinks=sinks)
+            worst = max(worst, float((out[b:b + 1].transpose(1, 2).double() - ref.double()).abs().max()))
+        print(f"flash_decode, {name} cache: max abs error vs float64 {worst:.2e}")
+        assert worst < (2e-2 if HAS_GPU else 1e-5), name
+    if HAS_GPU:  # a quick look at the speed; chapter 09's records are the measurements
+        from .bench import time_side_by_side
+
+        full = torch.full_like(lengths, seq_max)
+        ms = time_side_by_side({"ours": lambda: flash_decode(q, k, v, full, sinks=sinks, check_indices=False),
+                                "torch.sum": lambda: torch.sum(k) + torch.sum(v)})
+        nbytes = 2 * k.numel() * k.element_size()
+        print(f"B={batch}, context {seq_max}: ours {nbytes / ms['ours'] / 1e6:.0f} GB/s, "
+              f"torch.sum over the same bytes {nbytes / ms['torch.sum'] / 1e6:.0f} GB/s")
+
+
+# ---------------------------------------------------------------------------------------------- varlen
+
+# The forward's and backward's work lists ("list" schedule) are made on the host from the lengths;
+# every layer of a model sees the same batch, so they are cached by the lengths themselves.
+VARLEN_SCHEDULE = "list"
+
+
+class _Plan(NamedTuple):
+    """What the kernels need from ``cu_seqlens`` beyond the tensors: lengths and the two work lists."""
+
+    lengths_q: torch.Tensor  # CPU
+    lengths_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    forward_items: torch.Tensor  # on the device: (sequence, query block), heaviest first
+    backward_items: torch.Tensor  # (sequence, key block)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_block, bwd_block, causal, device):
+    lengths_q = torch.tensor(bounds_q[1:]) - torch.tensor(bounds_q[:-1])
+    lengths_k = torch.tensor(bounds_k[1:]) - torch.tensor(bounds_k[:-1])
+    fwd = varlen_work_list(lengths_q, lengths_k, fwd_block, causal=causal)
+    bwd = varlen_work_list(lengths_q, lengths_k, bwd_block, causal=causal, by_keys=True)
+    return _Plan(lengths_q, lengths_k, max_seqlen_q, max_seqlen_k, fwd.to(device), bwd.to(device))
+
+
+def _check_bounds(name, bounds, total, max_seqlen, max_name):
+    """cu_seqlens read on the host: starts at 0, never decreases, ends at the packed length."""
+    if bounds[0] != 0:
+        raise ValueError(f"{name}[0] must be 0 (prefix sums of the lengths); got {bounds[0]}")
+    for b in range(len(bounds) - 1):
+        if bounds[b + 1] < bounds[b]:
+            raise ValueError(f"{name} must be non-decreasing (prefix sums of the lengths); "
+                             f"{name}[{b + 1}] = {bounds[b + 1]} < {name}[{b}] = {bounds[b]}")
+    if bounds[-1] != total:
+        raise ValueError(f"{name}[-1] = {bounds[-1]} must equal the packed length {total} of the tensor")
+    longest = max(bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1))
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"{max_name} must be an int; got {type(max_seqlen).__name__}")
+    if max_seqlen < longest:
+        b = max(range(len(bounds) - 1), key=lambda i: bounds[i + 1] - bounds[i])
+        raise ValueError(f"{max_name} = {max_seqlen} is smaller than the length {longest} of sequence {b}")
+
+
+def _varlen_configs(target, dim, masked, config, backward_config):
+    if config is not None:
+        fwd = ForwardConfig(*config)
+    elif target == "cuda" and is_hopper() and (dim, bool(masked)) in VARLEN_HOPPER_CONFIGS:
+        fwd = ForwardConfig(*VARLEN_HOPPER_CONFIGS[dim, bool(masked)])
+    else:
+        fwd = default_forward_config("cpu" if target == "c" else "cuda", dim, masked)
+    bwd = BackwardConfig(*backward_config) if backward_config is not None else default_backward_config(
+        "cpu" if target == "c" else "cuda")
+    if fwd.kernel not in ("flash_fwd", "flash_fwd_hopper"):
+        raise ValueError(f"config.kernel must be 'flash_fwd' or 'flash_fwd_hopper'; got {fwd.kernel!r}")
+    if fwd.kernel == "flash_fwd_hopper" and not (target == "cuda" and is_hopper()):
+        raise ValueError("config.kernel='flash_fwd_hopper' is chapter 07's Hopper loop: it needs an sm_90 GPU")
+    return fwd, bwd
+
+
+class _VarlenProblem(NamedTuple):
+    heads: int
+    heads_kv: int
+    dim: int
+    causal: bool
+    window_size: "int | None"
+    sm_scale: float
+    dtype: str
+    target: str
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _varlen_forward(pr, config, schedule):
+    func = flash_varlen_fwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
+                                   window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
+                                   block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
+                                   threads=config.threads, schedule=schedule, target=pr.target,
+                                   hopper=config.kernel == "flash_fwd_hopper", pingpong=config.pingpong)
+    return compile_kernel(func, out_idx=[7, 8], target=pr.target, dtype=pr.dtype)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _varlen_backward(pr, config, schedule):
+    func = flash_varlen_bwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
+                                   window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
+                                   block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
+                                   threads=config.threads, schedule=schedule, target=pr.target)
+    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _varlen_small_kernels(dim, dtype, target):
+    """Δ and the scale-and-cast kernel: per-token work, the same for every batch and head count."""
+    small = dict(block=16 if target == "c" else 64, threads=1 if target == "c" else 128, target=target, dtype=dtype)
+    return (compile_kernel(varlen_delta_kernel(dim, **small), out_idx=[], target=target, dtype=dtype),
+            compile_kernel(scale_cast_kernel(dim, **small), out_idx=[2], target=target, dtype=dtype))
+
+
+def _schedule_arg(schedule, plan, forward):
+    if schedule == "grid":
+        return plan.max_seqlen_q if forward else plan.max_seqlen_k
+    return plan.forward_items if forward else plan.backward_items
+
+
+class _FlashAttentionVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_q, cu_k, plan, problem, config, backward_config, schedule):
+        fwd = _varlen_forward(problem, config, schedule)
+        sink_logits = _sink_logits(sinks, problem.heads, q.device)
+        out, lse = fwd(q, k, v, cu_q, cu_k, _schedule_arg(schedule, plan, True), sink_logits)
+        ctx.save_for_backward(q, k, v, out, lse, sink_logits, cu_q, cu_k)
+        ctx.args = (plan, problem, backward_config, schedule)
+        ctx.has_sinks = sinks is not None
+        return out, lse
+
+    @staticmethod
+    @once_differentiable  # the backward is kernels, not PyTorch ops
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse, sink_logits, cu_q, cu_k = ctx.saved_tensors
+        plan, pr, config, schedule = ctx.args
+        delta_kernel, scale_cast = _varlen_small_kernels(pr.dim, pr.dtype, pr.target)
+        d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
+        total, rows = q.shape[0], padded_rows(q.shape[0])  # LSE/Delta rows padded for the copy engine
+        delta = torch.empty(pr.heads, rows, dtype=torch.float32, device=q.device)
+        delta_kernel(out, d_out, delta)
+        if d_lse is not None:  # ∂LSE_i/∂S_ij = P_ij: the LSE's gradient joins dS = P ∘ (dP − Δ) as Δ − dLSE
+            delta[:, :total] -= d_lse.float()
+        lse_rows = torch.zeros(pr.heads, rows, dtype=torch.float32, device=q.device)
+        lse_rows[:, :total] = lse
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        gqa = pr.heads_kv != pr.heads
+        dk, dv = ((torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)) if gqa
+                  else (torch.empty_like(k), torch.empty_like(v)))
+        _varlen_backward(pr, config, schedule)(q, k, v, d_out, lse_rows, delta, cu_q, cu_k,
+                                               _schedule_arg(schedule, plan, False), dq_acc, dk, dv)
+        dq = scale_cast(dq_acc.view(-1, pr.dim), pr.sm_scale).view(q.shape)
+        if gqa:
+            dk, dv = (scale_cast(t.view(-1, pr.dim), 1.0).view(k.shape) for t in (dk, dv))
+        d_sinks = None
+        if ctx.has_sinks and ctx.needs_input_grad[3]:
+            # d(loss)/d(sink_h) = −Σ_t P_sink[h, t] · (Δ − dLSE)[h, t], with P_sink = exp(sink_h − LSE).
+            d_sinks = -(torch.exp(sink_logits[:, None] - lse) * delta[:, :total]).sum(dim=1)
+        return dq, dk, dv, d_sinks, None, None, None, None, None, None, None
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                           sm_scale=None, window_size=None, sinks=None, return_lse=False, schedule=None, config=None,
+                           backward_config=None):
+    """Attention over a packed batch of variable-length sequences (FlashAttention's ``flash_attn_varlen_func``).
+
+    q: [total_q, H, D]; k, v: [total_k, H_kv, D] (H a multiple of H_kv: GQA). ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` (int32 [B + 1], on q's device) are the prefix sums of the lengths: sequence b is
+    q rows ``cu_seqlens_q[b] … cu_seqlens_q[b+1] − 1`` against k/v rows likewise; a sequence may be
+    empty. ``max_seqlen_*`` must be at least the longest length. Masking as in ``flash_attention``
+    for each sequence on its own (causal aligned bottom-right when its q and k lengths differ; a
+    ``window_size`` implies causal; ``sinks`` float [H]). Returns O [total_q, H, D] (and the
+    natural-log LSE [H, total_q], float32, with ``return_lse``). Differentiable once with respect to
+    q, k, v and sinks, through O and the LSE. ``schedule`` ("list" or "grid", see
+    ``course_utils.flash_varlen``), ``config`` (a ``ForwardConfig``) and ``backward_config`` choose
+    the kernels; the defaults are the fastest measured.
+    """
+    _check_tensor("q", q, 3, "[total_q, heads, head_dim]")
+    _check_tensor("k", k, 3, "[total_k, heads_kv, head_dim]")
+    _check_tensor("v", v, 3, "[total_k, heads_kv, head_dim]")
+    scale = _check_common("flash_attention_varlen", q, k, v, 1, sinks=sinks, window_size=window_size,
+                          sm_scale=sm_scale)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if isinstance(t, torch.Tensor) and t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D ([batch + 1]); got shape {list(t.shape)}")
+        _check_index_tensor(name, t, (t.shape[0] if isinstance(t, torch.Tensor) else 0,), q.device)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have batch + 1 ≥ 2 entries; got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        raise ValueError(f"the packed q and k must hold at least one token each; got {q.shape[0]} and {k.shape[0]}")
+    bounds_q, bounds_k = tuple(cu_seqlens_q.tolist()), tuple(cu_seqlens_k.tolist())  # one wait for the GPU
+    _check_bounds("cu_seqlens_q", bounds_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+    _check_bounds("cu_seqlens_k", bounds_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    schedule = VARLEN_SCHEDULE if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
+    if window_size is not None and window_size >= max_seqlen_k:
+        window_size, causal = None, True  # a window as long as every sequence hides only what causal hides
+    causal = bool(causal or window_size is not None)
+    target = _target(q)
+    fwd_config, bwd_config = _varlen_configs(target, q.shape[-1], causal, config, backward_config)
+    plan = _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_config.block_M, bwd_config.block_N, causal,
+                 q.device)
+    problem = _VarlenProblem(q.shape[1], k.shape[1], q.shape[2], causal, window_size, scale, _DTYPE_NAMES[q.dtype],
+                             target)
+    out, lse = _FlashAttentionVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, cu_seqlens_q,
+                                           cu_seqlens_k, plan, problem, fwd_config, bwd_config, schedule)
+    return (out, lse) if return_lse else out
+
+
+def varlen_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, schedule=None, config=None,
+                   backward_config=None):
+    """The compiled (forward, backward main) kernels ``flash_attention_varlen`` runs for q and k like these."""
+    target = _target(q)
+    causal = bool(causal or window_size is not None)
+    fwd_config, bwd_config = _varlen_configs(target, q.shape[-1], causal, config, backward_config)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    problem = _VarlenProblem(q.shape[1], k.shape[1], q.shape[2], causal, window_size, scale, _DTYPE_NAMES[q.dtype],
+                             target)
+    schedule = VARLEN_SCHEDULE if schedule is None else schedule
+    return _varlen_forward(problem, fwd_config, schedule), _varlen_backward(problem, bwd_config, schedule)
+
+
+def _self_check_varlen():
+    """``python -m course_utils.flash_varlen``: a packed batch against the float64 reference, per sequence."""
+    from .device import DEVICE, HAS_GPU
+    from .reference import attention_reference
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if HAS_GPU else torch.float32
+    heads, heads_kv, dim = (16, 4, 128) if HAS_GPU else (4, 2, 16)
+    lengths = [1000, 1, 4096, 0, 129] if HAS_GPU else [20, 1, 16, 0, 17]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    total = int(cu[-1])
+    q = torch.randn(total, heads, dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(total, heads_kv, dim, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
+    out = flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    worst = {}
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        leaves = [t[rows].detach().double().transpose(0, 1)[None].requires_grad_() for t in (q, k, v)]
+        ref = attention_reference(*leaves, causal=True)
+        ref_grads = torch.autograd.grad(ref, leaves, d_out[rows].double().transpose(0, 1)[None])
+        for name, mine, theirs in zip(("O", "dQ", "dK", "dV"), (out,) + grads, (ref,) + ref_grads):
+            err = float((mine[rows].detach().double() - theirs[0].detach().transpose(0, 1)).abs().max())
+            worst[name] = max(worst.get(name, 0.0), err)
+    print("flash_attention_varlen, causal, lengths", lengths, "max abs error vs float64:",
+          ", ".join(f"{n} {e:.2e}" for n, e in worst.items()))
+    assert all(e < (5e-2 if HAS_GPU else 1e-4) for e in worst.values()), worst
+    if HAS_GPU:  # a quick look at the speed; chapter 09's records are the measurements
+        from .bench import attention_flops, time_cuda, tflops
+
+        ms = time_cuda(lambda: flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True))
+        flops = sum(attention_flops(1, heads, n, n, dim, causal=True) for n in lengths)
+        print(f"forward: {ms:.3f} ms, {tflops(flops, ms):.0f} TFLOP/s")

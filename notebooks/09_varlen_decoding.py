@@ -1,0 +1,647 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 09 · Packed variable-length batches, and decoding with a paged KV cache
+#
+# **Question.** Two things every FlashAttention user meets and no course explains. *Training*: the
+# sequences of a batch have different lengths; padding them to the longest wastes work, so how does
+# a kernel attend over a batch packed without padding (FlashAttention's `cu_seqlens`)? *Inference*:
+# a model generates one token at a time, and each step attends one new query per sequence over a
+# long cache of keys and values; how is that fast, and what changes when the cache is paged, as in
+# vLLM?
+#
+# | section | idea | evidence |
+# |---|---|---|
+# | 1 | pack the batch; each sequence's tiles start where it starts | picture, FLOPs padding wastes |
+# | 2 | a per-sequence prelude: lengths read at run time, then the shared pieces | the kernel's lines |
+# | 3 | two ways to hand out blocks: a padded grid, or a work list | picture, work list |
+# | 4 | the varlen kernels, checked forward and backward | every sequence vs float64, planted bugs |
+# | 5 | packing against our dense kernel and SDPA on the padded batch | H100 record |
+# | 6 | decoding is a memory read | roofline |
+# | 7 | split-KV: many blocks per sequence, merged with chapter 02's rule | picture, the merge checked |
+# | 8 | GQA packing and the paged cache | pictures, the kernel's lines, checks |
+# | 9 | how many splits | the rule, H100 sweep |
+# | 10 | bandwidth against a plain read and SDPA | H100 record |
+#
+# *Credit.* Tri Dao, [FlashAttention-2](https://arxiv.org/abs/2307.08691) (2023), whose `varlen`
+# interface (`cu_seqlens`, `max_seqlen`) we follow; Tri Dao, Daniel Haziza, Francisco Massa, Grigory
+# Sizov, [Flash-Decoding](https://crfm.stanford.edu/2023/10/12/flashdecoding.html) (2023), the split-KV
+# decoding scheme; Woosuk Kwon et al., [PagedAttention / vLLM](https://arxiv.org/abs/2309.06180) (2023),
+# the paged cache and its block table; FlashAttention's `flash_attn_with_kvcache`, whose layout and
+# `num_splits` heuristic shaped ours. TileLang's examples `flash_attention/example_gqa_fwd_varlen.py`
+# and `flash_decoding/example_gqa_decode.py` show the same ideas in TileLang; our kernels are built
+# from the course's shared pieces instead.
+
+# %%
+# %config InlineBackend.figure_format = "png"
+import course_utils as cu
+
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+from course_utils import plots, varlen_diagrams
+from course_utils.benchmarks import RECORDS
+from course_utils.benchmarks.ch09_varlen_decode import PAGED, SUM, varlen_lengths
+from course_utils.flash_decode import blocks_per_sm, choose_num_splits, decode_config, flash_decode_kernel, \
+    flash_decode_merge_kernel
+from course_utils.flash_pieces import with_lengths, zero_rows_past_end
+from course_utils.flash_varlen import flash_varlen_fwd_kernel, varlen_work_list
+from course_utils.labels import OURS
+from course_utils.softmax import merge_attention_states
+from course_utils.source import show_source
+from course_utils.validation import check_backward, check_forward, decode_references, varlen_references
+from course_utils.varlen_api import decode_kernels, decode_num_splits
+
+torch.manual_seed(0)
+print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
+
+# %% [markdown]
+# ## 1 · Packing instead of padding
+#
+# A batch of sequences of lengths 300, 1000, 120, 700 and 450 padded to the longest is a
+# [5, 1000] tensor: almost half of it padding, and a kernel that tiles it computes on padding
+# (or must be taught to skip it). *Packed*, the same batch is its 2570 tokens one after the
+# other, `q` of shape `[total, H, D]`, plus the prefix sums of the lengths, `cu_seqlens =
+# [0, 300, 1300, 1420, 2120, 2570]`: sequence `b` is rows `cu_seqlens[b] … cu_seqlens[b+1] − 1`.
+# Attention over a packed batch is block-diagonal: each sequence attends to itself only. The
+# kernel tiles each sequence on its own, starting where it starts (right): no tile is wasted on
+# padding, and no FLOP is spent between sequences.
+
+# %%
+lengths = [300, 1000, 120, 700, 450]
+cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+print("lengths", lengths, "→ cu_seqlens", cu_seqlens.tolist())
+fig, (ax_padded, ax_packed) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw=dict(width_ratios=[1.25, 1]))
+varlen_diagrams.packed_batch(ax_padded, ax_packed, lengths, 128)
+fig.tight_layout()
+
+# %% [markdown]
+# How much does padding cost on a realistic batch? Take the one this chapter's H100 record
+# measures: lengths drawn uniformly from 128 to 8192 tokens until they fill 64k tokens. Causal
+# attention's work grows with the square of each length, so padding every sequence to the longest
+# multiplies it:
+
+# %%
+mix = varlen_lengths(65536, 128, 8192)
+packed_flops = sum(cu.attention_flops(1, 16, n, n, 128, causal=True) for n in mix)
+padded_flops = cu.attention_flops(len(mix), 16, max(mix), max(mix), 128, causal=True)
+print(f"{len(mix)} sequences, {sum(mix)} tokens, longest {max(mix)}")
+print(f"causal attention, H=16, D=128: packed {packed_flops:.3e} FLOPs, padded {padded_flops:.3e} "
+      f"({padded_flops / packed_flops:.2f}× the work)")
+
+# %% [markdown]
+# ## 2 · The per-sequence prelude
+#
+# Every kernel of the course starts from a `Prelude`: the constants of its problem (heads, lengths,
+# scale, masking) from which `key_block_range`, `visible`, `mask_scores` and the epilogue derive
+# everything. For packed sequences the lengths are not constants of the kernel: each thread block
+# reads them from `cu_seqlens` once it knows which sequence it owns, and `with_lengths` builds a
+# prelude with those run-time lengths (TIR expressions instead of ints). After that, the loop is
+# chapter 03's (or chapter 07's rotated Hopper loop), unchanged:
+
+# %%
+show_source(with_lengths)
+show_source(flash_varlen_fwd_kernel, "per-sequence prelude")
+
+# %% [markdown]
+# Tiles do not respect sequence boundaries: the last query tile of a sequence also holds the first
+# rows of the next sequence, and its last key tile the next sequence's keys. Three rules keep the
+# sequences apart. The mask (`visible`, as in every chapter) hides keys past the sequence's end. The
+# epilogue stores only the sequence's own rows. And the value rows past the end are zeroed before
+# P·V: their P is 0, but 0 · NaN is NaN, so a NaN in the next sequence would otherwise leak in
+# (FlashAttention-3 has had that bug with KV-cache padding, issue #1745):
+
+# %%
+show_source(flash_varlen_fwd_kernel, "guarded epilogue")
+show_source(zero_rows_past_end)
+
+# %% [markdown]
+# ## 3 · Handing out the blocks: a padded grid, or a work list
+#
+# *Grid*: launch `⌈max_seqlen / block_M⌉ × H × B` blocks, as if the batch were padded; a block whose
+# query block lies past its sequence's end finds an empty key range and exits at once (idle blocks
+# cost a launch slot and a few instructions, no memory traffic beyond their Q tile). *List*: the host
+# writes one entry (sequence, query block) per real block, `varlen_work_list`, and launches exactly
+# that many; ordered heaviest first (with causal masking, a sequence's last query blocks see the
+# most keys), so the long blocks start early and short ones fill the end. Section 5 measures both.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+small = torch.tensor([300, 1000, 120, 700, 450])
+work = varlen_work_list(small, small, 128, causal=True)
+print("work list (sequence, query block), first ten:", work[:10].tolist())
+print(f"{len(work)} blocks instead of {len(small) * math.ceil(1000 / 128)} in the padded grid")
+fig, (ax_grid, ax_list) = plt.subplots(2, 1, figsize=(12, 4.2), gridspec_kw=dict(height_ratios=[3, 1]))
+varlen_diagrams.schedules(ax_grid, ax_list, small.tolist(), 128, work.tolist())
+fig.tight_layout()
+
+# %% [markdown]
+# ## 4 · Checking `flash_attention_varlen`
+#
+# The public function follows FlashAttention's `flash_attn_varlen_func`: `q [total_q, H, D]`,
+# `k, v [total_k, H_kv, D]`, `cu_seqlens_q/k`, `max_seqlen_q/k`, and the masking options of
+# chapter 06 (GQA, causal aligned bottom-right when a sequence's q and k lengths differ, windows,
+# sinks). It is differentiable; its backward is chapter 05's kernel with the same prelude. The check
+# runs every sequence on its own through the float64 reference (and the low-precision PyTorch
+# reference for FlashAttention's criterion on the GPU), for O, the LSE and every gradient. The
+# lengths include 1, a tile, a tile + 1 and an empty sequence.
+
+# %%
+V_H, V_HKV, V_D = cu.pick(cpu=(4, 2, 16), gpu=(16, 16, 128))
+V_LENGTHS = cu.pick(cpu=[1, 16, 17, 0, 40, 23], gpu=[1, 127, 128, 129, 0, 3000, 8192, 4097])
+V_DTYPE = cu.pick(cpu=torch.float32, gpu=torch.float16)
+cu_v = torch.tensor([0] + torch.tensor(V_LENGTHS).cumsum(0).tolist(), dtype=torch.int32, device=cu.DEVICE)
+total = sum(V_LENGTHS)
+q = torch.randn(total, V_H, V_D, device=cu.DEVICE, dtype=V_DTYPE)
+k, v = (torch.randn(total, V_HKV, V_D, device=cu.DEVICE, dtype=V_DTYPE) for _ in range(2))
+sinks = torch.randn(V_H, device=cu.DEVICE)
+leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+out, lse = cu.flash_attention_varlen(*leaves[:3], cu_v, cu_v, max(V_LENGTHS), max(V_LENGTHS), causal=True,
+                                     sinks=leaves[3], return_lse=True)
+d_out = torch.randn_like(out)
+grads = torch.autograd.grad(out, leaves, d_out)
+refs = varlen_references(q, k, v, cu_v, cu_v, d_out=d_out, causal=True, sinks=sinks)
+print(f"packed q {tuple(q.shape)}, k/v {tuple(k.shape)}, lengths {V_LENGTHS}, {V_DTYPE}")
+check_forward(q, k, v, out, lse, refs=refs, name="varlen")
+check_backward(q, k, v, d_out, grads, refs=refs, name="varlen");
+
+# %% [markdown]
+# Would these checks notice a broken kernel? Each planted bug below must fail them: rows shifted by
+# one token (an off-by-one in `cu_seqlens`), O from the wrong head, an LSE off by 1%, and the kernel
+# itself run with one sequence boundary moved by a row.
+
+# %%
+check = lambda o, s: check_forward(q, k, v, o, s, refs=refs, quiet=True)  # noqa: E731
+wrong_cu = cu_v.clone()
+wrong_cu[2] += 1
+moved = cu.flash_attention_varlen(q, k, v, wrong_cu, wrong_cu, max(V_LENGTHS) + 1, max(V_LENGTHS) + 1, causal=True,
+                                  sinks=sinks, return_lse=True)
+bugs = {"rows shifted by one token": (out.roll(1, dims=0), lse), "O from the wrong head": (out.roll(1, dims=1), lse),
+        "LSE off by 1%": (out, lse * 1.01), "a sequence boundary moved by one row": moved}
+cu.show_bugs_caught(check, bugs)
+
+# %% [markdown]
+# And the sequences really are independent: NaN in every input of sequence 1 (its q, k, v and the
+# gradient reaching its output) leaves every other sequence's O and gradients exactly as they were.
+
+# %%
+def run_all(q_, k_, v_, d_out_):
+    ls = [t.clone().requires_grad_() for t in (q_, k_, v_)]
+    o = cu.flash_attention_varlen(*ls, cu_v, cu_v, max(V_LENGTHS), max(V_LENGTHS), causal=True)
+    return (o,) + torch.autograd.grad(o, ls, d_out_)
+
+
+seq1 = slice(int(cu_v[1]), int(cu_v[2]))
+poisoned = [t.clone() for t in (q, k, v, d_out)]
+for t in poisoned:
+    t[seq1] = float("nan")
+others = torch.ones(total, dtype=torch.bool, device=cu.DEVICE)
+others[seq1] = False
+for name, dirty, clean in zip(("O", "dQ", "dK", "dV"), run_all(*poisoned), run_all(q, k, v, d_out)):
+    cu.check_true(torch.equal(dirty[others], clean[others]) and dirty[seq1].isnan().all(),
+                  f"{name}: other sequences bit for bit unchanged, sequence 1 all NaN")
+
+# %% [markdown]
+# ## 5 · Measured on an H100: packing against equal lengths and against padding
+#
+# The record times the 64k-token batch of section 1 (H = 16, D = 128, fp16), forward and backward,
+# causal and not, with both schedules, against:
+# - **our dense kernel** (`cu.flash_attention`, chapter 07's forward and chapter 05's backward) on the
+#   same number of tokens in sequences of *equal* length L, with L = Σ len² / Σ len so that the FLOPs
+#   match too: the target is 0.9× its TFLOP/s;
+# - **SDPA's FlashAttention-2 and cuDNN** on the batch padded to its longest sequence (causal only:
+#   then the padding needs no mask). Their TFLOP/s count the useful FLOPs, those of the packed batch.
+
+# %%
+rec_v = cu.measured("ch09_varlen_h100", RECORDS["ch09_varlen_h100"])
+rows_v = rec_v["results"]
+for r in rows_v:
+    work = (cu.attention_flops(r["dense_batch"], r["heads"], r["dense_seq"], r["dense_seq"], r["dim"],
+                               causal=r["causal"], mode=r["mode"]) if "dense" in r["impl"] else
+            sum(cu.attention_flops(1, r["heads"], n, n, r["dim"], causal=r["causal"], mode=r["mode"])
+                for n in r["lengths"]))
+    assert abs(cu.tflops(work, r["ms"]) - r["tflops"]) <= 1e-6 * r["tflops"], r
+print(f"checked: every TFLOP/s is FLOPs / time; equal lengths {rows_v[0]['dense_batch']} × {rows_v[0]['dense_seq']}")
+SHORT_V = {"TileLang (ours), packed (list)": "list", "TileLang (ours), packed (grid)": "grid",
+           "TileLang (ours), dense equal lengths": "dense", "FlashAttention-2 (SDPA flash), padded": "FA2 pad",
+           "cuDNN (SDPA cudnn), padded": "cuDNN pad"}
+table = [dict(r, impl=SHORT_V[r["impl"]], case=f"{r['mode']} {'causal' if r['causal'] else 'full'}") for r in rows_v]
+print("TFLOP/s: ours packed (list, grid schedules), ours dense on equal lengths, SDPA on the padded batch")
+print(plots.text_table(table, index="impl", columns="case", value="tflops", fmt="{:.0f}", width=12))
+
+# %%
+def ms_of(impl, mode, causal):
+    return next(r["ms"] for r in rows_v if r["impl"] == impl and r["mode"] == mode and r["causal"] == causal)
+
+
+def tf_of(impl, mode, causal):
+    return next(r["tflops"] for r in rows_v if r["impl"] == impl and r["mode"] == mode and r["causal"] == causal)
+
+
+DENSE, LIST, GRID = ("TileLang (ours), dense equal lengths", "TileLang (ours), packed (list)",
+                     "TileLang (ours), packed (grid)")
+for causal in (True, False):
+    for mode in ("fwd", "bwd"):
+        best = min((LIST, GRID), key=lambda i: ms_of(i, mode, causal))
+        line = (f"{mode} {'causal' if causal else 'full  '}: packed/dense TFLOP/s = "
+                f"{tf_of(LIST, mode, causal) / tf_of(DENSE, mode, causal):.2f} (list), "
+                f"{tf_of(GRID, mode, causal) / tf_of(DENSE, mode, causal):.2f} (grid); faster schedule: "
+                f"{best.split('(')[-1][:-1]}")
+        if causal:
+            line += ", padded SDPA takes " + ", ".join(
+                f"{ms_of(p, mode, True) / ms_of(best, mode, True):.1f}× ({p.split(' ')[0]})"
+                for p in (r["impl"] for r in rows_v if r["impl"].endswith("padded") and r["mode"] == mode
+                          and r["causal"]))
+        print(line)
+
+# %%
+cases = [(m, c) for c in (True, False) for m in ("fwd", "bwd")]
+impls = list(dict.fromkeys(r["impl"] for r in rows_v))
+fig, ax = plt.subplots(figsize=(12, 4))
+width = 0.8 / len(impls)
+for n, impl in enumerate(impls):
+    xs = [i + (n - (len(impls) - 1) / 2) * width for i, case in enumerate(cases)
+          if any(r["impl"] == impl and (r["mode"], r["causal"]) == case for r in rows_v)]
+    ys = [tf_of(impl, *case) for case in cases if any(r["impl"] == impl and (r["mode"], r["causal"]) == case
+                                                     for r in rows_v)]
+    ax.bar(xs, ys, width, label=impl.replace("TileLang (ours)", "ours"), color=plots.COLORS[n % len(plots.COLORS)])
+ax.set_xticks(range(len(cases)), [f"{m} {'causal' if c else 'full'}" for m, c in cases])
+r0 = rows_v[0]
+ax.set(ylabel="TFLOP/s (useful FLOPs)", title=f"{sum(r0['lengths'])} tokens in {len(r0['lengths'])} sequences of "
+       f"{min(r0['lengths'])}–{max(r0['lengths'])} tokens, H={r0['heads']}, D={r0['dim']}, {r0['dtype']}")
+ax.legend(fontsize=8, ncol=2)
+fig.text(0.01, -0.03, plots.record_caption(rec_v), fontsize=7)
+plots.save(fig, "ch09_varlen");
+
+# %% [markdown]
+# ## 6 · Decoding is a memory read
+#
+# One decoding step brings one new query token per sequence (S_new = 1; a few with speculative
+# decoding) and attends over the sequence's whole cache of L keys and values. Per sequence and K/V
+# head, the work is 4 · group · S_new · L · D FLOPs (group = H / H_kv query heads share the K/V head)
+# and the bytes are the cache, 2 · L · D elements. Their ratio, the *arithmetic intensity*, does not
+# depend on L:
+#
+# $$\frac{\text{FLOPs}}{\text{bytes}} = \frac{4 \cdot \text{group} \cdot S_\text{new} \cdot L D}{2 \cdot 2 \cdot L D}
+#   = \text{group} \cdot S_\text{new} \quad \text{(2-byte elements)}.$$
+#
+# For gpt-oss (64 query heads, 8 K/V heads) that is 8 FLOP per byte. The H100 reaches its 989 TFLOP/s
+# only above about 300 FLOP/byte (989 TFLOP/s ÷ 3.35 TB/s): decoding sits far left on the roofline,
+# where time = bytes ÷ bandwidth. A training forward at S = 4096 sits far right.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+PEAK_TFLOPS, HBM_TBS = 989, 3.35  # H100 SXM datasheet: dense fp16/bf16 matmul, HBM3 bandwidth
+
+
+def intensity(heads, heads_kv, seq_new, seq_k, dim, seq_q=None, dtype_bytes=2):
+    """FLOP per byte of K/V read, for attention of seq_new queries per sequence over seq_k keys."""
+    flops = 4 * heads * seq_new * seq_k * dim
+    return flops / (2 * heads_kv * seq_k * dim * dtype_bytes)
+
+
+decode_i = intensity(64, 8, 1, 32768, 64)
+prefill_i = cu.attention_flops(1, 64, 4096, 4096, 64, causal=True) / ((2 * 64 + 2 * 8) * 4096 * 64 * 2)
+print(f"decode, gpt-oss (64/8 heads), 1 new token: {decode_i:.0f} FLOP/byte; ridge {PEAK_TFLOPS / HBM_TBS:.0f}")
+print(f"decode, multi-head attention (group 1): {intensity(64, 64, 1, 32768, 64):.0f} FLOP/byte")
+print(f"training forward, S=4096, causal: about {prefill_i:.0f} FLOP/byte of Q, K, V and O")
+
+# %%
+rec_d = cu.measured("ch09_decode_h100", RECORDS["ch09_decode_h100"])
+rows_d = rec_d["results"]
+ours_d = [r for r in rows_d if r["impl"] == OURS and r["dim"] == 64 and r["batch"] == 64]
+fig, ax = plt.subplots(figsize=(7, 4.5))
+plots.roofline(ax, peak_tflops=PEAK_TFLOPS, bandwidth_tbs=HBM_TBS, xlim=(1, 3e3),
+               title="Decoding on the roofline (gpt-oss shape, D=64, B=64)")
+plots.roofline_series(ax, OURS, [r["heads"] / r["heads_kv"] for r in ours_d],
+                      [r["tflops"] for r in ours_d], [plots.seq_label(r["context"]) for r in ours_d])
+ax.axvline(prefill_i, color="gray", linestyle="--", lw=1)
+ax.text(prefill_i * 1.1, 2, "training forward\n(S=4096)", fontsize=8, color="gray")
+fig.text(0.01, -0.03, plots.record_caption(rec_d), fontsize=7)
+plots.save(fig, "ch09_decode_roofline");
+
+# %% [markdown]
+# ## 7 · Split-KV: enough blocks to read the cache at full speed
+#
+# Chapter 03's grid gives one thread block per (query block, head, sequence). For decoding that is
+# one block per (K/V head, sequence): 8 blocks for one sequence of gpt-oss, on a GPU with 132 SMs.
+# The cure is to split each sequence's cache into ranges and give each range its own block; each
+# block runs the usual loop over *its* keys and writes a partial result, O normalised over its keys
+# and their LSE. A second, small kernel merges the partials with chapter 02's rule for combining
+# softmax states: with LSE = log Σ_s e^{LSE_s}, the share of split s is e^{LSE_s − LSE}, and
+# O = Σ_s e^{LSE_s − LSE} O_s. A sink (chapter 06) is one more partial state, with LSE = its logit
+# and O = 0, so only the merge knows about it.
+
+# %%
+fig, ax = plt.subplots(figsize=(11, 3))
+varlen_diagrams.split_kv(ax, 2048, 4, 128)
+
+# %% [markdown]
+# Here are the two kernels taken apart. The split kernel writes `O_part [B, S_new, H, splits, D]` and
+# `LSE_part`; we merge them in PyTorch with `merge_attention_states` (`course_utils.softmax`, the
+# chapter 02 exercise generalised to any number of parts), the sink as one more part, and compare
+# with the merge kernel and with the float64 reference.
+
+# %%
+D_H, D_HKV, D_D = cu.pick(cpu=(4, 2, 16), gpu=(64, 8, 64))
+D_DTYPE = cu.pick(cpu=torch.float32, gpu=torch.bfloat16)
+D_LENGTHS = cu.pick(cpu=[0, 1, 16, 17, 40], gpu=[0, 1, 127, 128, 129, 3000, 8192, 5000])
+S_MAX, PAGE = cu.pick(cpu=(48, 16), gpu=(8192, 256))
+lengths_d = torch.tensor(D_LENGTHS, dtype=torch.int32, device=cu.DEVICE)
+q_d = torch.randn(len(D_LENGTHS), 1, D_H, D_D, device=cu.DEVICE, dtype=D_DTYPE)
+k_d, v_d = (torch.randn(len(D_LENGTHS), S_MAX, D_HKV, D_D, device=cu.DEVICE, dtype=D_DTYPE) for _ in range(2))
+for t in (k_d, v_d):
+    for b, n in enumerate(D_LENGTHS):
+        t[b, n:] = float("nan")  # never-written cache slots: whatever they hold must not reach a result
+sinks_d = torch.randn(D_H, device=cu.DEVICE)
+split, merge, config = decode_kernels(q_d, k_d)
+SPLITS = 3
+o_part = torch.empty(len(D_LENGTHS), 1, D_H, SPLITS, D_D, device=cu.DEVICE)
+lse_part = torch.empty(len(D_LENGTHS), 1, D_H, SPLITS, device=cu.DEVICE)
+no_table = torch.zeros(len(D_LENGTHS), 1, dtype=torch.int32, device=cu.DEVICE)
+split(q_d, k_d, v_d, no_table, lengths_d, o_part, lse_part)
+sink_part = sinks_d.view(1, 1, D_H, 1).expand(len(D_LENGTHS), 1, D_H, 1)
+o_torch, lse_torch = merge_attention_states(torch.cat([o_part, torch.zeros_like(o_part[..., :1, :])], dim=3),
+                                            torch.cat([lse_part, sink_part], dim=3), dim=3)
+o_kernel, lse_kernel = merge(o_part, lse_part, sinks_d)
+refs_d = decode_references(q_d, k_d, v_d, lengths_d, sinks=sinks_d)
+print(f"{SPLITS} splits, cache lengths {D_LENGTHS}, {D_DTYPE}")
+cu.check_close(o_kernel.float(), o_torch, "merge kernel vs merge_attention_states: O", dtype=D_DTYPE)
+cu.check_close(lse_kernel, lse_torch.transpose(1, 2), "merge kernel vs merge_attention_states: LSE")
+check_forward(q_d, k_d, v_d, o_kernel, lse_kernel, refs=refs_d, name="split + merge");
+
+# %% [markdown]
+# The split kernel's loop is chapter 03's, over this split's key blocks; the range is the packed
+# tile's key range cut into `splits` nearly equal parts (they differ by at most one key block):
+
+# %%
+show_source(flash_decode_kernel, "this split's key blocks")
+show_source(flash_decode_merge_kernel, "merge")
+
+# %% [markdown]
+# ## 8 · GQA packing, and the paged cache
+#
+# **GQA packing.** The 8 query heads of a gpt-oss K/V group read the same keys and values. One block
+# per *K/V head* whose query tile holds all 8 heads (and all new tokens) reads each K/V tile once for
+# the group; one block per query head would read the cache 8 times. The rows are padded to the
+# tensor cores' 16; the padding rows are computed and never stored.
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 4.2))
+varlen_diagrams.gqa_tile(ax, 64, 8, 1, 16)
+show_source(flash_decode_kernel, "packed query tile")
+
+# %% [markdown]
+# **The paged cache.** A server holding many conversations cannot give each one a contiguous
+# region of its longest possible length. vLLM's PagedAttention cuts the cache into fixed-size pages
+# from one shared pool, and a *block table* `[B, max_pages]` lists each sequence's pages in order.
+# The kernel changes in one place: a key tile of `block_N` keys lies inside one page (`block_N`
+# divides the page size), so loading it is a lookup in the block table followed by the same
+# contiguous copy from that page.
+
+# %%
+fig, ax = plt.subplots(figsize=(12, 3.2))
+example_table = torch.tensor([[5, 2, 10, -1], [7, 0, 3, 9], [1, -1, -1, -1]])
+varlen_diagrams.paged_cache(ax, [40, 60, 10], 16, example_table, 12)
+show_source(flash_decode_kernel, "load a key tile")
+
+# %% [markdown]
+# The same cache as shuffled pages (unused block-table entries are −1), checked against the
+# reference and against the contiguous cache, with the split count `flash_decode` picks itself:
+
+# %%
+pages_per_seq = S_MAX // PAGE
+order = torch.randperm(len(D_LENGTHS) * pages_per_seq, device=cu.DEVICE)
+table = order.view(len(D_LENGTHS), pages_per_seq).to(torch.int32)
+used = torch.arange(pages_per_seq, device=cu.DEVICE)[None] < ((lengths_d + PAGE - 1) // PAGE)[:, None]
+table = torch.where(used, table, -1)
+k_pages, v_pages = (t.view(-1, PAGE, D_HKV, D_D)[torch.argsort(order)].contiguous() for t in (k_d, v_d))
+out_paged, lse_paged = cu.flash_decode(q_d, k_pages, v_pages, lengths_d, block_table=table, sinks=sinks_d,
+                                       return_lse=True)
+check_forward(q_d, k_d, v_d, out_paged, lse_paged, refs=refs_d, name="paged")
+cu.check_close(out_paged, cu.flash_decode(q_d, k_d, v_d, lengths_d, sinks=sinks_d), "paged vs contiguous");
+
+# %% [markdown]
+# A block table that points at the wrong page must fail the check, and indices that cannot be right
+# are refused before anything runs:
+
+# %%
+wrong_table = table.clone()
+wrong_table[-1, 0] = table[-2, 0]  # the last sequence's first page read from the one before
+cu.expect_failure("a page from another sequence", lambda: check_forward(
+    q_d, k_d, v_d, cu.flash_decode(q_d, k_pages, v_pages, lengths_d, block_table=wrong_table, sinks=sinks_d),
+    refs=refs_d, quiet=True))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+q_bad, cache_bad = torch.zeros(2, 1, 4, 16), torch.zeros(6, 16, 2, 16)  # 6 pages of 16 keys; checked before compiling
+table_bad, lengths_bad = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32), torch.tensor([40, 9], dtype=torch.int32)
+bad = {
+    "a page number past the pool": dict(block_table=torch.tensor([[0, 1, 2], [6, 4, 5]], dtype=torch.int32)),
+    "cache_seqlens longer than the pages": dict(cache_seqlens=torch.tensor([49, 9], dtype=torch.int32)),
+    "cache_seqlens as int64": dict(cache_seqlens=lengths_bad.long()),
+}
+for what, change in bad.items():
+    args = dict(block_table=table_bad, cache_seqlens=lengths_bad) | change
+    try:
+        cu.flash_decode(q_bad, cache_bad, cache_bad, args.pop("cache_seqlens"), **args)
+        raise cu.CheckFailed(f"{what}: no error raised")
+    except ValueError as exc:
+        print(f"{what:36} → ValueError: {exc}")
+
+# %% [markdown]
+# ## 9 · How many splits?
+#
+# Too few splits leave SMs idle; too many cut each block's loop short (its pipeline never fills) and
+# give the merge more partials to read. `choose_num_splits` reasons in *waves*: the GPU runs
+# `num_sms × blocks_per_sm` split-kernel blocks at once (two per SM here, by shared memory). With
+# B · H_kv blocks before splitting, it takes as many splits as still fit in one wave, so all blocks
+# start together and finish together; when B · H_kv already fills a wave, it does not split. Like
+# FlashAttention's heuristic, it looks at shapes only (the cache's capacity), so choosing costs no
+# wait for the GPU.
+
+# %%
+show_source(choose_num_splits)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+h100 = decode_config("cuda", 64, 8, 64, 1)
+print(f"H100 (132 SMs), gpt-oss D=64: {blocks_per_sm(h100, 64)} blocks per SM; splits chosen:")
+print("   B  " + "".join(f"{plots.seq_label(s):>7}" for s in (1024, 8192, 32768, 131072)))
+for batch in (1, 8, 64):
+    chosen = [choose_num_splits(batch, 8, s, num_sms=132, config=h100, dim=64) for s in (1024, 8192, 32768, 131072)]
+    print(f"{batch:>4}  " + "".join(f"{c:>7}" for c in chosen))
+
+# %% [markdown]
+# The sweep below times one decoding step for every split count on the H100, and marks the one the
+# rule picks (checked: every split count gives the same O).
+
+# %%
+rec_s = cu.measured("ch09_decode_splits_h100", RECORDS["ch09_decode_splits_h100"])
+rows_s = rec_s["results"]
+fig, ax = plt.subplots(figsize=(9, 4.2))
+for n, case in enumerate(dict.fromkeys((r["batch"], r["context"]) for r in rows_s)):
+    pts = sorted((r["splits"], r["gbps"], r["chosen"]) for r in rows_s if (r["batch"], r["context"]) == case)
+    color = plots.COLORS[n % len(plots.COLORS)]
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", color=color,
+            label=f"B={case[0]}, context {plots.seq_label(case[1])}")
+    ax.scatter([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], s=120, facecolors="none", edgecolors=color)
+ax.set(xscale="log", xlabel="splits per sequence and K/V head", ylabel="K/V read bandwidth (GB/s)",
+       title="Split count (circled: the one choose_num_splits picks)")
+ax.legend(fontsize=8)
+fig.text(0.01, -0.03, plots.record_caption(rec_s), fontsize=7)
+for case in dict.fromkeys((r["batch"], r["context"]) for r in rows_s):
+    rs = [r for r in rows_s if (r["batch"], r["context"]) == case]
+    best, pick = max(rs, key=lambda r: r["gbps"]), next(r for r in rs if r["chosen"])
+    print(f"B={case[0]:>2} context {plots.seq_label(case[1]):>4}: picked {pick['splits']:>3} splits "
+          f"({pick['gbps']:.0f} GB/s), best {best['splits']:>3} ({best['gbps']:.0f} GB/s): "
+          f"{pick['gbps'] / best['gbps']:.0%} of the best")
+
+# %% [markdown]
+# ## 10 · Measured on an H100: decoding bandwidth
+#
+# One decoding step at the gpt-oss attention shape (64 query heads, 8 K/V heads, sinks; D = 64 and
+# 128; bf16), for B ∈ {1, 8, 64} and contexts of 1k to 128k keys. Each time becomes the bandwidth
+# at which K and V were read (their bytes ÷ time), set against:
+# - **a plain large read**: `torch.sum` over the same bytes, in the same run: what a simple
+#   memory-bound kernel reaches on this GPU (the target is 85% of it);
+# - **SDPA's four backends** at a query length of 1 on the same contiguous cache, read in place
+#   through a transposed view, with `enable_gqa`, and with the group folded into the query length
+#   (`[B, H_kv, 8, D]`), which is the same attention for one new token and which every backend
+#   takes without copying K and V; a form a backend refuses is recorded with its error;
+# - **our paged cache**: the same bytes as 256-key pages in shuffled order (target: ≤ 5% slower).
+
+# %%
+def decode_rows(impl, **where):
+    return [r for r in rows_d if r["impl"] == impl and "error" not in r
+            and all(r[k] == v for k, v in where.items())]
+
+
+sdpa_impls = sorted({r["impl"] for r in rows_d} - {OURS, PAGED, SUM})
+for r in rows_d:
+    if "error" not in r:
+        assert abs(r["bytes"] / (r["ms"] * 1e-3) / 1e9 - r["gbps"]) <= 1e-6 * r["gbps"], r
+print("checked: every bandwidth is bytes / time. Fraction of torch.sum's bandwidth, ours (paged):")
+for dim in (64, 128):
+    table = [dict(r, batch=f"B={r['batch']}", frac=f"{r['fraction_of_sum']:.0%} ({p['fraction_of_sum']:.0%})")
+             for r in decode_rows(OURS, dim=dim)
+             for p in decode_rows(PAGED, dim=dim, batch=r["batch"], context=r["context"])]
+    print(f"D={dim}\n" + plots.text_table(table, index="context", columns="batch", value="frac", fmt="{}",
+                                          width=13))
+
+# %%
+print("time of the fastest SDPA form ÷ ours, and which it was:")
+for dim in (64, 128):
+    for r in decode_rows(OURS, dim=dim):
+        peers = [p for i in sdpa_impls for p in decode_rows(i, dim=dim, batch=r["batch"], context=r["context"])]
+        fastest = min(peers, key=lambda p: p["ms"], default=None)
+        print(f"D={dim:>3} B={r['batch']:>2} context {plots.seq_label(r['context']):>4}: " + (
+              f"{fastest['ms'] / r['ms']:5.2f}× ({fastest['impl']})" if fastest else "every SDPA form refused") +
+              "; paged costs "
+              f"{decode_rows(PAGED, dim=dim, batch=r['batch'], context=r['context'])[0]['ms'] / r['ms'] - 1:+.1%}")
+refusals = sorted({(r["impl"], r["error"][:70]) for r in rows_d if "error" in r})
+print("\nrefused:", *([f"  {i}: {e}" for i, e in refusals] or ["  none"]), sep="\n")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), sharey=True)
+for ax, dim in zip(axes, (64, 128)):
+    for n, batch in enumerate((1, 8, 64)):
+        color = plots.COLORS[n]
+        for impl, style in ((OURS, "-o"), (PAGED, ":"), (SUM, "--")):
+            pts = decode_rows(impl, dim=dim, batch=batch)
+            ax.plot([r["context"] for r in pts], [r["gbps"] for r in pts], style, color=color,
+                    label=f"B={batch} {impl.replace('TileLang (ours)', 'ours')}")
+        best_sdpa = [min((p for i in sdpa_impls for p in decode_rows(i, dim=dim, batch=batch, context=r["context"])),
+                         key=lambda p: p["ms"], default=None) for r in decode_rows(OURS, dim=dim, batch=batch)]
+        best_sdpa = [p for p in best_sdpa if p is not None]
+        ax.plot([r["context"] for r in best_sdpa], [r["gbps"] for r in best_sdpa], "-x", color=color, alpha=0.5,
+                label=f"B={batch} fastest SDPA")
+    contexts = sorted({r["context"] for r in rows_d})
+    ax.set(xscale="log", title=f"one decoding step, gpt-oss heads, D={dim}", xlabel="context (keys)",
+           ylabel="K/V read bandwidth (GB/s)" if dim == 64 else None)
+    ax.set_xticks(contexts, [plots.seq_label(c) for c in contexts])
+    ax.minorticks_off()
+axes[1].legend(fontsize=7, ncol=2)
+fig.text(0.01, -0.03, plots.record_caption(rec_d), fontsize=7)
+plots.save(fig, "ch09_decode_bandwidth");
+
+# %% [markdown]
+# How to read it. Small problems (B = 1 with a short context: a few megabytes, under a microsecond
+# of reading at 3 TB/s) cost about as much as launching two kernels and the Python around them, for
+# every implementation; bandwidth there says little. The large ones are a read of gigabytes, and the
+# fraction of `torch.sum`'s bandwidth is the measure of the kernel. The paged cache reads the same
+# bytes, a tile from one looked-up page at a time, so its cost is the block-table lookups.
+
+# %% [markdown]
+# ## Exercises
+#
+# ### (a) Pack a padded batch
+#
+# Write `pack(padded, lengths)`: `padded` is `[B, S_max, H, D]` (sequence b's tokens are its first
+# `lengths[b]` rows, the rest padding), `lengths` an int tensor `[B]`. Return the packed tokens
+# `[total, H, D]` and `cu_seqlens`, int32 `[B + 1]`, as `flash_attention_varlen` takes them.
+
+# %% tags=["solution"]
+def pack(padded, lengths):
+    ### BEGIN SOLUTION
+    packed = torch.cat([padded[b, :n] for b, n in enumerate(lengths.tolist())])
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lengths, 0)
+    return packed, cu_seqlens
+    ### END SOLUTION
+
+
+# %%
+from course_utils.exercises.ch09 import check_merge_with_sink, check_pack
+
+check_pack(pack)
+
+# %% [markdown]
+# ### (b) The merge, with a sink
+#
+# `o` `[splits, rows, D]` and `lse` `[splits, rows]` are the partial results of the splits of a
+# decoding step (a split that saw no key for a row has LSE = −∞ there), `sink` `[rows]` each row's sink
+# logit. Return the final O `[rows, D]` and LSE `[rows]`, as the merge kernel computes them.
+
+# %% tags=["solution"]
+def merge_with_sink(o, lse, sink):
+    ### BEGIN SOLUTION
+    lse_all = torch.cat([lse, sink[None]])  # the sink: one more state, LSE = its logit …
+    total = torch.logsumexp(lse_all, dim=0)
+    return (torch.exp(lse - total)[..., None] * o).sum(dim=0), total  # … and O = 0
+    ### END SOLUTION
+
+
+# %%
+check_merge_with_sink(merge_with_sink)
+
+# %% [markdown]
+# ## Takeaway
+# - **Packing** replaces padding with `cu_seqlens`: each sequence's tiles start where it starts, so
+#   the kernel spends nothing on padding. The kernels are the course's, with a per-sequence prelude
+#   (`with_lengths`: lengths read at run time) and three guards: the mask hides the next sequence's
+#   keys, stores skip its rows, and its value rows are zeroed before P·V (0 · NaN = NaN).
+# - Blocks can be handed out by a **grid** sized for the longest sequence (idle blocks exit at
+#   once) or a **work list** made on the host (no idle blocks, heaviest first); section 5 says which
+#   the H100 ran faster.
+# - **Decoding** does group · S_new FLOPs per byte of cache: it is a memory read, and the measure of
+#   a decoding kernel is the bandwidth it reaches against a plain read.
+# - **Split-KV** gives each sequence several blocks; chapter 02's merge of softmax states combines
+#   their partial results (a sink is one more state). **GQA packing** reads each K/V tile once for
+#   the whole group. A **paged cache** costs a block-table lookup per tile.
+# - The split count comes from the shapes and the SM count: as many splits as fit in one wave.

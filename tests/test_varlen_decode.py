@@ -1,0 +1,281 @@
+"""Chapter 09 on the CPU: packed variable-length attention and decoding with a KV cache, each sequence
+checked against the float64 reference on its own. Few kernel variants, reused across cases: the
+kernels take the lengths, the batch size, the cache size and the split count at run time."""
+
+import pytest
+import torch
+
+from course_utils import CheckFailed, check_close, flash_attention_varlen, flash_decode
+from course_utils.flash_varlen import varlen_work_list
+from course_utils.validation import check_backward, check_forward, decode_references, varlen_references
+
+H, H_KV, D = 4, 2, 16  # GQA 4/2; the CPU tile is 16 × 16
+BLOCK = 16
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _packed(lengths_q, lengths_k, requires_grad=False):
+    q = torch.randn(sum(lengths_q), H, D, requires_grad=requires_grad)
+    k, v = (torch.randn(sum(lengths_k), H_KV, D, requires_grad=requires_grad) for _ in range(2))
+    return q, k, v
+
+
+# Lengths 1, a block, a block + 1, empty (on one side or both), and q ≠ k (causal aligned bottom-right,
+# some rows seeing nothing when q is the longer).
+LENGTHS_Q = [1, BLOCK, BLOCK + 1, 0, 9, 5, 0, 33]
+LENGTHS_K = [1, BLOCK, BLOCK + 1, 0, 30, 2, 7, 33]
+MASKS = {"causal": dict(causal=True), "window 5": dict(window_size=5), "full": dict()}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_varlen_matches_the_reference_per_sequence(mask):
+    """O, LSE and the gradients of q, k, v and sinks; GQA; every sequence against its own reference."""
+    q, k, v = _packed(LENGTHS_Q, LENGTHS_K, requires_grad=True)
+    sinks = torch.randn(H, requires_grad=True)
+    cu_q, cu_k = _cu(LENGTHS_Q), _cu(LENGTHS_K)
+    out, lse = flash_attention_varlen(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), sinks=sinks,
+                                      return_lse=True, **MASKS[mask])
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), d_out)
+    refs = varlen_references(q, k, v, cu_q, cu_k, d_out=d_out, sinks=sinks, **MASKS[mask])
+    check_forward(q, k, v, out, lse, refs=refs, name=mask, quiet=True)
+    check_backward(q, k, v, d_out, grads, refs=refs, name=mask, quiet=True)
+
+
+def test_varlen_gradients_of_a_loss_on_o_and_the_lse():
+    """Gradients of Σ O·dO + Σ LSE·dLSE against autograd through the float64 reference, sequence by sequence."""
+    from course_utils import attention_reference
+
+    lq = lk = [BLOCK + 1, 1, 0, 20]
+    q, k, v = _packed(lq, lk, requires_grad=True)
+    sinks = torch.randn(H, requires_grad=True)
+    cu = _cu(lq)
+    out, lse = flash_attention_varlen(q, k, v, cu, cu, max(lq), max(lk), causal=True, sinks=sinks, return_lse=True)
+    d_out, d_lse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), (q, k, v, sinks))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    loss = 0
+    for b in range(len(lq)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if rows.start == rows.stop:
+            continue
+        o, s = attention_reference(*(t[rows].transpose(0, 1)[None] for t in leaves[:3]), causal=True,
+                                   sinks=leaves[3], return_lse=True)
+        loss = loss + (o[0].transpose(0, 1) * d_out[rows].double()).sum() + (s[0].double() * d_lse[:, rows]).sum()
+    ref_grads = torch.autograd.grad(loss, leaves)
+    for name, g, r in zip(("dQ", "dK", "dV", "dsinks"), grads, ref_grads):
+        check_close(g, r, name, dtype=torch.float32)
+
+
+def test_varlen_schedules_agree():
+    """The padded grid (with idle blocks) and the work list give the same O."""
+    lq = lk = [BLOCK + 1, 3, 0, 40]
+    q, k, v = _packed(lq, lk)
+    cu = _cu(lq)
+    out_list = flash_attention_varlen(q, k, v, cu, cu, max(lq), max(lk), causal=True, schedule="list")
+    out_grid = flash_attention_varlen(q, k, v, cu, cu, max(lq) + 20, max(lk), causal=True, schedule="grid")
+    check_close(out_grid, out_list, "grid vs list schedule", atol=0, rtol=0)
+
+
+def test_nothing_of_one_sequence_reaches_another():
+    """NaN in every input of sequence 1 (its q, k, v and dO): the other sequences' O and gradients are
+    unchanged, although their tiles overlap sequence 1's rows (0 · NaN would be NaN)."""
+    lq = lk = [BLOCK + 1, BLOCK + 3, 5, 20]
+    q, k, v = _packed(lq, lk)
+    cu = _cu(lq)
+    d_out = torch.randn(q.shape)
+    mine = slice(int(cu[1]), int(cu[2]))
+
+    def run(q, k, v, d_out):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention_varlen(*leaves, cu, cu, max(lq), max(lk), causal=True)
+        return (out,) + torch.autograd.grad(out, leaves, d_out)
+
+    clean = run(q, k, v, d_out)
+    poisoned = [t.clone() for t in (q, k, v, d_out)]
+    for t in poisoned:
+        t[mine] = float("nan")
+    dirty = run(*poisoned)
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[mine] = False
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), dirty, clean):
+        check_close(a[others], b[others], f"{name} of the other sequences")
+        assert a[mine].isnan().all(), name
+
+
+def test_a_shifted_sequence_boundary_fails_the_check():
+    """Planted bug: the kernel given cu_seqlens off by one row must not pass the per-sequence check."""
+    lq = lk = [BLOCK + 1, 20]
+    q, k, v = _packed(lq, lk)
+    cu = _cu(lq)
+    wrong = cu.clone()
+    wrong[1] += 1
+    out, lse = flash_attention_varlen(q, k, v, wrong, wrong, 40, 40, causal=True, return_lse=True)
+    with pytest.raises(CheckFailed):
+        check_forward(q, k, v, out, lse, refs=varlen_references(q, k, v, cu, cu, causal=True), quiet=True)
+
+
+def test_work_list_is_complete_and_heaviest_first():
+    lengths_q, lengths_k = torch.tensor([40, 0, 17]), torch.tensor([40, 3, 20])
+    items = varlen_work_list(lengths_q, lengths_k, BLOCK, causal=True)
+    assert sorted(map(tuple, items.tolist())) == [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1)]
+    assert items[0].tolist() == [0, 2]  # the last block of the longest sequence sees the most keys
+    by_keys = varlen_work_list(lengths_q, lengths_k, BLOCK, causal=True, by_keys=True)
+    assert len(by_keys) == 3 + 1 + 2 and by_keys[0].tolist() == [0, 0]
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+
+def _cache(lengths, seq_new, seq_max=40):
+    batch = len(lengths)
+    q = torch.randn(batch, seq_new, H, D)
+    k, v = (torch.randn(batch, seq_max, H_KV, D) for _ in range(2))
+    for t in (k, v):  # slots past each sequence's length are never read into a result
+        for b, n in enumerate(lengths):
+            t[b, n:] = float("nan")
+    return q, k, v, torch.tensor(lengths, dtype=torch.int32)
+
+
+def _paged(k, v, lengths, page_size=16):
+    """The same cache as shuffled pages: a block table with -1 in the entries a sequence does not use."""
+    batch, seq_max = k.shape[:2]
+    per_seq = -(-seq_max // page_size)
+    pages = torch.randperm(batch * per_seq + 3)  # a few spare pages that nobody uses
+    table = torch.full((batch, per_seq), -1, dtype=torch.int32)
+    k_pages = torch.randn(len(pages), page_size, H_KV, D)
+    v_pages = torch.randn(len(pages), page_size, H_KV, D)
+    for b, n in enumerate(lengths):
+        for j in range(-(-n // page_size)):
+            page = int(pages[b * per_seq + j])
+            table[b, j] = page
+            rows = slice(j * page_size, min((j + 1) * page_size, seq_max))
+            k_pages[page, :rows.stop - rows.start] = k[b, rows]
+            v_pages[page, :rows.stop - rows.start] = v[b, rows]
+    return k_pages, v_pages, table
+
+
+DECODE_LENGTHS = [0, 1, BLOCK, BLOCK + 1, 40]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_contiguous_causal_sinks(num_splits):
+    q, k, v, lengths = _cache(DECODE_LENGTHS, seq_new=2)
+    sinks = torch.randn(H)
+    out, lse = flash_decode(q, k, v, lengths, causal=True, sinks=sinks, num_splits=num_splits, return_lse=True)
+    refs = decode_references(q, k, v, lengths, causal=True, sinks=sinks)
+    check_forward(q, k, v, out, lse, refs=refs, name=f"{num_splits} splits", quiet=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_decode_paged_one_new_token(num_splits):
+    q, k, v, lengths = _cache(DECODE_LENGTHS, seq_new=1)
+    k_pages, v_pages, table = _paged(k, v, DECODE_LENGTHS)
+    out, lse = flash_decode(q, k_pages, v_pages, lengths, block_table=table, num_splits=num_splits, return_lse=True)
+    refs = decode_references(q, k, v, lengths)
+    check_forward(q, k, v, out, lse, refs=refs, name="paged", quiet=True)
+    check_close(out, flash_decode(q, k, v, lengths, num_splits=num_splits), "paged = contiguous")
+
+
+def test_decode_paged_window_sinks():
+    q, k, v, lengths = _cache(DECODE_LENGTHS, seq_new=2)
+    k_pages, v_pages, table = _paged(k, v, DECODE_LENGTHS)
+    sinks = torch.randn(H)
+    out, lse = flash_decode(q, k_pages, v_pages, lengths, block_table=table, window_size=5, sinks=sinks,
+                            num_splits=4, return_lse=True)
+    refs = decode_references(q, k, v, lengths, window_size=5, sinks=sinks)
+    check_forward(q, k, v, out, lse, refs=refs, name="window 5", quiet=True)
+
+
+def test_a_wrong_page_fails_the_check():
+    """Planted bug: sequence 4's first page read from sequence 3's must not pass."""
+    q, k, v, lengths = _cache(DECODE_LENGTHS, seq_new=1)
+    k_pages, v_pages, table = _paged(k, v, DECODE_LENGTHS)
+    table[4, 0] = table[3, 0]
+    out = flash_decode(q, k_pages, v_pages, lengths, block_table=table, num_splits=2)
+    with pytest.raises(CheckFailed):
+        check_forward(q, k, v, out, refs=decode_references(q, k, v, lengths), quiet=True)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+def _varlen_args():
+    q, k, v = _packed([3, 5], [3, 5])
+    return [q, k, v, _cu([3, 5]), _cu([3, 5]), 5, 5]
+
+
+def _with(args, index, value):
+    args = list(args)
+    args[index] = value
+    return args
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: _with(a, 3, torch.tensor([0, 9, 8], dtype=torch.int32)), "non-decreasing"),
+    (lambda a: _with(a, 3, torch.tensor([0, 3, 7], dtype=torch.int32)), "must equal the packed length 8"),
+    (lambda a: _with(a, 3, torch.tensor([1, 3, 8], dtype=torch.int32)), r"\[0\] must be 0"),
+    (lambda a: _with(a, 5, 4), "max_seqlen_q = 4 is smaller than the length 5"),
+    (lambda a: _with(a, 6, 2), "max_seqlen_k = 2 is smaller"),
+    (lambda a: _with(a, 3, torch.tensor([0, 3, 8])), "int32"),
+    (lambda a: _with(a, 4, torch.tensor([0, 3, 8], dtype=torch.int32)[None]), "1-D"),
+    (lambda a: _with(a, 4, torch.tensor([0, 8], dtype=torch.int32)), "batch \\+ 1"),
+    (lambda a: _with(a, 0, a[0][:, :3]), "multiple of key/value heads"),
+    (lambda a: _with(a, 0, a[0][None]), r"\[total_q, heads, head_dim\]"),
+    (lambda a: _with(a, 5, 5.0), "must be an int"),
+])
+def test_varlen_rejects_bad_input(change, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        flash_attention_varlen(*change(_varlen_args()))
+
+
+def test_varlen_rejects_bad_sinks_and_windows():
+    args = _varlen_args()
+    with pytest.raises(ValueError, match="sinks"):
+        flash_attention_varlen(*args, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attention_varlen(*args, window_size=0)
+
+
+def _decode_args(paged=False):
+    q, k, v, lengths = _cache([5, 20], seq_new=1, seq_max=32)
+    if not paged:
+        return (q, k, v, lengths), {}
+    k_pages, v_pages, table = _paged(k, v, [5, 20])
+    return (q, k_pages, v_pages, lengths), dict(block_table=table)
+
+
+@pytest.mark.parametrize("paged, change, message", [
+    (False, lambda a, kw: ((a[0], a[1], a[2], torch.tensor([5, 33], dtype=torch.int32)), kw),
+     r"cache_seqlens must lie in \[0, 32\].*k_cache.shape\[1\]"),
+    (False, lambda a, kw: ((a[0], a[1], a[2], torch.tensor([5, -1], dtype=torch.int32)), kw), "must lie in"),
+    (False, lambda a, kw: ((a[0], a[1], a[2], a[3].long()), kw), "cache_seqlens must have dtype torch.int32"),
+    (False, lambda a, kw: ((a[0], a[1], a[2], a[3][:1]), kw), r"cache_seqlens must have shape \[2\]"),
+    (False, lambda a, kw: ((a[0], a[1][:, ::2], a[2][:, ::2], a[3]), kw), "must be contiguous"),
+    (False, lambda a, kw: ((a[0], a[1][:1], a[2][:1], a[3]), kw), "one row per sequence"),
+    (True, lambda a, kw: ((a[0], a[1], a[2], torch.tensor([5, 33], dtype=torch.int32)), kw),
+     r"must lie in \[0, 32\].*pages given"),
+    (True, lambda a, kw: (a, dict(block_table=torch.where(kw["block_table"] == kw["block_table"][1, 1], 99,
+                                                         kw["block_table"]))), r"block_table\[1, 1\] = 99"),
+    (True, lambda a, kw: (a, dict(block_table=torch.where(kw["block_table"] == kw["block_table"][0, 0], -2,
+                                                         kw["block_table"]))), r"block_table\[0, 0\] = -2"),
+    (True, lambda a, kw: (a, dict(block_table=kw["block_table"].long())), "block_table must have dtype torch.int32"),
+    (True, lambda a, kw: (a, dict(block_table=kw["block_table"][:1])), "block_table must have shape"),
+    (True, lambda a, kw: ((a[0], a[1][:, :8], a[2][:, :8], a[3]), dict(block_table=kw["block_table"])),
+     "page_size .* multiple of 16"),
+])
+def test_decode_rejects_bad_input(paged, change, message):
+    args, kwargs = change(*_decode_args(paged))
+    with pytest.raises((ValueError, TypeError), match=message):
+        flash_decode(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_splits=0), "num_splits"), (dict(num_splits=True), "num_splits"), (dict(sm_scale=-1.0), "sm_scale"),
+    (dict(window_size=0), "window_size"), (dict(sinks=torch.zeros(H, dtype=torch.int64)), "floating-point"),
+])
+def test_decode_rejects_bad_options(kwargs, message):
+    args, _ = _decode_args()
+    with pytest.raises(ValueError, match=message):
+        flash_decode(*args, **kwargs)

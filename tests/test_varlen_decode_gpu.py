@@ -1,0 +1,123 @@
+"""Chapter 09 at full size on a CUDA machine (the lent H100); skipped elsewhere. Every head of every
+sequence is checked against the float64 reference with FlashAttention's criterion."""
+
+import pytest
+import torch
+
+from course_utils import flash_attention_varlen, flash_decode
+from course_utils.validation import check_backward, check_forward, decode_references, varlen_references
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+LENGTHS = [1, 127, 128, 129, 0, 3000, 8192, 4097]  # 1, a block ± 1, empty, long
+
+
+def _cache(batch, seq_max, heads_kv, dim, seq_new, heads, dtype=torch.bfloat16, min_length=0):
+    q = torch.randn(batch, seq_new, heads, dim, device="cuda", dtype=dtype)
+    k, v = (torch.randn(batch, seq_max, heads_kv, dim, device="cuda", dtype=dtype) for _ in range(2))
+    lengths = torch.tensor(LENGTHS[:batch], dtype=torch.int32, device="cuda").clamp(min_length, seq_max)
+    for t in (k, v):  # never-written slots: whatever they hold must not reach a result
+        for b, n in enumerate(lengths.tolist()):
+            t[b, n:] = float("nan")
+    return q, k, v, lengths
+
+
+def _pages(k, v, lengths, page_size):
+    batch, seq_max, heads_kv, dim = k.shape
+    per_seq = seq_max // page_size
+    order = torch.randperm(batch * per_seq, device="cuda")
+    table = order.view(batch, per_seq).to(torch.int32)
+    k_pages, v_pages = (t.view(batch * per_seq, page_size, heads_kv, dim)[torch.argsort(order)] for t in (k, v))
+    return k_pages.contiguous(), v_pages.contiguous(), table
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_gpt_oss_shape(dim, paged):
+    q, k, v, lengths = _cache(8, 8192, 8, dim, 1, 64)
+    sinks = torch.randn(64, device="cuda")
+    extra = {}
+    caches = (k, v)
+    if paged:
+        *caches, table = _pages(k, v, lengths, 256)
+        extra = dict(block_table=table)
+    for splits in (None, 1, 7):
+        out, lse = flash_decode(q, *caches, lengths, sinks=sinks, num_splits=splits, return_lse=True, **extra)
+        refs = decode_references(q, k, v, lengths, sinks=sinks)
+        check_forward(q, k, v, out, lse, refs=refs, name=f"D={dim} paged={paged} splits={splits}")
+
+
+def test_decode_several_new_tokens_causal_window():
+    q, k, v, lengths = _cache(8, 8192, 8, 64, 4, 64, min_length=4)  # the 4 new tokens are in the cache
+    k_pages, v_pages, table = _pages(k, v, lengths, 256)
+    sinks = torch.randn(64, device="cuda")
+    for mask in (dict(causal=True), dict(window_size=1000)):
+        out, lse = flash_decode(q, k_pages, v_pages, lengths, block_table=table, sinks=sinks, return_lse=True, **mask)
+        refs = decode_references(q, k, v, lengths, sinks=sinks, **mask)
+        check_forward(q, k, v, out, lse, refs=refs, name=f"4 new tokens, {mask}")
+
+
+def test_decode_multi_head_attention():
+    """Group 1: each packed tile holds one real row."""
+    q, k, v, lengths = _cache(8, 8192, 16, 128, 1, 16, dtype=torch.float16)
+    out, lse = flash_decode(q, k, v, lengths, causal=True, return_lse=True)
+    check_forward(q, k, v, out, lse, refs=decode_references(q, k, v, lengths, causal=True), name="MHA")
+
+
+def _packed(lengths, heads, heads_kv, dim, dtype):
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, device="cuda", dtype=dtype)
+    k, v = (torch.randn(total, heads_kv, dim, device="cuda", dtype=dtype) for _ in range(2))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("schedule", ["list", "grid"])
+def test_varlen_forward_backward(causal, schedule):
+    q, k, v, cu = _packed(LENGTHS, 16, 16, 128, torch.float16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention_varlen(*leaves, cu, cu, max(LENGTHS), max(LENGTHS), causal=causal, schedule=schedule,
+                                      return_lse=True)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    refs = varlen_references(q, k, v, cu, cu, d_out=d_out, causal=causal)
+    check_forward(q, k, v, out, lse, refs=refs, name=f"varlen causal={causal} {schedule}")
+    check_backward(q, k, v, d_out, grads, refs=refs, name=f"varlen causal={causal} {schedule}")
+
+
+def test_varlen_gpt_oss_window_sinks():
+    lengths_k = [n + 50 for n in LENGTHS]  # more keys than queries: the diagonal aligned bottom-right
+    q, _, _, cu_q = _packed(LENGTHS, 64, 8, 64, torch.bfloat16)
+    _, k, v, cu_k = _packed(lengths_k, 64, 8, 64, torch.bfloat16)
+    sinks = torch.randn(64, device="cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = flash_attention_varlen(*leaves[:3], cu_q, cu_k, max(LENGTHS), max(lengths_k), window_size=128,
+                                      sinks=leaves[3], return_lse=True)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    refs = varlen_references(q, k, v, cu_q, cu_k, d_out=d_out, window_size=128, sinks=sinks)
+    check_forward(q, k, v, out, lse, refs=refs, name="gpt-oss window 128 + sinks")
+    check_backward(q, k, v, d_out, grads, refs=refs, name="gpt-oss window 128 + sinks")
+
+
+def precompile():
+    """Compile the kernels these tests use that the chapter 09 records do not, in parallel threads."""
+    from course_utils.benchmarks.common import in_parallel
+    from course_utils.varlen_api import _varlen_small_kernels, decode_kernels, varlen_kernels
+
+    def q_cache(heads, heads_kv, dim, seq_new, dtype=torch.bfloat16):
+        return (torch.empty(1, seq_new, heads, dim, device="cuda", dtype=dtype),
+                torch.empty(1, 256, heads_kv, dim, device="cuda", dtype=dtype))
+
+    table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    x64 = torch.empty(8, 64, 64, device="cuda", dtype=torch.bfloat16)
+    kv64 = torch.empty(8, 8, 64, device="cuda", dtype=torch.bfloat16)
+    jobs = [
+        lambda: decode_kernels(*q_cache(64, 8, 64, 4), block_table=table, causal=True),
+        lambda: decode_kernels(*q_cache(64, 8, 64, 4), block_table=table, window_size=1000),
+        lambda: decode_kernels(*q_cache(16, 16, 128, 1, torch.float16), causal=True),
+        lambda: varlen_kernels(x64, kv64, window_size=128),
+        lambda: _varlen_small_kernels(64, "bfloat16", "cuda"),
+    ]
+    in_parallel(lambda job: job(), jobs)
