@@ -26,7 +26,7 @@ from .reference import visibility_mask
 from .tiles import TileBackend
 
 __all__ = ["LOG2E", "naive_softmax", "safe_softmax", "safe_shift", "online_softmax_update",
-           "blockwise_softmax", "blockwise_attention", "online_softmax_trace",
+           "blockwise_softmax", "blockwise_attention", "merge_attention", "online_softmax_trace",
            "softmax_row_kernel", "softmax_online_kernel"]
 
 
@@ -101,6 +101,27 @@ def blockwise_attention(q, k, v, block_N, *, causal=False, sm_scale=None, return
     if not return_lse:
         return o
     return o, safe_shift(m) + torch.log(l)
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Attention over the keys A ∪ B from the results over A and over B (disjoint key sets).
+
+    ``out_*`` [..., S, D] are normalised outputs and ``lse_*`` [..., S] their natural-log
+    log-sum-exps (what ``flash_attention(..., return_lse=True)`` returns). Each output is a
+    weighted average over its keys with denominator exp(lse), so the union's is
+    lse = log(exp(lse_a) + exp(lse_b)) and out = out_a·exp(lse_a − lse) + out_b·exp(lse_b − lse):
+    the rescaling of chapter 02's online softmax, applied to two finished partial results. The
+    weights are ≤ 1, so nothing overflows. A row that saw no key on one side (lse = −inf) takes the
+    other side unchanged; a row with no key on either side gets out = 0 and lse = −inf. Computed in
+    float32 (or float64), whatever the inputs' dtype.
+    """
+    dtype = torch.promote_types(out_a.dtype, torch.float32)
+    lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
+    lse = torch.logaddexp(lse_a, lse_b)
+    shift = safe_shift(lse)
+    weight_a, weight_b = torch.exp(lse_a - shift), torch.exp(lse_b - shift)
+    out = out_a.to(dtype) * weight_a[..., None] + out_b.to(dtype) * weight_b[..., None]
+    return out, lse
 
 
 def online_softmax_trace(x, block_N):
