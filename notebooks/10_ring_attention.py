@@ -325,15 +325,25 @@ else:
 # %%
 if rec is not None:
     rows = [r for r in res["rows"] if "ms" in r]
-    print(f"{'dtype':>9} {'mask, layout':>18} {'S':>5} {'1 GPU ms':>9} {'ring ms':>8} {'speed-up':>8} "
-          f"{'TFLOP/s of 2':>12} {'comm hidden':>11}")
+
+    def ms(r, key):
+        return f"{r['ms'][key]:.1f}" if r["ms"].get(key) is not None else "–"
+
+    print(f"{'':>35} {'ms, one GPU':^23} {'ms, 2 GPUs':>10}")
+    print(f"{'dtype':>8} {'mask, layout':>18} {'S':>6} {'ours':>7} {'FA2':>7} {'cuDNN':>7} {'ring':>10} "
+          f"{'× ours':>7} {'comm hidden':>11}")
     for r in rows:
-        one, hidden = r["ms"].get("one_gpu"), r["hidden_fraction"]
-        print(f"{r['dtype']:>9} {('causal ' if r['causal'] else 'full ') + r['layout']:>18} "
-              f"{plots.seq_label(r['seq']):>5} {one:>9.1f} {r['ms']['ring']:>8.1f} {r['speedup']:>7.2f}× "
-              f"{r['tflops']['ring']:>12.0f} {hidden:>11.0%}")
+        mask = ("causal " if r["causal"] else "full ") + r["layout"]
+        speedup = "–" if r["speedup"] is None else f"{r['speedup']:.2f}×"
+        print(f"{r['dtype']:>8} {mask:>18} {plots.seq_label(r['seq']):>6} {ms(r, 'one_gpu'):>7} "
+              f"{ms(r, 'fa2_one_gpu'):>7} {ms(r, 'cudnn_one_gpu'):>7} {ms(r, 'ring'):>10} {speedup:>7} "
+              f"{r['hidden_fraction']:>11.0%}")
     skipped = [r for r in res["rows"] if "ms" not in r]
     print(f"{len(skipped)} case(s) not measured" + (f": {skipped}" if skipped else ""))
+    for r in (r for r in rows if r["seq"] >= 65536 and r["layout"] == ("zigzag" if r["causal"] else "contiguous")):
+        verdict = "meets" if r["speedup"] and r["speedup"] >= 1.8 else "misses"
+        print(f"{r['dtype']} {'causal' if r['causal'] else 'full'} S = {plots.seq_label(r['seq'])}: the ring {verdict} "
+              f"the 1.8× target ({r['speedup'] or float('nan'):.2f}× the single-GPU kernel)")
 
 # %%
 if rec is not None:
