@@ -22,6 +22,7 @@ from .bench import attention_flops, measured, time_cuda, tflops
 from .checks import CheckFailed, check_attention_error, check_close, check_true, expect_failure
 from .device import DEVICE, HAS_GPU, TILE_TARGET, describe_machine, pick
 from .reference import attention_reference
+from .ring import ring_attention, shard_sequence, shard_zigzag, unshard_sequence, unshard_zigzag
 from .tiles import TileBackend, compile_kernel
 from .validation import backward_bugs, check_backward, check_forward, forward_bugs, show_bugs_caught
 from .varlen_api import flash_attention_varlen, flash_decode
@@ -32,4 +33,5 @@ __all__ = [
     "check_true", "check_attention_error", "expect_failure", "DEVICE", "HAS_GPU", "TILE_TARGET",
     "describe_machine", "pick", "attention_reference", "TileBackend", "compile_kernel", "check_forward",
     "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught", "flash_attention_varlen", "flash_decode",
+    "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
 ]

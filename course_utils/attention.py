@@ -25,7 +25,7 @@ from .reference import validate_attention_inputs
 from .tiles import compile_kernel
 
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
-           "ForwardConfig", "BackwardConfig", "sink_logits", "default_forward_config", "default_backward_config",
+           "ForwardConfig", "BackwardConfig", "sink_logits", "check_sm_scale", "default_forward_config", "default_backward_config",
            "is_hopper", "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS", "THREE_WARPGROUPS_MIN_SEQ",
            "hopper_forward_config", "FORWARD_KERNELS", "BACKWARD_KERNELS", "TUNED_BACKWARD_CONFIG",
            "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
@@ -374,6 +374,13 @@ def _check_supported(q):
         raise ValueError(f"on {device_type}, head_dim must be one of {support['head_dims']}; got {q.shape[-1]}")
 
 
+def check_sm_scale(sm_scale):
+    """Raise ``ValueError`` unless ``sm_scale`` is None (1/√D) or a positive finite number."""
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
+                             or not math.isfinite(sm_scale) or sm_scale <= 0):
+        raise ValueError(f"sm_scale must be a positive finite number (the kernels fold it into exp2); got {sm_scale!r}")
+
+
 def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, sinks=None,
                     return_lse=False, config=None, backward_config=None, deterministic=False):
     """Attention with the course's TileLang FlashAttention kernel.
@@ -388,9 +395,7 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, s
     """
     validate_attention_inputs(q, k, v, window_size=window_size, sinks=sinks)
     _check_supported(q)
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
-                             or not math.isfinite(sm_scale) or sm_scale <= 0):
-        raise ValueError(f"sm_scale must be a positive finite number (the kernels fold it into exp2); got {sm_scale!r}")
+    check_sm_scale(sm_scale)
     if window_size is not None and window_size >= k.shape[2]:
         window_size = None  # a window as long as the keys hides nothing that causal masking does not
         causal = True

@@ -24,7 +24,7 @@ from .reference import visibility_mask
 
 __all__ = [
     "FIGURES", "attention_flops", "time_cuda", "time_side_by_side", "tflops", "save_record", "load_record",
-    "measured", "refreshing", "TIMING_METHOD", "H100_MATMUL_TFLOPS", "H100_SFU_TFLOPS",
+    "measured", "stored_record", "refreshing", "TIMING_METHOD", "H100_MATMUL_TFLOPS", "H100_SFU_TFLOPS",
 ]
 
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
@@ -129,7 +129,24 @@ def measured(name, measure, *, notes=None):
     else:
         record = load_record(name)
         origin = "stored record"
+    _announce(name, record, origin)
+    return record
+
+
+def _announce(name, record, origin):
     m = record["machine"]
-    print(f"[{origin}: {name}] {m.get('gpu', m.get('cpu'))}, torch {m['torch']}, "
+    gpus = f"{m['gpu_count']}× " if m.get("gpu_count", 1) > 1 else ""
+    print(f"[{origin}: {name}] {gpus}{m.get('gpu', m.get('cpu'))}, torch {m['torch']}, "
           f"tilelang {m['tilelang']}, CUDA {m.get('cuda')}, {m['date']}")
+
+
+def stored_record(name):
+    """The stored record ``name``, announced like ``measured``'s, or None (said so) when there is none
+    yet. For records another machine must measure (several GPUs): a notebook never re-measures them."""
+    try:
+        record = load_record(name)
+    except FileNotFoundError:
+        print(f"[no stored record: {name}] it has not been measured yet")
+        return None
+    _announce(name, record, "stored record")
     return record

@@ -47,6 +47,7 @@ def machine_info():
         props = torch.cuda.get_device_properties(0)
         info.update(
             gpu=props.name,
+            gpu_count=torch.cuda.device_count(),
             sm_count=props.multi_processor_count,
             compute_capability=f"{props.major}.{props.minor}",
             cuda=torch.version.cuda,

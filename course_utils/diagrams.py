@@ -8,7 +8,9 @@
 - ``tile_visits``: the tiles over the score matrix, skipped triangle and masked diagonal visible;
 - ``visit_table``: the same as text, exact block indices;
 - ``backward_grid``, ``dq_layout_map``: the backward's grid and its dQ accumulator layout;
-- ``gqa_heads``: which K/V head each query head reads under grouped-query attention.
+- ``gqa_heads``: which K/V head each query head reads under grouped-query attention;
+- ``ring_circle``, ``ring_schedule``, ``ring_block_map``, ``ring_work_map``: ring attention (chapter
+  10): the ring, who holds which K/V shard when, which rank computes which blocks at which step.
 Visibility follows ``course_utils.reference.visibility_mask`` (causal bottom-right aligned).
 """
 
@@ -22,7 +24,8 @@ from . import plots  # noqa: F401  (importing it applies the course style)
 from .reference import visibility_mask
 
 __all__ = ["SKIPPED", "FULL", "MASKED", "TILE_COLORS", "online_softmax_diagram", "tile_classes", "visit_table",
-           "grid_mapping", "tile_visits", "gqa_heads", "backward_grid", "dq_layout_map"]
+           "grid_mapping", "tile_visits", "gqa_heads", "backward_grid", "dq_layout_map", "ring_circle", "ring_schedule",
+           "ring_block_map", "ring_work_map"]
 
 SKIPPED, FULL, MASKED = 0, 1, 2
 TILE_COLORS = {FULL: "#1f77b4", MASKED: "#ff7f0e", SKIPPED: "#d9d9d9"}
@@ -288,3 +291,102 @@ def dq_layout_map(ax_tile, ax_memory, offsets, lanes, registers):
     ax_memory.grid(False)
     ax_memory.tick_params(length=0)
     ax_memory.set_title("the same 64 floats under make_dq_layout, in address order: lane (l, d)", fontsize=10)
+
+
+# --- chapter 10: ring attention ----------------------------------------------------------------------
+
+def _rank_color(rank):
+    return plots.COLORS[rank % len(plots.COLORS)]
+
+
+def ring_circle(ax, world):
+    """The ranks on a ring: each keeps its queries and sends its current K/V shard to the next rank."""
+    angles = np.pi / 2 - 2 * np.pi * np.arange(world) / world
+    xy = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    for r, (x, y) in enumerate(xy):
+        ax.add_patch(mpatches.Circle((x, y), 0.27, facecolor=_rank_color(r), alpha=0.85, edgecolor="black"))
+        ax.text(x, y, f"rank {r}\nQ{r}", ha="center", va="center", fontsize=9, color="white")
+    for r in range(world):
+        start, end = xy[r], xy[(r + 1) % world]
+        direction = (end - start) / np.linalg.norm(end - start)
+        ax.annotate("", xy=end - 0.32 * direction, xytext=start + 0.32 * direction,
+                    arrowprops=dict(arrowstyle="->", lw=1.6, connectionstyle="arc3,rad=-0.25"))
+    ax.text(0, 0, "K/V shards\ntravel\nclockwise", ha="center", va="center", fontsize=9)
+    ax.set(xlim=(-1.45, 1.45), ylim=(-1.45, 1.45), aspect="equal")
+    ax.axis("off")
+
+
+def ring_schedule(ax, world):
+    """Which K/V shard each rank holds at each step: rank r − s (mod world) at step s."""
+    for r in range(world):
+        for s in range(world):
+            owner = (r - s) % world
+            ax.add_patch(mpatches.Rectangle((s, r), 1, 1, facecolor=_rank_color(owner), alpha=0.8, edgecolor="white",
+                                            lw=2))
+            ax.text(s + 0.5, r + 0.5, f"K/V {owner}", ha="center", va="center", fontsize=9, color="white")
+    ax.set_xlim(0, world)
+    ax.set_ylim(world, 0)
+    ax.set_xticks(np.arange(world) + 0.5, [f"step {s}" for s in range(world)])
+    ax.set_yticks(np.arange(world) + 0.5, [f"rank {r}" for r in range(world)])
+    ax.tick_params(length=0)
+    ax.grid(False)
+    ax.set_title("the K/V shard each rank holds\n(and computes with, while the next one arrives)")
+
+
+def ring_block_map(ax, world, layout, *, causal=True, chunk=4):
+    """The S × S score matrix split into 2·world chunks of ``chunk`` tokens: each visible (query, key)
+    pair coloured by the rank that computes it (the owner of the query), each chunk pair labelled
+    with the ring step at which that rank holds the key's shard. Drawn from the token positions of
+    ``ring.sequence_positions`` and the causal mask alone, not from ``ring.step_blocks``."""
+    from .ring import sequence_positions
+
+    seq_local = 2 * chunk
+    seq = world * seq_local
+    owner = np.empty(seq, dtype=int)
+    for r in range(world):
+        owner[sequence_positions(world, r, seq_local, layout).numpy()] = r
+    visible = visibility_mask(seq, seq, causal=causal).numpy()
+    image = np.ones((seq, seq, 3))
+    for i in range(seq):
+        image[i, visible[i]] = matplotlib.colors.to_rgb(_rank_color(owner[i]))
+    ax.imshow(image, extent=(0, seq, seq, 0), interpolation="nearest")
+    for a in range(2 * world):
+        for b in range(2 * world):
+            block = visible[a * chunk:(a + 1) * chunk, b * chunk:(b + 1) * chunk]
+            if block.any():
+                step = (owner[a * chunk] - owner[b * chunk]) % world
+                ax.text(b * chunk + chunk / 2, a * chunk + chunk / 2, f"s{step}", ha="center", va="center",
+                        fontsize=8, color="white" if block.all() else "black")
+    for edge in range(0, seq + 1, chunk):
+        ax.axhline(edge, color="white", lw=1)
+        ax.axvline(edge, color="white", lw=1)
+    ticks = np.arange(2 * world) * chunk + chunk / 2
+    ax.set_xticks(ticks, [f"c{c}" for c in range(2 * world)], fontsize=8)
+    ax.set_yticks(ticks, [f"c{c}\nr{owner[c * chunk]}" for c in range(2 * world)], fontsize=7)
+    ax.set(xlabel="key chunk", ylabel="query chunk (rank)")
+    ax.grid(False)
+    ax.set_title(f"{layout}: {2 * world} chunks on {world} ranks\ncolour: computing rank; label: ring step")
+
+
+def ring_work_map(ax, work, *, title=None):
+    """Work of each rank (rows) at each step (columns), in S_local × S_local blocks, with the
+    busiest rank of each step underneath: with one lap in lockstep, the steps take that long."""
+    world = work.shape[0]
+    ax.imshow(work, cmap="Blues", vmin=0, vmax=1.3, extent=(0, world, world, 0))
+    for r in range(world):
+        for s in range(world):
+            ax.text(s + 0.5, r + 0.5, f"{work[r, s]:g}", ha="center", va="center", fontsize=9,
+                    color="white" if work[r, s] >= 0.8 else "black")
+    busiest = work.max(axis=0)
+    for s in range(world):
+        ax.text(s + 0.5, world + 0.45, f"{busiest[s]:g}", ha="center", va="center", fontsize=9, fontweight="bold")
+    ax.set_xlim(0, world)
+    ax.set_ylim(world + 0.9, 0)
+    ax.axhline(world, color="black", lw=1)
+    ax.set_xticks(np.arange(world) + 0.5, [f"step {s}" for s in range(world)], fontsize=8)
+    ax.set_yticks(list(np.arange(world) + 0.5) + [world + 0.45], [f"rank {r}" for r in range(world)] + ["max"],
+                  fontsize=8)
+    ax.tick_params(length=0)
+    ax.grid(False)
+    total, critical = work.sum(), busiest.sum()
+    ax.set_title(title or f"{critical:g} blocks on the critical path; {total / world:g} if balanced")

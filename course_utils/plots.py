@@ -18,7 +18,7 @@ from .labels import CUDNN, FA2, NAIVE, OURS
 
 __all__ = ["COLORS", "IMPL_COLORS", "style", "save", "heatmap", "line_chart", "speedup_bars", "roofline",
            "record_caption", "seq_label", "roofline_series", "text_table", "forward_comparison_panels",
-           "peer_ratio_heatmaps"]
+           "peer_ratio_heatmaps", "kernel_timeline"]
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 IMPL_COLORS = {OURS: "#d62728", FA2: "#1f77b4", CUDNN: "#2ca02c", NAIVE: "#7f7f7f"}
@@ -156,7 +156,8 @@ def roofline(ax, *, peak_tflops, bandwidth_tbs, points=(), title="Roofline", xli
 def record_caption(record):
     """One line naming where a record's numbers were measured, for figure captions."""
     m = record["machine"]
-    return (f"{m.get('gpu', m.get('cpu'))}, torch {m['torch']}, tilelang {m['tilelang']}, "
+    gpus = f"{m['gpu_count']}× " if m.get("gpu_count", 1) > 1 else ""
+    return (f"{gpus}{m.get('gpu', m.get('cpu'))}, torch {m['torch']}, tilelang {m['tilelang']}, "
             f"CUDA {m.get('cuda')}, driver {m.get('driver')}, {m['date']}")
 
 
@@ -193,3 +194,29 @@ def text_table(rows, *, index, columns, value, fmt="{:.0f}", missing="–", widt
     for k in row_keys:
         lines.append(f"{labels[k]:>{first}}" + "".join(f"{cells.get((k, c), missing):>{width}}" for c in col_keys))
     return "\n".join(lines)
+
+
+_KIND_COLORS = {"attention": "#1f77b4", "merge and sums": "#9467bd", "communication": "#ff7f0e"}
+
+
+def kernel_timeline(ax, spans, *, title=None):
+    """GPU kernels over time, one lane per CUDA stream: ``spans`` are [stream, kind, start_ms, end_ms]
+    (``benchmarks.ch10_ring.timeline_spans``); kinds "attention", "merge and sums", "communication".
+    A lane is named by what runs on it: the compute stream, or NCCL's stream."""
+    streams = list(dict.fromkeys(s[0] for s in sorted(spans, key=lambda s: s[0])))
+    names = []
+    for lane, stream in enumerate(streams):
+        kinds = {s[1] for s in spans if s[0] == stream}
+        names.append("NCCL stream" if kinds == {"communication"} else f"compute stream ({stream})"
+                     if "communication" not in kinds else f"stream {stream}")
+        for _, kind, start, end in (s for s in spans if s[0] == stream):
+            ax.barh(lane, end - start, left=start, height=0.6, color=_KIND_COLORS.get(kind, "#7f7f7f"),
+                    edgecolor="none")
+    ax.set_yticks(range(len(streams)), names)
+    ax.set_ylim(len(streams) - 0.4, -0.6)
+    ax.set_xlabel("time (ms)")
+    ax.grid(axis="y", visible=False)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _KIND_COLORS.values()]
+    ax.legend(handles, list(_KIND_COLORS), loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize=8, ncol=3,
+              frameon=False)
+    ax.set_title(title)

@@ -26,7 +26,7 @@ from .reference import visibility_mask
 from .tiles import TileBackend
 
 __all__ = ["LOG2E", "naive_softmax", "safe_softmax", "safe_shift", "online_softmax_update",
-           "blockwise_softmax", "blockwise_attention", "online_softmax_trace", "merge_attention_states",
+           "blockwise_softmax", "blockwise_attention", "online_softmax_trace", "merge_attention_states", "merge_attention",
            "softmax_row_kernel", "softmax_online_kernel"]
 
 
@@ -116,6 +116,18 @@ def merge_attention_states(o, lse, dim=0):
     total = torch.logsumexp(lse, dim=dim)
     weights = torch.exp(lse - safe_shift(total).unsqueeze(dim))
     return (weights.unsqueeze(-1) * o).sum(dim=dim), total
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Attention over the keys A ∪ B from the results over A and over B (disjoint key sets).
+
+    ``out_*`` [..., S, D] and ``lse_*`` [..., S] are what ``flash_attention(..., return_lse=True)``
+    returns; this is ``merge_attention_states`` for two parts (ring attention merges one K/V shard
+    at a time), computed in float32 (or float64), whatever the inputs' dtype.
+    """
+    dtype = torch.promote_types(out_a.dtype, torch.float32)
+    return merge_attention_states(torch.stack([out_a.to(dtype), out_b.to(dtype)]),
+                                  torch.stack([lse_a.to(dtype), lse_b.to(dtype)]), dim=0)
 
 
 def online_softmax_trace(x, block_N):

@@ -47,7 +47,7 @@ from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
 from course_utils.validation import check_stored_errors
 from course_utils.flash_fwd import flash_fwd_kernel
 from course_utils.flash_pieces import (LOG2E, Prelude, forward_epilogue, forward_tiles, key_block_range,
-                                       mask_scores, online_softmax, visible)
+                                       mask_scores, natural_lse, normalise_rows, online_softmax, visible)
 from course_utils.source import count, cuda_source, grep, show_source
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
@@ -222,10 +222,13 @@ show_source(flash_fwd_kernel, "pv")
 # kernel writes the log-sum-exp of the row's scaled scores, converted from base 2 back to the
 # natural log: `LSE = (shift + log2 l) / log2 e = scale·m + ln l`. It costs `4·S` bytes per head
 # and is all the backward (chapter 05) needs to rebuild any probability without a second
-# running max: `P_ij = exp(scale·q_i·k_j − LSE_i)`.
+# running max: `P_ij = exp(scale·q_i·k_j − LSE_i)`. The first half is its own piece,
+# `normalise_rows`, because chapter 09's kernels for packed batches store their rows differently.
 
 # %%
+show_source(normalise_rows)
 show_source(forward_epilogue)
+show_source(natural_lse)
 
 # %% [markdown]
 # ## 4 · Run it here and check it
@@ -554,7 +557,7 @@ show_failure("(2) causal, reset max", blockwise_forward(q1, k1, v1, causal=True,
 # Our kernel reads the one sink logit of its head directly from the `Sinks` tensor:
 
 # %%
-show_source(forward_epilogue, "sink")
+show_source(normalise_rows, "sink")
 
 # %% [markdown]
 # **(4) Sliding windows without check_inf.** With a window, the first key tile of a query block

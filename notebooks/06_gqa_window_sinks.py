@@ -53,7 +53,7 @@ from course_utils.attention import attention_backward
 from course_utils.benchmarks import GPT_OSS_SHAPE, RECORDS, gqa_backward_strategies
 from course_utils.flash_bwd import flash_bwd_kernel
 from course_utils.flash_fwd import flash_fwd_kernel
-from course_utils.flash_pieces import (Prelude, forward_epilogue, init_running_max, key_block_range, online_softmax,
+from course_utils.flash_pieces import (init_running_max, key_block_range, normalise_rows, online_softmax,
                                        query_block_range, visible)
 from course_utils.reference import visibility_mask
 from course_utils.softmax import safe_shift
@@ -408,7 +408,7 @@ fig.tight_layout()
 
 # %%
 show_source(init_running_max)
-show_source(forward_epilogue)
+show_source(normalise_rows)
 
 # %% [markdown]
 # The sink logit is read straight from the `Sinks` tensor, one value per head. (TileLang's

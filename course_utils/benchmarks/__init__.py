@@ -5,7 +5,7 @@ process, on the same inputs, after checking our results on every head against th
 reference. ``RECORDS`` maps a record's name to the function that measures it; a notebook shows a
 record with ``cu.measured(name, RECORDS[name])``, and on a GPU machine
 
-    python -m course_utils.benchmarks NAME ...      # (no NAME: every record)
+    python -m course_utils.benchmarks NAME ...      # (no NAME: every record of one GPU)
 
 re-measures records in one go and writes ``figures/NAME.json``.
 """
@@ -18,13 +18,15 @@ from .ch06_gpt_oss import GPT_OSS_SHAPE, gpt_oss_vs_peers, gqa_backward_strategi
 from .ch07_hopper import forward_ablation, hopper_tiling_sweep, persistent_vs_rotated
 from .ch08_hopper_backward import backward_ablation, deterministic_cost, feature_checks
 from .ch09_varlen_decode import decode_bandwidth, decode_split_sweep, varlen_vs_dense
+from .ch10_ring import RECORD as CH10_RING_RECORD
+from .ch10_ring import ring_vs_one_gpu
 from .common import SDPA_PEERS, comparison_shapes
 
-__all__ = ["RECORDS", "CH03_FORWARD_CONFIG", "CH05_BACKWARD_CONFIG", "SDPA_PEERS", "comparison_shapes",
-           "naive_attention", "naive_vs_sdpa", "forward_vs_peers", "forward_config_sweep", "backward_config_sweep",
-           "backward_vs_peers", "GPT_OSS_SHAPE", "gpt_oss_vs_peers", "gqa_backward_strategies", "forward_ablation",
-           "hopper_tiling_sweep", "persistent_vs_rotated", "backward_ablation", "deterministic_cost", "feature_checks",
-           "CH08_SEQS", "decode_bandwidth", "decode_split_sweep", "varlen_vs_dense"]
+__all__ = ["RECORDS", "MULTI_GPU_RECORDS", "CH03_FORWARD_CONFIG", "CH05_BACKWARD_CONFIG", "SDPA_PEERS",
+           "comparison_shapes", "naive_attention", "naive_vs_sdpa", "forward_vs_peers", "forward_config_sweep",
+           "backward_config_sweep", "backward_vs_peers", "GPT_OSS_SHAPE", "gpt_oss_vs_peers", "gqa_backward_strategies",
+           "forward_ablation", "hopper_tiling_sweep", "persistent_vs_rotated", "backward_ablation", "deterministic_cost",
+           "feature_checks", "CH08_SEQS", "decode_bandwidth", "decode_split_sweep", "varlen_vs_dense", "ring_vs_one_gpu"]
 
 # Chapter 03's kernel as the chapter writes it (two pipeline stages), and chapter 05's backward.
 CH03_FORWARD_CONFIG = ForwardConfig(128, 128, 2, 256)
@@ -61,4 +63,8 @@ RECORDS = {
     "ch09_decode_h100": decode_bandwidth,
     "ch09_decode_splits_h100": decode_split_sweep,
     "ch09_varlen_h100": varlen_vs_dense,
+    CH10_RING_RECORD: ring_vs_one_gpu,
 }
+# Records that need a machine with several GPUs (nvidia-h200-x2): measured only when named, and
+# never re-measured by a notebook (chapter 10 shows the stored one).
+MULTI_GPU_RECORDS = {CH10_RING_RECORD: 2}

@@ -1,0 +1,485 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10 · Ring attention: one sequence on several GPUs
+#
+# **Question.** FlashAttention's memory grows linearly with the sequence, but a training step
+# keeps every layer's activations for the backward, and a long enough sequence fills any one GPU;
+# before that, one GPU is simply too slow for it. Long-context training therefore splits the
+# *sequence* across GPUs (context parallelism). Attention is the one layer where the tokens of
+# different GPUs meet: every query needs every key. How do we compute exact attention when each
+# GPU holds only a slice of the queries, keys and values, and how do we keep the GPUs busy while
+# the keys travel?
+#
+# The answer is ring attention: each GPU keeps its queries and passes its keys and values around a
+# ring. Every step runs the single-GPU kernel of the earlier chapters with `return_lse`, and the
+# partial results are merged with the log-sum-exp, which is chapter 02's merge again. We build it on
+# `torch.distributed` (gloo between CPU processes here, NCCL between GPUs), check it against the
+# float64 reference on two CPU processes, and measure it on two H200 GPUs.
+#
+# *Credit.* Liu, Zaharia and Abbeel, [Ring Attention with Blockwise Transformers for
+# Near-Infinite Context](https://arxiv.org/abs/2310.01889) (2023); Brandon et al.,
+# [Striped Attention](https://arxiv.org/abs/2311.09431) (2023), on the load imbalance of causal
+# masks; the two-chunks-per-rank ("zigzag") split as in
+# [zhuzilin/ring-flash-attention](https://github.com/zhuzilin/ring-flash-attention) and in Llama 3's
+# context parallelism ([The Llama 3 Herd of Models](https://arxiv.org/abs/2407.21783), 2024). Our
+# code is written from these descriptions.
+
+# %%
+# %config InlineBackend.figure_format = "png"
+import course_utils as cu
+
+import matplotlib.pyplot as plt
+import torch
+
+from course_utils import diagrams, plots, ring
+from course_utils.benchmarks import ch10_ring
+from course_utils.reference import visibility_mask
+from course_utils.softmax import merge_attention
+from course_utils.source import show_source
+
+torch.manual_seed(0)
+print("device:", cu.DEVICE, "| the checks below run on CPU processes (gloo) on every machine")
+
+# %% [markdown]
+# ## 1 · The idea: split the sequence, pass K/V around a ring
+#
+# With `world` ranks (one process per GPU), rank r holds S_local = S / world tokens: its shard of
+# Q, K and V, shape [B, H, S_local, D]. Its queries need the keys of every rank. Rather than
+# gathering all of K and V on every rank (the memory we wanted to save), the K/V shards travel
+# around a ring: at step s, rank r holds the shard of rank r − s (mod world), computes attention
+# of its queries against it, and meanwhile sends it on to rank r + 1. After `world` steps every
+# query has met every key, and no rank ever held more than two K/V shards: the one it computes
+# with and the one arriving.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw=dict(width_ratios=(1, 1.3)))
+diagrams.ring_circle(axes[0], 4)
+diagrams.ring_schedule(axes[1], 4)
+fig.tight_layout()
+
+# %% [markdown]
+# ### The merge is chapter 02's
+#
+# Each step gives, for each query row, attention over one subset of the keys: an output $O_j$ (a
+# weighted average with denominator $\sum e^{s}$ over that subset) and its log-sum-exp
+# $\mathrm{LSE}_j = \log \sum e^{s}$. Over the union of two disjoint subsets, the denominators add:
+#
+# $$\mathrm{LSE} = \log\left(e^{\mathrm{LSE}_a} + e^{\mathrm{LSE}_b}\right), \qquad
+#   O = e^{\mathrm{LSE}_a - \mathrm{LSE}}\, O_a + e^{\mathrm{LSE}_b - \mathrm{LSE}}\, O_b .$$
+#
+# The weights are ≤ 1, so nothing overflows; this is the rescaling of the online softmax, applied
+# to finished partial results (chapter 02's exercise (b) wrote it). `merge_attention` is the one
+# the ring uses:
+
+# %%
+show_source(merge_attention)
+
+# %% [markdown]
+# Before any communication, check the idea with the real kernel in one process: cut the keys in
+# two, run `cu.flash_attention(..., return_lse=True)` on each half, merge, and compare with the
+# float64 reference over all the keys. Next to it, a planted bug: merging by a plain average,
+# without the LSE weights.
+
+# %%
+B, H, H_KV, S, D = 2, 4, 2, 64, 16  # the shapes of the two-process check of section 4 (same kernels)
+q = torch.randn(B, H, S // 2, D)
+k, v = (torch.randn(B, H_KV, S, D) for _ in range(2))
+halves = [cu.flash_attention(q, k[:, :, part], v[:, :, part], return_lse=True)
+          for part in (slice(0, S // 2), slice(S // 2, S))]
+out, lse = merge_attention(*halves[0], *halves[1])
+cu.check_forward(q, k, v, out, lse, name="two halves merged")
+cu.expect_failure("halves averaged without the LSE weights",
+                  lambda: cu.check_forward(q, k, v, (halves[0][0] + halves[1][0]) / 2, quiet=True))
+
+# %% [markdown]
+# ## 2 · Causal attention: who computes what, and when
+#
+# With a causal mask, query i sees keys j ≤ i only. Split the sequence contiguously (rank r holds
+# tokens r·S_local … (r+1)·S_local − 1) and rank 0's queries see only its own keys, while the last
+# rank's queries see everybody's. In the ring, every step lasts as long as its busiest rank, so
+# the early ranks wait. The zigzag split cuts the sequence into 2·world chunks and gives rank r
+# chunks r and 2·world − 1 − r: one early chunk, one late chunk. The pictures show, for 4 ranks,
+# which rank computes each visible block of the score matrix (colour) and at which ring step
+# (label). They are drawn from token positions and the causal mask alone.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12, 5.6))
+for ax, layout in zip(axes, ring.LAYOUTS):
+    diagrams.ring_block_map(ax, 4, layout)
+fig.tight_layout()
+
+# %% [markdown]
+# Rank r's shard of a tensor, and the sequence back from all shards, are
+# `ring.shard_sequence(x, world, r, layout)` and `ring.unshard_sequence(shards, layout)`. The
+# zigzag split in code:
+
+# %%
+show_source(ring.shard_zigzag, "zigzag")
+x = torch.arange(16)
+shards = [ring.shard_zigzag(x, 4, r, dim=0) for r in range(4)]
+print("zigzag shards of 0..15 on 4 ranks:", [s.tolist() for s in shards])
+cu.check_true(torch.equal(ring.unshard_zigzag(shards, dim=0), x), "unshard_zigzag puts the sequence back")
+
+# %% [markdown]
+# For each step, `ring.step_blocks` lists the kernel calls a rank makes: local query rows against
+# rows of the K/V shard it holds, and whether the block is a causal triangle. With the zigzag
+# split, the rank's own shard is one causal call (its tokens are in global order); a shard from
+# an earlier rank is seen by all of our queries up to its early chunk; a shard from a later rank
+# only by our late chunk, entirely. Every rank does half a block at every step.
+
+# %%
+show_source(ring.step_blocks, "blocks")
+
+# %% [markdown]
+# **Check.** For every number of ranks from 2 to 6, both layouts, causal or not: the blocks of
+# `step_blocks`, mapped back to global positions, must cover exactly the visible (query, key)
+# pairs of the causal mask, each once.
+
+# %%
+def coverage(world, layout, causal, seq_local=4):
+    """How many times step_blocks computes each (query, key) pair of the whole sequence."""
+    count = torch.zeros(world * seq_local, world * seq_local, dtype=torch.int64)
+    for rank in range(world):
+        rows = ring.sequence_positions(world, rank, seq_local, layout)
+        for source in range(world):
+            cols = ring.sequence_positions(world, source, seq_local, layout)
+            for b in ring.step_blocks(rank, source, world, seq_local, causal=causal, layout=layout):
+                q_pos, k_pos = rows[b.q], cols[b.k]
+                hit = visibility_mask(len(q_pos), len(k_pos), causal=b.causal)
+                count[q_pos[:, None], k_pos[None, :]] += hit.long()
+    return count
+
+
+for world in range(2, 7):
+    for layout in ring.LAYOUTS:
+        for causal in (False, True):
+            count = coverage(world, layout, causal)
+            expected = visibility_mask(len(count), len(count), causal=causal).long()
+            assert torch.equal(count, expected), (world, layout, causal)
+print("✓ step_blocks computes every visible pair exactly once (2–6 ranks, both layouts, causal or not)")
+planted = coverage(4, "zigzag", True)
+planted[3, 0] = 0  # a block skipped that should not be
+cu.expect_failure("one visible pair never computed", lambda: cu.check_true(
+    torch.equal(planted, visibility_mask(16, 16, causal=True).long()), "coverage"))
+
+# %% [markdown]
+# Now count the work: `ring.step_work` gives each rank's work at each step in units of one
+# S_local × S_local block (a causal triangle counts half, the usual FLOP convention). Each step
+# lasts as long as its busiest rank, so the lap costs the sum of the per-step maxima.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+for ax, layout in zip(axes, ring.LAYOUTS):
+    work = ring.step_work(4, causal=True, layout=layout).numpy()
+    diagrams.ring_work_map(ax, work, title=f"{layout}: work per rank and step")
+fig.tight_layout()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for world in (2, 4, 8):
+    line = []
+    for layout in ring.LAYOUTS:
+        work = ring.step_work(world, causal=True, layout=layout)
+        line.append(f"{layout} {work.max(dim=0).values.sum():.1f}")
+    print(f"{world} ranks, causal: lap costs {' vs '.join(line)} blocks; balanced: {world / 2:.1f}")
+
+# %% [markdown]
+# With the contiguous split the causal lap costs world − ½ blocks instead of world / 2: almost
+# twice the balanced time as the ring grows, although the total work is the same. The zigzag
+# split is balanced at every step.
+#
+# ## 3 · The code
+#
+# ### Passing shards: point-to-point messages of `torch.distributed`
+#
+# One step around the ring is one batch of non-blocking sends and receives: our tensors go to the
+# next rank, the previous rank's arrive in new buffers. `start` returns at once; `wait()` on what
+# it returns gives the received tensors. With NCCL the transfers run on NCCL's own CUDA stream,
+# with gloo on gloo's threads, so the kernels we launch meanwhile run at the same time.
+
+# %%
+show_source(ring.RingComm.start, "exchange")
+
+# %% [markdown]
+# ### The forward lap
+#
+# The next shard is put in flight *before* the kernels of this step are launched, and waited for
+# after them: communication overlaps computation. The kernel is the single-device forward
+# (`cu.forward_kernel`, the one `cu.flash_attention` runs), called once per block of
+# `step_blocks`; its O and LSE are merged into a float32 running result.
+
+# %%
+show_source(ring.ring_forward, "forward lap")
+
+# %% [markdown]
+# ### The backward lap
+#
+# Chapter 05's backward rebuilds P from Q, K and the LSE: given the *merged* LSE and O of the whole
+# row, `cu.attention_backward` on one block returns exactly that block's share of dQ, dK and dV.
+# So the backward makes the same lap as the forward. dQ stays at home and sums over the steps. The
+# dK and dV of a shard are summed by every rank it visits, so the running sums travel along with
+# the shard (in float32, so that the sums are not rounded at each hop) and, after a full lap,
+# arrive back at the rank that owns the shard. That last hop carries finished sums, so it sends them
+# already cast to the input dtype: half the bytes of float32, for the one transfer that no later
+# computation can hide.
+
+# %%
+show_source(ring.ring_backward, "backward lap")
+
+# %% [markdown]
+# `ring.ring_attention(q, k, v, causal=..., layout=..., group=...)` wraps the two laps in an
+# autograd function. Before the forward, every rank sends the others a description of its inputs
+# (`all_gather_object`): shards of different lengths, dtypes or options on different ranks, or a
+# group of one rank, raise a `ValueError` on every rank together, rather than a hang or a wrong
+# answer.
+#
+# ## 4 · The check: two processes on the CPU
+#
+# `ring.run_ring_attention(cases, world=2)` starts two processes joined by a gloo process group.
+# Each takes its shards of the global tensors, runs `ring_attention` and its backward, and returns
+# its shards of O, dQ, dK and dV; they are put back in sequence order here and checked against the
+# float64 reference on every head (GQA: 4 query heads on 2 K/V heads). The same run makes each bad
+# call of `ring.BAD_INPUTS` on both ranks.
+
+# %%
+cases = {}
+for layout in ring.LAYOUTS:
+    for causal in (False, True):
+        q = torch.randn(B, H, S, D)
+        k, v = (torch.randn(B, H_KV, S, D) for _ in range(2))
+        cases[layout, causal] = ring.RingCase(q, k, v, torch.randn(B, H, S, D), causal, layout)
+results, bad_input_errors = ring.run_ring_attention(list(cases.values()), world=2, bad_inputs=True)
+results = dict(zip(cases, results))
+for (layout, causal), case in cases.items():
+    out, grads = results[layout, causal]
+    refs = cu.validation.references(case.q, case.k, case.v, d_out=case.d_out, causal=causal)
+    label = f"{layout}, {'causal' if causal else 'non-causal'}"
+    cu.check_forward(case.q, case.k, case.v, out, causal=causal, refs=refs, name=label)
+    cu.check_backward(case.q, case.k, case.v, case.d_out, grads, causal=causal, refs=refs, name=label)
+
+# %% [markdown]
+# The same checks must fail on wrong results: results from a wrong head (an indexing bug), a
+# gradient scaled by 0.9, and the zigzag shards put back as if they were contiguous (a layout
+# mix-up between sharding and unsharding).
+
+# %%
+case, (out, grads) = cases["zigzag", True], results["zigzag", True]
+refs = cu.validation.references(case.q, case.k, case.v, d_out=case.d_out, causal=True)
+mixed_up = ring.unshard_sequence([ring.shard_zigzag(out, 2, r) for r in range(2)], "contiguous")
+cu.show_bugs_caught(lambda o: cu.check_forward(case.q, case.k, case.v, o, causal=True, refs=refs, quiet=True),
+                    {"O from the wrong head": (out.roll(1, dims=1),),
+                     "zigzag shards unsharded as contiguous": (mixed_up,)})
+cu.show_bugs_caught(lambda *g: cu.check_backward(case.q, case.k, case.v, case.d_out, g, causal=True, refs=refs,
+                                                 quiet=True), cu.backward_bugs(grads))
+
+# %% [markdown]
+# And the errors of the bad calls, as each rank saw them:
+
+# %%
+for name in ring.BAD_INPUTS:
+    answers = {errors[name] for errors in bad_input_errors}
+    cu.check_true(all(a.startswith("ValueError") for a in answers), f"{name}: a ValueError on both ranks")
+    print("   ", min(answers, key=len)[:150])
+
+# %% [markdown]
+# ## 5 · The measurement: two H200 GPUs
+#
+# `python -m course_utils.benchmarks.ch10_ring` runs on a machine with two GPUs (NCCL, one process
+# per GPU) and writes the record `ch10_ring_attention_h200x2`. It first checks the ring on both
+# GPUs against the float64 reference at S = 8k (every head, O and every gradient). Then it times
+# one training step of attention (forward + backward, B = 1, H = 16, D = 128) at S = 32k, 64k and
+# 128k, side by side in interleaved rounds: the single-GPU kernel (on each GPU), and the ring on
+# both. The ring is also timed in parts: its compute alone (the same kernels, no transfers), its
+# communication alone (the same transfers, no kernels) and the whole lap; the fraction of the
+# communication hidden behind the compute is (comm + compute − lap) / comm. A notebook never
+# re-measures this record: it needs two GPUs.
+
+# %%
+rec = cu.bench.stored_record(ch10_ring.RECORD)
+if rec is None:
+    print("No two-GPU measurement has been stored yet, so this section shows no numbers (the cells below "
+          "print nothing). Run `python -m course_utils.benchmarks.ch10_ring` on a "
+          "machine with two GPUs to write figures/ch10_ring_attention_h200x2.json, then run this notebook again.")
+else:
+    res = rec["results"]
+    print(f"{res['gpu_count']} GPUs: {', '.join(res['devices'])}; {res['method']}")
+    for row in res["check"]:
+        worst = max(e["err"] / e["allowed"] for e in row["ring_errors"].values())
+        cu.check_true(worst <= 1, f"{row['name']} on {len(res['devices'])} GPUs: ring within the FlashAttention "
+                      f"criterion vs float64 on every head (worst {worst:.0%} of the allowed error)")
+
+# %%
+if rec is not None:
+    rows = [r for r in res["rows"] if "ms" in r]
+
+    def ms(r, key):
+        return f"{r['ms'][key]:.1f}" if r["ms"].get(key) is not None else "–"
+
+    print(f"{'':>35} {'ms, one GPU':^23} {'ms, 2 GPUs':>10}")
+    print(f"{'dtype':>8} {'mask, layout':>18} {'S':>6} {'ours':>7} {'FA2':>7} {'cuDNN':>7} {'ring':>10} "
+          f"{'× ours':>7} {'comm hidden':>11}")
+    for r in rows:
+        mask = ("causal " if r["causal"] else "full ") + r["layout"]
+        speedup = "–" if r["speedup"] is None else f"{r['speedup']:.2f}×"
+        print(f"{r['dtype']:>8} {mask:>18} {plots.seq_label(r['seq']):>6} {ms(r, 'one_gpu'):>7} "
+              f"{ms(r, 'fa2_one_gpu'):>7} {ms(r, 'cudnn_one_gpu'):>7} {ms(r, 'ring'):>10} {speedup:>7} "
+              f"{r['hidden_fraction']:>11.0%}")
+    skipped = [r for r in res["rows"] if "ms" not in r]
+    print(f"{len(skipped)} case(s) not measured" + (f": {skipped}" if skipped else ""))
+    for r in (r for r in rows if r["seq"] >= 65536 and r["layout"] == ("zigzag" if r["causal"] else "contiguous")):
+        verdict = "meets" if r["speedup"] and r["speedup"] >= 1.8 else "misses"
+        print(f"{r['dtype']} {'causal' if r['causal'] else 'full'} S = {plots.seq_label(r['seq'])}: the ring {verdict} "
+              f"the 1.8× target ({r['speedup'] or float('nan'):.2f}× the single-GPU kernel)")
+
+# %%
+if rec is not None:
+    dtypes = sorted({r["dtype"] for r in rows})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 3.8), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        chosen = [r for r in rows if r["dtype"] == dtype]
+        labels = [f"{'causal' if r['causal'] else 'full'}\n{r['layout']}\n{plots.seq_label(r['seq'])}" for r in chosen]
+        plots.speedup_bars(ax, labels, [r["speedup"] for r in chosen],
+                           title=f"{dtype}: ring on 2 GPUs vs the kernel on 1", ylabel="speed-up ×")
+        ax.axhline(2, color="gray", linestyle=":", linewidth=1)
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(plots.record_caption(rec), fontsize=8, y=0.01)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    plots.save(fig, "ch10_ring_speedups")
+
+# %% [markdown]
+# ### Does the communication hide behind the compute?
+#
+# The record keeps a torch.profiler trace of one lap (forward + backward, rank 0) summarised as
+# spans of kernels on each CUDA stream. Communication (NCCL's kernels, on NCCL's stream) that runs
+# under the attention kernels (on the compute stream) is hidden.
+
+# %%
+if rec is not None and res.get("timeline"):
+    tl = res["timeline"]
+    fig, ax = plt.subplots(figsize=(12, 2.6))
+    plots.kernel_timeline(ax, tl["spans"], title=f"one lap, rank 0: {tl['dtype']}, causal {tl['layout']}, "
+                          f"S = {plots.seq_label(tl['seq'])}")
+    fig.tight_layout()
+    plots.save(fig, "ch10_ring_timeline")
+    if tl["comm_ms"] > 0:
+        print(f"NCCL kernels ran {tl['comm_ms']:.2f} ms; {tl['overlap_ms']:.2f} ms of it "
+              f"({tl['overlap_ms'] / tl['comm_ms']:.0%}) while a compute kernel ran on the other stream")
+elif rec is not None:
+    print("the record has no timeline (the profiling step did not complete)")
+
+# %% [markdown]
+# ### Memory: the longest sequence each configuration holds
+#
+# Every buffer here grows linearly with S (FlashAttention never forms the S × S matrix), so the
+# peak memory of one step divided by S, measured, gives the longest sequence that would fit on a
+# GPU. These are estimates from the measured bytes per token, for this attention layer alone (a
+# model's other layers need their own activations).
+
+# %%
+if rec is not None:
+    for r in (r for r in rows if r.get("largest_seq_estimate")):
+        est, per_token = r["largest_seq_estimate"], r["bytes_per_token"]
+        print(f"{r['dtype']:>9} {('causal ' if r['causal'] else 'full ') + r['layout']:>18} measured at "
+              f"S = {plots.seq_label(r['seq']):>4}: one GPU {per_token['one_gpu'] / 1024:.0f} KiB/token → "
+              f"S ≤ {est['one_gpu'] / 2**20:.1f}M; ring {per_token['ring'] / 1024:.0f} KiB/token/GPU → "
+              f"S ≤ {est['ring'] / 2**20:.1f}M")
+
+# %% [markdown]
+# ## Takeaway
+#
+# - Context parallelism splits the sequence; attention is the only layer that needs the others'
+#   tokens, and ring attention brings them by passing K/V shards around a ring, one step per rank.
+# - Each step is the single-GPU kernel with `return_lse`; partial results merge with the LSE
+#   (chapter 02's merge). The backward reuses the merged O and LSE, so chapter 05's kernel gives
+#   each block's exact gradients, and dK/dV travel home with their shard.
+# - The transfer of the next shard runs while the current one is computed (NCCL's own stream);
+#   compute per step grows as S_local², communication as S_local, so long sequences hide it.
+# - Causal masks need a balanced split: with two chunks per rank (zigzag), every rank does the
+#   same work at every step; the contiguous split costs almost twice as long.
+# - The collective input check makes every rank fail together on inconsistent inputs, instead of
+#   hanging in a transfer that will never come.
+#
+# ## Exercises
+#
+# ### (a) The zigzag chunk pairs
+#
+# With the zigzag split on `world` ranks, rank r holds chunks r and 2·world − 1 − r of the
+# 2·world chunks. Write `zigzag_pairs(rank, source, world)`: for each of the four pairs (a, b) of
+# a chunk a of `rank` and a chunk b of `source`, say whether query chunk a sees key chunk b
+# entirely (`"full"`), through the causal triangle (`"diagonal"`), or not at all (`"empty"`).
+# Return a dict {(a, b): kind}.
+
+# %% tags=["solution"]
+def zigzag_pairs(rank, source, world):
+    ### BEGIN SOLUTION
+    def chunks(r):
+        return (r, 2 * world - 1 - r)
+
+    return {(a, b): "full" if a > b else "diagonal" if a == b else "empty"
+            for a in chunks(rank) for b in chunks(source)}
+    ### END SOLUTION
+
+
+# %%
+from course_utils.exercises.ch10 import check_ring_bytes, check_zigzag_pairs
+
+check_zigzag_pairs(zigzag_pairs)
+
+# %% [markdown]
+# ### (b) The bytes on the ring
+#
+# Write `ring_bytes(batch, heads, heads_kv, seq_local, dim, bytes_per_element)`, returning
+# `(forward, backward)`: the bytes one rank sends to the next at one step of the forward lap, and
+# at one step of the backward lap that sends both the K/V shard and the running dK/dV sums (every
+# step but the last; read `ring_backward` above: what travels, and in which dtype?).
+
+# %% tags=["solution"]
+def ring_bytes(batch, heads, heads_kv, seq_local, dim, bytes_per_element):
+    ### BEGIN SOLUTION
+    shard = batch * heads_kv * seq_local * dim
+    return 2 * shard * bytes_per_element, 2 * shard * (bytes_per_element + 4)
+    ### END SOLUTION
+
+
+# %%
+check_ring_bytes(ring_bytes)
+
+# %% [markdown]
+# A step's compute grows as S_local² and its transfer as S_local, so their ratio says from which
+# shard length on a transfer can hide behind its step. For the record's shape (B = 1, H = 16,
+# D = 128, 16-bit), a non-causal forward step does 4·B·H·S_local²·D FLOPs while it sends:
+
+# %%
+from course_utils.exercises.common import needs
+
+b, h, d = (ch10_ring.SHAPE[key] for key in ("batch", "heads", "dim"))
+with needs("ring_bytes", "exercise (b)"):
+    for seq_local in (4096, 16384, 65536):
+        sent = ring_bytes(b, h, h, seq_local, d, 2)[0]
+        print(f"S_local = {plots.seq_label(seq_local):>4}: {sent / 2**20:5.0f} MiB sent per step, "
+              f"{4 * b * h * seq_local**2 * d / sent:6.0f} FLOP per byte sent")
+    if rec is not None:  # the measured rates: bytes moved by the transfers alone, FLOPs of the compute alone
+        r = next(r for r in rows if not r["causal"])
+        b, h, d, nbytes = r["batch"], r["heads"], r["dim"], torch.finfo(getattr(torch, r["dtype"])).bits // 8
+        fwd, bwd = ring_bytes(b, h, h, r["seq"] // 2, d, nbytes)
+        moved = fwd + bwd + fwd  # 2 ranks: the forward's K/V; the backward's K/V and float32 sums; the sums home
+        bandwidth = moved / (r["ms"]["ring_comm"] * 1e-3)
+        flops_per_gpu = cu.attention_flops(b, h, r["seq"], r["seq"], d, mode="fwd+bwd") / 2
+        compute = flops_per_gpu / (r["ms"]["ring_compute"] * 1e-3)
+        print(f"measured at S = {plots.seq_label(r['seq'])}: transfers {bandwidth / 1e9:.0f} GB/s per direction, "
+              f"compute {compute / 1e12:.0f} TFLOP/s per GPU → a step hides its transfer once it does more than "
+              f"{compute / bandwidth:.0f} FLOP per byte sent")

@@ -1,0 +1,216 @@
+"""Ring attention (chapter 10): 2 and 4 gloo processes against the float64 reference, bad input, and
+the pure pieces (shards, blocks, merge, work, timeline summary, exercise checkers)."""
+
+import pytest
+import torch
+
+import course_utils as cu
+from course_utils import ring
+from course_utils.benchmarks.ch10_ring import timeline_spans
+from course_utils.exercises import ch10
+from course_utils.exercises.common import ExerciseWrong
+from course_utils.reference import attention_reference, visibility_mask
+from course_utils.softmax import merge_attention
+
+# The shards of every case have the same shape on 2 and 4 ranks, so both runs use the same few
+# compiled kernels (TileLang compiles per shape).
+B, H, H_KV, S_LOCAL, D = 2, 4, 2, 32, 16
+CASES = [(layout, causal, "float32") for layout in ring.LAYOUTS for causal in (False, True)]
+# The GPUs run 16-bit, where the finished dK/dV sums go home in the input dtype and results are judged by
+# the FlashAttention criterion: one 16-bit case (one kernel shape: 16-bit kernels compile slowly on the CPU).
+CASES_16 = [("contiguous", False, "float16")]
+
+
+# Ranks 3 and 1 of the 4 processes (in that order) as a group of their own: the ring must map group
+# ranks to global ones.
+SUBGROUP = [("zigzag", True, "float32", (3, 1))]
+
+
+def _run(world, seed, cases, bad_inputs):
+    g = torch.Generator().manual_seed(seed)
+    problems = {}
+    for layout, causal, dtype, *ranks in cases:
+        ranks = ranks[0] if ranks else None
+        seq = (world if ranks is None else len(ranks)) * S_LOCAL
+        q, d_out = (torch.randn(B, H, seq, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
+        k, v = (torch.randn(B, H_KV, seq, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
+        problems[layout, causal, dtype, *([ranks] if ranks else [])] = ring.RingCase(q, k, v, d_out, causal, layout,
+                                                                                     ranks=ranks)
+    results, errors = ring.run_ring_attention(list(problems.values()), world, bad_inputs=bad_inputs)
+    return problems, dict(zip(problems, results)), errors
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return _run(2, 1, CASES + CASES_16, bad_inputs=True)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return _run(4, 2, CASES + SUBGROUP, bad_inputs=False)
+
+
+def _check(run, case_key):
+    cases, results, _ = run
+    case, (out, grads) = cases[case_key], results[case_key]
+    causal = case.causal
+    assert out.dtype == case.q.dtype and all(g.dtype == case.q.dtype for g in grads)
+    refs = cu.validation.references(case.q, case.k, case.v, d_out=case.d_out, causal=causal)
+    cu.check_forward(case.q, case.k, case.v, out, causal=causal, refs=refs, quiet=True)
+    cu.check_backward(case.q, case.k, case.v, case.d_out, grads, causal=causal, refs=refs, quiet=True)
+    # The same check fails on a layout mix-up and on a gradient that is slightly off.
+    wrong = ring.unshard_sequence([ring.shard_sequence(out, 2, r, "zigzag") for r in range(2)], "contiguous")
+    with pytest.raises(cu.CheckFailed):
+        cu.check_forward(case.q, case.k, case.v, wrong, causal=causal, refs=refs, quiet=True)
+    with pytest.raises(cu.CheckFailed):
+        cu.check_backward(case.q, case.k, case.v, case.d_out, (grads[0], grads[1] * 0.98, grads[2]),
+                          causal=causal, refs=refs, quiet=True)
+
+
+@pytest.mark.parametrize("case_key", CASES + CASES_16, ids=lambda c: "-".join(map(str, c)))
+def test_two_ranks_match_float64(two_ranks, case_key):
+    _check(two_ranks, case_key)
+
+
+@pytest.mark.parametrize("case_key", CASES + SUBGROUP, ids=lambda c: "-".join(map(str, c)))
+def test_four_ranks_match_float64(four_ranks, case_key):
+    _check(four_ranks, case_key)
+
+
+EXPECTED_ERRORS = {
+    "lengths differ across ranks": "rank 0: (1, 4, 32, 16), rank 1: (1, 4, 48, 16)",
+    "dtypes differ across ranks": "same dtype; got rank 0: float32, rank 1: float16",
+    "causal on some ranks only": "same causal",
+    "a group of one": "at least 2 ranks",
+    "q, k, v dtypes differ": "must share a dtype",
+    "bad shape on rank 1 only": "must have shape [batch, heads, seq, head_dim]",
+    "K/V shard shorter than Q's": "as long as the query shard",
+    "zigzag with an odd S_local": "even S_local",
+    "unknown layout": "layout must be one of",
+}
+
+
+def test_bad_input_raises_the_same_clear_error_on_every_rank(two_ranks):
+    errors = two_ranks[2]
+    assert set(EXPECTED_ERRORS) == set(ring.BAD_INPUTS)
+    for name, text in EXPECTED_ERRORS.items():
+        for rank, rank_errors in enumerate(errors):
+            assert rank_errors[name].startswith("ValueError") and text in rank_errors[name], (name, rank)
+    # The rank whose own input was fine names the rank whose input was not.
+    assert "rank 1 of the group passed bad input" in errors[0]["bad shape on rank 1 only"]
+
+
+def test_outside_a_process_group():
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="init_process_group"):
+        cu.ring_attention(q, q, q)
+
+
+# --- the pure pieces -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+def test_shard_and_unshard(layout):
+    for world in (1, 2, 3, 4):
+        x = torch.randn(2, 3, world * 6, 5)
+        shards = [ring.shard_sequence(x, world, r, layout) for r in range(world)]
+        assert all(s.shape == (2, 3, 6, 5) for s in shards)
+        assert torch.equal(ring.unshard_sequence(shards, layout), x)
+    assert ring.sequence_positions(2, 0, 4, "zigzag").tolist() == [0, 1, 6, 7]
+    assert ring.sequence_positions(2, 1, 4, "zigzag").tolist() == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="equal chunks"):
+        ring.shard_sequence(torch.randn(1, 1, 10, 4), 4, 0, layout)
+    with pytest.raises(ValueError, match="rank must be"):
+        ring.shard_sequence(x, 2, 2, layout)
+    with pytest.raises(ValueError, match="layout must be"):
+        ring.shard_sequence(x, 2, 0, "striped")
+
+
+def test_step_blocks_compute_every_visible_pair_exactly_once():
+    seq_local = 4
+    for world in range(1, 7):
+        for layout in ring.LAYOUTS:
+            for causal in (False, True):
+                count = torch.zeros(world * seq_local, world * seq_local, dtype=torch.int64)
+                for rank in range(world):
+                    rows = ring.sequence_positions(world, rank, seq_local, layout)
+                    for source in range(world):
+                        cols = ring.sequence_positions(world, source, seq_local, layout)
+                        for b in ring.step_blocks(rank, source, world, seq_local, causal=causal, layout=layout):
+                            hit = visibility_mask(len(rows[b.q]), len(cols[b.k]), causal=b.causal).long()
+                            count[rows[b.q][:, None], cols[b.k][None, :]] += hit
+                assert torch.equal(count, visibility_mask(len(count), len(count), causal=causal).long()), \
+                    (world, layout, causal)
+
+
+def test_zigzag_balances_the_causal_lap():
+    for world in (2, 3, 4, 8):
+        zigzag = ring.step_work(world, causal=True, layout="zigzag")
+        contiguous = ring.step_work(world, causal=True, layout="contiguous")
+        assert torch.all(zigzag == 0.5)
+        assert contiguous.sum() == zigzag.sum() == world * world / 2
+        assert contiguous.max(dim=0).values.sum() == world - 0.5
+
+
+def test_kernel_shapes_are_few():
+    assert ring.kernel_shapes(4, 32, causal=True, layout="zigzag") == [(16, 32, False), (32, 16, False),
+                                                                         (32, 32, True)]
+    assert ring.kernel_shapes(4, 32, causal=True, layout="contiguous") == [(32, 32, False), (32, 32, True)]
+
+
+def test_merge_attention_matches_the_reference():
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 20, 16, dtype=torch.float64) for _ in range(2))
+    full = attention_reference(q, k, v, return_lse=True)
+    parts = [attention_reference(q, k[:, :, s], v[:, :, s], return_lse=True) for s in (slice(0, 7), slice(7, 20))]
+    out, lse = merge_attention(*parts[0], *parts[1])
+    torch.testing.assert_close(out, full[0])
+    torch.testing.assert_close(lse, full[1].double())  # the reference's LSE is float32
+    # A side with no key (LSE = -inf) leaves the other unchanged; no key at all gives 0 and -inf.
+    empty = (torch.zeros_like(full[0]), torch.full_like(full[1], float("-inf")))
+    torch.testing.assert_close(merge_attention(*full, *empty), (full[0], full[1].double()))
+    out, lse = merge_attention(*empty, *empty)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    # Large logits: the weights stay ≤ 1.
+    big = merge_attention(full[0], full[1] + 1e4, full[0], full[1] + 1e4)
+    assert torch.isfinite(big[0]).all()
+
+
+def test_timeline_spans_merges_kernels_and_measures_overlap():
+    def kernel(name, stream, start, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": dur, "args": {"stream": stream}}
+
+    events = [kernel("flash_fwd_kernel", 7, 1000, 500), kernel("void at::native::elementwise_kernel", 7, 1505, 10),
+              kernel("flash_fwd_kernel", 7, 1520, 480), kernel("ncclDevKernel_SendRecv", 20, 1100, 200),
+              kernel("ncclDevKernel_SendRecv", 20, 2100, 100),
+              {"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]
+    summary = timeline_spans(events)
+    assert summary["spans"][0] == [7, "attention", 0.0, 0.5]
+    assert [s[1] for s in summary["spans"]] == ["attention", "merge and sums", "attention", "communication",
+                                                "communication"]
+    assert summary["comm_ms"] == 0.3 and summary["overlap_ms"] == 0.2  # the second transfer ran alone
+    assert timeline_spans([])["spans"] == []
+
+
+def test_exercise_checkers_name_the_mistakes(capsys):
+    def pairs(rank, source, world, *, swap=False, off_by_one=False):
+        late = 2 * world - (0 if off_by_one else 1)
+        chunks = lambda r: (r, late - r)  # noqa: E731
+        kind = lambda a, b: "diagonal" if a == b else ("full" if (a > b) != swap else "empty")  # noqa: E731
+        return {(a, b): kind(a, b) for a in chunks(rank) for b in chunks(source)}
+
+    ch10.check_zigzag_pairs(pairs)
+    with pytest.raises(ExerciseWrong, match="swapped"):
+        ch10.check_zigzag_pairs(lambda *a: pairs(*a, swap=True))
+    with pytest.raises(ExerciseWrong, match="2·world − 1 − r"):
+        ch10.check_zigzag_pairs(lambda *a: pairs(*a, off_by_one=True))
+
+    def sent(b, h, h_kv, s, d, nbytes, heads=None, grads_bytes=4, tensors=2):
+        shard = b * (heads or h_kv) * s * d
+        return tensors * shard * nbytes, tensors * shard * (nbytes + grads_bytes)
+
+    ch10.check_ring_bytes(sent)
+    for wrong, message in ((lambda b, h, *a: sent(b, h, *a, heads=h), "H_kv heads"),
+                           (lambda *a: sent(*a, grads_bytes=a[-1]), "float32"),
+                           (lambda *a: sent(*a, tensors=1), "Both K and V")):
+        with pytest.raises(ExerciseWrong, match=message):
+            ch10.check_ring_bytes(wrong)
