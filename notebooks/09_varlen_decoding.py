@@ -64,7 +64,8 @@ from course_utils.flash_varlen import flash_varlen_fwd_kernel, varlen_work_list
 from course_utils.labels import OURS
 from course_utils.softmax import merge_attention_states
 from course_utils.source import show_source
-from course_utils.validation import check_backward, check_forward, decode_references, varlen_references
+from course_utils.validation import (check_backward, check_forward, check_stored_errors, decode_references,
+                                     varlen_references)
 from course_utils.varlen_api import decode_kernels, decode_num_splits
 
 torch.manual_seed(0)
@@ -228,65 +229,64 @@ for name, dirty, clean in zip(("O", "dQ", "dK", "dV"), run_all(*poisoned), run_a
 #   then the padding needs no mask). Their TFLOP/s count the useful FLOPs, those of the packed batch.
 
 # %%
-rec_v = cu.measured("ch09_varlen_h100", RECORDS["ch09_varlen_h100"])
-rows_v = rec_v["results"]
-for r in rows_v:
-    work = (cu.attention_flops(r["dense_batch"], r["heads"], r["dense_seq"], r["dense_seq"], r["dim"],
-                               causal=r["causal"], mode=r["mode"]) if "dense" in r["impl"] else
-            sum(cu.attention_flops(1, r["heads"], n, n, r["dim"], causal=r["causal"], mode=r["mode"])
-                for n in r["lengths"]))
-    assert abs(cu.tflops(work, r["ms"]) - r["tflops"]) <= 1e-6 * r["tflops"], r
-print(f"checked: every TFLOP/s is FLOPs / time; equal lengths {rows_v[0]['dense_batch']} × {rows_v[0]['dense_seq']}")
-SHORT_V = {"TileLang (ours), packed (list)": "list", "TileLang (ours), packed (grid)": "grid",
-           "TileLang (ours), dense equal lengths": "dense", "FlashAttention-2 (SDPA flash), padded": "FA2 pad",
-           "cuDNN (SDPA cudnn), padded": "cuDNN pad"}
-table = [dict(r, impl=SHORT_V[r["impl"]], case=f"{r['mode']} {'causal' if r['causal'] else 'full'}") for r in rows_v]
-print("TFLOP/s: ours packed (list, grid schedules), ours dense on equal lengths, SDPA on the padded batch")
-print(plots.text_table(table, index="impl", columns="case", value="tflops", fmt="{:.0f}", width=12))
+rec_v = cu.measured("ch09_varlen_h100", RECORDS["ch09_varlen_h100"], pending_ok=True)
+if rec_v is not None:
+    rows_v = rec_v["results"]
+    check_stored_errors(rows_v, "ch09 varlen record (O, LSE, dQ, dK, dV)",
+                        unchecked=tuple({r["impl"] for r in rows_v if "SDPA" in r["impl"]}))
+    print(f"equal lengths for the dense comparison: {rows_v[0]['dense_batch']} × {rows_v[0]['dense_seq']}")
+    SHORT_V = {"TileLang (ours), packed (list)": "list", "TileLang (ours), packed (grid)": "grid",
+               "TileLang (ours), dense equal lengths": "dense", "FlashAttention-2 (SDPA flash), padded": "FA2 pad",
+               "cuDNN (SDPA cudnn), padded": "cuDNN pad"}
+    table = [dict(r, impl=SHORT_V[r["impl"]], case=f"{r['mode']} {'causal' if r['causal'] else 'full'}") for r in rows_v]
+    print("TFLOP/s: ours packed (list, grid schedules), ours dense on equal lengths, SDPA on the padded batch")
+    print(plots.text_table(table, index="impl", columns="case", value="tflops", fmt="{:.0f}", width=12))
 
 # %%
-def ms_of(impl, mode, causal):
-    return next(r["ms"] for r in rows_v if r["impl"] == impl and r["mode"] == mode and r["causal"] == causal)
+if rec_v is not None:
+    def ms_of(impl, mode, causal):
+        return next(r["ms"] for r in rows_v if r["impl"] == impl and r["mode"] == mode and r["causal"] == causal)
 
 
-def tf_of(impl, mode, causal):
-    return next(r["tflops"] for r in rows_v if r["impl"] == impl and r["mode"] == mode and r["causal"] == causal)
+    def tf_of(impl, mode, causal):
+        return next(r["tflops"] for r in rows_v if r["impl"] == impl and r["mode"] == mode and r["causal"] == causal)
 
 
-DENSE, LIST, GRID = ("TileLang (ours), dense equal lengths", "TileLang (ours), packed (list)",
-                     "TileLang (ours), packed (grid)")
-for causal in (True, False):
-    for mode in ("fwd", "bwd"):
-        best = min((LIST, GRID), key=lambda i: ms_of(i, mode, causal))
-        line = (f"{mode} {'causal' if causal else 'full  '}: packed/dense TFLOP/s = "
-                f"{tf_of(LIST, mode, causal) / tf_of(DENSE, mode, causal):.2f} (list), "
-                f"{tf_of(GRID, mode, causal) / tf_of(DENSE, mode, causal):.2f} (grid); faster schedule: "
-                f"{best.split('(')[-1][:-1]}")
-        if causal:
-            line += ", padded SDPA takes " + ", ".join(
-                f"{ms_of(p, mode, True) / ms_of(best, mode, True):.1f}× ({p.split(' ')[0]})"
-                for p in (r["impl"] for r in rows_v if r["impl"].endswith("padded") and r["mode"] == mode
-                          and r["causal"]))
-        print(line)
+    DENSE, LIST, GRID = ("TileLang (ours), dense equal lengths", "TileLang (ours), packed (list)",
+                         "TileLang (ours), packed (grid)")
+    for causal in (True, False):
+        for mode in ("fwd", "bwd"):
+            best = min((LIST, GRID), key=lambda i: ms_of(i, mode, causal))
+            line = (f"{mode} {'causal' if causal else 'full  '}: packed/dense TFLOP/s = "
+                    f"{tf_of(LIST, mode, causal) / tf_of(DENSE, mode, causal):.2f} (list), "
+                    f"{tf_of(GRID, mode, causal) / tf_of(DENSE, mode, causal):.2f} (grid); faster schedule: "
+                    f"{best.split('(')[-1][:-1]}")
+            if causal:
+                line += ", padded SDPA takes " + ", ".join(
+                    f"{ms_of(p, mode, True) / ms_of(best, mode, True):.1f}× ({p.split(' ')[0]})"
+                    for p in (r["impl"] for r in rows_v if r["impl"].endswith("padded") and r["mode"] == mode
+                              and r["causal"]))
+            print(line)
 
 # %%
-cases = [(m, c) for c in (True, False) for m in ("fwd", "bwd")]
-impls = list(dict.fromkeys(r["impl"] for r in rows_v))
-fig, ax = plt.subplots(figsize=(12, 4))
-width = 0.8 / len(impls)
-for n, impl in enumerate(impls):
-    xs = [i + (n - (len(impls) - 1) / 2) * width for i, case in enumerate(cases)
-          if any(r["impl"] == impl and (r["mode"], r["causal"]) == case for r in rows_v)]
-    ys = [tf_of(impl, *case) for case in cases if any(r["impl"] == impl and (r["mode"], r["causal"]) == case
-                                                     for r in rows_v)]
-    ax.bar(xs, ys, width, label=impl.replace("TileLang (ours)", "ours"), color=plots.COLORS[n % len(plots.COLORS)])
-ax.set_xticks(range(len(cases)), [f"{m} {'causal' if c else 'full'}" for m, c in cases])
-r0 = rows_v[0]
-ax.set(ylabel="TFLOP/s (useful FLOPs)", title=f"{sum(r0['lengths'])} tokens in {len(r0['lengths'])} sequences of "
-       f"{min(r0['lengths'])}–{max(r0['lengths'])} tokens, H={r0['heads']}, D={r0['dim']}, {r0['dtype']}")
-ax.legend(fontsize=8, ncol=2)
-fig.text(0.01, -0.03, plots.record_caption(rec_v), fontsize=7)
-plots.save(fig, "ch09_varlen");
+if rec_v is not None:
+    cases = [(m, c) for c in (True, False) for m in ("fwd", "bwd")]
+    impls = list(dict.fromkeys(r["impl"] for r in rows_v))
+    fig, ax = plt.subplots(figsize=(12, 4))
+    width = 0.8 / len(impls)
+    for n, impl in enumerate(impls):
+        xs = [i + (n - (len(impls) - 1) / 2) * width for i, case in enumerate(cases)
+              if any(r["impl"] == impl and (r["mode"], r["causal"]) == case for r in rows_v)]
+        ys = [tf_of(impl, *case) for case in cases if any(r["impl"] == impl and (r["mode"], r["causal"]) == case
+                                                         for r in rows_v)]
+        ax.bar(xs, ys, width, label=impl.replace("TileLang (ours)", "ours"), color=plots.COLORS[n % len(plots.COLORS)])
+    ax.set_xticks(range(len(cases)), [f"{m} {'causal' if c else 'full'}" for m, c in cases])
+    r0 = rows_v[0]
+    ax.set(ylabel="TFLOP/s (useful FLOPs)", title=f"{sum(r0['lengths'])} tokens in {len(r0['lengths'])} sequences of "
+           f"{min(r0['lengths'])}–{max(r0['lengths'])} tokens, H={r0['heads']}, D={r0['dim']}, {r0['dtype']}")
+    ax.legend(fontsize=8, ncol=2)
+    fig.text(0.01, -0.03, plots.record_caption(rec_v), fontsize=7)
+    plots.save(fig, "ch09_varlen");
 
 # %% [markdown]
 # ## 6 · Decoding is a memory read
@@ -322,18 +322,19 @@ print(f"decode, multi-head attention (group 1): {intensity(64, 64, 1, 32768, 64)
 print(f"training forward, S=4096, causal: about {prefill_i:.0f} FLOP/byte of Q, K, V and O")
 
 # %%
-rec_d = cu.measured("ch09_decode_h100", RECORDS["ch09_decode_h100"])
-rows_d = rec_d["results"]
-ours_d = [r for r in rows_d if r["impl"] == OURS and r["dim"] == 64 and r["batch"] == 64]
-fig, ax = plt.subplots(figsize=(7, 4.5))
-plots.roofline(ax, peak_tflops=PEAK_TFLOPS, bandwidth_tbs=HBM_TBS, xlim=(1, 3e3),
-               title="Decoding on the roofline (gpt-oss shape, D=64, B=64)")
-plots.roofline_series(ax, OURS, [r["heads"] / r["heads_kv"] for r in ours_d],
-                      [r["tflops"] for r in ours_d], [plots.seq_label(r["context"]) for r in ours_d])
-ax.axvline(prefill_i, color="gray", linestyle="--", lw=1)
-ax.text(prefill_i * 1.1, 2, "training forward\n(S=4096)", fontsize=8, color="gray")
-fig.text(0.01, -0.03, plots.record_caption(rec_d), fontsize=7)
-plots.save(fig, "ch09_decode_roofline");
+rec_d = cu.measured("ch09_decode_h100", RECORDS["ch09_decode_h100"], pending_ok=True)
+if rec_d is not None:
+    rows_d = rec_d["results"]
+    ours_d = [r for r in rows_d if r["impl"] == OURS and r["dim"] == 64 and r["batch"] == 64]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plots.roofline(ax, peak_tflops=PEAK_TFLOPS, bandwidth_tbs=HBM_TBS, xlim=(1, 3e3),
+                   title="Decoding on the roofline (gpt-oss shape, D=64, B=64)")
+    plots.roofline_series(ax, OURS, [r["heads"] / r["heads_kv"] for r in ours_d],
+                          [r["tflops"] for r in ours_d], [plots.seq_label(r["context"]) for r in ours_d])
+    ax.axvline(prefill_i, color="gray", linestyle="--", lw=1)
+    ax.text(prefill_i * 1.1, 2, "training forward\n(S=4096)", fontsize=8, color="gray")
+    fig.text(0.01, -0.03, plots.record_caption(rec_d), fontsize=7)
+    plots.save(fig, "ch09_decode_roofline");
 
 # %% [markdown]
 # ## 7 · Split-KV: enough blocks to read the cache at full speed
@@ -492,25 +493,26 @@ for batch in (1, 8, 64):
 # rule picks (checked: every split count gives the same O).
 
 # %%
-rec_s = cu.measured("ch09_decode_splits_h100", RECORDS["ch09_decode_splits_h100"])
-rows_s = rec_s["results"]
-fig, ax = plt.subplots(figsize=(9, 4.2))
-for n, case in enumerate(dict.fromkeys((r["batch"], r["context"]) for r in rows_s)):
-    pts = sorted((r["splits"], r["gbps"], r["chosen"]) for r in rows_s if (r["batch"], r["context"]) == case)
-    color = plots.COLORS[n % len(plots.COLORS)]
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", color=color,
-            label=f"B={case[0]}, context {plots.seq_label(case[1])}")
-    ax.scatter([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], s=120, facecolors="none", edgecolors=color)
-ax.set(xscale="log", xlabel="splits per sequence and K/V head", ylabel="K/V read bandwidth (GB/s)",
-       title="Split count (circled: the one choose_num_splits picks)")
-ax.legend(fontsize=8)
-fig.text(0.01, -0.03, plots.record_caption(rec_s), fontsize=7)
-for case in dict.fromkeys((r["batch"], r["context"]) for r in rows_s):
-    rs = [r for r in rows_s if (r["batch"], r["context"]) == case]
-    best, pick = max(rs, key=lambda r: r["gbps"]), next(r for r in rs if r["chosen"])
-    print(f"B={case[0]:>2} context {plots.seq_label(case[1]):>4}: picked {pick['splits']:>3} splits "
-          f"({pick['gbps']:.0f} GB/s), best {best['splits']:>3} ({best['gbps']:.0f} GB/s): "
-          f"{pick['gbps'] / best['gbps']:.0%} of the best")
+rec_s = cu.measured("ch09_decode_splits_h100", RECORDS["ch09_decode_splits_h100"], pending_ok=True)
+if rec_s is not None:
+    rows_s = rec_s["results"]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for n, case in enumerate(dict.fromkeys((r["batch"], r["context"]) for r in rows_s)):
+        pts = sorted((r["splits"], r["gbps"], r["chosen"]) for r in rows_s if (r["batch"], r["context"]) == case)
+        color = plots.COLORS[n % len(plots.COLORS)]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", color=color,
+                label=f"B={case[0]}, context {plots.seq_label(case[1])}")
+        ax.scatter([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], s=120, facecolors="none", edgecolors=color)
+    ax.set(xscale="log", xlabel="splits per sequence and K/V head", ylabel="K/V read bandwidth (GB/s)",
+           title="Split count (circled: the one choose_num_splits picks)")
+    ax.legend(fontsize=8)
+    fig.text(0.01, -0.03, plots.record_caption(rec_s), fontsize=7)
+    for case in dict.fromkeys((r["batch"], r["context"]) for r in rows_s):
+        rs = [r for r in rows_s if (r["batch"], r["context"]) == case]
+        best, pick = max(rs, key=lambda r: r["gbps"]), next(r for r in rs if r["chosen"])
+        print(f"B={case[0]:>2} context {plots.seq_label(case[1]):>4}: picked {pick['splits']:>3} splits "
+              f"({pick['gbps']:.0f} GB/s), best {best['splits']:>3} ({best['gbps']:.0f} GB/s): "
+              f"{pick['gbps'] / best['gbps']:.0%} of the best")
 
 # %% [markdown]
 # ## 10 · Measured on an H100: decoding bandwidth
@@ -527,58 +529,59 @@ for case in dict.fromkeys((r["batch"], r["context"]) for r in rows_s):
 # - **our paged cache**: the same bytes as 256-key pages in shuffled order (target: ≤ 5% slower).
 
 # %%
-def decode_rows(impl, **where):
-    return [r for r in rows_d if r["impl"] == impl and "error" not in r
-            and all(r[k] == v for k, v in where.items())]
+if rec_d is not None:
+    def decode_rows(impl, **where):
+        return [r for r in rows_d if r["impl"] == impl and "error" not in r
+                and all(r[k] == v for k, v in where.items())]
 
 
-sdpa_impls = sorted({r["impl"] for r in rows_d} - {OURS, PAGED, SUM})
-for r in rows_d:
-    if "error" not in r:
-        assert abs(r["bytes"] / (r["ms"] * 1e-3) / 1e9 - r["gbps"]) <= 1e-6 * r["gbps"], r
-print("checked: every bandwidth is bytes / time. Fraction of torch.sum's bandwidth, ours (paged):")
-for dim in (64, 128):
-    table = [dict(r, batch=f"B={r['batch']}", frac=f"{r['fraction_of_sum']:.0%} ({p['fraction_of_sum']:.0%})")
-             for r in decode_rows(OURS, dim=dim)
-             for p in decode_rows(PAGED, dim=dim, batch=r["batch"], context=r["context"])]
-    print(f"D={dim}\n" + plots.text_table(table, index="context", columns="batch", value="frac", fmt="{}",
-                                          width=13))
-
-# %%
-print("time of the fastest SDPA form ÷ ours, and which it was:")
-for dim in (64, 128):
-    for r in decode_rows(OURS, dim=dim):
-        peers = [p for i in sdpa_impls for p in decode_rows(i, dim=dim, batch=r["batch"], context=r["context"])]
-        fastest = min(peers, key=lambda p: p["ms"], default=None)
-        print(f"D={dim:>3} B={r['batch']:>2} context {plots.seq_label(r['context']):>4}: " + (
-              f"{fastest['ms'] / r['ms']:5.2f}× ({fastest['impl']})" if fastest else "every SDPA form refused") +
-              "; paged costs "
-              f"{decode_rows(PAGED, dim=dim, batch=r['batch'], context=r['context'])[0]['ms'] / r['ms'] - 1:+.1%}")
-refusals = sorted({(r["impl"], r["error"][:70]) for r in rows_d if "error" in r})
-print("\nrefused:", *([f"  {i}: {e}" for i, e in refusals] or ["  none"]), sep="\n")
+    sdpa_impls = sorted({r["impl"] for r in rows_d} - {OURS, PAGED, SUM})
+    check_stored_errors([r for r in rows_d if r["impl"] in (OURS, PAGED)], "ch09 decode record (O, LSE)")
+    print("Fraction of torch.sum's bandwidth, ours (paged):")
+    for dim in (64, 128):
+        table = [dict(r, batch=f"B={r['batch']}", frac=f"{r['fraction_of_sum']:.0%} ({p['fraction_of_sum']:.0%})")
+                 for r in decode_rows(OURS, dim=dim)
+                 for p in decode_rows(PAGED, dim=dim, batch=r["batch"], context=r["context"])]
+        print(f"D={dim}\n" + plots.text_table(table, index="context", columns="batch", value="frac", fmt="{}",
+                                              width=13))
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), sharey=True)
-for ax, dim in zip(axes, (64, 128)):
-    for n, batch in enumerate((1, 8, 64)):
-        color = plots.COLORS[n]
-        for impl, style in ((OURS, "-o"), (PAGED, ":"), (SUM, "--")):
-            pts = decode_rows(impl, dim=dim, batch=batch)
-            ax.plot([r["context"] for r in pts], [r["gbps"] for r in pts], style, color=color,
-                    label=f"B={batch} {impl.replace('TileLang (ours)', 'ours')}")
-        best_sdpa = [min((p for i in sdpa_impls for p in decode_rows(i, dim=dim, batch=batch, context=r["context"])),
-                         key=lambda p: p["ms"], default=None) for r in decode_rows(OURS, dim=dim, batch=batch)]
-        best_sdpa = [p for p in best_sdpa if p is not None]
-        ax.plot([r["context"] for r in best_sdpa], [r["gbps"] for r in best_sdpa], "-x", color=color, alpha=0.5,
-                label=f"B={batch} fastest SDPA")
-    contexts = sorted({r["context"] for r in rows_d})
-    ax.set(xscale="log", title=f"one decoding step, gpt-oss heads, D={dim}", xlabel="context (keys)",
-           ylabel="K/V read bandwidth (GB/s)" if dim == 64 else None)
-    ax.set_xticks(contexts, [plots.seq_label(c) for c in contexts])
-    ax.minorticks_off()
-axes[1].legend(fontsize=7, ncol=2)
-fig.text(0.01, -0.03, plots.record_caption(rec_d), fontsize=7)
-plots.save(fig, "ch09_decode_bandwidth");
+if rec_d is not None:
+    print("time of the fastest SDPA form ÷ ours, and which it was:")
+    for dim in (64, 128):
+        for r in decode_rows(OURS, dim=dim):
+            peers = [p for i in sdpa_impls for p in decode_rows(i, dim=dim, batch=r["batch"], context=r["context"])]
+            fastest = min(peers, key=lambda p: p["ms"], default=None)
+            print(f"D={dim:>3} B={r['batch']:>2} context {plots.seq_label(r['context']):>4}: " + (
+                  f"{fastest['ms'] / r['ms']:5.2f}× ({fastest['impl']})" if fastest else "every SDPA form refused") +
+                  "; paged costs "
+                  f"{decode_rows(PAGED, dim=dim, batch=r['batch'], context=r['context'])[0]['ms'] / r['ms'] - 1:+.1%}")
+    refusals = sorted({(r["impl"], r["error"][:70]) for r in rows_d if "error" in r})
+    print("\nrefused:", *([f"  {i}: {e}" for i, e in refusals] or ["  none"]), sep="\n")
+
+# %%
+if rec_d is not None:
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), sharey=True)
+    for ax, dim in zip(axes, (64, 128)):
+        for n, batch in enumerate((1, 8, 64)):
+            color = plots.COLORS[n]
+            for impl, style in ((OURS, "-o"), (PAGED, ":"), (SUM, "--")):
+                pts = decode_rows(impl, dim=dim, batch=batch)
+                ax.plot([r["context"] for r in pts], [r["gbps"] for r in pts], style, color=color,
+                        label=f"B={batch} {impl.replace('TileLang (ours)', 'ours')}")
+            best_sdpa = [min((p for i in sdpa_impls for p in decode_rows(i, dim=dim, batch=batch, context=r["context"])),
+                             key=lambda p: p["ms"], default=None) for r in decode_rows(OURS, dim=dim, batch=batch)]
+            best_sdpa = [p for p in best_sdpa if p is not None]
+            ax.plot([r["context"] for r in best_sdpa], [r["gbps"] for r in best_sdpa], "-x", color=color, alpha=0.5,
+                    label=f"B={batch} fastest SDPA")
+        contexts = sorted({r["context"] for r in rows_d})
+        ax.set(xscale="log", title=f"one decoding step, gpt-oss heads, D={dim}", xlabel="context (keys)",
+               ylabel="K/V read bandwidth (GB/s)" if dim == 64 else None)
+        ax.set_xticks(contexts, [plots.seq_label(c) for c in contexts])
+        ax.minorticks_off()
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.text(0.01, -0.03, plots.record_caption(rec_d), fontsize=7)
+    plots.save(fig, "ch09_decode_bandwidth");
 
 # %% [markdown]
 # How to read it. Small problems (B = 1 with a short context: a few megabytes, under a microsecond
