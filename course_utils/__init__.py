@@ -16,9 +16,16 @@ tilelang.set_log_level("WARNING")
 # instead (printed when two variants share a helper kernel) is noise here.
 logging.getLogger("tilelang.cache.kernel_cache").addFilter(lambda record: "in memory cache" not in record.getMessage())
 
-from .attention import (SUPPORTED, BackwardConfig, ForwardConfig, attention_backward, backward_kernels,
-                        flash_attention, forward_kernel)
-from .bench import attention_flops, measured, time_cuda, tflops
+from .attention import (
+                        SUPPORTED,
+                        BackwardConfig,
+                        ForwardConfig,
+                        attention_backward,
+                        backward_kernels,
+                        flash_attention,
+                        forward_kernel,
+)
+from .bench import attention_flops, measured, tflops, time_cuda
 from .checks import CheckFailed, check_attention_error, check_close, check_true, expect_failure
 from .device import DEVICE, HAS_GPU, TILE_TARGET, describe_machine, pick
 from .reference import attention_reference

@@ -25,10 +25,10 @@ from .reference import validate_attention_inputs
 from .tiles import compile_kernel
 
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
-           "ForwardConfig", "BackwardConfig", "sink_logits", "check_sm_scale", "default_forward_config", "default_backward_config",
-           "is_hopper", "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS", "THREE_WARPGROUPS_MIN_SEQ",
-           "hopper_forward_config", "FORWARD_KERNELS", "BACKWARD_KERNELS", "TUNED_BACKWARD_CONFIG",
-           "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
+           "ForwardConfig", "BackwardConfig", "sink_logits", "check_sm_scale", "default_forward_config",
+           "default_backward_config", "is_hopper", "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS",
+           "THREE_WARPGROUPS_MIN_SEQ", "hopper_forward_config", "FORWARD_KERNELS", "BACKWARD_KERNELS",
+           "TUNED_BACKWARD_CONFIG", "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
 
 # What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
 SUPPORTED = {
@@ -201,7 +201,8 @@ def _check_backward_options(config, target, deterministic):
         raise ValueError(f"BackwardConfig.kernel must be one of {sorted(BACKWARD_KERNELS)}; got {config.kernel!r}")
     hopper = config.kernel == "flash_bwd_hopper"
     if hopper and (target != "cuda" or not is_hopper()):
-        raise ValueError("BackwardConfig(kernel='flash_bwd_hopper') is chapter 08's Hopper kernel: it needs an sm_90 GPU")
+        raise ValueError("BackwardConfig(kernel='flash_bwd_hopper') is chapter 08's Hopper kernel: "
+                         "it needs an sm_90 GPU")
     if deterministic and not hopper:
         raise ValueError("deterministic=True needs chapter 08's Hopper backward (kernel='flash_bwd_hopper', sm_90 "
                          "GPU); chapter 05's kernel adds dQ with atomics in whatever order blocks finish")

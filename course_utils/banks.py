@@ -100,7 +100,8 @@ def warp_access_patterns(cols, elem_bytes=2):
     per_row = cols // vec
     return {
         "copy in: 32 threads x 16 B along rows": ([(t // per_row, (t % per_row) * vec) for t in range(32)], 16),
-        "ldmatrix.x4: 16 rows x 32 B (4 phases)": ([(t % 8 + 8 * ((t // 8) % 2), vec * (t // 16)) for t in range(32)], 16),
+        "ldmatrix.x4: 16 rows x 32 B (4 phases)": ([(t % 8 + 8 * ((t // 8) % 2), vec * (t // 16))
+                                                    for t in range(32)], 16),
         "one column: 32 rows x 2 B": ([(t, 0) for t in range(32)], elem_bytes),
     }
 

@@ -24,8 +24,8 @@ from .flash_fwd_hopper import keep_stages_until_read
 from .flash_pieces import LOG2E, prelude, visible
 from .tiles import TileBackend, compile_kernel
 
-__all__ = ["Version", "VERSIONS", "SHIPPED_VERSION", "shipped_version", "versions_for", "flash_bwd_hopper_variant", "fused_preprocess_kernel",
-           "MANUAL_SYNC_PASS_CONFIGS"]
+__all__ = ["Version", "VERSIONS", "SHIPPED_VERSION", "shipped_version", "versions_for", "flash_bwd_hopper_variant",
+           "fused_preprocess_kernel", "MANUAL_SYNC_PASS_CONFIGS"]
 
 ACCUM = "float32"
 # With manual_sync the kernel places its own barriers, as the shipped kernel does.

@@ -30,8 +30,19 @@ from typing import NamedTuple
 import tilelang
 import tilelang.language as T
 
-from .flash_pieces import (ACCUM, LOG2E, NEG_INF, key_range_of_queries, natural_lse, normalise_rows, online_softmax,
-                           prelude, visible, with_lengths, zero_rows_past_end)
+from .flash_pieces import (
+    ACCUM,
+    LOG2E,
+    NEG_INF,
+    key_range_of_queries,
+    natural_lse,
+    normalise_rows,
+    online_softmax,
+    prelude,
+    visible,
+    with_lengths,
+    zero_rows_past_end,
+)
 from .tiles import TileBackend
 
 __all__ = ["DecodeConfig", "DECODE_CONFIGS", "decode_config", "decode_rows", "flash_decode_kernel",

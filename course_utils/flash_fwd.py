@@ -11,8 +11,15 @@ by ``sm_scale · log2(e)`` so the exponentials are ``exp2``; the LSE written out
 import tilelang.language as T
 from tilelang.layout import make_linear_layout
 
-from .flash_pieces import (forward_epilogue, forward_tiles, init_running_max, key_block_range, mask_scores,
-                           online_softmax, prelude)
+from .flash_pieces import (
+    forward_epilogue,
+    forward_tiles,
+    init_running_max,
+    key_block_range,
+    mask_scores,
+    online_softmax,
+    prelude,
+)
 from .tiles import TileBackend
 
 __all__ = ["flash_fwd_kernel"]

@@ -19,8 +19,15 @@ The variations chapter 07 measures and does not keep are in ``flash_fwd_hopper_v
 
 import tilelang.language as T
 
-from .flash_pieces import (forward_epilogue, forward_tiles, init_running_max, key_block_range, mask_scores,
-                           online_softmax, prelude)
+from .flash_pieces import (
+    forward_epilogue,
+    forward_tiles,
+    init_running_max,
+    key_block_range,
+    mask_scores,
+    online_softmax,
+    prelude,
+)
 from .tiles import TileBackend
 
 __all__ = ["flash_fwd_hopper_kernel", "issue_matmuls", "wait_for_turn", "pass_turn", "keep_stages_until_read"]

@@ -29,8 +29,15 @@ parity to wait for flips each time the stages wrap around.
 
 import tilelang.language as T
 
-from .flash_pieces import (ACCUM, NEG_INF, forward_epilogue, init_running_max, key_block_range, mask_scores,
-                           online_softmax, prelude)
+from .flash_pieces import (
+    ACCUM,
+    forward_epilogue,
+    init_running_max,
+    key_block_range,
+    mask_scores,
+    online_softmax,
+    prelude,
+)
 from .tiles import TileBackend
 
 __all__ = ["flash_fwd_hopper_persistent_kernel", "tile_count", "tile_order", "tiles_per_block", "tile_index",

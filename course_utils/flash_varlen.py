@@ -24,13 +24,26 @@ rows.
     python -m course_utils.flash_varlen     # check against the reference (and time it, on a GPU)
 """
 
-import torch
 import tilelang.language as T
+import torch
 
 from .flash_fwd_hopper import issue_matmuls, keep_stages_until_read, pass_turn, wait_for_turn
-from .flash_pieces import (ACCUM, LOG2E, NEG_INF, forward_tiles, init_running_max, key_block_range, mask_scores,
-                           natural_lse, normalise_rows, online_softmax, prelude, query_block_range, visible,
-                           with_lengths, zero_rows_past_end)
+from .flash_pieces import (
+    ACCUM,
+    LOG2E,
+    forward_tiles,
+    init_running_max,
+    key_block_range,
+    mask_scores,
+    natural_lse,
+    normalise_rows,
+    online_softmax,
+    prelude,
+    query_block_range,
+    visible,
+    with_lengths,
+    zero_rows_past_end,
+)
 from .tiles import TileBackend
 
 __all__ = ["SCHEDULES", "VARLEN_HOPPER_CONFIGS", "varlen_work_list", "flash_varlen_fwd_kernel",

@@ -78,7 +78,8 @@ def _spot_check(layout, table, method, replica=0):
         else:
             expected = expected[0]
         if int(table[tuple(idx)]) != expected:
-            raise AssertionError(f"layout evaluation disagrees with TileLang at {idx}: {table[tuple(idx)]} vs {expected}")
+            raise AssertionError(f"layout evaluation disagrees with TileLang at {idx}: "
+                                 f"{table[tuple(idx)]} vs {expected}")
 
 
 def shared_tile(shape, dtype="float16"):

@@ -47,7 +47,8 @@ def validate_attention_inputs(q, k, v, *, window_size=None, sinks=None):
     if min(q.shape[0], q.shape[2], k.shape[2], q.shape[3]) == 0:
         raise ValueError(f"batch, sequence lengths and head_dim must be positive; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")
-    if window_size is not None and (not isinstance(window_size, int) or isinstance(window_size, bool) or window_size < 1):
+    if window_size is not None and (not isinstance(window_size, int) or isinstance(window_size, bool)
+                                    or window_size < 1):
         raise ValueError(f"window_size must be a positive int or None; got {window_size!r}")
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,):

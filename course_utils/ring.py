@@ -36,8 +36,14 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .attention import (_check_supported, attention_backward, backward_kernels, check_sm_scale, forward_kernel,
-                        sink_logits)
+from .attention import (
+    _check_supported,
+    attention_backward,
+    backward_kernels,
+    check_sm_scale,
+    forward_kernel,
+    sink_logits,
+)
 from .reference import validate_attention_inputs
 from .softmax import merge_attention
 

@@ -4,7 +4,7 @@
     python -m course_utils.run_notebooks 03 05        # the ones whose names start with these
     python -m course_utils.run_notebooks --jobs 4     # several notebooks at once
     python -m course_utils.run_notebooks --in-place   # on a GPU: rewrite the committed notebooks and figures
-    python -m course_utils.run_notebooks --refresh    # on a GPU: also re-measure the stored records (implies --in-place)
+    python -m course_utils.run_notebooks --refresh    # on a GPU: also re-measure the records (implies --in-place)
     python -m course_utils.run_notebooks --normalise  # only normalise the committed notebooks (no execution)
 
 By default nothing tracked is touched: each chapter is made from its ``.py`` source and its
@@ -158,7 +158,8 @@ def main(argv=None):
     parser.add_argument("prefixes", nargs="*", help="notebook name prefixes, e.g. 03")
     parser.add_argument("--in-place", action="store_true",
                         help="GPU only: rewrite the committed notebooks/*.ipynb and figures/*.png")
-    parser.add_argument("--refresh", action="store_true", help="GPU only: re-measure the stored records too (implies --in-place)")
+    parser.add_argument("--refresh", action="store_true",
+                        help="GPU only: re-measure the stored records too (implies --in-place)")
     parser.add_argument("--normalise", action="store_true",
                         help="only normalise the committed notebooks' metadata and paths; execute nothing")
     parser.add_argument("--out", type=Path, default=EXECUTED, help="where executed copies go (default: %(default)s)")

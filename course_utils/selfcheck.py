@@ -12,8 +12,15 @@ from .attention import flash_attention
 from .bench import attention_flops, tflops, time_side_by_side
 from .device import DEVICE, HAS_GPU
 from .labels import OURS, SHORT
-from .validation import backward_bugs, backward_without_delta, check_backward, check_forward, forward_bugs, \
-    references, show_bugs_caught
+from .validation import (
+    backward_bugs,
+    backward_without_delta,
+    check_backward,
+    check_forward,
+    forward_bugs,
+    references,
+    show_bugs_caught,
+)
 
 __all__ = ["check_and_time_forward", "check_and_time_backward", "report_lowering"]
 
@@ -68,7 +75,8 @@ def check_and_time_backward(config=None):
             from .benchmarks.common import SDPA_PEERS, backward_timer, sdpa
 
             attns = {OURS: lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=causal, backward_config=config)}
-            attns.update({name: (lambda q_, k_, v_, b=b: sdpa(q_, k_, v_, causal, b)) for name, b in SDPA_PEERS.items()})
+            attns.update({name: (lambda q_, k_, v_, b=b: sdpa(q_, k_, v_, causal, b))
+                          for name, b in SDPA_PEERS.items()})
             impls = {name: backward_timer(attn, q, k, v)[0] for name, attn in attns.items()}
             _time(impls, attention_flops(*q.shape[:3], k.shape[2], q.shape[3], causal=causal, mode="bwd"),
                   f"backward causal={causal}")

@@ -26,7 +26,8 @@ from .reference import visibility_mask
 from .tiles import TileBackend
 
 __all__ = ["LOG2E", "naive_softmax", "safe_softmax", "safe_shift", "online_softmax_update",
-           "blockwise_softmax", "blockwise_attention", "online_softmax_trace", "merge_attention_states", "merge_attention",
+           "blockwise_softmax", "blockwise_attention", "online_softmax_trace", "merge_attention_states",
+           "merge_attention",
            "softmax_row_kernel", "softmax_online_kernel"]
 
 
@@ -78,9 +79,9 @@ def blockwise_softmax(x, block_N):
 def blockwise_attention(q, k, v, block_N, *, causal=False, sm_scale=None, return_lse=False):
     """softmax(Q Kᵀ · scale) V in one pass over blocks of ``block_N`` keys, as FlashAttention does.
 
-    q [..., S_q, D], k [..., S_k, D], v [..., S_k, D_v] (same leading dimensions). The output accumulator ``o`` is rescaled by the same
-    ``alpha`` as ``l`` and divided by ``l`` once at the end. With ``return_lse`` also returns the
-    log-sum-exp m + log l of each row's scaled scores (natural log).
+    q [..., S_q, D], k [..., S_k, D], v [..., S_k, D_v] (same leading dimensions). The output
+    accumulator ``o`` is rescaled by the same ``alpha`` as ``l`` and divided by ``l`` once at the end.
+    With ``return_lse`` also returns the log-sum-exp m + log l of each row's scaled scores (natural log).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     seq_q, seq_k = q.shape[-2], k.shape[-2]

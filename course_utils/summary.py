@@ -18,7 +18,8 @@ def _pick(rows, impl, causal, seq=4096, dim=128, dtype="float16"):
 
 
 def headline_table():
-    lines = ["| pass (fp16, B=4, H=16, S=4096, D=128) | ours TFLOP/s | FlashAttention-2 | cuDNN | ours ÷ FA2 | ours ÷ cuDNN |",
+    lines = ["| pass (fp16, B=4, H=16, S=4096, D=128) | ours TFLOP/s | FlashAttention-2 | cuDNN | ours ÷ FA2 "
+             "| ours ÷ cuDNN |",
              "|---|---|---|---|---|---|"]
     sources = []
     for label, name in (("forward (ch07 kernel, Hopper)", "ch07_forward_vs_peers_h100"),

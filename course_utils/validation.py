@@ -12,8 +12,15 @@ runs the same checks on each and passes only if every one of them fails.
 
 import torch
 
-from .checks import (ERROR_FACTOR, ERROR_SLACK, CheckFailed, check_attention_error, check_close, expect_failure,
-                     tolerance_for)
+from .checks import (
+    ERROR_FACTOR,
+    ERROR_SLACK,
+    CheckFailed,
+    check_attention_error,
+    check_close,
+    expect_failure,
+    tolerance_for,
+)
 from .labels import NAIVE, PEERS
 from .reference import attention_reference
 
@@ -58,7 +65,8 @@ def references(q, k, v, *, d_out=None, causal=False, window_size=None, sinks=Non
             result[key] = grads
     for b, hq, hkv in _head_chunks(q, k):
         for key, dtype in (("", torch.float64), ("_low", q.dtype)):
-            leaves = [t[b:b + 1, h].detach().to(dtype).requires_grad_(want_grads) for t, h in ((q, hq), (k, hkv), (v, hkv))]
+            leaves = [t[b:b + 1, h].detach().to(dtype).requires_grad_(want_grads)
+                      for t, h in ((q, hq), (k, hkv), (v, hkv))]
             sink = None if sinks is None else sinks[hq].detach().double().requires_grad_(want_grads and not key)
             with torch.enable_grad():
                 out, lse = attention_reference(*leaves, sinks=sink, compute_dtype=dtype, return_lse=True, **kw)
@@ -169,7 +177,8 @@ def check_stored_errors(rows, what="record", *, unchecked=PEERS + (NAIVE,), lega
     if legacy_tolerance is not None and all("errors" not in r and "max_abs_err" in r for r in ours):
         worst = max(r["max_abs_err"] for r in ours)
         if worst > legacy_tolerance:
-            raise CheckFailed(f"✗ {what}: a legacy row's error {worst:.1e} exceeds its tolerance {legacy_tolerance:.0e}")
+            raise CheckFailed(f"✗ {what}: a legacy row's error {worst:.1e} exceeds its tolerance "
+                              f"{legacy_tolerance:.0e}")
         print(f"⚠ {what} was measured before whole-tensor validation: each of its {len(ours)} rows of ours was "
               f"checked on one (batch, head) only, with a fixed tolerance of {legacy_tolerance:.0e} (worst error "
               f"{worst:.1e}). Re-measure it on a GPU: python -m course_utils.benchmarks <record name>")

@@ -21,12 +21,27 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .attention import (SUPPORTED, _DTYPE_NAMES, BackwardConfig, ForwardConfig, _no_sinks, default_backward_config,
-                        default_forward_config, is_hopper)
-from .flash_decode import (choose_num_splits, decode_config, decode_rows, flash_decode_kernel,
-                           flash_decode_merge_kernel)
-from .flash_varlen import (SCHEDULES, VARLEN_HOPPER_CONFIGS, flash_varlen_bwd_kernel, flash_varlen_fwd_kernel,
-                           padded_rows, scale_cast_kernel, varlen_delta_kernel, varlen_work_list)
+from .attention import (
+    _DTYPE_NAMES,
+    SUPPORTED,
+    BackwardConfig,
+    ForwardConfig,
+    _no_sinks,
+    default_backward_config,
+    default_forward_config,
+    is_hopper,
+)
+from .flash_decode import choose_num_splits, decode_config, decode_rows, flash_decode_kernel, flash_decode_merge_kernel
+from .flash_varlen import (
+    SCHEDULES,
+    VARLEN_HOPPER_CONFIGS,
+    flash_varlen_bwd_kernel,
+    flash_varlen_fwd_kernel,
+    padded_rows,
+    scale_cast_kernel,
+    varlen_delta_kernel,
+    varlen_work_list,
+)
 from .tiles import compile_kernel
 
 __all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_num_splits",
@@ -532,7 +547,7 @@ def _self_check_varlen():
           ", ".join(f"{n} {e:.2e}" for n, e in worst.items()))
     assert all(e < (5e-2 if HAS_GPU else 1e-4) for e in worst.values()), worst
     if HAS_GPU:  # a quick look at the speed; chapter 09's records are the measurements
-        from .bench import attention_flops, time_cuda, tflops
+        from .bench import attention_flops, tflops, time_cuda
 
         ms = time_cuda(lambda: flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True))
         flops = sum(attention_flops(1, heads, n, n, dim, causal=True) for n in lengths)

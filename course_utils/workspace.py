@@ -162,7 +162,8 @@ def refresh(edition="learner", workspace=WORKSPACE, notebooks=NOTEBOOKS, only=No
 
 
 def reset(prefix, edition="learner", workspace=WORKSPACE):
-    """Move the copies whose names start with ``prefix`` to ``workspace/backup/``; the next refresh writes fresh ones."""
+    """Move the copies whose names start with ``prefix`` to ``workspace/backup/``; the next refresh writes
+    fresh ones."""
     if not re.fullmatch(r"\d\d", str(prefix)[:2]):
         raise ValueError(f"--reset takes a chapter number such as 03, not {prefix!r}")
     workspace = Path(workspace)
@@ -186,12 +187,14 @@ def _relative(path):
 def describe(report, edition, workspace=WORKSPACE):
     """What a refresh did, in a few lines: counts, then each kept copy and how to replace it."""
     folder = _relative(Path(workspace) / edition)
-    what = "solutions removed, stored H100 outputs kept" if edition == "learner" else "full notebooks, solutions included"
+    what = ("solutions removed, stored H100 outputs kept" if edition == "learner"
+            else "full notebooks, solutions included")
     counts = ", ".join(f"{len(report[k])} {k}" for k in ("written", "updated", "unchanged", "kept") if report[k])
     lines = [f"{edition} edition in {folder}/ ({what}): {counts or 'no chapters'}"]
     flag = " --teacher" if edition == "teacher" else ""
     for name in report["kept"]:
-        lines.append(f"  kept {folder / name}: the chapter changed, but you edited your copy, so it was left as it is.\n"
+        lines.append(f"  kept {folder / name}: the chapter changed, but you edited your copy, so it was left "
+                     "as it is.\n"
                      f"    For the new version (yours is moved to {_relative(Path(workspace) / 'backup' / edition)}/): "
                      f".venv/bin/python -m course_utils.workspace{flag} --reset {name[:2]}")
     return "\n".join(lines)
@@ -201,7 +204,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--teacher", action="store_true", help="the teacher edition (solutions included)")
     parser.add_argument("--reset", metavar="NN", help="back up your copy of chapter NN and write a fresh one")
-    parser.add_argument("--workspace", type=Path, default=WORKSPACE, help="the folder of the editions (default: %(default)s)")
+    parser.add_argument("--workspace", type=Path, default=WORKSPACE,
+                        help="the folder of the editions (default: %(default)s)")
     args = parser.parse_args(argv)
     edition = "teacher" if args.teacher else "learner"
     if args.reset:

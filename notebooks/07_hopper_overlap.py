@@ -42,7 +42,6 @@
 import course_utils as cu
 
 import matplotlib.pyplot as plt
-import numpy as np
 
 from course_utils import plots, schedules
 from course_utils.attention import FORWARD_KERNELS, hopper_forward_config, is_hopper

@@ -48,9 +48,9 @@ import course_utils as cu
 import matplotlib.pyplot as plt
 
 from course_utils import plots, schedules
-from course_utils.attention import HOPPER_BACKWARD_CONFIGS, HOPPER_DQ_TILES, is_hopper
+from course_utils.attention import HOPPER_BACKWARD_CONFIGS, is_hopper
 from course_utils.backward_diagrams import LANES, dataflow, step_schedule
-from course_utils.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS, load_record
+from course_utils.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
 from course_utils.benchmarks import RECORDS, comparison_shapes
 from course_utils.flash_bwd_hopper import PASS_CONFIGS, flash_bwd_hopper_kernel
 from course_utils.flash_bwd_hopper_versions import VERSIONS, flash_bwd_hopper_variant, shipped_version

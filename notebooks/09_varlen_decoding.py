@@ -66,7 +66,7 @@ from course_utils.softmax import merge_attention_states
 from course_utils.source import show_source
 from course_utils.validation import (check_backward, check_forward, check_stored_errors, decode_references,
                                      varlen_references)
-from course_utils.varlen_api import decode_kernels, decode_num_splits
+from course_utils.varlen_api import decode_kernels
 
 torch.manual_seed(0)
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import jupytext
-
 from exercise_mutants import EXERCISES, MUTANTS, PRELUDE
 
 from course_utils.workspace import strip_solutions  # noqa: F401  (the learner's edition of a cell)

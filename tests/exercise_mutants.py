@@ -146,7 +146,8 @@ VARIANTS = [
              "S[i, j] = T.if_then_else(visible, 0, neg_inf)\n        T.gemm(Q_s, K_s, S, transpose_B=True)\n")),
            ""),
     Mutant("ch05_backward", "softmax scale folded into dS once",
-           (("dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])", "dST[j, i] = sm_scale * PT[j, i] * (dPT[j, i] - delta[i])"),
+           (("dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])",
+             "dST[j, i] = sm_scale * PT[j, i] * (dPT[j, i] - delta[i])"),
             ("dq[i, d] *= sm_scale", "dq[i, d] *= 1.0"), ("dk[j, d] *= sm_scale", "dk[j, d] *= 1.0")),
            ""),
 ]

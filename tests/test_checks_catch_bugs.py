@@ -3,8 +3,17 @@
 import pytest
 import torch
 
-from course_utils import (CheckFailed, backward_bugs, check_attention_error, check_backward, check_forward,
-                          expect_failure, flash_attention, forward_bugs, show_bugs_caught)
+from course_utils import (
+    CheckFailed,
+    backward_bugs,
+    check_attention_error,
+    check_backward,
+    check_forward,
+    expect_failure,
+    flash_attention,
+    forward_bugs,
+    show_bugs_caught,
+)
 from course_utils.validation import backward_without_delta, check_stored_errors, references
 
 CASES = {  # (batch, heads, heads_kv, seq, dim, dtype, mask)

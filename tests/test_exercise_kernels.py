@@ -13,10 +13,10 @@ from multiprocessing import get_context
 
 import jupytext
 import pytest
-
-from course_utils.exercises.common import ExerciseFailed, ExerciseIncomplete, ExerciseWrong
 from exercise_harness import NOTEBOOKS, checker, exercise_source, load, mutant_verdict, mutate, strip_solutions
 from exercise_mutants import EXERCISES, MUTANTS, VARIANTS
+
+from course_utils.exercises.common import ExerciseFailed, ExerciseIncomplete, ExerciseWrong
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,15 @@ tests show that those checks fail on wrong kernels at these sizes.
 import pytest
 import torch
 
-from course_utils import (backward_bugs, check_backward, check_forward, flash_attention, forward_bugs,
-                          show_bugs_caught)
+from course_utils import (
+    backward_bugs,
+    check_backward,
+    check_close,
+    check_forward,
+    flash_attention,
+    forward_bugs,
+    show_bugs_caught,
+)
 from course_utils.attention import TUNED_FORWARD_CONFIG, default_forward_config, is_hopper
 from course_utils.validation import backward_without_delta, references
 
@@ -123,7 +130,6 @@ def test_sinks_that_dominate_stay_finite_on_the_gpu():
 
 
 def test_hopper_default_is_the_hopper_kernel():
-    from course_utils.attention import default_forward_config, is_hopper
 
     assert (default_forward_config("cuda", 128).kernel == "flash_fwd_hopper_persistent") == is_hopper()
 
@@ -147,7 +153,6 @@ _PERSISTENT_PROBLEMS = {
 @pytest.mark.parametrize("problem", _PERSISTENT_PROBLEMS)
 def test_persistent_forward_every_head(problem):
     """flash_attention's default on Hopper (the persistent kernel, 2 or 3 consumer warpgroups) on every head."""
-    from course_utils.attention import default_forward_config, is_hopper
     from course_utils.validation import check_forward
 
     if not is_hopper():
@@ -166,7 +171,6 @@ def test_persistent_forward_every_head(problem):
 
 def test_persistent_forward_twice_in_a_row_is_the_same():
     """The persistent blocks keep no state between launches (mbarrier phases restart with each launch)."""
-    from course_utils.attention import is_hopper
 
     if not is_hopper():
         pytest.skip("the persistent kernel needs an sm_90 GPU")

@@ -103,7 +103,7 @@ PERSISTENT = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _persistent_source(name):
     from course_utils.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
 

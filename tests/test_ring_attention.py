@@ -34,7 +34,7 @@ def _run(world, seed, cases, bad_inputs):
         seq = (world if ranks is None else len(ranks)) * S_LOCAL
         q, d_out = (torch.randn(B, H, seq, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
         k, v = (torch.randn(B, H_KV, seq, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
-        problems[layout, causal, dtype, *([ranks] if ranks else [])] = ring.RingCase(q, k, v, d_out, causal, layout,
+        problems[(layout, causal, dtype, *([ranks] if ranks else []))] = ring.RingCase(q, k, v, d_out, causal, layout,
                                                                                      ranks=ranks)
     results, errors = ring.run_ring_attention(list(problems.values()), world, bad_inputs=bad_inputs)
     return problems, dict(zip(problems, results)), errors

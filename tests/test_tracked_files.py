@@ -18,7 +18,8 @@ from course_utils.device import HAS_GPU
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Paths that only exist on the machine that ran a notebook.
-MACHINE_PATH = re.compile(r"/root/|/home/|/Users/|/work/|/opt/|/tmp/|/private/var/|site-packages|dist-packages|[A-Z]:\\\\Users")
+MACHINE_PATH = re.compile(r"/root/|/home/|/Users/|/work/|/opt/|/tmp/|/private/var/|site-packages|dist-packages"
+                          r"|[A-Z]:\\\\Users")
 
 
 def git_status():
@@ -64,8 +65,9 @@ def test_runner_refuses_to_overwrite_the_h100_outputs_on_a_cpu(flag):
 def test_committed_notebook_is_normalised(notebook):
     nb = nbformat.read(notebook, as_version=4)
     assert nb.metadata.get("kernelspec") == run_notebooks.KERNELSPEC
-    assert "version" not in nb.metadata.get("language_info", {}), \
-        f"{notebook.name} names the Python of the machine that ran it: `python -m course_utils.run_notebooks --normalise`"
+    assert "version" not in nb.metadata.get("language_info", {}), (
+        f"{notebook.name} names the Python of the machine that ran it: "
+        "`python -m course_utils.run_notebooks --normalise`")
     normalised = run_notebooks.normalise(nbformat.read(notebook, as_version=4))
     assert normalised == nb, f"run `python -m course_utils.run_notebooks --normalise {notebook.name[:2]}`"
 

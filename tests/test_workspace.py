@@ -80,7 +80,8 @@ def test_learner_edition_removes_the_solution_and_its_checker_output_only():
     code = [c for c in learner.cells if c.cell_type == "code"]
     assert code[2].source == f"def double(x):\n    {PLACEHOLDER}\n"
     assert "return 2 * x" not in json.dumps(learner)
-    assert code[2].outputs == [] and code[3].outputs == [], "the solution's and the checker's outputs give the answer away"
+    assert code[2].outputs == [] and code[3].outputs == [], \
+        "the solution's and the checker's outputs give the answer away"
     assert code[3].source == "check_exercise('double', double)"
     assert code[0].outputs[0].text == "[stored record: H100]\n"
     assert code[1].outputs[0].data["image/png"] == "iVBORw0KGgo="

@@ -25,8 +25,9 @@ from .common import SDPA_PEERS, comparison_shapes
 __all__ = ["RECORDS", "MULTI_GPU_RECORDS", "CH03_FORWARD_CONFIG", "CH05_BACKWARD_CONFIG", "SDPA_PEERS",
            "comparison_shapes", "naive_attention", "naive_vs_sdpa", "forward_vs_peers", "forward_config_sweep",
            "backward_config_sweep", "backward_vs_peers", "GPT_OSS_SHAPE", "gpt_oss_vs_peers", "gqa_backward_strategies",
-           "forward_ablation", "hopper_tiling_sweep", "persistent_vs_rotated", "backward_ablation", "deterministic_cost",
-           "feature_checks", "CH08_SEQS", "decode_bandwidth", "decode_split_sweep", "varlen_vs_dense", "ring_vs_one_gpu"]
+           "forward_ablation", "hopper_tiling_sweep", "persistent_vs_rotated", "backward_ablation",
+           "deterministic_cost", "feature_checks", "CH08_SEQS", "decode_bandwidth", "decode_split_sweep",
+           "varlen_vs_dense", "ring_vs_one_gpu"]
 
 # Chapter 03's kernel as the chapter writes it (two pipeline stages), and chapter 05's backward.
 CH03_FORWARD_CONFIG = ForwardConfig(128, 128, 2, 256)

@@ -50,7 +50,8 @@ def backward_config_sweep(shape=None, dtype_name="float16", causal_options=(Fals
 def _training_step(attn, q, k, v, seed=1):
     """A function running one forward and one backward of ``attn`` (what a training step does)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    d_out = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=torch.Generator(device=q.device).manual_seed(seed))
+    generator = torch.Generator(device=q.device).manual_seed(seed)
+    d_out = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=generator)
     return lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), d_out)
 
 
@@ -86,7 +87,8 @@ def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, T
                 rows.append(dict(impl=impl, mode=mode, dtype=dtype_name, causal=causal, ms=ms,
                                  tflops=tflops(flops, ms), **shape))
                 if impl == OURS:
-                    rows[-1].update(errors=errors, config=(config or default_backward_config("cuda", d, causal))._asdict())
+                    used = config or default_backward_config("cuda", d, causal)
+                    rows[-1].update(errors=errors, config=used._asdict())
             print(f"{mode} {dtype_name} D={d} causal={causal!s:5} S={s:>5}: " + ", ".join(
                 f"{r['impl'].split()[0]} {r['tflops']:.0f}" for r in rows[-len(attns):]))
     return rows

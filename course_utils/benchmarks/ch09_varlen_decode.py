@@ -136,7 +136,8 @@ def decode_bandwidth(dims=DECODE_DIMS, batches=DECODE_BATCHES, contexts=DECODE_C
                         if name == MATH and not fold:
                             continue  # enable_gqa in the math backend copies K and V to every query head
                         label = f"{name}, {'group folded into q' if fold else 'q_len=1'}"
-                        fn = (lambda b_=backend, f_=fold: _sdpa_decode(q, k, v, b_, f_))
+                        def fn(b_=backend, f_=fold):
+                            return _sdpa_decode(q, k, v, b_, f_)
                         error = _try(fn)
                         if error is None:
                             fns[label] = fn

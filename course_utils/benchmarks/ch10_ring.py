@@ -45,8 +45,16 @@ from torch.profiler import ProfilerActivity, profile
 from ..attention import backward_kernels, flash_attention, forward_kernel
 from ..bench import attention_flops, save_record, tflops, time_side_by_side
 from ..labels import CUDNN, FA2, OURS
-from ..ring import (NoComm, RingComm, kernel_shapes, ring_attention, ring_backward, ring_forward, shard_sequence,
-                    unshard_sequence)
+from ..ring import (
+    NoComm,
+    RingComm,
+    kernel_shapes,
+    ring_attention,
+    ring_backward,
+    ring_forward,
+    shard_sequence,
+    unshard_sequence,
+)
 from ..validation import check_backward, check_forward, references
 from .common import SDPA_PEERS, sdpa
 

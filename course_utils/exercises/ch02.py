@@ -90,7 +90,7 @@ def _pack(o, lse):
 
 
 def _diagnose_combine(combine, cases, full):
-    for (o_a, lse_a, o_b, lse_b), (o, lse) in zip(cases, full):
+    for (o_a, lse_a, o_b, lse_b), (_, lse) in zip(cases, full):
         o_got, lse_got = (torch.as_tensor(t) for t in combine(o_a, lse_a, o_b, lse_b))
         if not (torch.isfinite(o_got).all() and torch.isfinite(lse_got).all()):
             return ("Your result has inf or NaN on large scores: exp(lse) overflows. Subtract the larger "

@@ -24,8 +24,8 @@ import logging
 import math
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import tilelang.language as T
 import torch

@@ -132,7 +132,8 @@ def open_notebook(page, lab, name):
     panel = page.locator(".jp-NotebookPanel:visible")
     panel.wait_for()
     # the kernel is up once the status bar says so (the toolbar's indicator reads idle before it starts)
-    page.locator("#jp-main-statusbar").get_by_text(re.compile(r"Python 3 \(ipykernel\) \| Idle")).wait_for(timeout=120_000)
+    idle = re.compile(r"Python 3 \(ipykernel\) \| Idle")
+    page.locator("#jp-main-statusbar").get_by_text(idle).wait_for(timeout=120_000)
     cells = panel.locator(".jp-Notebook .jp-Cell")
     expected = len(nbformat.read(ROOT / SCRATCH / "learner" / name, as_version=4).cells)
     page.wait_for_function("([sel, n]) => document.querySelectorAll(sel).length === n",
