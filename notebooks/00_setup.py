@@ -114,7 +114,16 @@ body = cuda_source[cuda_source.index('extern "C" __global__'):]
 print(body[:900])
 
 # %% [markdown]
-# ## Exercise: `axpy`
+# ## Takeaways
+# - `course_utils` decides CPU or GPU once; kernels ask a `TileBackend` where tiles live.
+# - Every result is checked in the cell that produces it; a wrong kernel stops the notebook.
+# - Without a GPU you still run every kernel (small sizes, C backend) and read the CUDA it would
+#   run; GPU measurements come from stored H100 records, with machine and date printed.
+
+# %% [markdown]
+# ## Exercises
+#
+# ### (a) `axpy`
 #
 # Write `axpy(n, alpha)`, a kernel factory for `C = alpha * A + B`, by copying `vector_add` and
 # changing one line. The checker runs your kernel on this machine and compares it with PyTorch.
@@ -154,10 +163,3 @@ def expected_axpy(n, alpha):
 
 check_exercise("axpy", run_axpy, expected_axpy, [(300, 2.0), (77, -0.5)],
                hint="C should be alpha * A + B, element by element.")
-
-# %% [markdown]
-# ## Takeaway
-# - `course_utils` decides CPU or GPU once; kernels ask a `TileBackend` where tiles live.
-# - Every result is checked in the cell that produces it; a wrong kernel stops the notebook.
-# - Without a GPU you still run every kernel (small sizes, C backend) and read the CUDA it would
-#   run; GPU measurements come from stored H100 records, with machine and date printed.

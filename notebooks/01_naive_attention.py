@@ -396,7 +396,21 @@ for s in (256, 512, 1024):
     print(f"this CPU, S={s:>4}: naive {t_naive:7.1f} ms, SDPA {t_sdpa:6.1f} ms, ratio {t_naive / t_sdpa:4.1f}×")
 
 # %% [markdown]
-# ## Exercise 1: the longest sequence that fits
+# ## Takeaways
+# - Attention is two matrix products around a row-wise softmax; the causal mask sets the scores
+#   of later keys to $-\infty$.
+# - Written naively, it stores an $S \times S$ matrix per batch entry and head: memory grows like
+#   $S^2$ and runs out long before the inputs do.
+# - Every elementwise step reads and writes that matrix in HBM, so naive attention is
+#   memory-bound at a fixed, low arithmetic intensity whatever the sequence length.
+# - A fused kernel that never stores the matrix moves only $Q$, $K$, $V$ and $O$; its
+#   intensity grows with $S$. Chapter 02 shows the trick that makes this possible: a softmax
+#   computed in one pass over the keys.
+
+# %% [markdown]
+# ## Exercises
+#
+# ### (a) The longest sequence that fits
 #
 # Write `max_seq_len(batch, heads, bytes_per_el, capacity_bytes)`: the largest $S$ whose
 # `[batch, heads, S, S]` matrix, at `bytes_per_el` bytes per entry, fits in `capacity_bytes`.
@@ -418,7 +432,7 @@ for what, per in (("fp16 score matrix", FP16), ("naive_attention peak", NAIVE_PE
     print(f"{what}, B={BATCH}, H={HEADS}: fits in 80 GB up to S = {max_seq_len(BATCH, HEADS, per, CARD_BYTES)}")
 
 # %% [markdown]
-# ## Exercise 2: causal attention by hand
+# ### (b) Causal attention by hand
 #
 # Write `causal_attention(q, k, v)` for `[B, H, S, D]` tensors without calling
 # `naive_attention` or SDPA: scores, the causal mask with `masked_fill`, softmax, then $V$. The
@@ -438,15 +452,3 @@ def causal_attention(q, k, v):
 
 # %%
 check_causal_attention(causal_attention)
-
-# %% [markdown]
-# ## Takeaway
-# - Attention is two matrix products around a row-wise softmax; the causal mask sets the scores
-#   of later keys to $-\infty$.
-# - Written naively, it stores an $S \times S$ matrix per batch entry and head: memory grows like
-#   $S^2$ and runs out long before the inputs do.
-# - Every elementwise step reads and writes that matrix in HBM, so naive attention is
-#   memory-bound at a fixed, low arithmetic intensity whatever the sequence length.
-# - A fused kernel that never stores the matrix moves only $Q$, $K$, $V$ and $O$; its
-#   intensity grows with $S$. Chapter 02 shows the trick that makes this possible: a softmax
-#   computed in one pass over the keys.

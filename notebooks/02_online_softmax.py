@@ -45,7 +45,7 @@ from course_utils.tiles import compile_kernel
 torch.manual_seed(0);
 
 # %% [markdown]
-# ## 1. Safe softmax and overflow
+# ## 1 · Safe softmax and overflow
 #
 # The softmax of a row $x_1, \dots, x_N$ is $p_i = e^{x_i} / \sum_j e^{x_j}$. Written exactly
 # like that, it breaks as soon as one $e^{x_i}$ exceeds the largest number the format can hold.
@@ -96,7 +96,7 @@ for dtype in (torch.float16, torch.float32):
 # memory. Can the maximum and the sum be found together, in one read?
 
 # %% [markdown]
-# ## 2. The online normaliser: running max and running sum
+# ## 2 · The online normaliser: running max and running sum
 #
 # Milakov & Gimelshein, [*Online normalizer calculation for softmax*](https://arxiv.org/abs/1805.02867)
 # (2018), keep two numbers
@@ -144,7 +144,7 @@ cu.check_close(torch.tensor(m + math.log(l), dtype=torch.float64), torch.logsume
 # to write $e^{x_i - m}/\ell$.
 
 # %% [markdown]
-# ## 3. Blocks of keys
+# ## 3 · Blocks of keys
 #
 # A kernel does not walk one element at a time: it loads a tile of `block_N` scores per row and
 # reduces it in parallel. The proof above never used the fact that $x_{j+1}$ was a single
@@ -208,7 +208,7 @@ q32, k32, v32 = q.float(), k.float(), v.float()
 cu.check_close(blockwise_attention(q32, k32, v32, 64), cu.attention_reference(q32, k32, v32), "blockwise PV, float32");
 
 # %% [markdown]
-# ## 4. A picture: the running max and the rescale factors
+# ## 4 · A picture: the running max and the rescale factors
 #
 # How often does the correction actually happen? Take the scores of a few query rows of a
 # random attention head, cut the 512 keys into blocks of 32, and follow $m$ and
@@ -253,7 +253,7 @@ diagrams.online_softmax_diagram(ax, num_blocks=4)
 plt.show()
 
 # %% [markdown]
-# ## 5. Two details of real kernels: `exp2`, and the log-sum-exp
+# ## 5 · Two details of real kernels: `exp2`, and the log-sum-exp
 #
 # **`exp2`.** A GPU's special-function unit computes $2^x$ (the PTX instruction `ex2.approx`)
 # and has no instruction for $e^x$: CUDA's fast `__expf` multiplies by $\log_2 e$ and then calls
@@ -291,7 +291,7 @@ scaled = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
 cu.check_close(torch.exp(scaled - lse[..., None]), torch.softmax(scaled, dim=-1), "P recomputed from LSE");
 
 # %% [markdown]
-# ## 6. A TileLang row softmax, single pass
+# ## 6 · A TileLang row softmax, single pass
 #
 # Now the same ideas as tile programs. First the plain version: each thread block owns
 # `block_M` rows **and the whole row** of `N` columns in one tile, so one read of `X` is enough.
@@ -316,7 +316,7 @@ cu.check_close(row_softmax(X), torch.softmax(scale * X.double(), dim=-1), "TileL
 # streamed.
 
 # %% [markdown]
-# ## 7. A TileLang online softmax: stream the columns
+# ## 7 · A TileLang online softmax: stream the columns
 #
 # The online kernel keeps only a `block_M × block_N` tile of scores plus the per-row statistics
 # `m`, `l` and `shift`. Pass 1 walks the column blocks with the running max and sum; pass 2 reads
@@ -355,7 +355,7 @@ grep(cuda, r"AllReduce<tl::MaxOp", max_hits=1)
 grep(cuda, r"\bm\[i_\d+\] = max\(", max_hits=1);
 
 # %% [markdown]
-# ## 8. Step through it
+# ## 8 · Step through it
 #
 # The whole online normaliser on a small example, block by block: four rows of 32 scaled scores
 # (row 1's first block fully masked), blocks of 8 keys, and a value row per key. For each block:
@@ -374,6 +374,18 @@ tile_values = torch.randn(32, 8, generator=g, dtype=torch.float64)
 states = steppers.online_softmax_stepper(tile_scores, tile_values, block_N=8, row=0)
 cu.check_close(states[-1]["out"], torch.softmax(tile_scores, dim=-1) @ tile_values, "o/ℓ after the last block")
 cu.check_close(states[-1]["m"], tile_scores.amax(-1), "running max after the last block");
+
+# %% [markdown]
+# ## Takeaways
+# - Safe softmax subtracts the row maximum: every exponent $\le 0$, no overflow, same result.
+# - The online normaliser keeps a running max $m$ and sum $\ell$; when the max grows, the old sum
+#   is rescaled by $\alpha = e^{m_\text{old} - m_\text{new}}$ (Milakov & Gimelshein, 2018).
+# - FlashAttention applies the same $\alpha$ to the output accumulator $o$, so softmax · V takes
+#   one pass over the keys, a block at a time, and divides by $\ell$ once at the end.
+# - Kernels fold $\log_2 e$ into the softmax scale and call `exp2`; they write
+#   $\mathrm{LSE} = m + \log \ell$ so the backward pass can rebuild $P$ without storing it.
+# - A masked row needs care: shift by 0 while the running max is still $-\infty$.
+# - Next, chapter 03 puts this loop inside a tiled TileLang kernel with `T.gemm` for $QK^\top$ and $PV$.
 
 # %% [markdown]
 # ## Exercises
@@ -487,15 +499,3 @@ def online_softmax(M, N, *, scale=1.0, block_M=8, block_N=16, target=None):
 from course_utils.exercises.ch02 import check_online_softmax_kernel
 
 check_online_softmax_kernel(online_softmax)
-
-# %% [markdown]
-# ## Takeaway
-# - Safe softmax subtracts the row maximum: every exponent $\le 0$, no overflow, same result.
-# - The online normaliser keeps a running max $m$ and sum $\ell$; when the max grows, the old sum
-#   is rescaled by $\alpha = e^{m_\text{old} - m_\text{new}}$ (Milakov & Gimelshein, 2018).
-# - FlashAttention applies the same $\alpha$ to the output accumulator $o$, so softmax · V takes
-#   one pass over the keys, a block at a time, and divides by $\ell$ once at the end.
-# - Kernels fold $\log_2 e$ into the softmax scale and call `exp2`; they write
-#   $\mathrm{LSE} = m + \log \ell$ so the backward pass can rebuild $P$ without storing it.
-# - A masked row needs care: shift by 0 while the running max is still $-\infty$.
-# - Next, chapter 03 puts this loop inside a tiled TileLang kernel with `T.gemm` for $QK^\top$ and $PV$.

@@ -588,7 +588,20 @@ print(f"ours, causal S=16k: {cu.tflops(halved, r['ms']):.0f} TFLOP/s, or '{cu.tf
 print(f"the '630 TFLOPS' headline in the course's convention: {630 * halved / unhalved:.0f}")
 
 # %% [markdown]
-# ## 8 · Exercises
+# ## Takeaways
+# - One thread block owns a block of query rows of one (batch, head); Q stays in shared
+#   memory, K/V tiles stream through it, and scores, probabilities and the output live in
+#   registers. Nothing S × S is ever written to HBM.
+# - The online softmax of chapter 02 is five lines per tile: `reduce_max` with `clear=False`,
+#   the check_inf shift, `exp2` with `log2 e` folded into the scale, the rescale by `alpha`, and
+#   `reduce_sum`; one division at the end, and the LSE written for the backward.
+# - Causal masking is a loop bound (the skipped triangle) plus a mask on the diagonal tiles.
+# - From the same source TileLang emits cp.async + mma for the A100 and TMA + wgmma with a
+#   producer warpgroup for the H100; on the H100 that beat SDPA's FlashAttention-2 in our record,
+#   with cuDNN still ahead.
+
+# %% [markdown]
+# ## Exercises
 #
 # **Exercise 1.** Write `kv_blocks_visited(q_block, block_M, block_N, seq, causal)`: the key
 # blocks that query block `q_block` visits in self-attention of length `seq`, as a pair
@@ -751,16 +764,3 @@ def forward_tile_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
 
 # %%
 ch03.check_flash_forward(flash_forward)
-
-# %% [markdown]
-# ## Takeaway
-# - One thread block owns a block of query rows of one (batch, head); Q stays in shared
-#   memory, K/V tiles stream through it, and scores, probabilities and the output live in
-#   registers. Nothing S × S is ever written to HBM.
-# - The online softmax of chapter 02 is five lines per tile: `reduce_max` with `clear=False`,
-#   the check_inf shift, `exp2` with `log2 e` folded into the scale, the rescale by `alpha`, and
-#   `reduce_sum`; one division at the end, and the LSE written for the backward.
-# - Causal masking is a loop bound (the skipped triangle) plus a mask on the diagonal tiles.
-# - From the same source TileLang emits cp.async + mma for the A100 and TMA + wgmma with a
-#   producer warpgroup for the H100; on the H100 that beat SDPA's FlashAttention-2 in our record,
-#   with cuDNN still ahead.

@@ -695,6 +695,23 @@ else:
               f"{ours / step[FA2, 128, c, 4096]:.2f}× FA2, {ours / step[CUDNN, 128, c, 4096]:.2f}× cuDNN")
 
 # %% [markdown]
+# ## Takeaways
+# - The backward of attention is five matrix products: $dV = P^\top dO$, $dP = dO\,V^\top$,
+#   $dS = P \circ (dP - \Delta)$, $dQ = s\,dS\,K$, $dK = s\,dS^\top Q$, and
+#   $\Delta = \mathrm{rowsum}(dO \circ O)$ costs $D$ products per row.
+# - $P$ is recomputed tile by tile as $e^{S - \mathrm{LSE}}$: one extra product (2.5 × the forward's
+#   FLOPs in all) instead of $S_q \cdot S_k$ stored values per head.
+# - The grid runs over key blocks: $K$, $V$ stay resident, $dK$ and $dV$ accumulate in registers
+#   and are written once, and $dQ$ collects every key block's share by float32 atomic adds, scaled
+#   and cast by a last small kernel. Computing $S^\top$ (keys as rows) lets $P^\top$ and $dS^\top$
+#   feed the $dV$ and $dK$ products straight from registers.
+# - On `sm_90a` TileLang turns our per-element atomics into `float2` vector atomics; on `sm_80`
+#   they stay scalar. TileLang's examples instead permute the $dQ$ buffer so that each warp's
+#   atomics hit one contiguous 128-byte line.
+# - Next, chapter 06 applies forward and backward to gpt-oss attention: grouped-query heads
+#   (where $dK$ and $dV$ need atomic adds too), sliding windows and attention sinks.
+
+# %% [markdown]
 # ## Exercises
 #
 # Both exercises work on one (batch, head) in float64: `q` is `[S_q, D]`, `k` and `v` are
@@ -875,20 +892,3 @@ def backward_step_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
 from course_utils.exercises.ch05 import check_flash_backward
 
 check_flash_backward(flash_backward)
-
-# %% [markdown]
-# ## Takeaway
-# - The backward of attention is five matrix products: $dV = P^\top dO$, $dP = dO\,V^\top$,
-#   $dS = P \circ (dP - \Delta)$, $dQ = s\,dS\,K$, $dK = s\,dS^\top Q$, and
-#   $\Delta = \mathrm{rowsum}(dO \circ O)$ costs $D$ products per row.
-# - $P$ is recomputed tile by tile as $e^{S - \mathrm{LSE}}$: one extra product (2.5 × the forward's
-#   FLOPs in all) instead of $S_q \cdot S_k$ stored values per head.
-# - The grid runs over key blocks: $K$, $V$ stay resident, $dK$ and $dV$ accumulate in registers
-#   and are written once, and $dQ$ collects every key block's share by float32 atomic adds, scaled
-#   and cast by a last small kernel. Computing $S^\top$ (keys as rows) lets $P^\top$ and $dS^\top$
-#   feed the $dV$ and $dK$ products straight from registers.
-# - On `sm_90a` TileLang turns our per-element atomics into `float2` vector atomics; on `sm_80`
-#   they stay scalar. TileLang's examples instead permute the $dQ$ buffer so that each warp's
-#   atomics hit one contiguous 128-byte line.
-# - Next, chapter 06 applies forward and backward to gpt-oss attention: grouped-query heads
-#   (where $dK$ and $dV$ need atomic adds too), sliding windows and attention sinks.

@@ -672,6 +672,21 @@ for name, walk in walks.items():
                   f"{name}: {len(walk)} tiles computed = {heads} head(s) × the visited tiles")
 
 # %% [markdown]
+# ## Takeaways
+# - **GQA** changes one index in the forward (`kv_head = by // group`); in the backward each
+#   K/V head's gradient is the sum over its group, which our kernel accumulates with float32
+#   atomic adds and a cast, instead of expanding K/V and summing afterwards.
+# - **Sliding windows** give the forward's key loop a start (`k_start`) and the backward's query
+#   loop an end (`q_end`); the bounds visit exactly the tiles with a visible pair, and the mask
+#   handles the edges, for any W.
+# - A window makes rows whose first visited key block is fully masked: without the `check_inf`
+#   guard (shift by 0 while the running max is $-\infty$) they become NaN.
+# - An **attention sink** is one extra term in the softmax denominator, added in the forward's
+#   epilogue and included in the LSE. With that LSE, the recomputed P already leaves out the sink's
+#   share, so dQ, dK, dV are unchanged, and $\partial L / \partial z_h = -\sum_{b,i} P_\text{sink}\,\Delta$.
+# - `cu.flash_attention` supports all three together, differentiably in q, k, v and sinks.
+
+# %% [markdown]
 # ## Exercises
 #
 # ### (a) Attention with a sink, in PyTorch
@@ -820,18 +835,3 @@ def sink_epilogue(tb, dim, *, block_M):
 from course_utils.exercises.ch06 import check_gpt_oss_forward
 
 check_gpt_oss_forward(gpt_oss_forward)
-
-# %% [markdown]
-# ## Takeaway
-# - **GQA** changes one index in the forward (`kv_head = by // group`); in the backward each
-#   K/V head's gradient is the sum over its group, which our kernel accumulates with float32
-#   atomic adds and a cast, instead of expanding K/V and summing afterwards.
-# - **Sliding windows** give the forward's key loop a start (`k_start`) and the backward's query
-#   loop an end (`q_end`); the bounds visit exactly the tiles with a visible pair, and the mask
-#   handles the edges, for any W.
-# - A window makes rows whose first visited key block is fully masked: without the `check_inf`
-#   guard (shift by 0 while the running max is $-\infty$) they become NaN.
-# - An **attention sink** is one extra term in the softmax denominator, added in the forward's
-#   epilogue and included in the LSE. With that LSE, the recomputed P already leaves out the sink's
-#   share, so dQ, dK, dV are unchanged, and $\partial L / \partial z_h = -\sum_{b,i} P_\text{sink}\,\Delta$.
-# - `cu.flash_attention` supports all three together, differentiably in q, k, v and sinks.

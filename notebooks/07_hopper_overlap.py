@@ -629,22 +629,29 @@ print("(" + plots.record_caption(backward) + ")")
 #
 # ## Exercises
 #
-# **Exercise 1.** The backward recomputes P (one `exp2` per score) and runs five matmuls of
-# length D per score. Write `exp_share(dim, matmuls)`: the time of the exponentials ÷ the time of
-# the matmuls, from section 1's two H100 throughputs. What does it say about overlapping in the
-# backward?
+# **Exercise 1.** The rotated loop issues both matmuls in every iteration (section 3): the first
+# P·V multiplies P = 0 and the last QKᵀ is thrown away. For self-attention of length `seq` with
+# `block_M × block_N` tiles, write `wasted_share(seq, block_M, block_N, causal)`: the fraction of the
+# matmuls the kernel issues that do nothing useful. When is it large, and why does the kernel pay
+# it anyway (section 4)?
 
 # %% tags=["solution"]
-def exp_share(dim, matmuls):
+def wasted_share(seq, block_M, block_N, causal):
     ### BEGIN SOLUTION
-    return (1 / SFU_TFLOPS) / (2 * matmuls * dim / MATMUL_TFLOPS)
+    num_k_blocks = -(-seq // block_N)
+    issued = wasted = 0
+    for qb in range(-(-seq // block_M)):
+        n = min(num_k_blocks, -(-((qb + 1) * block_M) // block_N)) if causal else num_k_blocks
+        issued += 2 * (n + 1)
+        wasted += 2
+    return wasted / issued
     ### END SOLUTION
 
 
 # %%
 from course_utils.exercises import ch07
 
-ch07.check_exp_share(exp_share)
+ch07.check_wasted_share(wasted_share)
 
 # %% [markdown]
 # **Exercise 2.** `wgmma.wait_group N` waits until at most N batches issued by this warpgroup are

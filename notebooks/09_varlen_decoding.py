@@ -591,6 +591,22 @@ if rec_d is not None:
 # bytes, a tile from one looked-up page at a time, so its cost is the block-table lookups.
 
 # %% [markdown]
+# ## Takeaways
+# - **Packing** replaces padding with `cu_seqlens`: each sequence's tiles start where it starts, so
+#   the kernel spends nothing on padding. The kernels are the course's, with a per-sequence prelude
+#   (`with_lengths`: lengths read at run time) and three guards: the mask hides the next sequence's
+#   keys, stores skip its rows, and its value rows are zeroed before P·V (0 · NaN = NaN).
+# - Blocks can be handed out by a **grid** sized for the longest sequence (idle blocks exit at
+#   once) or a **work list** made on the host (no idle blocks, heaviest first); section 5 says which
+#   the H100 ran faster.
+# - **Decoding** does group · S_new FLOPs per byte of cache: it is a memory read, and the measure of
+#   a decoding kernel is the bandwidth it reaches against a plain read.
+# - **Split-KV** gives each sequence several blocks; chapter 02's merge of softmax states combines
+#   their partial results (a sink is one more state). **GQA packing** reads each K/V tile once for
+#   the whole group. A **paged cache** costs a block-table lookup per tile.
+# - The split count comes from the shapes and the SM count: as many splits as fit in one wave.
+
+# %% [markdown]
 # ## Exercises
 #
 # ### (a) Pack a padded batch
@@ -632,19 +648,3 @@ def merge_with_sink(o, lse, sink):
 
 # %%
 check_merge_with_sink(merge_with_sink)
-
-# %% [markdown]
-# ## Takeaway
-# - **Packing** replaces padding with `cu_seqlens`: each sequence's tiles start where it starts, so
-#   the kernel spends nothing on padding. The kernels are the course's, with a per-sequence prelude
-#   (`with_lengths`: lengths read at run time) and three guards: the mask hides the next sequence's
-#   keys, stores skip its rows, and its value rows are zeroed before P·V (0 · NaN = NaN).
-# - Blocks can be handed out by a **grid** sized for the longest sequence (idle blocks exit at
-#   once) or a **work list** made on the host (no idle blocks, heaviest first); section 5 says which
-#   the H100 ran faster.
-# - **Decoding** does group · S_new FLOPs per byte of cache: it is a memory read, and the measure of
-#   a decoding kernel is the bandwidth it reaches against a plain read.
-# - **Split-KV** gives each sequence several blocks; chapter 02's merge of softmax states combines
-#   their partial results (a sink is one more state). **GQA packing** reads each K/V tile once for
-#   the whole group. A **paged cache** costs a block-table lookup per tile.
-# - The split count comes from the shapes and the SM count: as many splits as fit in one wave.

@@ -399,7 +399,7 @@ if rec is not None:
               f"S ≤ {est['ring'] / 2**20:.1f}M")
 
 # %% [markdown]
-# ## Takeaway
+# ## Takeaways
 #
 # - Context parallelism splits the sequence; attention is the only layer that needs the others'
 #   tokens, and ring attention brings them by passing K/V shards around a ring, one step per rank.

@@ -2,27 +2,35 @@
 
 import torch
 
-from ..bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
 from .common import check_exercise
 
-__all__ = ["check_exp_share", "check_wait_count"]
+__all__ = ["check_wasted_share", "check_wait_count"]
 
 
-# --- Exercise 1: the exponentials' share in the backward -------------------------------------------
+# --- Exercise 1: the matmuls the rotated loop issues for nothing ------------------------------------
 
-def _exp_share(dim, matmuls):
-    return (1 / H100_SFU_TFLOPS) / (2 * matmuls * dim / H100_MATMUL_TFLOPS)
+def _wasted_share(seq, block_M, block_N, causal):
+    issued = wasted = 0
+    num_k_blocks = -(-seq // block_N)
+    for qb in range(-(-seq // block_M)):
+        n = min(num_k_blocks, -(-((qb + 1) * block_M) // block_N)) if causal else num_k_blocks
+        issued += 2 * (n + 1)  # one extra iteration, two matmuls per iteration
+        wasted += 2  # the first P·V (P = 0) and the last QKᵀ (its scores are never used)
+    return wasted / issued
 
 
-def check_exp_share(fn):
-    """Check ``fn(dim, matmuls)`` against the time ratio from the H100's SFU and matmul throughputs."""
-    hint = ("One score costs one exp2 (1 / SFU rate) and `matmuls` products of length `dim`, each "
-            "2·dim FLOPs (1 / matmul rate per FLOP). Divide the first time by the second.")
-    cases = [(64, 2), (128, 2), (64, 5), (128, 5), (256, 2)]
-    check_exercise("exp_share", lambda d, m: torch.tensor(float(fn(d, m))),
-                   lambda d, m: torch.tensor(_exp_share(d, m)), cases, rtol=1e-6, hint=hint)
-    print(f"   backward, D=128: the exponentials take {_exp_share(128, 5):.0%} of the matmul time "
-          "— little to hide, so the backward is bound by its matmuls and their synchronisation")
+def check_wasted_share(fn):
+    """Check ``fn(seq, block_M, block_N, causal)``: the share of issued matmuls that do nothing useful."""
+    hint = ("A query block with n key blocks runs n + 1 iterations of two matmuls each, and exactly "
+            "two of them are wasted. With the causal mask, n depends on the query block (chapter 03's "
+            "kv_blocks_visited). Sum over the query blocks before dividing.")
+    cases = [(4096, 128, 128, False), (4096, 128, 128, True), (1000, 128, 192, True), (100, 128, 128, False),
+             (4096, 128, 192, True)]
+    check_exercise("wasted_share", lambda *a: torch.tensor(float(fn(*a))), lambda *a: torch.tensor(_wasted_share(*a)),
+                   cases, rtol=1e-9, hint=hint)
+    for causal in (False, True):
+        print(f"   S=1k, 128 × 128 tiles, causal={causal}: {_wasted_share(1024, 128, 128, causal):.1%} of the "
+              "issued matmul work is wasted — the price of never branching around a wgmma")
 
 
 # --- Exercise 2: how many wgmma batches may stay in flight -----------------------------------------
