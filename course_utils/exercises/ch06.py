@@ -12,7 +12,7 @@ import torch
 
 from ..flash_pieces import LOG2E
 from ..reference import attention_reference, visibility_mask
-from .common import ExerciseWrong, check_exercise
+from .common import check_exercise, with_diagnosis
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 
 __all__ = ["check_sink_attention", "check_dsinks", "check_visible_pairs", "check_gpt_oss_forward"]
@@ -21,22 +21,6 @@ __all__ = ["check_sink_attention", "check_dsinks", "check_visible_pairs", "check
 def _close(a, b, tol=1e-9):
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
     return a.shape == b.shape and bool(torch.allclose(a, b, rtol=tol, atol=tol, equal_nan=True))
-
-
-def _with_diagnosis(name, run, mistakes):
-    """Run ``run()``; on a wrong answer, add the first mistake whose output the learner's matches."""
-    try:
-        run()
-    except ExerciseWrong as exc:
-        for message, matches in mistakes:
-            try:
-                if matches():
-                    raise ExerciseWrong(f"{str(exc).rstrip()} Likely cause: {message}") from None
-            except ExerciseWrong:
-                raise
-            except Exception:  # a diagnosis that cannot run says nothing
-                continue
-        raise
 
 
 # --- Exercise (a): attention with a sink, gpt-oss style ---------------------------------------------
@@ -78,7 +62,7 @@ def check_sink_attention(fn):
     hint = ("Compute the scaled scores [B, H, S_q, S_k], append sinks[h] as one more column "
             "(expand it to [B, H, S_q, 1] and torch.cat on the last dim), take the softmax, drop the "
             "last column, multiply by V.")
-    _with_diagnosis("sink_attention", lambda: check_exercise(
+    with_diagnosis(lambda: check_exercise(
         "sink_attention", fn, _reference_sink_attention, cases, atol=1e-9, rtol=1e-9, hint=hint), mistakes)
 
 
@@ -113,7 +97,7 @@ def check_dsinks(fn):
          lambda: _close(got(), -(p_sink * (1 - p_sink) * delta).sum(dim=(0, 2)))),
     ]
     hint = "dsinks[h] = −Σ over batch b and query i of p_sink[b, h, i] · delta[b, h, i]."
-    _with_diagnosis("dsinks", lambda: check_exercise(
+    with_diagnosis(lambda: check_exercise(
         "dsinks", fn, _reference_dsinks, cases, atol=1e-10, rtol=1e-10, hint=hint), mistakes)
 
 
@@ -147,7 +131,7 @@ def check_visible_pairs(fn):
          lambda: int(fn(seq, window)) == sum(min(seq, i + window) - max(0, i - window + 1) for i in range(seq))),
     ]
     hint = "Query i sees min(i + 1, W) keys; add that up over i = 0 … S − 1 (or find the closed form)."
-    _with_diagnosis("visible_pairs", lambda: check_exercise(
+    with_diagnosis(lambda: check_exercise(
         "visible_pairs", learner, _pairs, _PAIR_CASES, atol=0, rtol=0, hint=hint), mistakes)
 
 

@@ -9,24 +9,9 @@ looks like.
 import torch
 
 from ..softmax import merge_attention_states
-from .common import ExerciseWrong, check_exercise
+from .common import ExerciseWrong, check_exercise, with_diagnosis
 
 __all__ = ["check_pack", "check_merge_with_sink"]
-
-
-def _diagnose(name, run, mistakes):
-    try:
-        run()
-    except ExerciseWrong as exc:
-        for message, matches in mistakes:
-            try:
-                if matches():
-                    raise ExerciseWrong(f"{str(exc).rstrip()} Likely cause: {message}") from None
-            except ExerciseWrong:
-                raise
-            except Exception:  # a diagnosis that cannot run says nothing
-                continue
-        raise
 
 
 # --- Exercise (a): pack a padded batch ---------------------------------------------------------------
@@ -63,7 +48,7 @@ def check_pack(pack):
                                     "(.to(torch.int32)).")
 
     padded, lengths = cases[1]
-    _diagnose("pack", run, [
+    with_diagnosis(run, [
         ("cu_seqlens starts with 0: sequence b occupies rows cu_seqlens[b] … cu_seqlens[b+1] − 1, so it has B + 1 "
          "entries.", lambda: pack(padded, lengths)[1].tolist() == torch.cumsum(lengths, 0).tolist()),
         ("cu_seqlens holds prefix sums of the lengths, not the lengths themselves.",
@@ -105,7 +90,7 @@ def check_merge_with_sink(merge):
         check_exercise("merge_with_sink (LSE)", lambda *a: merge(*a)[1], lambda *a: _reference_merge(*a)[1], cases)
 
     without_sink = merge_attention_states(o, lse, dim=0)
-    _diagnose("merge_with_sink", run, [
+    with_diagnosis(run, [
         ("the sink is missing: it is one more state, with LSE = its logit and O = 0 (it has no value row).",
          lambda: torch.allclose(merge(o, lse, sink)[0], without_sink[0])),
         ("the sink's state has O = 0, not O = 1: it joins the denominator but adds nothing to the output.",

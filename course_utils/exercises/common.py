@@ -97,3 +97,22 @@ def check_exercise(name, learner_fn, reference_fn, cases, *, atol=1e-6, rtol=1e-
             raise ExerciseWrong(f"{name}: case {index} ({_describe(args)}) is off by up to {err:.3g}."
                                 + (f" {hint}" if hint else ""))
     print(f"✓ {name}: correct on all {len(cases)} test cases")
+
+
+def with_diagnosis(run, mistakes):
+    """Run ``run()`` (a check); on a wrong answer, name the first mistake whose test ``matches()``.
+
+    ``mistakes``: (message, matches) pairs, tried in order; a test that cannot run says nothing.
+    """
+    try:
+        run()
+    except ExerciseWrong as exc:
+        for message, matches in mistakes:
+            try:
+                if matches():
+                    raise ExerciseWrong(f"{str(exc).rstrip()} Likely cause: {message}") from None
+            except ExerciseWrong:
+                raise
+            except Exception:  # a diagnosis that cannot run says nothing
+                continue
+        raise
