@@ -291,7 +291,7 @@ runs = {"persistent, query blocks in index order": persistent_schedule(in_order,
 fig, axes = plt.subplots(2, 1, figsize=(11, 3.8), sharex=True)
 for ax, (name, lists) in zip(axes, runs.items()):
     events, makespan = schedules.block_timelines(lists, blocks_of, label_of)
-    plots.pipeline_timeline(ax, events, lanes=[f"SM {i}" for i in range(4)],
+    schedules.pipeline_timeline(ax, events, lanes=[f"SM {i}" for i in range(4)],
                             title=f"{name}: done after {makespan:g} key blocks")
 axes[-1].set_xlabel("time (key blocks)")
 fig.tight_layout()

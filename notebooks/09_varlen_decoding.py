@@ -56,12 +56,13 @@ import torch
 
 from course_utils import plots, varlen_diagrams
 from course_utils.benchmarks import RECORDS
-from course_utils.benchmarks.ch09_varlen_decode import PAGED, SUM, varlen_lengths
+from course_utils.benchmarks.ch09_varlen_decode import (DENSE_EQUAL, PACKED_GRID, PACKED_LIST, PAGED, SUM,
+                                                        varlen_lengths)
 from course_utils.flash_decode import blocks_per_sm, choose_num_splits, decode_config, flash_decode_kernel, \
     flash_decode_merge_kernel
 from course_utils.flash_pieces import with_lengths, zero_rows_past_end
 from course_utils.flash_varlen import flash_varlen_fwd_kernel, varlen_work_list
-from course_utils.labels import OURS
+from course_utils.labels import CUDNN, FA2, OURS
 from course_utils.softmax import merge_attention_states
 from course_utils.source import show_source
 from course_utils.validation import (check_backward, check_forward, check_stored_errors, decode_references,
@@ -235,9 +236,8 @@ if rec_v is not None:
     check_stored_errors(rows_v, "ch09 varlen record (O, LSE, dQ, dK, dV)",
                         unchecked=tuple({r["impl"] for r in rows_v if "SDPA" in r["impl"]}))
     print(f"equal lengths for the dense comparison: {rows_v[0]['dense_batch']} × {rows_v[0]['dense_seq']}")
-    SHORT_V = {"TileLang (ours), packed (list)": "list", "TileLang (ours), packed (grid)": "grid",
-               "TileLang (ours), dense equal lengths": "dense", "FlashAttention-2 (SDPA flash), padded": "FA2 pad",
-               "cuDNN (SDPA cudnn), padded": "cuDNN pad"}
+    SHORT_V = {PACKED_LIST: "list", PACKED_GRID: "grid", DENSE_EQUAL: "dense", f"{FA2}, padded": "FA2 pad",
+               f"{CUDNN}, padded": "cuDNN pad"}
     table = [dict(r, impl=SHORT_V[r["impl"]], case=f"{r['mode']} {'causal' if r['causal'] else 'full'}") for r in rows_v]
     print("TFLOP/s: ours packed (list, grid schedules), ours dense on equal lengths, SDPA on the padded batch")
     print(plots.text_table(table, index="impl", columns="case", value="tflops", fmt="{:.0f}", width=12))
@@ -252,8 +252,7 @@ if rec_v is not None:
         return next(r["tflops"] for r in rows_v if r["impl"] == impl and r["mode"] == mode and r["causal"] == causal)
 
 
-    DENSE, LIST, GRID = ("TileLang (ours), dense equal lengths", "TileLang (ours), packed (list)",
-                         "TileLang (ours), packed (grid)")
+    DENSE, LIST, GRID = DENSE_EQUAL, PACKED_LIST, PACKED_GRID
     for causal in (True, False):
         for mode in ("fwd", "bwd"):
             best = min((LIST, GRID), key=lambda i: ms_of(i, mode, causal))
@@ -279,7 +278,7 @@ if rec_v is not None:
               if any(r["impl"] == impl and (r["mode"], r["causal"]) == case for r in rows_v)]
         ys = [tf_of(impl, *case) for case in cases if any(r["impl"] == impl and (r["mode"], r["causal"]) == case
                                                          for r in rows_v)]
-        ax.bar(xs, ys, width, label=impl.replace("TileLang (ours)", "ours"), color=plots.COLORS[n % len(plots.COLORS)])
+        ax.bar(xs, ys, width, label=impl.replace(OURS, "ours"), color=plots.COLORS[n % len(plots.COLORS)])
     ax.set_xticks(range(len(cases)), [f"{m} {'causal' if c else 'full'}" for m, c in cases])
     r0 = rows_v[0]
     ax.set(ylabel="TFLOP/s (useful FLOPs)", title=f"{sum(r0['lengths'])} tokens in {len(r0['lengths'])} sequences of "
@@ -568,7 +567,7 @@ if rec_d is not None:
             for impl, style in ((OURS, "-o"), (PAGED, ":"), (SUM, "--")):
                 pts = decode_rows(impl, dim=dim, batch=batch)
                 ax.plot([r["context"] for r in pts], [r["gbps"] for r in pts], style, color=color,
-                        label=f"B={batch} {impl.replace('TileLang (ours)', 'ours')}")
+                        label=f"B={batch} {impl.replace(OURS, 'ours')}")
             best_sdpa = [min((p for i in sdpa_impls for p in decode_rows(i, dim=dim, batch=batch, context=r["context"])),
                              key=lambda p: p["ms"], default=None) for r in decode_rows(OURS, dim=dim, batch=batch)]
             best_sdpa = [p for p in best_sdpa if p is not None]

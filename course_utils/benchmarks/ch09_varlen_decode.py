@@ -29,7 +29,8 @@ from ..validation import check_backward, check_forward, decode_references, varle
 from ..varlen_api import decode_num_splits, flash_attention_varlen, flash_decode
 from .common import backward_timer, in_parallel
 
-__all__ = ["DECODE_SHAPE", "DECODE_BATCHES", "DECODE_CONTEXTS", "PAGE_SIZE", "SUM", "PAGED", "SDPA_DECODE_PEERS",
+__all__ = ["DECODE_SHAPE", "DECODE_BATCHES", "DECODE_CONTEXTS", "PAGE_SIZE", "SUM", "PAGED", "PACKED_LIST",
+           "PACKED_GRID", "DENSE_EQUAL", "SDPA_DECODE_PEERS",
            "decode_inputs", "paged_view", "decode_bandwidth", "decode_split_sweep", "VARLEN_SHAPE",
            "varlen_lengths", "varlen_vs_dense", "precompile_ch09"]
 
@@ -40,7 +41,9 @@ DECODE_CONTEXTS = (1024, 8192, 32768, 131072)
 DECODE_DIMS = (64, 128)
 PAGE_SIZE = 256
 SUM = "torch.sum (plain read)"
-PAGED = "TileLang (ours), paged"
+PAGED = f"{OURS}, paged"
+PACKED_LIST, PACKED_GRID = f"{OURS}, packed (list)", f"{OURS}, packed (grid)"  # the two schedules
+DENSE_EQUAL = f"{OURS}, dense equal lengths"
 EFFICIENT = "memory-efficient (SDPA)"
 MATH = "math (SDPA)"
 SDPA_DECODE_PEERS = {FA2: SDPBackend.FLASH_ATTENTION, CUDNN: SDPBackend.CUDNN_ATTENTION,
@@ -236,7 +239,7 @@ def varlen_vs_dense(shape=None, causal_options=(True, False), dtype=torch.float1
     for causal in causal_options:
         flops = sum(attention_flops(1, heads, n, n, dim, causal=causal) for n in lengths)
         dense_flops = attention_flops(dense_batch, heads, dense_seq, dense_seq, dim, causal=causal)
-        varlen = {f"{OURS}, packed ({s})": (lambda q_, k_, v_, s_=s: flash_attention_varlen(
+        varlen = {{"list": PACKED_LIST, "grid": PACKED_GRID}[s]: (lambda q_, k_, v_, s_=s: flash_attention_varlen(
             q_, k_, v_, cu, cu, longest, longest, causal=causal, schedule=s_)) for s in schedules}
         # Checked on every sequence and head, forward and backward, before timing (backward_timer's d_out
         # is the same for every implementation: one set of references serves both schedules).
@@ -254,7 +257,7 @@ def varlen_vs_dense(shape=None, causal_options=(True, False), dtype=torch.float1
             for name, attn in varlen.items():
                 fns[name] = (lambda a=attn: a(q, k, v)) if mode == "fwd" else backward_timer(attn, q, k, v)[0]
             dense = lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=causal)  # noqa: E731
-            fns[f"{OURS}, dense equal lengths"] = ((lambda: dense(dq, dk, dv)) if mode == "fwd"
+            fns[DENSE_EQUAL] = ((lambda: dense(dq, dk, dv)) if mode == "fwd"
                                                    else backward_timer(dense, dq, dk, dv)[0])
             if causal:
                 for peer, backend in ((FA2, SDPBackend.FLASH_ATTENTION), (CUDNN, SDPBackend.CUDNN_ATTENTION)):
