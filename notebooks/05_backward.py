@@ -394,7 +394,8 @@ cu.show_bugs_caught(lambda *g: cu.check_backward(q_, k_, v_, d_out, g, causal=ca
 single = [t.grad.clone() for t in (q, k, v)]
 cu.flash_attention(q, k, v, causal=causal, backward_config=bwd_config).backward(d_out)  # cached: no compilation
 for name, t, g in zip(("dQ", "dK", "dV"), (q, k, v), single):
-    cu.check_close(t.grad, 2 * g, f"{name} after two backwards = 2 × one", dtype=torch.float32)
+    # Held to the tolerance of the gradients' own dtype: two runs' atomic sums may differ in the last bit.
+    cu.check_close(t.grad, 2 * g, f"{name} after two backwards = 2 × one", dtype=t.grad.dtype)
 
 # %% [markdown]
 # ### The three kernels by hand, and a wrong one

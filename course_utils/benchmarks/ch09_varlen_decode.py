@@ -94,7 +94,6 @@ def _gbps(nbytes, ms):
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-        _sync()
 
 
 def _try(fn):
