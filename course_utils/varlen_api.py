@@ -34,7 +34,6 @@ from .attention import (
 from .flash_decode import choose_num_splits, decode_config, decode_rows, flash_decode_kernel, flash_decode_merge_kernel
 from .flash_varlen import (
     SCHEDULES,
-    VARLEN_HOPPER_CONFIGS,
     flash_varlen_bwd_kernel,
     flash_varlen_fwd_kernel,
     padded_rows,
@@ -45,7 +44,7 @@ from .flash_varlen import (
 from .tiles import compile_kernel
 
 __all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_num_splits",
-           "VARLEN_SCHEDULE"]
+           "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG", "VARLEN_HOPPER_HANGS", "VARLEN_BACKWARD_FAILS"]
 
 _CACHE_SIZE = 32
 
@@ -355,16 +354,19 @@ def _check_bounds(name, bounds, total, max_seqlen, max_name):
 def _varlen_configs(target, dim, masked, config, backward_config):
     if config is not None:
         fwd = ForwardConfig(*config)
-    elif target == "cuda" and is_hopper() and (dim, bool(masked)) in VARLEN_HOPPER_CONFIGS:
-        fwd = ForwardConfig(*VARLEN_HOPPER_CONFIGS[dim, bool(masked)])
+    elif target == "cuda":
+        # Chapter 03's loop: the rotated Hopper loop (VARLEN_HOPPER_CONFIGS) hangs on the H100 (below).
+        fwd = VARLEN_CUDA_CONFIG
     else:
-        fwd = default_forward_config("cpu" if target == "c" else "cuda", dim, masked)
+        fwd = default_forward_config("cpu", dim, masked)
     bwd = BackwardConfig(*backward_config) if backward_config is not None else default_backward_config(
         "cpu" if target == "c" else "cuda")
     if fwd.kernel not in ("flash_fwd", "flash_fwd_hopper"):
         raise ValueError(f"config.kernel must be 'flash_fwd' or 'flash_fwd_hopper'; got {fwd.kernel!r}")
     if fwd.kernel == "flash_fwd_hopper" and not (target == "cuda" and is_hopper()):
         raise ValueError("config.kernel='flash_fwd_hopper' is chapter 07's Hopper loop: it needs an sm_90 GPU")
+    if fwd.kernel == "flash_fwd_hopper":
+        raise NotImplementedError(VARLEN_HOPPER_HANGS)
     return fwd, bwd
 
 
@@ -412,6 +414,18 @@ def _schedule_arg(schedule, plan, forward):
     return plan.forward_items if forward else plan.backward_items
 
 
+# What chapter 09's kernels did on their first H100 run (2026-11-23, notes/ch09_gpu_notes.md). Each is
+# refused with this message instead of run: a hung or crashed kernel takes the whole process with it.
+VARLEN_HOPPER_HANGS = ("the packed forward with chapter 07's rotated Hopper loop (config.kernel='flash_fwd_hopper', "
+                       "VARLEN_HOPPER_CONFIGS) never finishes on the H100 (2026-11-23): it is disabled until that is "
+                       "found; the default, chapter 03's loop, is checked on the H100")
+VARLEN_BACKWARD_FAILS = ("flash_attention_varlen's backward kernel stops the H100 with an illegal instruction "
+                         "(2026-11-23): it is disabled on the GPU until that is found. It runs on the CPU, where "
+                         "chapter 09's tests check it; on the GPU the forward is available, without gradients")
+# The packed forward on CUDA GPUs: chapter 03's loop with chapter 04's pipelining.
+VARLEN_CUDA_CONFIG = ForwardConfig(128, 128, 2, 256)
+
+
 class _FlashAttentionVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_q, cu_k, plan, problem, config, backward_config, schedule):
@@ -428,6 +442,8 @@ class _FlashAttentionVarlen(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse, sink_logits, cu_q, cu_k = ctx.saved_tensors
         plan, pr, config, schedule = ctx.args
+        if pr.target == "cuda":
+            raise NotImplementedError(VARLEN_BACKWARD_FAILS)
         delta_kernel, scale_cast = _varlen_small_kernels(pr.dim, pr.dtype, pr.target)
         d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
         total, rows = q.shape[0], padded_rows(q.shape[0])  # LSE/Delta rows padded for the copy engine

@@ -597,7 +597,8 @@ cu.check_true(best["tflops"] < PEAK_TFLOPS, "below the roof, as it must be")
 # - **A dynamic tile scheduler** (an atomic counter, as FlashAttention-3 uses for causal masks): the
 #   folded static order ends with a partly idle round of pairs, which weighs most when there are few
 #   rounds, and cannot adapt when tiles of equal key-block counts take different times.
-# - **The backward** is chapter 05's kernel, unchanged; its record against cuDNN:
+# - **The backward**: chapter 05's kernel is still far from cuDNN on the H100 (chapter 08 rebuilds it
+#   for Hopper); chapter 05's record:
 
 # %%
 backward = load_record("ch05_backward_vs_peers_h100")

@@ -209,6 +209,20 @@ def test_hopper_backward_features(case, deterministic):
 
 
 @_HOPPER_ONLY
+def test_hopper_backward_one_key_window_gqa_every_run():
+    """Chapter 06's GPU case (GQA 8/2, S = 1000, D = 64, window 1): dQ and dK must be 0 in every run.
+    The atomic kernel got them wrong in some runs on the H100; the deterministic kernels serve it."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 1000, 64, device="cuda", dtype=torch.float16, generator=g)
+    k, v = (torch.randn(2, 2, 1000, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    d_out = torch.randn_like(q)
+    refs = references(q, k, v, d_out=d_out, causal=True, window_size=1)
+    for run in range(5):
+        grads = _grads(q, k, v, d_out, causal=True, window_size=1)
+        check_backward(q, k, v, d_out, grads, causal=True, window_size=1, refs=refs, quiet=True, name=f"run {run}")
+
+
+@_HOPPER_ONLY
 @pytest.mark.parametrize("dim, causal", [(128, False), (64, True)])
 def test_hopper_backward_deterministic_is_bitwise_reproducible(dim, causal):
     q, k, v = (torch.randn(2, 4, 1024, dim, device="cuda", dtype=torch.float16) for _ in range(3))  # FEATURE_CASES
