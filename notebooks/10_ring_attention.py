@@ -382,6 +382,14 @@ elif rec is not None:
     print("the record has no timeline (the profiling step did not complete)")
 
 # %% [markdown]
+# Read both measures of overlap with care. A NCCL kernel occupies its stream from its launch until
+# its peer joins, so a rank that waits for the other shows the wait as communication (the long
+# first span above). And the table's "comm hidden" column, computed from the lap, its compute and
+# its communication each timed apart, moves between 3% and 98% from one case to the next: at these
+# sizes the communication is a few milliseconds against tens to hundreds of compute, so the
+# column is mostly noise. The speed-ups are the measurement to trust.
+
+# %% [markdown]
 # ### Memory: the longest sequence each configuration holds
 #
 # Every buffer here grows linearly with S (FlashAttention never forms the S × S matrix), so the
