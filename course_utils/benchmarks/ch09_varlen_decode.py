@@ -248,11 +248,10 @@ def varlen_vs_dense(shape=None, causal_options=(True, False), dtype=torch.float1
         for (name, attn), schedule in zip(varlen.items(), schedules):
             out, lse = flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal, schedule=schedule,
                                               return_lse=True)
+            d_out = None
             if "bwd" in modes:
                 grad_fn, (_, _, _, d_out) = backward_timer(attn, q, k, v)
-                refs = refs or varlen_references(q, k, v, cu, cu, d_out=d_out, causal=causal)
-            else:
-                refs = refs or varlen_references(q, k, v, cu, cu, causal=causal)
+            refs = refs or varlen_references(q, k, v, cu, cu, d_out=d_out, causal=causal)
             errors[name] = check_forward(q, k, v, out, lse, refs=refs, quiet=True, name=name)
             if "bwd" in modes:
                 errors[name].update(check_backward(q, k, v, d_out, grad_fn(), refs=refs, quiet=True, name=name))
