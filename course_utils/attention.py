@@ -368,14 +368,15 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, d_sinks, None, None, None, None, None, None
 
 
-def _check_supported(q):
+def _check_supported(q, fn="flash_attention"):
+    """Raise ``ValueError`` unless ``fn``'s kernels run on q's device type, dtype and head dim."""
     device_type = q.device.type
     if device_type not in SUPPORTED:
-        raise ValueError(f"flash_attention runs on CUDA or the CPU; got device {q.device}")
+        raise ValueError(f"{fn} runs on CUDA or the CPU; got device {q.device}")
     support = SUPPORTED[device_type]
     if q.dtype not in support["dtypes"]:
         names = ", ".join(str(d) for d in support["dtypes"])
-        raise ValueError(f"on {device_type}, flash_attention supports dtypes {names}; got {q.dtype}")
+        raise ValueError(f"on {device_type}, {fn} supports dtypes {names}; got {q.dtype}")
     if q.shape[-1] not in support["head_dims"]:
         raise ValueError(f"on {device_type}, head_dim must be one of {support['head_dims']}; got {q.shape[-1]}")
 

@@ -21,7 +21,35 @@ import math
 
 import torch
 
-__all__ = ["attention_reference", "visibility_mask", "validate_attention_inputs"]
+__all__ = ["attention_reference", "visibility_mask", "validate_attention_inputs", "check_qkv_agree",
+           "check_window_and_sinks"]
+
+
+def check_qkv_agree(q, k, v):
+    """Raise ``ValueError`` unless q, k, v share a dtype and a device and k and v have one shape
+    (every layout: the 4-D tensors here, the packed and cached ones of chapter 09)."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def check_window_and_sinks(window_size, sinks, heads, device):
+    """Raise ``ValueError`` unless ``window_size`` is None or a positive int and ``sinks`` is None or
+    a floating-point tensor [heads] on ``device``."""
+    if window_size is not None and (not isinstance(window_size, int) or isinstance(window_size, bool)
+                                    or window_size < 1):
+        raise ValueError(f"window_size must be a positive int or None; got {window_size!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (heads,):
+            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks must be a tensor of shape [{heads}] (one logit per query head); got {shape}")
+        if not sinks.is_floating_point():
+            raise ValueError(f"sinks must be a floating-point tensor; got {sinks.dtype}")
+        if sinks.device != device:
+            raise ValueError(f"sinks must be on {device}; got {sinks.device}")
 
 
 def validate_attention_inputs(q, k, v, *, window_size=None, sinks=None):
@@ -31,12 +59,7 @@ def validate_attention_inputs(q, k, v, *, window_size=None, sinks=None):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have shape [batch, heads, seq, head_dim]; got {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    check_qkv_agree(q, k, v)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
     if q.shape[3] != k.shape[3]:
@@ -47,17 +70,7 @@ def validate_attention_inputs(q, k, v, *, window_size=None, sinks=None):
     if min(q.shape[0], q.shape[2], k.shape[2], q.shape[3]) == 0:
         raise ValueError(f"batch, sequence lengths and head_dim must be positive; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")
-    if window_size is not None and (not isinstance(window_size, int) or isinstance(window_size, bool)
-                                    or window_size < 1):
-        raise ValueError(f"window_size must be a positive int or None; got {window_size!r}")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,):
-            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-            raise ValueError(f"sinks must be a tensor of shape [{hq}] (one logit per query head); got {shape}")
-        if not sinks.is_floating_point():
-            raise ValueError(f"sinks must be a floating-point tensor; got {sinks.dtype}")
-        if sinks.device != q.device:
-            raise ValueError(f"sinks must be on {q.device}; got {sinks.device}")
+    check_window_and_sinks(window_size, sinks, hq, q.device)
 
 
 def visibility_mask(seq_q, seq_k, *, causal=False, window_size=None, device=None):

@@ -23,10 +23,11 @@ from torch.autograd.function import once_differentiable
 
 from .attention import (
     _DTYPE_NAMES,
-    SUPPORTED,
     BackwardConfig,
     ForwardConfig,
+    _check_supported,
     _no_sinks,
+    check_sm_scale,
     default_backward_config,
     default_forward_config,
     is_hopper,
@@ -41,6 +42,7 @@ from .flash_varlen import (
     varlen_delta_kernel,
     varlen_work_list,
 )
+from .reference import check_qkv_agree, check_window_and_sinks
 from .tiles import compile_kernel
 
 __all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_num_splits",
@@ -70,46 +72,17 @@ def _check_index_tensor(name, t, shape, device):
         raise ValueError(f"{name} must be on {device} (with q); got {t.device}")
 
 
-def _check_supported(fn, q):
-    device_type = q.device.type
-    if device_type not in SUPPORTED:
-        raise ValueError(f"{fn} runs on CUDA or the CPU; got device {q.device}")
-    support = SUPPORTED[device_type]
-    if q.dtype not in support["dtypes"]:
-        names = ", ".join(str(d) for d in support["dtypes"])
-        raise ValueError(f"on {device_type}, {fn} supports dtypes {names}; got {q.dtype}")
-    if q.shape[-1] not in support["head_dims"]:
-        raise ValueError(f"on {device_type}, head_dim must be one of {support['head_dims']}; got {q.shape[-1]}")
-
-
 def _check_common(fn, q, k, v, heads_dim, *, sinks, window_size, sm_scale):
     """Checks both functions share: dtypes, devices, head counts and dims, sinks, window, scale."""
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    check_qkv_agree(q, k, v)
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"head dims differ: q has {q.shape[-1]}, k/v have {k.shape[-1]}")
     hq, hkv = q.shape[heads_dim], k.shape[-2]
     if hq == 0 or hkv == 0 or hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv}) for GQA")
-    _check_supported(fn, q)
-    if window_size is not None and (not isinstance(window_size, int) or isinstance(window_size, bool)
-                                    or window_size < 1):
-        raise ValueError(f"window_size must be a positive int or None; got {window_size!r}")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,):
-            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-            raise ValueError(f"sinks must be a tensor of shape [{hq}] (one logit per query head); got {shape}")
-        if not sinks.is_floating_point():
-            raise ValueError(f"sinks must be a floating-point tensor; got {sinks.dtype}")
-        if sinks.device != q.device:
-            raise ValueError(f"sinks must be on {q.device}; got {sinks.device}")
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
-                                 or not math.isfinite(sm_scale) or sm_scale <= 0):
-        raise ValueError(f"sm_scale must be a positive finite number (the kernels fold it into exp2); got {sm_scale!r}")
+    _check_supported(q, fn)
+    check_window_and_sinks(window_size, sinks, hq, q.device)
+    check_sm_scale(sm_scale)
     return 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
 
 

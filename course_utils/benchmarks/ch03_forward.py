@@ -10,7 +10,7 @@ from ..bench import attention_flops, tflops, time_cuda, time_side_by_side
 from ..labels import NAIVE, OURS
 from ..validation import check_forward, references
 from .ch01_naive import naive_attention
-from .common import SDPA_PEERS, comparison_shapes, in_parallel, random_inputs, sdpa, sweep
+from .common import SDPA_PEERS, comparison_shapes, empty_query, in_parallel, random_inputs, sdpa, sweep
 
 __all__ = ["forward_vs_peers", "forward_config_sweep"]
 
@@ -29,8 +29,7 @@ def forward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, Tr
 
     def build(job):
         shape, dtype_name, causal = job
-        q = torch.empty(shape["batch"], shape["heads"], shape["seq"], shape["dim"], device="cuda",
-                        dtype=getattr(torch, dtype_name))
+        q = empty_query(shape, dtype_name)
         forward_kernel(q, q, causal=causal, config=_config_for(config, shape, causal))
 
     in_parallel(build, jobs)

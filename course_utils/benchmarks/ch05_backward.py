@@ -13,7 +13,7 @@ from ..attention import BackwardConfig, backward_kernels, default_backward_confi
 from ..bench import attention_flops, tflops, time_cuda, time_side_by_side
 from ..labels import OURS
 from ..validation import check_backward, references
-from .common import SDPA_PEERS, backward_timer, comparison_shapes, in_parallel, random_inputs, sdpa, sweep
+from .common import SDPA_PEERS, backward_timer, comparison_shapes, empty_query, in_parallel, random_inputs, sdpa, sweep
 
 __all__ = ["backward_config_sweep", "backward_vs_peers"]
 
@@ -67,8 +67,7 @@ def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, T
 
     def build(job):
         shape, dtype_name, causal = job
-        q = torch.empty(shape["batch"], shape["heads"], shape["seq"], shape["dim"], device="cuda",
-                        dtype=getattr(torch, dtype_name))
+        q = empty_query(shape, dtype_name)
         flash_attention(q, q, q, causal=causal)  # compiles the forward
         backward_kernels(q, q, causal=causal, config=config)
 

@@ -10,7 +10,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..labels import CUDNN, FA2
 
-__all__ = ["SDPA_PEERS", "sdpa", "comparison_shapes", "random_inputs", "in_parallel", "sweep", "backward_timer"]
+__all__ = ["SDPA_PEERS", "sdpa", "comparison_shapes", "random_inputs", "empty_query", "in_parallel", "sweep",
+           "backward_timer"]
 
 SDPA_PEERS = {FA2: SDPBackend.FLASH_ATTENTION, CUDNN: SDPBackend.CUDNN_ATTENTION}
 
@@ -31,6 +32,12 @@ def random_inputs(shape, dtype, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     size = (shape["batch"], shape["heads"], shape["seq"], shape["dim"])
     return [torch.randn(size, device="cuda", dtype=dtype, generator=g) for _ in range(3)]
+
+
+def empty_query(shape, dtype_name):
+    """An uninitialised q of ``shape`` on the GPU: enough to compile the kernels for that shape."""
+    size = (shape["batch"], shape["heads"], shape["seq"], shape["dim"])
+    return torch.empty(size, device="cuda", dtype=getattr(torch, dtype_name))
 
 
 def in_parallel(fn, jobs, workers=8):
