@@ -27,7 +27,7 @@ rows.
 import tilelang.language as T
 import torch
 
-from .flash_fwd_hopper import issue_matmuls, keep_stages_until_read, pass_turn, wait_for_turn
+from .flash_fwd_hopper import issue_matmuls, keep_stages_until_read
 from .flash_pieces import (
     ACCUM,
     LOG2E,
@@ -46,22 +46,10 @@ from .flash_pieces import (
 )
 from .tiles import TileBackend
 
-__all__ = ["SCHEDULES", "VARLEN_HOPPER_CONFIGS", "varlen_work_list", "flash_varlen_fwd_kernel",
-           "flash_varlen_bwd_kernel", "varlen_delta_kernel", "scale_cast_kernel", "padded_rows"]
+__all__ = ["SCHEDULES", "varlen_work_list", "flash_varlen_fwd_kernel",
+           "flash_varlen_bwd_kernel", "varlen_delta_kernel", "scale_cast_kernel", "lse_row_layout"]
 
 SCHEDULES = ("grid", "list")
-
-# Chapter 07's Hopper tilings (attention.HOPPER_FORWARD_CONFIGS), with at most 128 keys per tile: the
-# per-sequence bookkeeping takes a few registers, and 192-key causal tiles then spill (ptxas), as 128 do
-# at D = 128 once the rows past a sequence's end are zeroed; 112 do not. Chapter 07's sweep measured
-# 128- and 192-key tiles within 1% of each other at D = 128. Keys: (head dim, causal or window).
-VARLEN_HOPPER_CONFIGS = {
-    (128, False): (128, 128, 2, 256, "flash_fwd_hopper", False),
-    (128, True): (128, 112, 2, 256, "flash_fwd_hopper", False),
-    (64, False): (128, 128, 2, 256, "flash_fwd_hopper", False),
-    (64, True): (128, 128, 2, 256, "flash_fwd_hopper", True),
-}
-
 
 def varlen_work_list(lengths_q, lengths_k, block, *, causal=False, by_keys=False):
     """The work list of the ``"list"`` schedule: int32 [items, 2] rows (sequence, block), heaviest first.
@@ -90,14 +78,15 @@ def varlen_work_list(lengths_q, lengths_k, block, *, causal=False, by_keys=False
 
 def flash_varlen_fwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_size=None, sm_scale=None,
                             dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, schedule="list",
-                            hopper=False, pingpong=False, target=None):
+                            hopper=False, target=None):
     """Return a ``@T.prim_func`` computing O and LSE of packed sequences (sinks always on: -inf for none).
 
     Tensors: Q [total_q, H, D], K/V [total_k, H_kv, D], CuSeqlensQ/CuSeqlensK [B + 1] (int32), then
     MaxSeqlenQ (int32 scalar; ``schedule="grid"``) or WorkItems [items, 2] (int32; ``"list"``), Sinks
     [H] (float32), Output [total_q, H, D] and LSE [H, total_q] (natural log, float32). ``hopper``
-    uses chapter 07's rotated wgmma loop (sm_90 only; ``threads`` counts its consumer threads;
-    ``pingpong``: the two consumer warpgroups take turns issuing their matmuls).
+    uses chapter 07's rotated wgmma loop (sm_90 only; ``threads`` counts its consumer threads). On the
+    H100 it measured no faster than chapter 03's loop for packed batches, and its ping-pong variant
+    never finished (notes/ch09_gpu_notes.md), so it is not offered here.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
@@ -113,10 +102,6 @@ def flash_varlen_fwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
         Q_s, K_s, V_s, O_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_tiles(
             tb, block_M, block_N, dim, dtype)
         stage_in_use = T.alloc_local([1], dtype)
-        if hopper:  # the producer computes per-sequence addresses: with TileLang's default 24 registers it spills
-            T.annotate_producer_reg_dealloc(32)
-            T.annotate_consumer_reg_alloc(240)  # 32·128 + 240·256 = the SM's 65536 registers
-
         # region: per-sequence prelude
         q0, k0 = CuSeqlensQ[b], CuSeqlensK[b]  # where this sequence's tokens start
         p = with_lengths(p_model, CuSeqlensQ[b + 1] - q0, CuSeqlensK[b + 1] - k0)
@@ -140,11 +125,7 @@ def flash_varlen_fwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
                 T.copy(K[k0 + k_blk * block_N:k0 + (k_blk + 1) * block_N, kv_head, :], K_s)
                 T.copy(V[k0 + v_blk * block_N:k0 + (v_blk + 1) * block_N, kv_head, :], V_s)
                 zero_rows_past_end(tb, V_s, v_blk * block_N, p.seq_k, block_N, dim)  # the next sequence's rows
-                if pingpong:
-                    wait_for_turn(kb, k_start)
                 issue_matmuls(Q_s, K_s, V_s, S, P, acc_o)
-                if pingpong:
-                    pass_turn()
                 T.wait_wgmma(1)
                 if kb < k_end:
                     mask_scores(tb, p, S, qb, kb, block_M, block_N)
@@ -213,7 +194,7 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
 
     Chapter 05's backward per sequence: a block owns ``block_N`` keys of one sequence and head, keeps
     K and V resident, and walks the query blocks that see them. Tensors: Q, K, V, dO as in the
-    forward; LSE and Delta [H, ≥ total_q] (float32; rows padded to a multiple of 4, see ``padded_rows``);
+    forward; LSE and Delta [H, rows] (float32) in the block-aligned layout of ``lse_row_layout``;
     CuSeqlensQ/K; MaxSeqlenK (``"grid"``) or WorkItems
     [items, 2] of (sequence, key block) (``"list"``); dQ_acc [total_q, H, D] float32, zero on entry
     (pre-scale, like chapter 05's); dK, dV [total_k, H_kv, D], in ``dtype`` for MHA, float32
@@ -226,9 +207,7 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
                       sm_scale=sm_scale)
     dkv_dtype = dtype if p_model.group == 1 else ACCUM
     total_q, total_k, num_bounds, items = T.dynamic("total_q, total_k, num_bounds, work_items")
-    # LSE and Delta rows are padded to a multiple of 4 floats: the copy engine (TMA) needs a row stride
-    # that is a multiple of 16 bytes, and TileLang cannot check that for a length known only at run time.
-    rows_padded = T.dynamic("rows_padded")
+    rows_padded = T.dynamic("rows_padded")  # lse_row_layout's rows
     batch = num_bounds - 1
     q_shape, kv_shape = [total_q, heads, dim], [total_k, p_model.heads_kv, dim]
 
@@ -251,6 +230,7 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
 
         # region: per-sequence prelude
         q0, k0 = CuSeqlensQ[b], CuSeqlensK[b]
+        r0 = (q0 + b * block_M) // block_M * block_M  # where its LSE and Δ start (lse_row_layout)
         p = with_lengths(p_model, CuSeqlensQ[b + 1] - q0, CuSeqlensK[b + 1] - k0)
         active = kb * block_N < p.seq_k
         kv_head = head // p.group
@@ -275,7 +255,7 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
                 zero_rows_past_end(tb, V_s, kb * block_N, p.seq_k, block_N, dim)
             T.copy(Q[q0 + qb * block_M:q0 + (qb + 1) * block_M, head, :], Q_s)
             zero_rows_past_end(tb, Q_s, qb * block_M, p.seq_q, block_M, dim)
-            T.copy(LSE[head, q0 + qb * block_M:q0 + (qb + 1) * block_M], lse)
+            T.copy(LSE[head, r0 + qb * block_M:r0 + (qb + 1) * block_M], lse)
             T.clear(PT)
             T.gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             for j, i in tb.parallel(block_N, block_M):
@@ -288,7 +268,7 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
             T.copy(PT, PT_cast)
             T.gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += Pᵀ dO
 
-            T.copy(Delta[head, q0 + qb * block_M:q0 + (qb + 1) * block_M], delta)
+            T.copy(Delta[head, r0 + qb * block_M:r0 + (qb + 1) * block_M], delta)
             zero_rows_past_end(tb, delta, qb * block_M, p.seq_q, block_M)
             for j, i in tb.parallel(block_N, block_M):
                 dST_cast[j, i] = PT[j, i] * (dPT[j, i] - delta[i])  # dSᵀ, without the scale
@@ -343,15 +323,26 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
     return flash_varlen_bwd
 
 
-def padded_rows(total):
-    """The row length of the backward's LSE and Delta: ``total`` rounded up to a multiple of 4 floats."""
-    return (total + 3) // 4 * 4
+def lse_row_layout(bounds_q, block_M):
+    """Where the backward reads each query's LSE and Δ: (rows, index), index[t] the column of packed query t.
+
+    The copy engine (TMA) faults (CUDA_ERROR_ILLEGAL_INSTRUCTION on the H100) when a row of LSE or Δ is
+    loaded from a start that is not 16-byte aligned, as a sequence starting at any token would give.
+    As FlashAttention-3 does, sequence b starts at ``(cu_seqlens_q[b] + b · block_M) // block_M · block_M``:
+    every query block then starts on a block boundary, and each sequence gains at most ``block_M`` columns,
+    so no two overlap. ``bounds_q``: cu_seqlens_q as a tuple of ints.
+    """
+    starts = [(q0 + b * block_M) // block_M * block_M for b, q0 in enumerate(bounds_q[:-1])]
+    index = torch.cat([torch.arange(n, dtype=torch.int64) + r0
+                       for r0, n in zip(starts, (bounds_q[b + 1] - bounds_q[b] for b in range(len(starts))))])
+    rows = (bounds_q[-1] + len(starts) * block_M + block_M - 1) // block_M * block_M
+    return rows, index
 
 
 def varlen_delta_kernel(dim, *, dtype="float16", block=64, threads=128, target=None):
     """Δ[h, t] = Σ_d dO[t, h, d] · O[t, h, d] in float32, for packed [total, H, D] tensors (any total, H).
 
-    Delta is [H, rows_padded] (``padded_rows(total)``, the backward's layout); the padding holds 0."""
+    Delta is [H, rows_padded], rows_padded ≥ total; columns past ``total`` hold 0."""
     tb = TileBackend(target)
     total, heads, rows_padded = T.dynamic("total, heads, rows_padded")
 

@@ -37,7 +37,7 @@ from .flash_varlen import (
     SCHEDULES,
     flash_varlen_bwd_kernel,
     flash_varlen_fwd_kernel,
-    padded_rows,
+    lse_row_layout,
     scale_cast_kernel,
     varlen_delta_kernel,
     varlen_work_list,
@@ -46,7 +46,7 @@ from .reference import check_qkv_agree, check_window_and_sinks
 from .tiles import compile_kernel
 
 __all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_num_splits",
-           "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG", "VARLEN_HOPPER_HANGS", "VARLEN_BACKWARD_FAILS"]
+           "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG"]
 
 _CACHE_SIZE = 32
 
@@ -281,9 +281,15 @@ def _self_check_decode():
 
 # ---------------------------------------------------------------------------------------------- varlen
 
-# The forward's and backward's work lists ("list" schedule) are made on the host from the lengths;
-# every layer of a model sees the same batch, so they are cached by the lengths themselves.
-VARLEN_SCHEDULE = "list"
+# The schedule both kernels use when none is given, by masking (causal or window): measured on the H100
+# (64k tokens in sequences of 128–8192, 2026-11-23), the work list wins when blocks differ in weight
+# (causal: backward 313 vs 264 TFLOP/s, forward within 1%), the grid without a mask (backward 376 vs 251,
+# forward 471 vs 449). The work lists are made on the host from the lengths; every layer of a model sees
+# the same batch, so they are cached by the lengths themselves.
+VARLEN_SCHEDULE = {True: "list", False: "grid"}
+# The packed forward on CUDA GPUs: chapter 03's loop with chapter 04's pipelining. On the H100 it was the
+# fastest of the loops and tilings tried for packed batches (chapter 07's rotated loop included; notes).
+VARLEN_CUDA_CONFIG = ForwardConfig(128, 128, 2, 256)
 
 
 class _Plan(NamedTuple):
@@ -295,15 +301,19 @@ class _Plan(NamedTuple):
     max_seqlen_k: int
     forward_items: torch.Tensor  # on the device: (sequence, query block), heaviest first
     backward_items: torch.Tensor  # (sequence, key block)
+    lse_rows: int  # the backward's block-aligned LSE/Δ layout (flash_varlen.lse_row_layout)
+    lse_index: torch.Tensor  # on the device
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_block, bwd_block, causal, device):
+def _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_block, bwd_config, causal, device):
     lengths_q = torch.tensor(bounds_q[1:]) - torch.tensor(bounds_q[:-1])
     lengths_k = torch.tensor(bounds_k[1:]) - torch.tensor(bounds_k[:-1])
     fwd = varlen_work_list(lengths_q, lengths_k, fwd_block, causal=causal)
-    bwd = varlen_work_list(lengths_q, lengths_k, bwd_block, causal=causal, by_keys=True)
-    return _Plan(lengths_q, lengths_k, max_seqlen_q, max_seqlen_k, fwd.to(device), bwd.to(device))
+    bwd = varlen_work_list(lengths_q, lengths_k, bwd_config.block_N, causal=causal, by_keys=True)
+    rows, index = lse_row_layout(bounds_q, bwd_config.block_M)
+    return _Plan(lengths_q, lengths_k, max_seqlen_q, max_seqlen_k, fwd.to(device), bwd.to(device), rows,
+                 index.to(device))
 
 
 def _check_bounds(name, bounds, total, max_seqlen, max_name):
@@ -327,8 +337,10 @@ def _check_bounds(name, bounds, total, max_seqlen, max_name):
 def _varlen_configs(target, dim, masked, config, backward_config):
     if config is not None:
         fwd = ForwardConfig(*config)
+        if fwd.pingpong:
+            raise ValueError("config.pingpong is not available for packed batches: the packed ping-pong loop never "
+                             "finished on the H100 (2026-11-23); leave it False")
     elif target == "cuda":
-        # Chapter 03's loop: the rotated Hopper loop (VARLEN_HOPPER_CONFIGS) hangs on the H100 (below).
         fwd = VARLEN_CUDA_CONFIG
     else:
         fwd = default_forward_config("cpu", dim, masked)
@@ -338,8 +350,6 @@ def _varlen_configs(target, dim, masked, config, backward_config):
         raise ValueError(f"config.kernel must be 'flash_fwd' or 'flash_fwd_hopper'; got {fwd.kernel!r}")
     if fwd.kernel == "flash_fwd_hopper" and not (target == "cuda" and is_hopper()):
         raise ValueError("config.kernel='flash_fwd_hopper' is chapter 07's Hopper loop: it needs an sm_90 GPU")
-    if fwd.kernel == "flash_fwd_hopper":
-        raise NotImplementedError(VARLEN_HOPPER_HANGS)
     return fwd, bwd
 
 
@@ -360,7 +370,7 @@ def _varlen_forward(pr, config, schedule):
                                    window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
                                    block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
                                    threads=config.threads, schedule=schedule, target=pr.target,
-                                   hopper=config.kernel == "flash_fwd_hopper", pingpong=config.pingpong)
+                                   hopper=config.kernel == "flash_fwd_hopper")
     return compile_kernel(func, out_idx=[7, 8], target=pr.target, dtype=pr.dtype)
 
 
@@ -387,18 +397,6 @@ def _schedule_arg(schedule, plan, forward):
     return plan.forward_items if forward else plan.backward_items
 
 
-# What chapter 09's kernels did on their first H100 run (2026-11-23, notes/ch09_gpu_notes.md). Each is
-# refused with this message instead of run: a hung or crashed kernel takes the whole process with it.
-VARLEN_HOPPER_HANGS = ("the packed forward with chapter 07's rotated Hopper loop (config.kernel='flash_fwd_hopper', "
-                       "VARLEN_HOPPER_CONFIGS) never finishes on the H100 (2026-11-23): it is disabled until that is "
-                       "found; the default, chapter 03's loop, is checked on the H100")
-VARLEN_BACKWARD_FAILS = ("flash_attention_varlen's backward kernel stops the H100 with an illegal instruction "
-                         "(2026-11-23): it is disabled on the GPU until that is found. It runs on the CPU, where "
-                         "chapter 09's tests check it; on the GPU the forward is available, without gradients")
-# The packed forward on CUDA GPUs: chapter 03's loop with chapter 04's pipelining.
-VARLEN_CUDA_CONFIG = ForwardConfig(128, 128, 2, 256)
-
-
 class _FlashAttentionVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_q, cu_k, plan, problem, config, backward_config, schedule):
@@ -415,22 +413,23 @@ class _FlashAttentionVarlen(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse, sink_logits, cu_q, cu_k = ctx.saved_tensors
         plan, pr, config, schedule = ctx.args
-        if pr.target == "cuda":
-            raise NotImplementedError(VARLEN_BACKWARD_FAILS)
         delta_kernel, scale_cast = _varlen_small_kernels(pr.dim, pr.dtype, pr.target)
         d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
-        total, rows = q.shape[0], padded_rows(q.shape[0])  # LSE/Delta rows padded for the copy engine
-        delta = torch.empty(pr.heads, rows, dtype=torch.float32, device=q.device)
+        total = q.shape[0]
+        delta = torch.empty(pr.heads, total, dtype=torch.float32, device=q.device)
         delta_kernel(out, d_out, delta)
         if d_lse is not None:  # ∂LSE_i/∂S_ij = P_ij: the LSE's gradient joins dS = P ∘ (dP − Δ) as Δ − dLSE
-            delta[:, :total] -= d_lse.float()
-        lse_rows = torch.zeros(pr.heads, rows, dtype=torch.float32, device=q.device)
-        lse_rows[:, :total] = lse
+            delta -= d_lse.float()
+        # Both in the block-aligned layout the copy engine can load (lse_row_layout).
+        lse_rows, delta_rows = (torch.zeros(pr.heads, plan.lse_rows, dtype=torch.float32, device=q.device)
+                                for _ in range(2))
+        lse_rows[:, plan.lse_index] = lse
+        delta_rows[:, plan.lse_index] = delta
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         gqa = pr.heads_kv != pr.heads
         dk, dv = ((torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)) if gqa
                   else (torch.empty_like(k), torch.empty_like(v)))
-        _varlen_backward(pr, config, schedule)(q, k, v, d_out, lse_rows, delta, cu_q, cu_k,
+        _varlen_backward(pr, config, schedule)(q, k, v, d_out, lse_rows, delta_rows, cu_q, cu_k,
                                                _schedule_arg(schedule, plan, False), dq_acc, dk, dv)
         dq = scale_cast(dq_acc.view(-1, pr.dim), pr.sm_scale).view(q.shape)
         if gqa:
@@ -438,7 +437,7 @@ class _FlashAttentionVarlen(torch.autograd.Function):
         d_sinks = None
         if ctx.has_sinks and ctx.needs_input_grad[3]:
             # d(loss)/d(sink_h) = −Σ_t P_sink[h, t] · (Δ − dLSE)[h, t], with P_sink = exp(sink_h − LSE).
-            d_sinks = -(torch.exp(sink_logits[:, None] - lse) * delta[:, :total]).sum(dim=1)
+            d_sinks = -(torch.exp(sink_logits[:, None] - lse) * delta).sum(dim=1)
         return dq, dk, dv, d_sinks, None, None, None, None, None, None, None
 
 
@@ -475,16 +474,15 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     bounds_q, bounds_k = tuple(cu_seqlens_q.tolist()), tuple(cu_seqlens_k.tolist())  # one wait for the GPU
     _check_bounds("cu_seqlens_q", bounds_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
     _check_bounds("cu_seqlens_k", bounds_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
-    schedule = VARLEN_SCHEDULE if schedule is None else schedule
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     if window_size is not None and window_size >= max_seqlen_k:
         window_size, causal = None, True  # a window as long as every sequence hides only what causal hides
     causal = bool(causal or window_size is not None)
+    schedule = VARLEN_SCHEDULE[causal] if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     target = _target(q)
     fwd_config, bwd_config = _varlen_configs(target, q.shape[-1], causal, config, backward_config)
-    plan = _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_config.block_M, bwd_config.block_N, causal,
-                 q.device)
+    plan = _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_config.block_M, bwd_config, causal, q.device)
     problem = _VarlenProblem(q.shape[1], k.shape[1], q.shape[2], causal, window_size, scale, _DTYPE_NAMES[q.dtype],
                              target)
     out, lse = _FlashAttentionVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, cu_seqlens_q,
@@ -501,7 +499,7 @@ def varlen_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, sched
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     problem = _VarlenProblem(q.shape[1], k.shape[1], q.shape[2], causal, window_size, scale, _DTYPE_NAMES[q.dtype],
                              target)
-    schedule = VARLEN_SCHEDULE if schedule is None else schedule
+    schedule = VARLEN_SCHEDULE[causal] if schedule is None else schedule
     return _varlen_forward(problem, fwd_config, schedule), _varlen_backward(problem, bwd_config, schedule)
 
 

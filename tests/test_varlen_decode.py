@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from course_utils import CheckFailed, check_close, flash_attention_varlen, flash_decode
-from course_utils.flash_varlen import varlen_work_list
+from course_utils.attention import ForwardConfig
+from course_utils.flash_varlen import lse_row_layout, varlen_work_list
 from course_utils.validation import check_backward, check_forward, decode_references, varlen_references
 
 H, H_KV, D = 4, 2, 16  # GQA 4/2; the CPU tile is 16 × 16
@@ -127,6 +128,23 @@ def test_work_list_is_complete_and_heaviest_first():
     assert len(by_keys) == 3 + 1 + 2 and by_keys[0].tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("block", [16, 64, 80])
+def test_lse_rows_start_on_block_boundaries_and_never_overlap(block):
+    """The backward's LSE/Δ layout: the H100's copy engine faulted on rows loaded from unaligned starts."""
+    lengths = [1, 127, 0, 128, 129, 3, 0, 1000]
+    bounds = tuple(_cu(lengths).tolist())
+    rows, index = lse_row_layout(bounds, block)
+    assert rows % block == 0 and len(index) == sum(lengths) and len(set(index.tolist())) == sum(lengths)
+    for b, n in enumerate(lengths):
+        cols = index[bounds[b]:bounds[b + 1]]
+        if n:
+            assert cols[0] % block == 0 and (cols.diff() == 1).all()
+            assert int(cols[-1]) < rows
+    starts = [int(index[bounds[b]]) for b, n in enumerate(lengths) if n]
+    ends = [int(index[bounds[b + 1] - 1]) + 1 for b, n in enumerate(lengths) if n]
+    assert all(e <= s for e, s in zip(ends, starts[1:]))  # in order, disjoint
+
+
 # ---------------------------------------------------------------------------------------------- decoding
 
 def _cache(lengths, seq_new, seq_max=40):
@@ -236,6 +254,8 @@ def test_varlen_rejects_bad_sinks_and_windows():
         flash_attention_varlen(*args, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match="window_size"):
         flash_attention_varlen(*args, window_size=0)
+    with pytest.raises(ValueError, match="pingpong"):  # it never finished on the H100: refused, not run
+        flash_attention_varlen(*args, config=ForwardConfig(16, 16, 1, 1, pingpong=True))
 
 
 def _decode_args(paged=False):

@@ -63,8 +63,7 @@ RECORDS = {
         dtypes=("float16", "bfloat16"), modes=("bwd",)),
     "ch09_decode_h100": decode_bandwidth,
     "ch09_decode_splits_h100": decode_split_sweep,
-    # The forward only: the packed backward kernel is disabled on the GPU (varlen_api.VARLEN_BACKWARD_FAILS).
-    "ch09_varlen_h100": lambda: varlen_vs_dense(modes=("fwd",)),
+    "ch09_varlen_h100": varlen_vs_dense,
     CH10_RING_RECORD: ring_vs_one_gpu,
 }
 # Records that need a machine with several GPUs (nvidia-h200-x2): measured only when named, and
