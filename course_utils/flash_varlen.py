@@ -104,7 +104,8 @@ def flash_varlen_fwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
         stage_in_use = T.alloc_local([1], dtype)
         # region: per-sequence prelude
         q0, k0 = CuSeqlensQ[b], CuSeqlensK[b]  # where this sequence's tokens start
-        p = with_lengths(p_model, CuSeqlensQ[b + 1] - q0, CuSeqlensK[b + 1] - k0)
+        seq_q, seq_k = CuSeqlensQ[b + 1] - q0, CuSeqlensK[b + 1] - k0  # bound once: read from memory once
+        p = with_lengths(p_model, seq_q, seq_k)
         qb = (p.blocks(p.seq_q, block_M) - 1 - slot) if reverse else slot
         active = T.And(qb >= 0, qb * block_M < p.seq_q)  # a grid block past its sequence's end has no work
         qb = T.max(qb, 0)
@@ -230,8 +231,9 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
 
         # region: per-sequence prelude
         q0, k0 = CuSeqlensQ[b], CuSeqlensK[b]
+        seq_q, seq_k = CuSeqlensQ[b + 1] - q0, CuSeqlensK[b + 1] - k0
         r0 = (q0 + b * block_M) // block_M * block_M  # where its LSE and Δ start (lse_row_layout)
-        p = with_lengths(p_model, CuSeqlensQ[b + 1] - q0, CuSeqlensK[b + 1] - k0)
+        p = with_lengths(p_model, seq_q, seq_k)
         active = kb * block_N < p.seq_k
         kv_head = head // p.group
         q_start, q_end = query_block_range(p, kb, block_M, block_N)
