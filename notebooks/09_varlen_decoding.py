@@ -141,8 +141,7 @@ show_source(zero_rows_past_end)
 # cost a launch slot and a few instructions, no memory traffic beyond their Q tile). *List*: the host
 # writes one entry (sequence, query block) per real block, `varlen_work_list`, and launches exactly
 # that many; ordered heaviest first (with causal masking, a sequence's last query blocks see the
-# most keys), so the long blocks start early and short ones fill the end. Section 5 measures both;
-# by its numbers, `flash_attention_varlen` uses the list with causal masking and the grid without.
+# most keys), so the long blocks start early and short ones fill the end. Section 5 measures both.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -619,8 +618,9 @@ if rec_d is not None:
 #   (`with_lengths`: lengths read at run time) and three guards: the mask hides the next sequence's
 #   keys, stores skip its rows, and its value rows are zeroed before P·V (0 · NaN = NaN).
 # - Blocks can be handed out by a **grid** sized for the longest sequence (idle blocks exit at
-#   once) or a **work list** made on the host (no idle blocks, heaviest first); on the H100 the list
-#   won with causal masking (blocks of unequal weight), the grid without.
+#   once) or a **work list** made on the host (no idle blocks, heaviest first). On the H100 they
+#   ran within 5% of each other, once each block read its sequence's lengths only once (before that
+#   fix, re-reading them at every use, up to 1.5× apart).
 # - **Decoding** does group · S_new FLOPs per byte of cache: it is a memory read, and the measure of
 #   a decoding kernel is the bandwidth it reaches against a plain read.
 # - **Split-KV** gives each sequence several blocks; chapter 02's merge of softmax states combines
