@@ -34,6 +34,7 @@ from .attention import (
 )
 from .flash_decode import choose_num_splits, decode_config, decode_rows, flash_decode_kernel, flash_decode_merge_kernel
 from .flash_varlen import (
+    OWN_BARRIERS_PASS_CONFIGS,
     SCHEDULES,
     flash_varlen_bwd_kernel,
     flash_varlen_fwd_kernel,
@@ -366,12 +367,15 @@ class _VarlenProblem(NamedTuple):
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _varlen_forward(pr, config, schedule):
+    hopper = config.kernel == "flash_fwd_hopper"
+    own = pr.target == "cuda" and not hopper and is_hopper()  # chapter 03's loop on sm_90: its own barriers
     func = flash_varlen_fwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
                                    window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
                                    block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
-                                   threads=config.threads, schedule=schedule, target=pr.target,
-                                   hopper=config.kernel == "flash_fwd_hopper")
-    return compile_kernel(func, out_idx=[7, 8], target=pr.target, dtype=pr.dtype)
+                                   threads=config.threads, schedule=schedule, target=pr.target, hopper=hopper,
+                                   own_barriers=own)
+    return compile_kernel(func, out_idx=[7, 8], target=pr.target, dtype=pr.dtype,
+                          pass_configs=OWN_BARRIERS_PASS_CONFIGS if own else None)
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
