@@ -115,7 +115,8 @@ print(f"causal attention, H=16, D=128: packed {packed_flops:.3e} FLOPs, padded {
 # reads them from `cu_seqlens` once it knows which sequence it owns, and `with_lengths` builds a
 # prelude with those run-time lengths (TIR expressions instead of ints). After that, the loop is
 # chapter 03's, unchanged. (Chapter 07's rotated Hopper loop is an option, `hopper=True`; for packed
-# batches it measured no faster on the H100, so chapter 03's loop is the default there too.)
+# batches it measured no faster on the H100, so chapter 03's loop is the default there too. On the
+# H100 the kernel places one barrier itself, only on a sequence's last key tile: `own_barriers`.)
 
 # %%
 show_source(with_lengths)
