@@ -305,7 +305,7 @@ def test_decode_rejects_bad_options(kwargs, message):
 
 def test_packed_forward_syncs_only_on_the_edge_tile():
     """sm_90a lowering, no GPU: with its own barriers the packed forward's loop has no barrier of its 256
-    consumer threads in every iteration (one cost the H100 14–18%), only on a sequence's last tile."""
+    consumer threads in every iteration (one cost the H100 4–18%), only on a sequence's last tile."""
     from course_utils.flash_varlen import OWN_BARRIERS_PASS_CONFIGS, flash_varlen_fwd_kernel
     from course_utils.source import cuda_source
 
