@@ -27,7 +27,15 @@ import tilelang
 import tilelang.language as T
 
 from .flash_fwd_hopper import keep_stages_until_read
-from .flash_pieces import LOG2E, block_needs_mask, key_block_range, prelude, query_block_range, visible
+from .flash_pieces import (
+    LOG2E,
+    block_needs_mask,
+    consumer_barrier,
+    key_block_range,
+    prelude,
+    query_block_range,
+    visible,
+)
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "needs_mask",
            "query_steps", "key_steps", "padded_rows", "consumer_barrier", "PASS_CONFIGS"]
@@ -36,15 +44,6 @@ ACCUM = "float32"
 # The main kernel places its own barriers (consumer_barrier); TileLang must not add its conservative ones.
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 _DS_BARRIER, _DQ_BARRIER = 6, 5  # named barrier ids (TileLang's own syncs use 1-3, chapter 07's ping-pong 8-9)
-
-
-@T.macro
-def consumer_barrier(barrier_id):
-    """The 256 consumer threads meet; the shared memory each wrote becomes visible to the tensor cores
-    and the copy engine (the proxy fence comes first, in every writing thread). A plain extern call:
-    warp specialisation would move a ``T.sync_threads`` into the producer's branch (chapter 07)."""
-    T.fence_proxy_async()
-    T.call_extern("handle", "tl::__sync_thread_partial", barrier_id, 256)
 
 
 def needs_mask(p, qb, kb, block_M, block_N):

@@ -19,7 +19,8 @@ import tilelang.language as T
 
 __all__ = ["LOG2E", "ACCUM", "NEG_INF", "Prelude", "prelude", "with_lengths", "visible", "block_needs_mask",
            "key_block_range", "key_range_of_queries", "query_block_range", "mask_scores", "init_running_max",
-           "forward_tiles", "online_softmax", "normalise_rows", "natural_lse", "forward_epilogue", "zero_rows_past_end"]
+           "forward_tiles", "online_softmax", "normalise_rows", "natural_lse", "forward_epilogue", "zero_rows_past_end",
+           "consumer_barrier"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
 ACCUM = "float32"
@@ -271,13 +272,24 @@ def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by,
 
 
 @T.macro
-def zero_rows_past_end(tb, tile, first_row, length, rows, cols=None):
+def consumer_barrier(barrier_id):
+    """The 256 consumer threads meet; the shared memory each wrote becomes visible to the tensor cores
+    and the copy engine (the proxy fence comes first, in every writing thread). A plain extern call:
+    warp specialisation would move a ``T.sync_threads`` into the producer's branch (chapter 07)."""
+    T.fence_proxy_async()
+    T.call_extern("handle", "tl::__sync_thread_partial", barrier_id, 256)
+
+
+@T.macro
+def zero_rows_past_end(tb, tile, first_row, length, rows, cols=None, barrier_id=None):
     """Zero the rows of a loaded tile that lie past its sequence's end (only a tile that runs past it).
 
     ``tile`` holds rows ``first_row …`` of a sequence of ``length`` rows (``cols`` columns, or a vector).
     Masking the scores gives a key past the end P = 0, but P·V still multiplies 0 by its value row,
     and 0 · NaN = NaN: the rows past a sequence's end (another sequence's tokens when sequences are
     packed, never-written slots of a KV cache) must not reach its result, whatever they hold.
+    ``barrier_id``: in a kernel that places its own barriers, the consumers meet on it after zeroing
+    (``consumer_barrier``), on this tile only.
     """
     if first_row + rows > length:
         # Written as a read of the tile: TileLang's warp specialisation waits for a tile's load before
@@ -288,5 +300,7 @@ def zero_rows_past_end(tb, tile, first_row, length, rows, cols=None):
         else:
             for i, j in tb.parallel(rows, cols):
                 tile[i, j] = T.if_then_else(first_row + i < length, tile[i, j], 0)
-        if tb.on_gpu:
+        if tb.on_gpu and barrier_id is not None:
+            consumer_barrier(barrier_id)
+        elif tb.on_gpu:
             T.fence_proxy_async()  # order these stores before the copy engine's next write to the buffer

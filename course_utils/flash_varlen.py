@@ -28,11 +28,11 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from .flash_bwd_hopper import consumer_barrier
 from .flash_fwd_hopper import issue_matmuls, keep_stages_until_read
 from .flash_pieces import (
     ACCUM,
     LOG2E,
+    consumer_barrier,
     forward_tiles,
     init_running_max,
     key_block_range,
@@ -54,7 +54,8 @@ __all__ = ["SCHEDULES", "OWN_BARRIERS_PASS_CONFIGS", "varlen_work_list", "flash_
 SCHEDULES = ("grid", "list")
 # ``own_barriers``: the kernel places its own barriers (compile it with these pass options).
 OWN_BARRIERS_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
-_EDGE_BARRIER = 5  # a named barrier id of our own (TileLang's syncs use 1–3)
+_OWN_BARRIER = 5  # a named barrier id of our own (TileLang's syncs use 1–3)
+
 
 def varlen_work_list(lengths_q, lengths_k, block, *, causal=False, by_keys=False):
     """The work list of the ``"list"`` schedule: int32 [items, 2] rows (sequence, block), heaviest first.
@@ -161,22 +162,17 @@ def flash_varlen_fwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
                 for i, j in tb.parallel(block_M, dim):
                     acc_o[i, j] *= alpha[i]
                 T.copy(V[k0 + kb * block_N:k0 + (kb + 1) * block_N, kv_head, :], V_s)
-                if own_barriers:
-                    if (kb + 1) * block_N > p.seq_k:
-                        for i, j in T.Parallel(block_N, dim):
-                            V_s[i, j] = T.if_then_else(kb * block_N + i < p.seq_k, V_s[i, j], 0)
-                        consumer_barrier(_EDGE_BARRIER)
-                else:
-                    zero_rows_past_end(tb, V_s, kb * block_N, p.seq_k, block_N, dim)  # the next sequence's rows
+                zero_rows_past_end(tb, V_s, kb * block_N, p.seq_k, block_N, dim,  # the next sequence's rows
+                                   barrier_id=_OWN_BARRIER if own_barriers else None)
                 T.gemm(P, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
         # region: guarded epilogue
         normalise_rows(tb, p, acc_o, l, m, shift, Sinks, head, block_M, dim, True)
         if own_barriers:
-            consumer_barrier(_EDGE_BARRIER)  # both warpgroups are done with Q_s, which O_s reuses
+            consumer_barrier(_OWN_BARRIER)  # both warpgroups are done with Q_s, which O_s reuses
         T.copy(acc_o, O_s)
         if own_barriers:
-            consumer_barrier(_EDGE_BARRIER)
+            consumer_barrier(_OWN_BARRIER)
         for i, d in tb.parallel(block_M, dim):  # only this sequence's rows: the next ones belong to another
             if T.And(active, qb * block_M + i < p.seq_q):
                 Output[q0 + qb * block_M + i, head, d] = O_s[i, d]
