@@ -300,21 +300,22 @@ class _Plan(NamedTuple):
     lengths_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
-    forward_items: torch.Tensor  # on the device: (sequence, query block), heaviest first
-    backward_items: torch.Tensor  # (sequence, key block)
+    forward_items: "torch.Tensor | None"  # "list" schedule only, on the device: (sequence, query block), heaviest first
+    backward_items: "torch.Tensor | None"  # (sequence, key block)
     lse_rows: int  # the backward's block-aligned LSE/Δ layout (flash_varlen.lse_row_layout)
     lse_index: torch.Tensor  # on the device
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_block, bwd_config, causal, device):
+def _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_block, bwd_config, causal, schedule, device):
     lengths_q = torch.tensor(bounds_q[1:]) - torch.tensor(bounds_q[:-1])
     lengths_k = torch.tensor(bounds_k[1:]) - torch.tensor(bounds_k[:-1])
-    fwd = varlen_work_list(lengths_q, lengths_k, fwd_block, causal=causal)
-    bwd = varlen_work_list(lengths_q, lengths_k, bwd_config.block_N, causal=causal, by_keys=True)
+    fwd = bwd = None  # the grid schedule needs no work list
+    if schedule == "list":
+        fwd = varlen_work_list(lengths_q, lengths_k, fwd_block, causal=causal).to(device)
+        bwd = varlen_work_list(lengths_q, lengths_k, bwd_config.block_N, causal=causal, by_keys=True).to(device)
     rows, index = lse_row_layout(bounds_q, bwd_config.block_M)
-    return _Plan(lengths_q, lengths_k, max_seqlen_q, max_seqlen_k, fwd.to(device), bwd.to(device), rows,
-                 index.to(device))
+    return _Plan(lengths_q, lengths_k, max_seqlen_q, max_seqlen_k, fwd, bwd, rows, index.to(device))
 
 
 def _check_bounds(name, bounds, total, max_seqlen, max_name):
@@ -486,7 +487,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     target = _target(q)
     fwd_config, bwd_config = _varlen_configs(target, q.shape[-1], causal, config, backward_config)
-    plan = _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_config.block_M, bwd_config, causal, q.device)
+    plan = _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_config.block_M, bwd_config, causal, schedule,
+                 q.device)
     problem = _VarlenProblem(q.shape[1], k.shape[1], q.shape[2], causal, window_size, scale, _DTYPE_NAMES[q.dtype],
                              target)
     out, lse = _FlashAttentionVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, cu_seqlens_q,
