@@ -31,6 +31,7 @@ from .attention import (
     default_backward_config,
     default_forward_config,
     is_hopper,
+    sink_probability,
 )
 from .flash_decode import choose_num_splits, decode_config, decode_rows, flash_decode_kernel, flash_decode_merge_kernel
 from .flash_varlen import (
@@ -130,9 +131,9 @@ def _cache_layout(q, k_cache, block_table):
         raise ValueError(f"block_table must have shape [batch, max_pages]; got {list(block_table.shape)}")
     _check_index_tensor("block_table", block_table, (batch, block_table.shape[1]), q.device)
     page_size = k_cache.shape[1]
-    if page_size % 16:
-        raise ValueError(f"page_size (k_cache.shape[1] = {page_size}) must be a multiple of 16 (a key tile "
-                         "never straddles two pages)")
+    if page_size == 0 or page_size % 16:
+        raise ValueError(f"page_size (k_cache.shape[1] = {page_size}) must be a positive multiple of 16 (a key "
+                         "tile never straddles two pages)")
     return block_table.shape[1] * page_size, page_size
 
 
@@ -234,8 +235,10 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
     heads, dim = q.shape[2], q.shape[3]
     o_part = torch.empty(batch, seq_new, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(batch, seq_new, heads, splits, dtype=torch.float32, device=q.device)
-    table = _no_block_table(batch, q.device) if block_table is None else block_table
-    split(q.contiguous(), k_cache, v_cache, table, cache_seqlens, o_part, lse_part)
+    # The kernels take dense index tensors; a strided view (block_table = wide[:, :n], a cache_seqlens view)
+    # is copied, as FlashAttention accepts it.
+    table = _no_block_table(batch, q.device) if block_table is None else block_table.contiguous()
+    split(q.contiguous(), k_cache, v_cache, table, cache_seqlens.contiguous(), o_part, lse_part)
     out, lse = merge(o_part, lse_part, _sink_logits(sinks, heads, q.device))
     return (out, lse) if return_lse else out
 
@@ -316,6 +319,19 @@ def _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_block, bwd_config,
         bwd = varlen_work_list(lengths_q, lengths_k, bwd_config.block_N, causal=causal, by_keys=True).to(device)
     rows, index = lse_row_layout(bounds_q, bwd_config.block_M)
     return _Plan(lengths_q, lengths_k, max_seqlen_q, max_seqlen_k, fwd, bwd, rows, index.to(device))
+
+
+INT32_MAX = 2 ** 31 - 1
+
+
+def _check_max_seqlen(name, max_seqlen, total):
+    """An int the kernels' int32 grid can hold, and no longer than the packed tensor (host-known: no wait)."""
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"{name} must be an int; got {type(max_seqlen).__name__}")
+    if not 0 <= max_seqlen <= INT32_MAX:
+        raise ValueError(f"{name} = {max_seqlen} must lie in [0, 2**31 - 1]: the kernels take it as an int32")
+    if max_seqlen > total:
+        raise ValueError(f"{name} = {max_seqlen} is longer than the packed length {total}: no sequence can be")
 
 
 def _check_bounds(name, bounds, total, max_seqlen, max_name):
@@ -442,7 +458,7 @@ class _FlashAttentionVarlen(torch.autograd.Function):
         d_sinks = None
         if ctx.has_sinks and ctx.needs_input_grad[3]:
             # d(loss)/d(sink_h) = −Σ_t P_sink[h, t] · (Δ − dLSE)[h, t], with P_sink = exp(sink_h − LSE).
-            d_sinks = -(torch.exp(sink_logits[:, None] - lse) * delta).sum(dim=1)
+            d_sinks = -(sink_probability(sink_logits[:, None], lse) * delta).sum(dim=1)
         return dq, dk, dv, d_sinks, None, None, None, None, None, None, None
 
 
@@ -476,6 +492,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     if q.shape[0] == 0 or k.shape[0] == 0:
         raise ValueError(f"the packed q and k must hold at least one token each; got {q.shape[0]} and {k.shape[0]}")
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0])
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0])
     bounds_q, bounds_k = tuple(cu_seqlens_q.tolist()), tuple(cu_seqlens_k.tolist())  # one wait for the GPU
     _check_bounds("cu_seqlens_q", bounds_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
     _check_bounds("cu_seqlens_k", bounds_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
@@ -491,8 +509,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                  q.device)
     problem = _VarlenProblem(q.shape[1], k.shape[1], q.shape[2], causal, window_size, scale, _DTYPE_NAMES[q.dtype],
                              target)
-    out, lse = _FlashAttentionVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, cu_seqlens_q,
-                                           cu_seqlens_k, plan, problem, fwd_config, bwd_config, schedule)
+    out, lse = _FlashAttentionVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks,
+                                           cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), plan, problem,
+                                           fwd_config, bwd_config, schedule)
     return (out, lse) if return_lse else out
 
 
