@@ -149,3 +149,43 @@ def test_varlen_dsinks_of_rows_that_see_no_key(lengths_q, lengths_k):
     refs = varlen_references(q, k, v, cu_q, cu_k, d_out=d_out, causal=True, sinks=sinks)
     assert torch.isfinite(refs["grads"][3]).all()
     check_backward(q, k, v, d_out, grads, refs=refs, name="varlen dsinks", quiet=True)
+
+
+# ---------------------------------------------------------------------------------------------- no host sync
+
+@pytest.mark.parametrize("lengths", [[3, 17, 0, 1], [0, 0, 40], [16, 16, 16], [1]])
+@pytest.mark.parametrize("block", [16, 64])
+def test_lse_layout_made_on_the_device_matches_the_host_one(lengths, block):
+    """The backward's LSE layout, now made from cu_seqlens on the device (no read), is the host's."""
+    from course_utils.flash_varlen import lse_row_layout
+    from course_utils.varlen_api import _lse_index_on_device, _lse_rows
+
+    cu = _cu(lengths)
+    rows, index = lse_row_layout(tuple(cu.tolist()), block)
+    assert _lse_rows(sum(lengths), len(lengths), block) == rows
+    assert torch.equal(_lse_index_on_device(cu, sum(lengths), block, rows), index)
+
+
+def test_unchecked_bad_indices_are_clamped_into_the_cache():
+    """check_indices=False (the GPU's default): a length past the capacity reads as the capacity, a page
+    number past the pool as its last page; nothing outside the cache is read."""
+    q, k, v, lengths, k_pages, v_pages, table = _decode_case()
+    too_long = torch.tensor([5, 99, 33], dtype=torch.int32)
+    capacity = torch.tensor([5, 48, 33], dtype=torch.int32)
+    check_close(flash_decode(q, k, v, too_long, check_indices=False), flash_decode(q, k, v, capacity), "length")
+    bad_table, last_page = table.clone(), table.clone()
+    bad_table[1, 0], last_page[1, 0] = 1000, k_pages.shape[0] - 1
+    out = flash_decode(q, k_pages, v_pages, lengths, block_table=bad_table, num_splits=2, check_indices=False)
+    check_close(out, flash_decode(q, k_pages, v_pages, lengths, block_table=last_page, num_splits=2), "page")
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 1000"):  # the debug mode still says what is wrong
+        flash_decode(q, k_pages, v_pages, lengths, block_table=bad_table, check_indices=True)
+    with pytest.raises(ValueError, match="check_indices"):
+        flash_decode(q, k, v, lengths, check_indices="yes")
+
+
+def test_varlen_checks_cu_seqlens_on_request():
+    q, k, v = _packed([3, 5], [3, 5])
+    bad = torch.tensor([0, 9, 8], dtype=torch.int32)
+    for check in (None, True):  # CPU tensors: checked by default
+        with pytest.raises(ValueError, match="non-decreasing"):
+            flash_attention_varlen(q, k, v, bad, _cu([3, 5]), 5, 5, check_indices=check)
