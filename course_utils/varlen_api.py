@@ -120,9 +120,11 @@ def _decode_single(heads, heads_kv, dim, seq_new, page_size, causal, window_size
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _decode_merge(heads, dim, seq_new, dtype, target):
+def _decode_merge(heads, dim, seq_new, dtype, target, allocates=True):
+    """``allocates``: the kernel returns (O, LSE), allocated by TileLang's wrapper; ``False``: the caller passes
+    them (``flash_decode``: the wrapper resolves each output's run-time shape on the host at every call)."""
     return compile_kernel(flash_decode_merge_kernel(heads, dim, seq_new, dtype=dtype, target=target),
-                          out_idx=[3, 4], target=target, dtype=dtype)
+                          out_idx=[3, 4] if allocates else [], target=target, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=16)
@@ -161,12 +163,14 @@ def _decode_key(q, k_cache, block_table, causal, window_size, sm_scale):
             config)
 
 
-def decode_kernels(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None):
+def decode_kernels(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None,
+                   merge_allocates=True):
     """The compiled (split, merge) kernels and their ``DecodeConfig`` that ``flash_decode`` runs here
-    with two splits or more (one split: ``decode_single_kernel``)."""
+    with two splits or more (one split: ``decode_single_kernel``). The merge returns (O, LSE), or with
+    ``merge_allocates=False`` (as ``flash_decode`` calls it) writes them into its last two arguments."""
     key = _decode_key(q, k_cache, block_table, causal, window_size, sm_scale)
     heads, _, dim, seq_new, *_, dtype, target, config = key
-    return _decode_split(*key), _decode_merge(heads, dim, seq_new, dtype, target), config
+    return _decode_split(*key), _decode_merge(heads, dim, seq_new, dtype, target, merge_allocates), config
 
 
 def decode_single_kernel(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None):
@@ -287,11 +291,13 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
         decode_single_kernel(q, k_cache, **kernel_args)(q.contiguous(), k_cache, v_cache, table, lengths,
                                                         _sink_logits(sinks, heads, q.device), out, lse)
         return (out, lse) if return_lse else out
-    split, merge, _ = decode_kernels(q, k_cache, **kernel_args)
+    split, merge, _ = decode_kernels(q, k_cache, merge_allocates=False, **kernel_args)
     o_part = torch.empty(batch, seq_new, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(batch, seq_new, heads, splits, dtype=torch.float32, device=q.device)
     split(q.contiguous(), k_cache, v_cache, table, lengths, o_part, lse_part)
-    out, lse = merge(o_part, lse_part, _sink_logits(sinks, heads, q.device))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, seq_new, dtype=torch.float32, device=q.device)
+    merge(o_part, lse_part, _sink_logits(sinks, heads, q.device), out, lse)
     return (out, lse) if return_lse else out
 
 

@@ -197,11 +197,11 @@ def precompile():
     x64 = torch.empty(8, 64, 64, device="cuda", dtype=torch.bfloat16)
     kv64 = torch.empty(8, 8, 64, device="cuda", dtype=torch.bfloat16)
     jobs = [
-        lambda: decode_kernels(*q_cache(64, 8, 64, 4), block_table=table, causal=True),
+        lambda: decode_kernels(*q_cache(64, 8, 64, 4), block_table=table, causal=True, merge_allocates=False),
         lambda: decode_single_kernel(*q_cache(64, 8, 64, 4), block_table=table, causal=True),
-        lambda: decode_kernels(*q_cache(64, 8, 64, 4), block_table=table, window_size=1000),
+        lambda: decode_kernels(*q_cache(64, 8, 64, 4), block_table=table, window_size=1000, merge_allocates=False),
         lambda: decode_single_kernel(*q_cache(64, 8, 64, 4), block_table=table, window_size=1000),
-        lambda: decode_kernels(*q_cache(16, 16, 128, 1, torch.float16), causal=True),
+        lambda: decode_kernels(*q_cache(16, 16, 128, 1, torch.float16), causal=True, merge_allocates=False),
         lambda: decode_single_kernel(*q_cache(16, 16, 128, 1, torch.float16), causal=True),
         lambda: varlen_kernels(x64, kv64, window_size=128),
         lambda: _varlen_small_kernels(64, "bfloat16", "cuda"),

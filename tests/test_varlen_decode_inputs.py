@@ -189,3 +189,40 @@ def test_varlen_checks_cu_seqlens_on_request():
     for check in (None, True):  # CPU tensors: checked by default
         with pytest.raises(ValueError, match="non-decreasing"):
             flash_attention_varlen(q, k, v, bad, _cu([3, 5]), 5, 5, check_indices=check)
+
+
+# ---------------------------------------------------------------------------------------------- one kernel
+
+@pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window_size=5)])
+@pytest.mark.parametrize("sinks", [[100.0, -INF, 0.3, -50.0], None])
+def test_one_split_kernel_matches_split_and_merge_and_the_reference(mask, sinks):
+    """One split runs one kernel that adds each row's sink itself (no merge): the reference's O and LSE, and
+    the split + merge path's, with sinks that dominate (100), vanish (−∞, −50) and rows that see no key."""
+    lengths = [0, 1, 16, 17, 40]
+    q = torch.randn(len(lengths), 2, H, D)
+    k, v = (torch.randn(len(lengths), 40, H_KV, D) for _ in range(2))
+    for t in (k, v):
+        for b, n in enumerate(lengths):
+            t[b, n:] = float("nan")
+    lengths = torch.tensor(lengths, dtype=torch.int32)
+    sinks = None if sinks is None else torch.tensor(sinks)
+    out, lse = flash_decode(q, k, v, lengths, sinks=sinks, num_splits=1, return_lse=True, **mask)
+    check_forward(q, k, v, out, lse, refs=decode_references(q, k, v, lengths, sinks=sinks, **mask), quiet=True,
+                  name="one kernel")
+    out3, lse3 = flash_decode(q, k, v, lengths, sinks=sinks, num_splits=3, return_lse=True, **mask)
+    check_close(out, out3, "one kernel vs split + merge: O")
+    check_close(lse, lse3, "one kernel vs split + merge: LSE")
+
+
+def test_split_count_rule():
+    """One split (one kernel) once B·H_kv fills a wave; otherwise at least num_stages + 1 key tiles per split."""
+    from course_utils.flash_decode import choose_num_splits, decode_config
+
+    config = decode_config("cuda", 64, 8, 64, 1)
+    for batch in (1, 8, 64):
+        for capacity in (128, 1024, 8192, 131072):
+            splits = choose_num_splits(batch, 8, capacity, num_sms=132, config=config, dim=64)
+            tiles = -(-capacity // config.block_N)
+            assert splits == 1 or tiles // splits >= config.num_stages + 1, (batch, capacity, splits)
+            if batch == 64:
+                assert splits == 1
