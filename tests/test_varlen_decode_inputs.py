@@ -226,3 +226,22 @@ def test_split_count_rule():
             assert splits == 1 or tiles // splits >= config.num_stages + 1, (batch, capacity, splits)
             if batch == 64:
                 assert splits == 1
+
+
+@pytest.mark.parametrize("page_size", [None, 256])
+def test_one_split_kernel_lowers_for_the_h100(page_size):
+    """sm_90a lowering, no GPU: the one-kernel path keeps the split kernel's TMA loads and warp specialisation,
+    reads the sinks itself, and clamps the length and (paged) the page number it loads from."""
+    from course_utils.flash_decode import decode_config, flash_decode_kernel
+    from course_utils.source import cuda_source
+
+    config = decode_config("cuda", 64, 8, 64, 1, page_size)
+    kernel = flash_decode_kernel(64, 8, 64, 1, page_size=page_size, dtype="bfloat16", single=True, target="cuda",
+                                 **config._asdict())
+    source = cuda_source(kernel, pass_configs=config.pass_configs())
+    assert "flash_decode_single_kernel" in source and "tl::tma_load" in source and "Sinks[" in source
+    assert "O_part" not in source
+    capacity = "(max_pages * 256)" if page_size else "seq_max"
+    assert f"max(min(CacheSeqlens[((int64_t)((int)blockIdx.y))], {capacity}), 0)" in source
+    if page_size:
+        assert "(num_pages - 1)), 0)" in source  # the looked-up page, clamped into the pool
