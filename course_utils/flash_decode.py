@@ -24,6 +24,7 @@ partial buffers, so one compiled kernel serves every batch size, cache size and 
     python -m course_utils.flash_decode     # check against the reference (and time it, on a GPU)
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -84,6 +85,7 @@ def decode_rows(heads, heads_kv, seq_new):
     return heads // heads_kv * seq_new
 
 
+@functools.lru_cache(maxsize=64)  # called at every decoding step: the answer depends on these ints only
 def decode_config(target, heads, heads_kv, dim, seq_new, page_size=None):
     """The tiling ``flash_decode`` uses: the target's default, with ``block_M`` fitted to the packed
     rows and ``block_N`` shrunk, if needed, to divide the page size."""
