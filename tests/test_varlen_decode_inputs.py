@@ -245,3 +245,19 @@ def test_one_split_kernel_lowers_for_the_h100(page_size):
     assert f"max(min(CacheSeqlens[((int64_t)((int)blockIdx.y))], {capacity}), 0)" in source
     if page_size:
         assert "(num_pages - 1)), 0)" in source  # the looked-up page, clamped into the pool
+
+
+@pytest.mark.parametrize("schedule", ["list", "grid"])
+def test_both_schedules_backward_with_the_lse_layout_from_host_or_device(schedule):
+    """The list schedule's LSE layout comes from cu_seqlens read on the host, the grid's from the device (no
+    read): both give the reference's gradients, with empty sequences and lengths off the block size."""
+    lq, lk = [17, 0, 1, 33, 5], [20, 3, 0, 33, 5]
+    q, k, v = _packed(lq, lk, requires_grad=True)
+    sinks = torch.randn(H, requires_grad=True)
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    out = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, sinks=sinks, schedule=schedule,
+                                 check_indices=False)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), d_out)
+    refs = varlen_references(q, k, v, cu_q, cu_k, d_out=d_out, causal=True, sinks=sinks)
+    check_backward(q, k, v, d_out, grads, refs=refs, name=schedule, quiet=True)
