@@ -291,6 +291,12 @@ def _no_sinks(heads, device):
     return torch.full((heads,), float("-inf"), device=device)
 
 
+def sink_probability(sink, lse):
+    """P_sink = exp(sink − LSE), and 0 where the sink's logit is −∞: a row that saw no key and has no sink
+    has LSE −∞ too, and exp(−∞ − (−∞)) would be NaN (the float64 reference gives 0 there)."""
+    return torch.where(sink == float("-inf"), 0.0, torch.exp(sink - lse))
+
+
 def sink_logits(sinks, heads, device):
     """The kernels' ``Sinks`` argument: float32 logits [H], or -inf for every head when there are none.
 
@@ -338,7 +344,7 @@ def attention_backward(q, k, v, out, lse, d_out, *, d_lse=None, causal=False, wi
     d_sinks = None
     if sinks is not None:
         # d(loss)/d(sink_h) = -Σ_{b,i} P_sink[b,h,i] · (Δ − dLSE)[b,h,i], with P_sink = exp(sink_h - LSE).
-        p_sink = torch.exp(sinks.detach().float()[None, :, None] - lse)
+        p_sink = sink_probability(sinks.detach().float()[None, :, None], lse)
         d_sinks = -(p_sink * delta).sum(dim=(0, 2))
     # endregion
     return dq, dk, dv, d_sinks

@@ -24,6 +24,7 @@ partial buffers, so one compiled kernel serves every batch size, cache size and 
     python -m course_utils.flash_decode     # check against the reference (and time it, on a GPU)
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -84,6 +85,7 @@ def decode_rows(heads, heads_kv, seq_new):
     return heads // heads_kv * seq_new
 
 
+@functools.lru_cache(maxsize=64)  # called at every decoding step: the answer depends on these ints only
 def decode_config(target, heads, heads_kv, dim, seq_new, page_size=None):
     """The tiling ``flash_decode`` uses: the target's default, with ``block_M`` fitted to the packed
     rows and ``block_N`` shrunk, if needed, to divide the page size."""
@@ -98,7 +100,7 @@ def decode_config(target, heads, heads_kv, dim, seq_new, page_size=None):
 
 def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal=False, window_size=None,
                         sm_scale=None, dtype="float16", block_M=None, block_N=128, num_stages=2, threads=128,
-                        warp_specialize=True, min_blocks=0, target=None):
+                        warp_specialize=True, min_blocks=0, single=False, target=None):
     """Return the split kernel: partial O and LSE of each (sequence, new token, query head, split).
 
     Tensors: Q [B, S_new, H, D]; K, V [B, S_max, H_kv, D], or with ``page_size`` the pages
@@ -107,6 +109,16 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
     splits] in float32. New token ``s`` of sequence ``b`` sits at position
     ``cache_seqlens[b] − S_new + s`` (``causal``; a ``window_size`` implies causal).
     ``warp_specialize`` and ``min_blocks``: see ``DecodeConfig`` (compile with its ``pass_configs``).
+
+    ``single=True``: the one-split kernel, with no merge after it. Each block then owns a whole
+    sequence's cache, starts its running max at its rows' sinks (Sinks [H], float32, -inf for none)
+    and writes the final Output [B, S_new, H, D] (``dtype``) and LSE [B, H, S_new] itself: one launch
+    per decoding step instead of two, which is what a small cache costs (a launch, not a read).
+
+    Indices are clamped, never trusted: a length is read as ``min(max(cache_seqlens[b], 0),
+    capacity)`` and a page number as ``min(max(block_table[b, j], 0), num_pages − 1)``, so a bad index
+    (which ``flash_decode`` checks only on request: it would need the host to read the indices) gives
+    a wrong result for its sequence but never a read outside the cache.
     """
     tb = TileBackend(target)
     p_model = prelude(heads, seq_new, 1, dim, heads_kv=heads_kv, causal=causal or window_size is not None,
@@ -123,21 +135,128 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
     if paged:
         num_pages, max_pages = T.dynamic("num_pages, max_pages")
         cache_shape = [num_pages, page_size, heads_kv, dim]
+        capacity = max_pages * page_size
     else:
         seq_max = T.dynamic("seq_max")
         cache_shape = [batch, seq_max, heads_kv, dim]
         max_pages = 1
+        capacity = seq_max
 
     @T.macro
     def load_tile(Cache, BlockTable, tile, b, kv_head, kb):
         # region: load a key tile
         if paged:  # the page holding keys kb·block_N …, looked up in the block table (inline: no let
-            # binding, which warp specialisation would leave behind in the consumer's branch)
-            T.copy(Cache[BlockTable[b, kb * block_N // page_size], kb * block_N % page_size:
-                         kb * block_N % page_size + block_N, kv_head, :], tile)
+            # binding, which warp specialisation would leave behind in the consumer's branch); a page
+            # number outside the pool is clamped into it (never a read outside the cache)
+            T.copy(Cache[T.max(T.min(BlockTable[b, kb * block_N // page_size], num_pages - 1), 0),
+                         kb * block_N % page_size:kb * block_N % page_size + block_N, kv_head, :], tile)
         else:
             T.copy(Cache[b, kb * block_N:(kb + 1) * block_N, kv_head, :], tile)
         # endregion
+
+    @T.macro
+    def decode_block(Q, K, V, BlockTable, CacheSeqlens, Sinks, Out, Lse, bx, split, b, num_splits):
+        Q_s = tb.shared([block_M, dim], dtype)
+        K_s = tb.shared([block_N, dim], dtype)
+        V_s = tb.shared([block_N, dim], dtype)
+        S = tb.fragment([block_M, block_N], ACCUM)
+        P_s = tb.shared([block_M, block_N], dtype)  # the few rows' P goes to every warp of the PV gemm
+        acc_o = tb.fragment([block_M, dim], ACCUM)
+        m = tb.fragment([block_M], ACCUM)
+        m_prev = tb.fragment([block_M], ACCUM)
+        shift = tb.fragment([block_M], ACCUM)
+        alpha = tb.fragment([block_M], ACCUM)
+        row_sum = tb.fragment([block_M], ACCUM)
+        l = tb.fragment([block_M], ACCUM)  # noqa: E741
+        if tb.on_gpu and min_blocks:
+            T.annotate_min_blocks_per_sm(min_blocks)
+            if warp_specialize:
+                T.no_set_max_nreg()  # the consumers must not claim the registers the other blocks need
+
+        # region: packed query tile
+        kv_head = bx // row_tiles
+        first_row = bx % row_tiles * block_M  # row r of the group: new token r // group, head r % group
+        p = with_lengths(p_model, seq_new, T.max(T.min(CacheSeqlens[b], capacity), 0))  # clamped: see above
+        for i, d in tb.parallel(block_M, dim):
+            r = T.min(first_row + i, rows - 1)  # padding rows repeat the last row; never stored
+            Q_s[i, d] = Q[b, r // group, kv_head * group + r % group, d]
+        # endregion
+
+        # region: this split's key blocks
+        last_row = T.min(first_row + block_M, rows) - 1
+        start, end = key_range_of_queries(p, first_row // group, last_row // group + 1, block_N)
+        blocks = T.max(end - start, 0)
+        # Splits differ by at most one key block (truncdiv: every term is ≥ 0, so no sign fix-ups).
+        split_start = start + T.truncdiv(split * blocks, num_splits)
+        split_tiles = start + T.truncdiv((split + 1) * blocks, num_splits) - split_start
+        # endregion
+        T.fill(acc_o, 0)
+        T.fill(l, 0)
+        if single:  # the sink counts in the running max from the start (one sink per row: its query head)
+            for i in tb.parallel(block_M):
+                m[i] = Sinks[kv_head * group + T.min(first_row + i, rows - 1) % group] * (1.0 / p.sm_scale)
+        else:
+            T.fill(m, NEG_INF)
+
+        for t in T.Pipelined(split_tiles, num_stages=num_stages):
+            kb = split_start + t
+            load_tile(K, BlockTable, K_s, b, kv_head, kb)
+            T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+            for i, j in tb.parallel(block_M, block_N):  # every tile: a decoding tile is mostly boundary
+                S[i, j] = T.if_then_else(visible(p, (first_row + i) // group, kb * block_N + j), S[i, j], NEG_INF)
+            online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
+            T.copy(S, P_s)
+            for i, d in tb.parallel(block_M, dim):
+                acc_o[i, d] *= alpha[i]
+            load_tile(V, BlockTable, V_s, b, kv_head, kb)
+            zero_rows_past_end(tb, V_s, kb * block_N, p.seq_k, block_N, dim)  # never-written cache slots
+            T.gemm(P_s, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+        if single:
+            # region: final result
+            for i in tb.parallel(block_M):  # add each row's sink (≤ 1 against m, which includes it)
+                shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] * p.scale_log2)
+                l[i] += T.exp2(Sinks[kv_head * group + T.min(first_row + i, rows - 1) % group] * LOG2E - shift[i])
+            for i, d in tb.parallel(block_M, dim):
+                acc_o[i, d] = T.if_then_else(l[i] == 0, 0, acc_o[i, d] / l[i])
+            for i, d in tb.parallel(block_M, dim):
+                if first_row + i < rows:
+                    Out[b, (first_row + i) // group, kv_head * group + (first_row + i) % group, d] = \
+                        T.cast(acc_o[i, d], dtype)
+            for i in tb.parallel(block_M):
+                if first_row + i < rows:
+                    Lse[b, kv_head * group + (first_row + i) % group, (first_row + i) // group] = \
+                        natural_lse(l[i], shift[i])
+            # endregion
+        else:
+            # region: partial result
+            normalise_rows(tb, p, acc_o, l, m, shift, None, 0, block_M, dim, False)  # the sink joins in the merge
+            for i, d in tb.parallel(block_M, dim):  # row r: new token r // group, query head of the group r % group
+                if first_row + i < rows:
+                    Out[b, (first_row + i) // group, kv_head * group + (first_row + i) % group, split, d] = \
+                        acc_o[i, d]
+            for i in tb.parallel(block_M):
+                if first_row + i < rows:
+                    Lse[b, (first_row + i) // group, kv_head * group + (first_row + i) % group, split] = \
+                        natural_lse(l[i], shift[i])
+            # endregion
+
+    if single:
+        @T.prim_func
+        def flash_decode_single(
+            Q: T.Tensor([batch, seq_new, heads, dim], dtype),
+            K: T.Tensor(cache_shape, dtype),
+            V: T.Tensor(cache_shape, dtype),
+            BlockTable: T.Tensor([batch, max_pages], "int32"),
+            CacheSeqlens: T.Tensor([batch], "int32"),
+            Sinks: T.Tensor([heads], ACCUM),
+            Output: T.Tensor([batch, seq_new, heads, dim], dtype),
+            LSE: T.Tensor([batch, heads, seq_new], ACCUM),
+        ):
+            with tb.kernel(heads_kv * row_tiles, batch, threads=threads) as (bx, b):
+                decode_block(Q, K, V, BlockTable, CacheSeqlens, Sinks, Output, LSE, bx, 0, b, 1)
+
+        return flash_decode_single
 
     @T.prim_func
     def flash_decode_split(
@@ -151,69 +270,7 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
     ):
         # K/V head fastest: the blocks that run together read neighbouring slices of the same cache rows.
         with tb.kernel(heads_kv * row_tiles, splits, batch, threads=threads) as (bx, split, b):
-            Q_s = tb.shared([block_M, dim], dtype)
-            K_s = tb.shared([block_N, dim], dtype)
-            V_s = tb.shared([block_N, dim], dtype)
-            S = tb.fragment([block_M, block_N], ACCUM)
-            P_s = tb.shared([block_M, block_N], dtype)  # the few rows' P goes to every warp of the PV gemm
-            acc_o = tb.fragment([block_M, dim], ACCUM)
-            m = tb.fragment([block_M], ACCUM)
-            m_prev = tb.fragment([block_M], ACCUM)
-            shift = tb.fragment([block_M], ACCUM)
-            alpha = tb.fragment([block_M], ACCUM)
-            row_sum = tb.fragment([block_M], ACCUM)
-            l = tb.fragment([block_M], ACCUM)  # noqa: E741
-            if tb.on_gpu and min_blocks:
-                T.annotate_min_blocks_per_sm(min_blocks)
-                if warp_specialize:
-                    T.no_set_max_nreg()  # the consumers must not claim the registers the other blocks need
-
-            # region: packed query tile
-            kv_head = bx // row_tiles
-            first_row = bx % row_tiles * block_M  # row r of the group: new token r // group, head r % group
-            p = with_lengths(p_model, seq_new, CacheSeqlens[b])
-            for i, d in tb.parallel(block_M, dim):
-                r = T.min(first_row + i, rows - 1)  # padding rows repeat the last row; never stored
-                Q_s[i, d] = Q[b, r // group, kv_head * group + r % group, d]
-            # endregion
-
-            # region: this split's key blocks
-            last_row = T.min(first_row + block_M, rows) - 1
-            start, end = key_range_of_queries(p, first_row // group, last_row // group + 1, block_N)
-            blocks = T.max(end - start, 0)
-            # Splits differ by at most one key block (truncdiv: every term is ≥ 0, so no sign fix-ups).
-            split_start = start + T.truncdiv(split * blocks, splits)
-            split_tiles = start + T.truncdiv((split + 1) * blocks, splits) - split_start
-            # endregion
-            T.fill(acc_o, 0)
-            T.fill(l, 0)
-            T.fill(m, NEG_INF)
-
-            for t in T.Pipelined(split_tiles, num_stages=num_stages):
-                kb = split_start + t
-                load_tile(K, BlockTable, K_s, b, kv_head, kb)
-                T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-                for i, j in tb.parallel(block_M, block_N):  # every tile: a decoding tile is mostly boundary
-                    S[i, j] = T.if_then_else(visible(p, (first_row + i) // group, kb * block_N + j), S[i, j], NEG_INF)
-                online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
-                T.copy(S, P_s)
-                for i, d in tb.parallel(block_M, dim):
-                    acc_o[i, d] *= alpha[i]
-                load_tile(V, BlockTable, V_s, b, kv_head, kb)
-                zero_rows_past_end(tb, V_s, kb * block_N, p.seq_k, block_N, dim)  # never-written cache slots
-                T.gemm(P_s, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
-
-            # region: partial result
-            normalise_rows(tb, p, acc_o, l, m, shift, None, 0, block_M, dim, False)  # the sink joins in the merge
-            for i, d in tb.parallel(block_M, dim):  # row r: new token r // group, query head of the group r % group
-                if first_row + i < rows:
-                    O_part[b, (first_row + i) // group, kv_head * group + (first_row + i) % group, split, d] = \
-                        acc_o[i, d]
-            for i in tb.parallel(block_M):
-                if first_row + i < rows:
-                    LSE_part[b, (first_row + i) // group, kv_head * group + (first_row + i) % group, split] = \
-                        natural_lse(l[i], shift[i])
-            # endregion
+            decode_block(Q, K, V, BlockTable, CacheSeqlens, None, O_part, LSE_part, bx, split, b, splits)
 
     return flash_decode_split
 
@@ -274,15 +331,19 @@ def blocks_per_sm(config, dim, dtype_bytes=2, smem_per_sm=228 * 1024):
 
 
 def choose_num_splits(batch, heads_kv, capacity, *, num_sms, config, dim, row_tiles=1, max_splits=MAX_SPLITS,
-                      min_blocks_per_split=2):
+                      min_blocks_per_split=None):
     """How many splits one decoding step uses, from (B, H_kv, cache capacity) and the GPU's SMs.
 
     Without splitting there are B·H_kv·row_tiles thread blocks; the GPU runs ``num_sms ·
     blocks_per_sm`` of them at once (one *wave*). When they fill a wave already, splitting only adds
-    merge work: 1 split. Otherwise use as many splits as still fit in one wave, so every block
-    starts at once and they all finish together (one more split would spill a few blocks into a
-    second, nearly empty wave), keeping at least ``min_blocks_per_split`` key tiles per split.
+    merge work: 1 split, and one kernel (no merge launch). Otherwise use as many splits as still fit
+    in one wave, so every block starts at once and they all finish together (one more split would
+    spill a few blocks into a second, nearly empty wave), but give every split at least
+    ``min_blocks_per_split`` key tiles (default: ``num_stages + 1``, so its pipeline fills; a split
+    shorter than that is a launch and a merge for a few loads).
     """
+    if min_blocks_per_split is None:
+        min_blocks_per_split = config.num_stages + 1
     blocks = batch * heads_kv * row_tiles
     wave = num_sms * blocks_per_sm(config, dim)
     key_blocks = math.ceil(capacity / config.block_N)

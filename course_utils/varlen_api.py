@@ -8,10 +8,13 @@
   against a KV cache, contiguous or paged. FlashAttention's ``flash_attn_with_kvcache``.
 
 Every input is checked here, before anything is compiled or launched: a bad input gets a
-``ValueError`` (or ``TypeError``) that says what is wrong. The index tensors (``cu_seqlens``,
-``cache_seqlens``, ``block_table``) are read on the host for that, which waits for the GPU once per
-call; ``flash_decode(..., check_indices=False)`` skips that read for a decoding loop whose indices are
-already trusted (the kernels then read whatever the indices point at).
+``ValueError`` (or ``TypeError``) that says what is wrong. Shapes, dtypes, devices and the
+``max_seqlen`` arguments are checked from what the host knows, with no wait for the GPU. The *values*
+of the index tensors (``cu_seqlens``, ``cache_seqlens``, ``block_table``) would have to be read back
+for a check, a wait for the GPU on every call (and no CUDA graph): ``check_indices=None`` (default)
+checks them only where they are CPU tensors already, ``True`` everywhere (a debug mode), ``False``
+never. Unchecked on the GPU, the decoding kernel clamps every index into the cache, so a bad one
+gives a wrong answer for its sequence, never a read outside the cache.
 """
 
 import functools
@@ -31,6 +34,7 @@ from .attention import (
     default_backward_config,
     default_forward_config,
     is_hopper,
+    sink_probability,
 )
 from .flash_decode import choose_num_splits, decode_config, decode_rows, flash_decode_kernel, flash_decode_merge_kernel
 from .flash_varlen import (
@@ -46,7 +50,8 @@ from .flash_varlen import (
 from .reference import check_qkv_agree, check_window_and_sinks
 from .tiles import compile_kernel
 
-__all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_num_splits",
+__all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_single_kernel",
+           "decode_num_splits",
            "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG"]
 
 _CACHE_SIZE = 32
@@ -107,9 +112,19 @@ def _decode_split(heads, heads_kv, dim, seq_new, page_size, causal, window_size,
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _decode_merge(heads, dim, seq_new, dtype, target):
+def _decode_single(heads, heads_kv, dim, seq_new, page_size, causal, window_size, sm_scale, dtype, target, config):
+    func = flash_decode_kernel(heads, heads_kv, dim, seq_new, page_size=page_size, causal=causal,
+                               window_size=window_size, sm_scale=sm_scale, dtype=dtype, target=target, single=True,
+                               **config._asdict())
+    return compile_kernel(func, out_idx=[], target=target, dtype=dtype, pass_configs=config.pass_configs())
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _decode_merge(heads, dim, seq_new, dtype, target, allocates=True):
+    """``allocates``: the kernel returns (O, LSE), allocated by TileLang's wrapper; ``False``: the caller passes
+    them (``flash_decode``: the wrapper resolves each output's run-time shape on the host at every call)."""
     return compile_kernel(flash_decode_merge_kernel(heads, dim, seq_new, dtype=dtype, target=target),
-                          out_idx=[3, 4], target=target, dtype=dtype)
+                          out_idx=[3, 4] if allocates else [], target=target, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=16)
@@ -130,14 +145,13 @@ def _cache_layout(q, k_cache, block_table):
         raise ValueError(f"block_table must have shape [batch, max_pages]; got {list(block_table.shape)}")
     _check_index_tensor("block_table", block_table, (batch, block_table.shape[1]), q.device)
     page_size = k_cache.shape[1]
-    if page_size % 16:
-        raise ValueError(f"page_size (k_cache.shape[1] = {page_size}) must be a multiple of 16 (a key tile "
-                         "never straddles two pages)")
+    if page_size == 0 or page_size % 16:
+        raise ValueError(f"page_size (k_cache.shape[1] = {page_size}) must be a positive multiple of 16 (a key "
+                         "tile never straddles two pages)")
     return block_table.shape[1] * page_size, page_size
 
 
-def decode_kernels(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None):
-    """The compiled (split, merge) kernels and their ``DecodeConfig`` that ``flash_decode`` runs here."""
+def _decode_key(q, k_cache, block_table, causal, window_size, sm_scale):
     page_size = None if block_table is None else k_cache.shape[1]
     target = _target(q)
     batch, seq_new, heads, dim = q.shape
@@ -145,9 +159,23 @@ def decode_kernels(q, k_cache, *, block_table=None, causal=False, window_size=No
     config = decode_config(target, heads, heads_kv, dim, seq_new, page_size)
     scale = 1.0 / math.sqrt(dim) if sm_scale is None else float(sm_scale)
     causal = bool(causal or window_size is not None)
-    split = _decode_split(heads, heads_kv, dim, seq_new, page_size, causal, window_size, scale,
-                          _DTYPE_NAMES[q.dtype], target, config)
-    return split, _decode_merge(heads, dim, seq_new, _DTYPE_NAMES[q.dtype], target), config
+    return (heads, heads_kv, dim, seq_new, page_size, causal, window_size, scale, _DTYPE_NAMES[q.dtype], target,
+            config)
+
+
+def decode_kernels(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None,
+                   merge_allocates=True):
+    """The compiled (split, merge) kernels and their ``DecodeConfig`` that ``flash_decode`` runs here
+    with two splits or more (one split: ``decode_single_kernel``). The merge returns (O, LSE), or with
+    ``merge_allocates=False`` (as ``flash_decode`` calls it) writes them into its last two arguments."""
+    key = _decode_key(q, k_cache, block_table, causal, window_size, sm_scale)
+    heads, _, dim, seq_new, *_, dtype, target, config = key
+    return _decode_split(*key), _decode_merge(heads, dim, seq_new, dtype, target, merge_allocates), config
+
+
+def decode_single_kernel(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None):
+    """The compiled one-split kernel ``flash_decode`` runs when one split suffices (no merge launch)."""
+    return _decode_single(*_decode_key(q, k_cache, block_table, causal, window_size, sm_scale))
 
 
 @functools.lru_cache(maxsize=8)
@@ -174,8 +202,18 @@ def decode_num_splits(q, k_cache, *, block_table=None):
                              row_tiles=math.ceil(rows / config.block_M))
 
 
+def _wants_index_check(check_indices, *tensors):
+    """``check_indices=None``: check where the index tensors are on the host already (free); on the GPU the
+    check would wait for it (a sync per call), so it runs only when asked for."""
+    if check_indices is None:
+        return all(t.device.type == "cpu" for t in tensors if t is not None)
+    if not isinstance(check_indices, bool):
+        raise ValueError(f"check_indices must be True, False or None; got {check_indices!r}")
+    return check_indices
+
+
 def _check_decode_indices(cache_seqlens, block_table, capacity, page_size, num_pages):
-    lengths = cache_seqlens.cpu()  # one wait for the GPU
+    lengths = cache_seqlens.cpu()  # on a GPU: one wait for it
     if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > capacity):
         where = "the pages given (max_pages × page_size)" if page_size else "the cache (k_cache.shape[1])"
         raise ValueError(f"cache_seqlens must lie in [0, {capacity}], the capacity of {where}; got values from "
@@ -193,7 +231,7 @@ def _check_decode_indices(cache_seqlens, block_table, capacity, page_size, num_p
 
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal=False, sm_scale=None,
-                 window_size=None, sinks=None, num_splits=None, return_lse=False, check_indices=True):
+                 window_size=None, sinks=None, num_splits=None, return_lse=False, check_indices=None):
     """One decoding step against a KV cache (FlashAttention's ``flash_attn_with_kvcache`` layout).
 
     q: [B, S_new, H, D], the S_new new query tokens of each sequence. The cache is contiguous,
@@ -203,8 +241,20 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
     included. With ``causal``, new token i of sequence b sits at position ``cache_seqlens[b] − S_new + i``;
     a ``window_size`` W (implies causal) lets it see its last W keys; ``sinks`` (float [H]) are
     gpt-oss's per-head sink logits. ``num_splits`` (None: ``decode_num_splits``) is how many thread
-    blocks share one sequence's cache. Returns O [B, S_new, H, D] (and the natural-log LSE
-    [B, H, S_new], float32, with ``return_lse``). Forward only.
+    blocks share one sequence's cache; with one split a single kernel writes the result (no merge
+    launch). Returns O [B, S_new, H, D] (and the natural-log LSE [B, H, S_new], float32, with
+    ``return_lse``). Forward only.
+
+    No wait for the GPU: every check of shapes, dtypes and devices uses what the host knows, and the
+    split count comes from shapes, so a decoding step can be captured in a CUDA graph and replayed with
+    new q, cache contents and ``cache_seqlens``. The *values* of the indices are not read on the host
+    unless they are there already: ``check_indices`` None (default) checks them (``cache_seqlens`` in
+    [0, capacity], the block-table entries a sequence uses naming pages of the cache; ValueError
+    otherwise) when they are CPU tensors, and not when they are on a GPU, where reading them would
+    stall every step (20–45% of a step on the H100, and no CUDA graph). ``True`` checks them anywhere
+    (a debug mode: one sync per call); ``False`` never. Unchecked, the kernel clamps every index into
+    the cache (a length into [0, capacity], a page number into [0, num_pages − 1]): a bad index gives
+    a wrong result for its own sequence, never a read outside the cache or a fault.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         layout = "[batch, new_tokens, heads, head_dim]" if name == "q" else \
@@ -223,20 +273,31 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
-    if check_indices:
+    if _wants_index_check(check_indices, cache_seqlens, block_table):
         _check_decode_indices(cache_seqlens, block_table, capacity, page_size, k_cache.shape[0])
     if window_size is not None and window_size >= capacity:
         window_size, causal = None, True  # a window as long as the cache hides only what causal hides
 
-    split, merge, _ = decode_kernels(q, k_cache, block_table=block_table, causal=causal, window_size=window_size,
-                                     sm_scale=scale)
     splits = decode_num_splits(q, k_cache, block_table=block_table) if num_splits is None else num_splits
     heads, dim = q.shape[2], q.shape[3]
+    # The kernels take dense index tensors; a strided view (block_table = wide[:, :n], a cache_seqlens view)
+    # is copied, as FlashAttention accepts it.
+    table = _no_block_table(batch, q.device) if block_table is None else block_table.contiguous()
+    lengths = cache_seqlens.contiguous()
+    kernel_args = dict(block_table=block_table, causal=causal, window_size=window_size, sm_scale=scale)
+    if splits == 1:  # one kernel writes the result: no partials, no merge launch
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(batch, heads, seq_new, dtype=torch.float32, device=q.device)
+        decode_single_kernel(q, k_cache, **kernel_args)(q.contiguous(), k_cache, v_cache, table, lengths,
+                                                        _sink_logits(sinks, heads, q.device), out, lse)
+        return (out, lse) if return_lse else out
+    split, merge, _ = decode_kernels(q, k_cache, merge_allocates=False, **kernel_args)
     o_part = torch.empty(batch, seq_new, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(batch, seq_new, heads, splits, dtype=torch.float32, device=q.device)
-    table = _no_block_table(batch, q.device) if block_table is None else block_table
-    split(q.contiguous(), k_cache, v_cache, table, cache_seqlens, o_part, lse_part)
-    out, lse = merge(o_part, lse_part, _sink_logits(sinks, heads, q.device))
+    split(q.contiguous(), k_cache, v_cache, table, lengths, o_part, lse_part)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, seq_new, dtype=torch.float32, device=q.device)
+    merge(o_part, lse_part, _sink_logits(sinks, heads, q.device), out, lse)
     return (out, lse) if return_lse else out
 
 
@@ -273,7 +334,7 @@ def _self_check_decode():
         from .bench import time_side_by_side
 
         full = torch.full_like(lengths, seq_max)
-        ms = time_side_by_side({"ours": lambda: flash_decode(q, k, v, full, sinks=sinks, check_indices=False),
+        ms = time_side_by_side({"ours": lambda: flash_decode(q, k, v, full, sinks=sinks),
                                 "torch.sum": lambda: torch.sum(k) + torch.sum(v)})
         nbytes = 2 * k.numel() * k.element_size()
         print(f"B={batch}, context {seq_max}: ours {nbytes / ms['ours'] / 1e6:.0f} GB/s, "
@@ -294,28 +355,55 @@ VARLEN_CUDA_CONFIG = ForwardConfig(128, 128, 2, 256)
 
 
 class _Plan(NamedTuple):
-    """What the kernels need from ``cu_seqlens`` beyond the tensors: lengths and the two work lists."""
+    """What the kernels need beyond the tensors: the longest lengths, and for the "list" schedule (whose
+    work lists are made on the host from ``cu_seqlens``) the work lists and the backward's LSE layout."""
 
-    lengths_q: torch.Tensor  # CPU
-    lengths_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
-    forward_items: "torch.Tensor | None"  # "list" schedule only, on the device: (sequence, query block), heaviest first
-    backward_items: "torch.Tensor | None"  # (sequence, key block)
-    lse_rows: int  # the backward's block-aligned LSE/Δ layout (flash_varlen.lse_row_layout)
-    lse_index: torch.Tensor  # on the device
+    forward_items: "torch.Tensor | None" = None  # "list" schedule only, on the device: (sequence, query block)
+    backward_items: "torch.Tensor | None" = None  # (sequence, key block), heaviest first
+    lse_index: "torch.Tensor | None" = None  # on the device; None: made on the device from cu_seqlens_q
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_block, bwd_config, causal, schedule, device):
+def _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_block, bwd_config, causal, device):
+    """The "list" schedule's plan, from cu_seqlens read on the host (cached by them: every layer of a
+    model sees the same batch)."""
     lengths_q = torch.tensor(bounds_q[1:]) - torch.tensor(bounds_q[:-1])
     lengths_k = torch.tensor(bounds_k[1:]) - torch.tensor(bounds_k[:-1])
-    fwd = bwd = None  # the grid schedule needs no work list
-    if schedule == "list":
-        fwd = varlen_work_list(lengths_q, lengths_k, fwd_block, causal=causal).to(device)
-        bwd = varlen_work_list(lengths_q, lengths_k, bwd_config.block_N, causal=causal, by_keys=True).to(device)
-    rows, index = lse_row_layout(bounds_q, bwd_config.block_M)
-    return _Plan(lengths_q, lengths_k, max_seqlen_q, max_seqlen_k, fwd, bwd, rows, index.to(device))
+    fwd = varlen_work_list(lengths_q, lengths_k, fwd_block, causal=causal).to(device)
+    bwd = varlen_work_list(lengths_q, lengths_k, bwd_config.block_N, causal=causal, by_keys=True).to(device)
+    _, index = lse_row_layout(bounds_q, bwd_config.block_M)
+    return _Plan(max_seqlen_q, max_seqlen_k, fwd, bwd, index.to(device))
+
+
+def _lse_rows(total_q, batch, block_M):
+    """The number of columns of ``lse_row_layout`` from host-known sizes (no read of cu_seqlens)."""
+    return (total_q + batch * block_M + block_M - 1) // block_M * block_M
+
+
+def _lse_index_on_device(cu_seqlens_q, total_q, block_M, rows):
+    """``lse_row_layout``'s index computed on the device from cu_seqlens_q (no wait for the GPU): token t
+    of sequence b goes to column t − cu_seqlens_q[b] + (cu_seqlens_q[b] + b·block_M) // block_M · block_M.
+    Clamped into [0, rows): unchecked bad cu_seqlens give wrong gradients, never a write out of bounds."""
+    cu = cu_seqlens_q.long()
+    t = torch.arange(total_q, device=cu.device)
+    b = torch.searchsorted(cu[1:], t, right=True)  # the sequence of each token: ends ≤ t come before it
+    q0 = cu[b.clamp(max=cu.shape[0] - 1)]
+    return (t - q0 + (q0 + b * block_M) // block_M * block_M).clamp(0, rows - 1)
+
+
+INT32_MAX = 2 ** 31 - 1
+
+
+def _check_max_seqlen(name, max_seqlen, total):
+    """An int the kernels' int32 grid can hold, and no longer than the packed tensor (host-known: no wait)."""
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"{name} must be an int; got {type(max_seqlen).__name__}")
+    if not 0 <= max_seqlen <= INT32_MAX:
+        raise ValueError(f"{name} = {max_seqlen} must lie in [0, 2**31 - 1]: the kernels take it as an int32")
+    if max_seqlen > total:
+        raise ValueError(f"{name} = {max_seqlen} is longer than the packed length {total}: no sequence can be")
 
 
 def _check_bounds(name, bounds, total, max_seqlen, max_name):
@@ -426,10 +514,12 @@ class _FlashAttentionVarlen(torch.autograd.Function):
         if d_lse is not None:  # ∂LSE_i/∂S_ij = P_ij: the LSE's gradient joins dS = P ∘ (dP − Δ) as Δ − dLSE
             delta -= d_lse.float()
         # Both in the block-aligned layout the copy engine can load (lse_row_layout).
-        lse_rows, delta_rows = (torch.zeros(pr.heads, plan.lse_rows, dtype=torch.float32, device=q.device)
-                                for _ in range(2))
-        lse_rows[:, plan.lse_index] = lse
-        delta_rows[:, plan.lse_index] = delta
+        rows = _lse_rows(q.shape[0], cu_q.shape[0] - 1, config.block_M)
+        index = plan.lse_index if plan.lse_index is not None else _lse_index_on_device(cu_q, q.shape[0],
+                                                                                       config.block_M, rows)
+        lse_rows, delta_rows = (torch.zeros(pr.heads, rows, dtype=torch.float32, device=q.device) for _ in range(2))
+        lse_rows[:, index] = lse
+        delta_rows[:, index] = delta
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         gqa = pr.heads_kv != pr.heads
         dk, dv = ((torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)) if gqa
@@ -442,13 +532,13 @@ class _FlashAttentionVarlen(torch.autograd.Function):
         d_sinks = None
         if ctx.has_sinks and ctx.needs_input_grad[3]:
             # d(loss)/d(sink_h) = −Σ_t P_sink[h, t] · (Δ − dLSE)[h, t], with P_sink = exp(sink_h − LSE).
-            d_sinks = -(torch.exp(sink_logits[:, None] - lse) * delta).sum(dim=1)
+            d_sinks = -(sink_probability(sink_logits[:, None], lse) * delta).sum(dim=1)
         return dq, dk, dv, d_sinks, None, None, None, None, None, None, None
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                            sm_scale=None, window_size=None, sinks=None, return_lse=False, schedule=None, config=None,
-                           backward_config=None):
+                           backward_config=None, check_indices=None):
     """Attention over a packed batch of variable-length sequences (FlashAttention's ``flash_attn_varlen_func``).
 
     q: [total_q, H, D]; k, v: [total_k, H_kv, D] (H a multiple of H_kv: GQA). ``cu_seqlens_q`` and
@@ -461,6 +551,17 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q, k, v and sinks, through O and the LSE. ``schedule`` ("list" or "grid", see
     ``course_utils.flash_varlen``), ``config`` (a ``ForwardConfig``) and ``backward_config`` choose
     the kernels; the defaults are the fastest measured.
+
+    No wait for the GPU with the default "grid" schedule: as in FlashAttention's
+    ``flash_attn_varlen_func``, the caller passes ``max_seqlen_q``/``max_seqlen_k`` (known on the host
+    where the batch was packed), and the kernels take them from there instead of reading
+    ``cu_seqlens`` back. Checked without a read: each is an int in [0, 2³¹ − 1] (the kernels' int32)
+    and no longer than the packed q (k). The values of ``cu_seqlens`` (start at 0, non-decreasing, end
+    at the packed length, no sequence longer than ``max_seqlen_*``) are checked (ValueError) when
+    ``check_indices`` is True, or None (default) and they are CPU tensors; on a GPU, by default, they
+    are trusted (an unchecked bad ``cu_seqlens``, or a ``max_seqlen`` shorter than a sequence, gives
+    wrong results, and the backward's writes stay clamped in bounds). The "list" schedule makes its
+    work lists on the host, so it reads ``cu_seqlens`` (and checks them) on every call.
     """
     _check_tensor("q", q, 3, "[total_q, heads, head_dim]")
     _check_tensor("k", k, 3, "[total_k, heads_kv, head_dim]")
@@ -476,23 +577,28 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     if q.shape[0] == 0 or k.shape[0] == 0:
         raise ValueError(f"the packed q and k must hold at least one token each; got {q.shape[0]} and {k.shape[0]}")
-    bounds_q, bounds_k = tuple(cu_seqlens_q.tolist()), tuple(cu_seqlens_k.tolist())  # one wait for the GPU
-    _check_bounds("cu_seqlens_q", bounds_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
-    _check_bounds("cu_seqlens_k", bounds_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
-    if window_size is not None and window_size >= max_seqlen_k:
-        window_size, causal = None, True  # a window as long as every sequence hides only what causal hides
-    causal = bool(causal or window_size is not None)
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0])
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0])
     schedule = VARLEN_SCHEDULE if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
+    bounds_q = bounds_k = None
+    if schedule == "list" or _wants_index_check(check_indices, cu_seqlens_q):
+        bounds_q, bounds_k = tuple(cu_seqlens_q.tolist()), tuple(cu_seqlens_k.tolist())  # on a GPU: a wait for it
+        _check_bounds("cu_seqlens_q", bounds_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+        _check_bounds("cu_seqlens_k", bounds_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    if window_size is not None and window_size >= max_seqlen_k:
+        window_size, causal = None, True  # a window as long as every sequence hides only what causal hides
+    causal = bool(causal or window_size is not None)
     target = _target(q)
     fwd_config, bwd_config = _varlen_configs(target, q.shape[-1], causal, config, backward_config)
-    plan = _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_config.block_M, bwd_config, causal, schedule,
-                 q.device)
+    plan = _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_config.block_M, bwd_config, causal,
+                 q.device) if schedule == "list" else _Plan(max_seqlen_q, max_seqlen_k)
     problem = _VarlenProblem(q.shape[1], k.shape[1], q.shape[2], causal, window_size, scale, _DTYPE_NAMES[q.dtype],
                              target)
-    out, lse = _FlashAttentionVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, cu_seqlens_q,
-                                           cu_seqlens_k, plan, problem, fwd_config, bwd_config, schedule)
+    out, lse = _FlashAttentionVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks,
+                                           cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), plan, problem,
+                                           fwd_config, bwd_config, schedule)
     return (out, lse) if return_lse else out
 
 

@@ -64,6 +64,89 @@ def test_decode_multi_head_attention():
     check_forward(q, k, v, out, lse, refs=decode_references(q, k, v, lengths, causal=True), name="MHA")
 
 
+def _refill(q, k, v, lengths, seq_new=1):
+    """New contents in place (the addresses a captured graph holds): q, K, V, and lengths from 1 to the capacity
+    (sequence 0 at the capacity), every slot past a length NaN."""
+    batch, seq_max = k.shape[:2]
+    q.copy_(torch.randn_like(q))
+    new = torch.randint(seq_new, seq_max + 1, (batch,), device="cuda", dtype=torch.int32)
+    new[0] = seq_max
+    lengths.copy_(new)
+    for t in (k, v):
+        t.copy_(torch.randn_like(t))
+        t.masked_fill_(torch.arange(seq_max, device="cuda")[None, :, None, None] >= new[:, None, None, None],
+                       float("nan"))
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_step_replays_in_a_cuda_graph(paged, num_splits):
+    """The default path reads nothing back to the host: a decoding step is captured once in a CUDA graph and
+    replayed with new q, new cache contents and new lengths, each replay checked against the reference."""
+    batch, seq_max, heads, heads_kv, dim, page_size = 8, 4096, 64, 8, 64, 256
+    q = torch.empty(batch, 1, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.empty(batch, seq_max, heads_kv, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.empty(batch, dtype=torch.int32, device="cuda")
+    sinks = torch.randn(heads, device="cuda")
+    per_seq = seq_max // page_size
+    table = torch.randperm(batch * per_seq, device="cuda").view(batch, per_seq).to(torch.int32)
+    k_pages, v_pages = (torch.empty(batch * per_seq, page_size, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+
+    def write_pages():
+        for pages, cache in ((k_pages, k), (v_pages, v)):
+            pages[table.long()] = cache.view(batch, per_seq, page_size, heads_kv, dim)
+
+    caches, extra = ((k_pages, v_pages), dict(block_table=table)) if paged else ((k, v), {})
+
+    def step():
+        return flash_decode(q, *caches, lengths, sinks=sinks, num_splits=num_splits, return_lse=True, **extra)
+
+    _refill(q, k, v, lengths)
+    write_pages()
+    side = torch.cuda.Stream()  # warm up (compile, allocate) off the capturing stream, as PyTorch advises
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for replay in range(3):
+        _refill(q, k, v, lengths)
+        write_pages()
+        graph.replay()
+        torch.cuda.synchronize()
+        check_forward(q, k, v, out, lse, refs=decode_references(q, k, v, lengths, sinks=sinks),
+                      name=f"replay {replay}, paged={paged}, splits={num_splits}")
+
+
+def test_default_calls_never_wait_for_the_gpu():
+    """torch's sync debug mode turns any synchronising call into an error: flash_decode (both caches) and the
+    packed forward and backward (default "grid" schedule) make none."""
+    q, k, v, lengths = _cache(8, 4096, 8, 64, 1, 64)
+    k_pages, v_pages, table = _pages(k, v, lengths, 256)
+    sinks = torch.randn(64, device="cuda")
+    pq, pk, pv, cu = _packed(LENGTHS, 16, 16, 128, torch.float16)
+    leaves = [t.clone().requires_grad_() for t in (pq, pk, pv)]
+    calls = {"decode": lambda: flash_decode(q, k, v, lengths, sinks=sinks),
+             "decode paged": lambda: flash_decode(q, k_pages, v_pages, lengths, block_table=table, sinks=sinks),
+             "decode 1 split": lambda: flash_decode(q, k, v, lengths, sinks=sinks, num_splits=1),
+             "varlen forward + backward": lambda: flash_attention_varlen(
+                 *leaves, cu, cu, max(LENGTHS), max(LENGTHS), causal=True).backward(torch.ones_like(pq))}
+    for name, call in calls.items():
+        call()  # compile first (compiling may synchronise)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+        except RuntimeError as exc:
+            raise AssertionError(f"{name} waited for the GPU: {exc}") from exc
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 def _packed(lengths, heads, heads_kv, dim, dtype):
     total = sum(lengths)
     q = torch.randn(total, heads, dim, device="cuda", dtype=dtype)
@@ -104,7 +187,7 @@ def test_varlen_gpt_oss_window_sinks():
 def precompile():
     """Compile the kernels these tests use that the chapter 09 records do not, in parallel threads."""
     from course_utils.benchmarks.common import in_parallel
-    from course_utils.varlen_api import _varlen_small_kernels, decode_kernels, varlen_kernels
+    from course_utils.varlen_api import _varlen_small_kernels, decode_kernels, decode_single_kernel, varlen_kernels
 
     def q_cache(heads, heads_kv, dim, seq_new, dtype=torch.bfloat16):
         return (torch.empty(1, seq_new, heads, dim, device="cuda", dtype=dtype),
@@ -114,9 +197,12 @@ def precompile():
     x64 = torch.empty(8, 64, 64, device="cuda", dtype=torch.bfloat16)
     kv64 = torch.empty(8, 8, 64, device="cuda", dtype=torch.bfloat16)
     jobs = [
-        lambda: decode_kernels(*q_cache(64, 8, 64, 4), block_table=table, causal=True),
-        lambda: decode_kernels(*q_cache(64, 8, 64, 4), block_table=table, window_size=1000),
-        lambda: decode_kernels(*q_cache(16, 16, 128, 1, torch.float16), causal=True),
+        lambda: decode_kernels(*q_cache(64, 8, 64, 4), block_table=table, causal=True, merge_allocates=False),
+        lambda: decode_single_kernel(*q_cache(64, 8, 64, 4), block_table=table, causal=True),
+        lambda: decode_kernels(*q_cache(64, 8, 64, 4), block_table=table, window_size=1000, merge_allocates=False),
+        lambda: decode_single_kernel(*q_cache(64, 8, 64, 4), block_table=table, window_size=1000),
+        lambda: decode_kernels(*q_cache(16, 16, 128, 1, torch.float16), causal=True, merge_allocates=False),
+        lambda: decode_single_kernel(*q_cache(16, 16, 128, 1, torch.float16), causal=True),
         lambda: varlen_kernels(x64, kv64, window_size=128),
         lambda: _varlen_small_kernels(64, "bfloat16", "cuda"),
     ]

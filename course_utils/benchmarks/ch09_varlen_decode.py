@@ -13,9 +13,9 @@
   against SDPA's FlashAttention-2 and cuDNN on the batch padded to its longest sequence.
 
 Every result of ours is checked on every head (and every sequence) against the float64 reference
-before it is timed. Ours is timed through the public functions; ``flash_decode`` with
-``check_indices=False`` after one checked call (the check reads the indices on the host, which a
-decoding loop does not pay at every step).
+before it is timed. Ours is timed through the public functions with their defaults, as a user calls
+them: ``flash_decode`` reads nothing back to the host (its index checks run only on request), and
+picks its split count from shapes; one split is one kernel, more are the split kernel and the merge.
 """
 
 import torch
@@ -127,9 +127,8 @@ def decode_bandwidth(dims=DECODE_DIMS, batches=DECODE_BATCHES, contexts=DECODE_C
                 errors_p = check_forward(q, k, v, out_p, lse_p, quiet=True, refs=decode_references(
                     q, k_pages, v_pages, lengths, block_table=table, sinks=sinks), name="paged")
                 fns = {
-                    OURS: lambda: flash_decode(q, k, v, lengths, sinks=sinks, check_indices=False),
-                    PAGED: lambda: flash_decode(q, k_pages, v_pages, lengths, block_table=table, sinks=sinks,
-                                                check_indices=False),
+                    OURS: lambda: flash_decode(q, k, v, lengths, sinks=sinks),  # its defaults: no check turned off
+                    PAGED: lambda: flash_decode(q, k_pages, v_pages, lengths, block_table=table, sinks=sinks),
                     SUM: lambda: torch.sum(kv),
                 }
                 refused = {}
@@ -146,8 +145,9 @@ def decode_bandwidth(dims=DECODE_DIMS, batches=DECODE_BATCHES, contexts=DECODE_C
                         else:
                             refused[label] = error
                 ms = time_side_by_side(fns, warmup=3, rounds=rounds, rep=rep)
+                splits = decode_num_splits(q, k)
                 base = dict(dim=dim, batch=batch, context=context, bytes=nbytes, dtype=str(dtype).split(".")[1],
-                            splits=decode_num_splits(q, k), page_size=page_size, **DECODE_SHAPE)
+                            splits=splits, kernels=1 if splits == 1 else 2, page_size=page_size, **DECODE_SHAPE)
                 for impl, t in ms.items():
                     row = dict(base, impl=impl, ms=t, gbps=_gbps(nbytes, t), fraction_of_sum=ms[SUM] / t,
                                tflops=tflops(attention_flops(batch, DECODE_SHAPE["heads"], 1, context, dim), t))
@@ -165,9 +165,11 @@ def decode_bandwidth(dims=DECODE_DIMS, batches=DECODE_BATCHES, contexts=DECODE_C
     return rows
 
 
-def decode_split_sweep(dim=64, cases=((1, 8192), (1, 32768), (1, 131072), (8, 32768), (64, 8192)),
+def decode_split_sweep(dim=64, cases=((1, 1024), (8, 1024), (64, 1024), (1, 8192), (8, 8192), (1, 32768),
+                                      (1, 131072), (8, 32768), (64, 8192)),
                        splits=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128), dtype=torch.bfloat16):
-    """Time of one decoding step for each split count, and which one ``choose_num_splits`` picks."""
+    """Time of one decoding step for each split count, and which one ``choose_num_splits`` picks
+    (1 split: the one-kernel path, no merge)."""
     rows = []
     for batch, context in cases:
         q, kv, sinks, lengths = decode_inputs(batch, context, dim, dtype)
@@ -180,7 +182,7 @@ def decode_split_sweep(dim=64, cases=((1, 8192), (1, 32768), (1, 131072), (8, 32
             out = flash_decode(q, k, v, lengths, sinks=sinks, num_splits=s)
             # Every split count computes the same function: the same O up to rounding.
             torch.testing.assert_close(out.float(), reference.float(), atol=2e-2, rtol=2e-2)
-            fns[s] = lambda s_=s: flash_decode(q, k, v, lengths, sinks=sinks, num_splits=s_, check_indices=False)
+            fns[s] = lambda s_=s: flash_decode(q, k, v, lengths, sinks=sinks, num_splits=s_)
         ms = time_side_by_side(fns, warmup=3, rounds=3, rep=6)
         nbytes = kv.numel() * kv.element_size()
         for s, t in ms.items():
@@ -300,11 +302,12 @@ def precompile_ch09():
 
     def build(job):
         from ..attention import backward_kernels, forward_kernel
-        from ..varlen_api import _varlen_small_kernels, decode_kernels, varlen_kernels
+        from ..varlen_api import _varlen_small_kernels, decode_kernels, decode_single_kernel, varlen_kernels
 
         kind = job[0]
         if kind == "decode":
-            decode_kernels(job[1], job[2], block_table=job[3])
+            decode_kernels(job[1], job[2], block_table=job[3], merge_allocates=False)  # what flash_decode runs
+            decode_single_kernel(job[1], job[2], block_table=job[3])
         elif kind == "varlen":
             varlen_kernels(job[1], job[1], causal=job[2], schedule=job[3])
             _varlen_small_kernels(job[1].shape[-1], "float16", "cuda")
