@@ -122,7 +122,7 @@ fig, ax = plt.subplots(figsize=(13, 7.2))
 dataflow(ax, block_M=config.block_M, block_N=config.block_N, dim=128)
 ax.set_title(f"One step of the Hopper backward (D = 128, {config.block_M} queries × {config.block_N} keys)")
 fig.tight_layout()
-plots.save(fig, "ch08_dataflow")
+plots.save(fig, "ch08_dataflow");
 
 # %% [markdown]
 # ## 3 · Issue in batches, wait only for what comes next
@@ -322,7 +322,7 @@ for ax, (dim, causal) in zip(axes.flat, cases):
     ax.legend(fontsize=7, loc="lower right")
 fig.text(0.01, -0.01, plots.record_caption(ablation), fontsize=7)
 fig.tight_layout()
-plots.save(fig, "ch08_ablation")
+plots.save(fig, "ch08_ablation");
 
 # %% [markdown]
 # Reading the record (the table above; the path to the shipped kernel is the blue bars):
@@ -367,14 +367,14 @@ cu.check_true(all(r["config"]["kernel"] == "flash_bwd_hopper" for r in ours_rows
 dtypes = [dtype for dtype in ("float16", "bfloat16") if any(r["dtype"] == dtype for r in rows)]
 fig = plots.forward_comparison_panels(dict(final, results=rows), dtypes=dtypes)
 fig.suptitle("backward TFLOP/s (2.5 × the forward's FLOPs, causal halved)", y=1.02)
-plots.save(fig, "ch08_backward_vs_peers")
+plots.save(fig, "ch08_backward_vs_peers");
 
 # %%
 panels = [(dim, causal) for dim in (64, 128) for causal in (False, True)]
 combos = [(dtype, dim, causal) for dtype in dtypes for dim, causal in panels]
 seqs = sorted({r["seq"] for r in rows})
 fig = plots.peer_ratio_heatmaps(rows, combos, seqs, [FA2, CUDNN])
-plots.save(fig, "ch08_backward_ratios")
+plots.save(fig, "ch08_backward_ratios");
 btf = {(r["impl"], r["dtype"], r["dim"], r["causal"], r["seq"]): r["tflops"] for r in rows}
 for dtype in dtypes:
     for dim, causal in panels:
