@@ -96,20 +96,25 @@ def claim_count(label, outcomes, *, cases="cases", says=None, name_exceptions=5)
     return _settle(text, verdict, says, {"all", "most", "some", "none"})
 
 
-def claim_ratio(label, ratios, *, target=None, says=None, unit="×"):
+def claim_ratio(label, ratios, *, target=None, says=None, unit="×", near=0.05):
     """The range of some ratios (or other values): "``label`` 0.76–0.79×", and a ``target`` if given.
 
     With a target (values at least ``target`` meet it), the verdict is "met" (every value), "met in
     k of n", or "not met" (none); ``says`` ("met", "not met", "partly met") is checked against it.
-    Without a target, ``says`` may be "above 1" or "below 1" (every value on that side of 1).
+    Without a target, the verdict is "above 1" or "below 1" (every value on that side of 1) or
+    "mixed"; ``says="near 1"`` holds when every value is within ``near`` of 1 (a change within noise).
     """
     values = _values(ratios, "ratios")
     lo, hi = min(values), max(values)
     span = f"{_fmt(lo)}{unit}" if _fmt(lo) == _fmt(hi) else f"{_fmt(lo)}–{_fmt(hi)}{unit}"
     text = f"{label} {span}"
     if target is None:
-        verdict = "above 1" if lo > 1 else "below 1" if hi < 1 else "around 1"
-        return _settle(text, verdict, says, {"above 1", "below 1", "around 1"})
+        verdict = "above 1" if lo > 1 else "below 1" if hi < 1 else "mixed"
+        if says == "near 1" and max(abs(lo - 1), abs(hi - 1)) <= near:
+            verdict = "near 1"
+        if says == "near 1":
+            text += f" (near 1: within ±{near:.0%})"
+        return _settle(text, verdict, says, {"above 1", "below 1", "mixed", "near 1"})
     target = float(target)
     met = sum(v >= target for v in values)
     verdict = "met" if met == len(values) else "not met" if met == 0 else "partly met"
