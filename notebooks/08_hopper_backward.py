@@ -56,6 +56,7 @@ from course_utils.flash_bwd_hopper import PASS_CONFIGS, flash_bwd_hopper_kernel
 from course_utils.flash_bwd_hopper_versions import VERSIONS, flash_bwd_hopper_variant, shipped_version
 from course_utils.labels import CUDNN, FA2, OURS
 from course_utils.source import cuda_source, loop_skeleton, ptxas_report, show_source
+from course_utils.validation import check_stored_errors
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET, "| Hopper GPU:", is_hopper())
 
