@@ -333,6 +333,8 @@ cu.claim_ratio("two stages ÷ one, D=128", change(4, (128,)), says="above 1")
 step_gains = {case: {n: change(n)[case] for n in range(2, 10)} for case in change(5)}
 cu.claim_count("the bulk reduce-add for dQ is the largest step, D=128",
                {c: max(g, key=g.get) == 5 for c, g in step_gains.items() if c.startswith("D=128")}, says="some")
+cu.claim_change("D=128 without a mask: the largest step's gain, the bulk reduce-add's", max(step_gains["D=128"].values()),
+                step_gains["D=128"][5], names=("largest", "reduce-add"), says="about the same")
 cu.claim_ratio("the bulk reduce-add for dQ ÷ the row above, D=64", change(5, (64,)), says="below 1")
 cu.claim_ratio("dQ issued before dK ÷ the row above", change(6), says="above 1")
 cu.claim_ratio("dSᵀ formed before dV is issued ÷ the row above", change(7), says="below 1")
