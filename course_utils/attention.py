@@ -68,7 +68,8 @@ def is_hopper():
 # Best of the chapter 04 sweep on the H100 (figures/ch04_forward_sweep_h100.json), causal and not.
 TUNED_FORWARD_CONFIG = ForwardConfig(128, 128, 1, 256)
 # Chapter 07's persistent kernel, tiled per (head dim, causal or window mask) from its ablation and
-# sweep on the H100 (figures/ch07_forward_ablation_h100.json, ch07_overlap_sweep_h100.json): the
+# its persistent-vs-rotated record on the H100 (figures/ch07_forward_ablation_h100.json,
+# ch07_persistent_vs_rotated_h100.json; chapter 07 checks the choice against the first): the
 # consumer warpgroups take turns issuing their matmuls (ping-pong), and at D = 64 three of them share
 # each K/V tile (192 query rows per block, as FlashAttention-3).
 HOPPER_FORWARD_CONFIGS = {

@@ -526,6 +526,7 @@ def run_ring_attention(cases, world=2, *, bad_inputs=False):
 def self_check(world=2):
     """``python -m course_utils.ring``: ring attention on ``world`` CPU processes (gloo), contiguous
     and zigzag, causal or not, GQA; O and every gradient vs the float64 reference; the bad inputs."""
+    from .checks import check_true
     from .validation import check_backward, check_forward, references
 
     torch.manual_seed(0)
@@ -545,9 +546,9 @@ def self_check(world=2):
         check_backward(case.q, case.k, case.v, case.d_out, grads, causal=case.causal, refs=refs, name=name)
     for name in BAD_INPUTS:
         answers = [rank_errors[name] for rank_errors in errors]
-        if not all(answer.startswith("ValueError") for answer in answers):
-            raise AssertionError(f"bad input {name!r} did not raise a ValueError on every rank: {answers}")
-        print(f"✓ bad input, {name}: {min(answers, key=len)[:110]}")
+        refused = all(answer.startswith("ValueError") for answer in answers)
+        check_true(refused, f"bad input, {name}: {min(answers, key=len)[:110]}" if refused
+                   else f"bad input {name!r} did not raise a ValueError on every rank: {answers}")
 
 
 if __name__ == "__main__":

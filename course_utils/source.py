@@ -5,7 +5,8 @@ chapter can explain a kernel piece by piece without copying its text.
 ``cuda_source`` lowers a ``@T.prim_func`` to CUDA for a given architecture without a GPU, and
 ``grep`` prints short, numbered excerpts of that (long) source, and ``loop_skeleton`` the steps of
 one of its loops in order. ``ptxas_report`` compiles it with nvcc and returns what ptxas says
-about registers, spills and serialised wgmmas.
+about registers, spills and serialised wgmmas. ``lowering_error`` lowers a kernel that is expected
+to be refused and returns TileLang's message.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import inspect
 import re
 
-__all__ = ["show_source", "source_regions", "cuda_source", "grep", "count", "loop_skeleton", "ptxas_report"]
+__all__ = ["show_source", "source_regions", "cuda_source", "grep", "count", "loop_skeleton", "ptxas_report",
+           "lowering_error"]
 
 
 _REGION = re.compile(r"^\s*# region: (.+?)\s*$")
@@ -65,6 +67,32 @@ def cuda_source(prim_func, arch="sm_90a", pass_configs=None):
 
     with tvm.transform.PassContext(config=dict(pass_configs or {})), tvm.target.Target({"kind": "cuda", "arch": arch}):
         return tilelang.lower(prim_func).kernel_source
+
+
+def lowering_error(prim_func, arch="sm_90a"):
+    """Lower ``prim_func`` for ``arch`` when that is expected to fail: TileLang's error message, or None
+    if it lowered. TVM's C++ logger also writes a fatal error to the process's stderr (a timestamped
+    "Fatal:" line, the same message) before raising it; that copy is dropped here, so a chapter shows
+    the message once, as the check prints it."""
+    import os
+    import sys
+
+    import tilelang
+    from tilelang import tvm
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        with tvm.target.Target({"kind": "cuda", "arch": arch}):
+            tilelang.lower(prim_func)
+    except Exception as exc:  # TVM raises its own error types (InternalError, TVMError, ...)
+        return str(exc).strip()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    return None
 
 
 def grep(source, pattern, *, max_hits=2, width=110):

@@ -32,6 +32,10 @@
 # | 04 | pipelining, swizzled layouts, tuning |
 # | 05 | the backward pass |
 # | 06 | GQA, sliding windows and attention sinks (gpt-oss) |
+# | 07 | Hopper: the softmax overlapped with the tensor cores (FlashAttention-3's forward) |
+# | 08 | Hopper backward: five async matmuls per step, a deterministic mode |
+# | 09 | packed variable-length batches and decoding with a paged KV cache |
+# | 10 | ring attention: one sequence across several GPUs |
 
 # %%
 # %config InlineBackend.figure_format = "png"

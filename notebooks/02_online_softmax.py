@@ -42,7 +42,9 @@ from course_utils.softmax import (LOG2E, blockwise_attention, blockwise_softmax,
 from course_utils.source import cuda_source, grep, show_source
 from course_utils.tiles import compile_kernel
 
-torch.manual_seed(0);
+torch.manual_seed(0)
+print("device:", torch.cuda.get_device_name() if cu.HAS_GPU else "CPU (no GPU)", "| tile target:", cu.TILE_TARGET,
+      "| torch", torch.__version__)
 
 # %% [markdown]
 # ## 1 · Safe softmax and overflow

@@ -332,7 +332,19 @@ show_source(online_softmax)
 W = cu.pick(cpu=23, gpu=300)
 compare_with_reference(f"GQA, window {W}", q, k, v, d_out, window_size=W)
 out_w1, _, _ = compare_with_reference("GQA, window 1", q, k, v, d_out, window_size=1)
-cu.check_close(out_w1, v.repeat_interleave(group, dim=1), "window 1: O = own value row");
+cu.check_close(out_w1, v.repeat_interleave(group, dim=1), "window 1: O = own value row")
+switched = cu.backward_kernels(q, k, window_size=1).dq is not None  # only the deterministic kernels have a dQ kernel
+print("the W = 1 backward above ran", "chapter 08's deterministic kernels, not the default atomic ones (see below)"
+      if switched else "the default backward kernels of this device");
+
+# %% [markdown]
+# **A known bug, worked around.** On an H100 the W = 1 backward checked above is *not* the default
+# kernel. With a one-key window, chapter 08's default Hopper backward (float32 atomics for dQ) gave
+# wrong dQ and dK in some runs and right ones in others: a race that is not found yet
+# (`notes/hopper_backward.md`). Until it is fixed, `backward_kernels` switches to chapter 08's
+# deterministic kernels for W = 1 on Hopper, which were right in every run; the line above says
+# which kernels this run used. So on the GPU this cell checks the workaround, not the default
+# kernel; other windows run the default.
 
 # %% [markdown]
 # ## 3 · Attention sinks
@@ -613,13 +625,20 @@ for mode in ("fwd", "bwd"):
         flop_ratio = tf[OURS, mode, causal_l] * t_causal / (tf[OURS, mode, window_l] * t_window)
         print(f"ours {mode} D={d:>3}: window layer has {flop_ratio:.1f}× fewer FLOPs, takes {t_causal / t_window:.1f}× "
               f"less time ({t_window:.3f} ms)")
+dims = sorted({r["dim"] for r in rows})
+window_fwd = {d: ms[OURS, "fwd", f"D={d} W={g['window']}"] for d in dims}
+flops_fwd = {d: tf[OURS, "fwd", f"D={d} W={g['window']}"] * window_fwd[d] for d in dims}
+cu.claim_change("ours, window layer forward, ms", window_fwd[dims[0]], window_fwd[dims[-1]],
+                names=(f"D={dims[0]}", f"D={dims[-1]}"), says="higher")
+time_growth, flop_growth = window_fwd[dims[-1]] / window_fwd[dims[0]], flops_fwd[dims[-1]] / flops_fwd[dims[0]]
+cu.check_true(time_growth < flop_growth, f"the time grows {time_growth:.2f}×, less than the FLOPs ({flop_growth:.1f}×)")
 
 # %% [markdown]
 # With the window, every thread block streams only one or two key tiles, so the costs that do
 # not shrink with the work are no longer hidden behind the matrix products: launching the kernel
 # and the Python code around it, and per-block work such as loading Q and writing O. The forward
-# of a window layer takes about the same time at D = 64 and D = 128, although D = 128 has twice
-# the FLOPs, which fits that reading; a GPU profile would split those costs exactly. (The
+# of a window layer takes longer at D = 128 than at D = 64, but its time grows less than its FLOPs
+# (both checked above), which fits that reading; a GPU profile would split those costs exactly. (The
 # backward runs several kernels and a few PyTorch operations, so it has more such fixed costs.)
 # Naive PyTorch gains nothing from the window: it computes the whole S × S score matrix and then
 # masks it.
@@ -636,14 +655,14 @@ check_stored_errors(rec_gqa["results"], "ch06 GQA strategies record (dQ, dK, dV)
 for r in rec_gqa["results"]:
     print(f"{r['strategy']:>14}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s (full-causal FLOPs)")
 t = {r["strategy"]: r["ms"] for r in rec_gqa["results"]}
-print(f"split then sum takes {t['split then sum'] / t['atomic adds']:.2f}× the time of atomic adds "
-      f"(group {GPT_OSS_SHAPE['heads'] // GPT_OSS_SHAPE['heads_kv']})")
+cu.claim_change(f"GQA backward (group {GPT_OSS_SHAPE['heads'] // GPT_OSS_SHAPE['heads_kv']}), ms",
+                t["atomic adds"], t["split then sum"], names=("atomic adds", "split then sum"), says="about the same");
 
 # %% [markdown]
 # Split-then-sum moves more memory: it expands K and V to 64 heads, writes 64 heads of dK and
 # dV, and lets autograd add them in groups of 8. The atomic version instead has the 8 query heads
-# of a group add into the same float32 tiles, and then casts them. At this shape the two end up
-# close, as printed above: either extra cost is small next to the backward's matrix products.
+# of a group add into the same float32 tiles, and then casts them. At this shape the two take
+# about the same time (checked above): either extra cost is small next to the backward's matrix products.
 # The atomic version's lasting advantage is memory: it never allocates the expanded K, V, dK, dV.
 
 # %% [markdown]

@@ -1,5 +1,5 @@
 """Device call for chapter 08 (issue #15), one part per process so that a CUDA error in one part cannot
-poison the others. Run from a folder holding course_utils/ (a copy in /work/main/.gpu/hbwd/):
+poison the others. Run from a folder holding course_utils/ (a copy in the checkout's .gpu/hbwd/):
 
     python3 notes/hopper_backward_gpu_call.py ablation      # ablation record, then the tiling it picks
     python3 notes/hopper_backward_gpu_call.py precompile    # every kernel of the parts below, in parallel

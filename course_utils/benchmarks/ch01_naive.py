@@ -40,7 +40,8 @@ def naive_vs_sdpa(seq_lens=(256, 512, 1024, 2048, 4096, 8192), batch=4, heads=16
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
             ms = time_cuda(fn)
-            rows.append(dict(impl=impl, seq=seq, batch=batch, heads=heads, dim=dim, ms=ms, errors=err[impl],
+            rows.append(dict(impl=impl, seq=seq, batch=batch, heads=heads, dim=dim, dtype="float16", ms=ms,
+                             errors=err[impl],
                              tflops=tflops(flops, ms), peak_extra_bytes=peak))
         print(f"S={seq}: " + ", ".join(f"{r['impl']} {r['ms']:.3f} ms" for r in rows[-2:]))
     return rows

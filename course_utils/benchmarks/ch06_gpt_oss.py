@@ -59,7 +59,7 @@ def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
         bwd_ms = time_side_by_side({impl: backward_timer(attn, q, k, v)[0] for impl, attn in impls.items()})
         for impl in impls:
             for mode, ms in (("fwd", fwd_ms[impl]), ("bwd", bwd_ms[impl])):
-                rows.append(dict(sh, impl=impl, mode=mode, window=window, ms=ms,
+                rows.append(dict(sh, impl=impl, mode=mode, window=window, dtype=str(q.dtype).split(".")[1], ms=ms,
                                  tflops=tflops(flops * (2.5 if mode == "bwd" else 1.0), ms)))
                 if impl == OURS:
                     rows[-1].update(errors=errors, config=default_forward_config("cuda", dim, True)._asdict())
@@ -90,7 +90,7 @@ def gqa_backward_strategies(shape=None):
         errors = check_backward(q, k, v, d_out, grads[name], causal=True, sinks=sinks, refs=refs, quiet=True,
                                 name=name)
         ms = time_cuda(fn)
-        rows.append(dict(strategy=name, ms=ms, errors=errors, **sh,
+        rows.append(dict(strategy=name, ms=ms, errors=errors, dtype=str(q.dtype).split(".")[1], **sh,
                          tflops=tflops(attention_flops(b, h, s, s, d, causal=True, mode="bwd"), ms)))
         print(f"GQA backward, {name}: {ms:.3f} ms")
     return rows

@@ -186,7 +186,8 @@ def decode_split_sweep(dim=64, cases=((1, 1024), (8, 1024), (64, 1024), (1, 8192
         ms = time_side_by_side(fns, warmup=3, rounds=3, rep=6)
         nbytes = kv.numel() * kv.element_size()
         for s, t in ms.items():
-            rows.append(dict(dim=dim, batch=batch, context=context, splits=s, chosen=s == chosen, ms=t,
+            rows.append(dict(dim=dim, batch=batch, context=context, dtype=str(dtype).split(".")[1], splits=s,
+                             chosen=s == chosen, ms=t,
                              gbps=_gbps(nbytes, t), errors=errors if s == chosen else None, **DECODE_SHAPE))
         best = min(ms, key=ms.get)
         print(f"splits B={batch} S={context}: chose {chosen} ({_gbps(nbytes, ms[chosen]):.0f} GB/s), best {best} "
