@@ -277,11 +277,6 @@ def backward_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, con
     problem = _problem(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
     config = (BackwardConfig(*config) if config is not None
               else default_backward_config(q.device.type, q.shape[-1], problem.masked))
-    if config.kernel == "flash_bwd_hopper" and problem.window_size == 1:
-        # With a one-key window and GQA, the atomic (default) Hopper kernel gave wrong dQ and dK in
-        # some runs on the H100 (notes/hopper_backward.md, 2026-11-23); its deterministic kernels did
-        # not, in any run. They are used for this case until that race is found.
-        deterministic = True
     return _compiled_backward(problem, config, bool(deterministic))
 
 
