@@ -189,7 +189,7 @@ def backward(seq=4096):
 
 
 # ------------------------------------------------------------------------------------------- forward
-def forward():
+def forward(cases=None, names=None, record="forward.json"):
     P = "flash_fwd_hopper_persistent"
     configs = {
         "persistent 192x128 3WG pp": ForwardConfig(192, 128, 2, 384, kernel=P, pingpong=True),
@@ -201,8 +201,11 @@ def forward():
         "rotated 128x192 pp": ForwardConfig(128, 192, 2, 256, kernel="flash_fwd_hopper", pingpong=True),
         "rotated 128x128 pp": ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper", pingpong=True),
     }
-    cases = [(dt, s, c) for dt in ("float16", "bfloat16") for s, c in
-             ((1024, True), (2048, True), (3072, True), (4096, True), (1024, False), (2048, False), (8192, True))]
+    if names:
+        configs = {n: c for n, c in configs.items() if n in names}
+    cases = cases or [(dt, s, c) for dt in ("float16", "bfloat16") for s, c in
+                      ((1024, True), (2048, True), (3072, True), (4096, True), (1024, False), (2048, False),
+                       (8192, True))]
 
     def build(job):
         dt, s, causal, name = job
@@ -210,7 +213,7 @@ def forward():
         q = torch.empty(shape["batch"], shape["heads"], s, 64, device="cuda", dtype=getattr(torch, dt))
         try:
             forward_kernel(q, q, causal=causal, config=configs[name])
-            if name == "persistent 192x128 3WG pp":
+            if name == next(iter(configs)):
                 forward_kernel(q, q, causal=causal)
             return None
         except Exception as exc:
@@ -255,7 +258,63 @@ def forward():
         bad = {n: e for n, e in errors.items() if isinstance(e, str)}
         if bad:
             print("   not run:", bad, flush=True)
-    dump("forward.json", rows)
+    dump(record, rows)
+
+
+def threshold():
+    """Where three consumer warpgroups start to win with the causal mask (D = 64), and the new default."""
+    forward(cases=[(dt, s, True) for dt in ("float16", "bfloat16") for s in (2048, 2560, 2816, 3072)],
+            names=("persistent 192x128 3WG pp", "persistent 128x128 2WG pp"), record="threshold.json")
+
+
+# ------------------------------------------------------------------------------------------ overhead
+def overhead(seq=4096):
+    """Why the public backward measured below version 9's whole backward (same main kernel) when not causal:
+    the same problem timed as autograd, as attention_backward, as the main kernel alone (shipped PASS_CONFIGS
+    and the reuse-on ones before the fix), and version 9's pieces."""
+    from course_utils.flash_bwd_hopper import flash_bwd_hopper_kernel
+    from course_utils.flash_bwd_hopper_versions import VERSIONS
+    from course_utils.tiles import compile_kernel
+
+    cases = [("float16", 128, False), ("float16", 64, False), ("bfloat16", 64, False), ("float16", 64, True)]
+    rows = []
+    for dtype, dim, causal in cases:
+        shape = comparison_shapes(seq_lens=(seq,), dim=dim)[0]
+        b, h = shape["batch"], shape["heads"]
+        q, k, v = random_inputs(shape, getattr(torch, dtype))
+        cfg = attention.default_backward_config("cuda", dim, causal)
+
+        def main(configs, cfg=cfg, b=b, h=h, dim=dim, causal=causal, dtype=dtype):
+            f = flash_bwd_hopper_kernel(b, h, seq, seq, dim, causal=causal, dtype=dtype, block_M=cfg.block_M,
+                                        block_N=cfg.block_N)
+            return compile_kernel(f, out_idx=[], target="cuda", dtype=dtype, pass_configs=configs)
+
+        mains = dict(zip(("fixed", "reuse on"), in_parallel(main, [FIXED, REUSE_ON], workers=2)))
+        v9 = VERSIONS[8].build(b, h, seq, dim, causal=causal, dtype=dtype)
+        fn, (_, _, _, d_out) = backward_timer(lambda a, b_, c: flash_attention(a, b_, c, causal=causal), q, k, v)
+        out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+        kern = attention.backward_kernels(q, k, causal=causal)
+        delta = kern.preprocess(out, d_out)
+        acc = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        impls = {
+            "autograd (public)": fn,
+            "attention_backward": lambda: attention.attention_backward(q, k, v, out, lse, d_out, causal=causal),
+            "version 9 whole": lambda: v9(q, k, v, out, lse, d_out),
+            "main kernel (cached, fixed)": lambda: kern.main(q, k, v, d_out, lse, delta, acc, dk, dv),
+            "main kernel fixed": lambda: mains["fixed"](q, k, v, d_out, lse, delta, acc, dk, dv),
+            "main kernel reuse on": lambda: mains["reuse on"](q, k, v, d_out, lse, delta, acc, dk, dv),
+            "preprocess": lambda: kern.preprocess(out, d_out),
+            "postprocess dQ": lambda: kern.postprocess_dq(acc),
+            "zeros dQ_acc": lambda: torch.zeros(q.shape, dtype=torch.float32, device="cuda"),
+        }
+        times = bench(impls)
+        flops = attention_flops(b, h, seq, seq, dim, causal=causal, mode="bwd")
+        for name, ms in times.items():
+            rows.append(dict(impl=name, dtype=dtype, dim=dim, causal=causal, seq=seq, ms=ms, tflops=tflops(flops, ms)))
+        print(f"{dtype:8} D={dim:3} causal={causal!s:5} " + ", ".join(f"{n} {ms * 1e3:.0f}us" for n, ms in
+                                                                      times.items()), flush=True)
+    dump("overhead.json", rows)
 
 
 def racecheck():
@@ -273,4 +332,6 @@ def racecheck():
 
 
 if __name__ == "__main__":
-    {"racecheck": racecheck, "race": race, "backward": backward, "forward": forward}[sys.argv[1]]()
+    parts = {"threshold": threshold, "overhead": overhead, "racecheck": racecheck, "race": race, "backward": backward,
+             "forward": forward}
+    parts[sys.argv[1]]()
