@@ -317,6 +317,58 @@ def overhead(seq=4096):
     dump("overhead.json", rows)
 
 
+# ------------------------------------------------------------------------------------------- compare
+def compare(seq=4096):
+    """Is the public path's main kernel, built as ``backward`` builds it (threads compiling the default and
+    deterministic kernels and version 9 at once), the kernel PASS_CONFIGS lowers to? Source and time."""
+    import re
+
+    from course_utils.flash_bwd_hopper import flash_bwd_hopper_kernel
+    from course_utils.flash_bwd_hopper_versions import VERSIONS
+    from course_utils.source import cuda_source
+
+    cases = [("float16", 128, False), ("float16", 64, False)]
+    jobs = [(*c, w) for c in cases for w in ("default", "deterministic", "v9")]
+
+    def build(job):
+        dtype, dim, causal, what = job
+        shape = comparison_shapes(seq_lens=(seq,), dim=dim)[0]
+        q = torch.empty(shape["batch"], shape["heads"], seq, dim, device="cuda", dtype=getattr(torch, dtype))
+        if what == "v9":
+            return VERSIONS[8].build(shape["batch"], shape["heads"], seq, dim, causal=causal, dtype=dtype)
+        if what == "default":
+            forward_kernel(q, q, causal=causal)
+        return attention.backward_kernels(q, q, causal=causal, deterministic=what == "deterministic")
+
+    built = dict(zip(jobs, in_parallel(build, jobs, workers=14)))
+    for dtype, dim, causal in cases:
+        shape = comparison_shapes(seq_lens=(seq,), dim=dim)[0]
+        b, h = shape["batch"], shape["heads"]
+        cfg = attention.default_backward_config("cuda", dim, causal)
+        kern = built[dtype, dim, causal, "default"]
+        src = kern.main.get_kernel_source()
+        ref = cuda_source(flash_bwd_hopper_kernel(b, h, seq, seq, dim, heads_kv=h, causal=causal, dtype=dtype,
+                                                  sm_scale=1 / dim ** 0.5, block_M=cfg.block_M, block_N=cfg.block_N),
+                          pass_configs=FIXED)
+        offs = re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)", src)
+        print(f"D={dim}: compiled == lowered with PASS_CONFIGS: {src == ref}; barriers "
+              f"{src.count('__sync_thread_partial')} vs {ref.count('__sync_thread_partial')}; offsets {offs}",
+              flush=True)
+        q, k, v = random_inputs(shape, getattr(torch, dtype))
+        fn, (_, _, _, d_out) = backward_timer(lambda a, b_, c: flash_attention(a, b_, c, causal=causal), q, k, v)
+        out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+        v9 = built[dtype, dim, causal, "v9"]
+        delta = kern.preprocess(out, d_out)
+        acc = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        impls = {"autograd (public)": fn, "version 9 whole": lambda: v9(q, k, v, out, lse, d_out),
+                 "main kernel": lambda: kern.main(q, k, v, d_out, lse, delta, acc, dk, dv),
+                 "attention_backward": lambda: attention.attention_backward(q, k, v, out, lse, d_out, causal=causal)}
+        times = bench(impls)
+        print(f"{dtype} D={dim} causal={causal}: " + ", ".join(f"{n} {ms * 1e3:.0f}us" for n, ms in times.items()),
+              flush=True)
+
+
 def racecheck():
     """One small window-1 backward (run under compute-sanitizer); REUSE=1 builds it as before the fix."""
     reuse = os.environ.get("REUSE") == "1"
@@ -332,6 +384,6 @@ def racecheck():
 
 
 if __name__ == "__main__":
-    parts = {"threshold": threshold, "overhead": overhead, "racecheck": racecheck, "race": race, "backward": backward,
+    parts = {"compare": compare, "threshold": threshold, "overhead": overhead, "racecheck": racecheck, "race": race, "backward": backward,
              "forward": forward}
     parts[sys.argv[1]]()
