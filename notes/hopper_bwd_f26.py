@@ -384,6 +384,7 @@ def racecheck():
 
 
 if __name__ == "__main__":
-    parts = {"compare": compare, "threshold": threshold, "overhead": overhead, "racecheck": racecheck, "race": race, "backward": backward,
+    parts = {"compare": compare, "threshold": threshold, "overhead": overhead, "racecheck": racecheck, "race": race,
+             "backward": backward,
              "forward": forward}
     parts[sys.argv[1]]()
