@@ -171,8 +171,9 @@ def _overlapping_buffers(source, dim, block_M, block_N, stages=2):
     return [(a[2], b[2]) for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
 
 
-@pytest.mark.parametrize("dim, masked, seq, window", [(64, True, 1000, 1), (64, False, 100, None), (128, False, 64, None),
-                                                      (128, True, 64, 2), (64, True, 1000, 2), (128, False, 1000, None)])
+@pytest.mark.parametrize("dim, masked, seq, window", [(64, True, 1000, 1), (64, False, 100, None),
+                                                      (128, False, 64, None), (128, True, 64, 2), (64, True, 1000, 2),
+                                                      (128, False, 1000, None)])
 def test_no_shared_buffers_overlap_when_the_loop_has_one_step(dim, masked, seq, window):
     """The one-key-window race (notes/hopper_backward.md): with one query block per key block TileLang unrolls
     the loop and, left to reuse shared memory, puts dSᵀ over LSE/Δ and dQ's tile over K and V. Under the
