@@ -27,8 +27,8 @@ from .tiles import compile_kernel
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
            "ForwardConfig", "BackwardConfig", "sink_logits", "check_sm_scale", "default_forward_config",
            "default_backward_config", "is_hopper", "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS",
-           "THREE_WARPGROUPS_MIN_SEQ", "hopper_forward_config", "FORWARD_KERNELS", "BACKWARD_KERNELS",
-           "TUNED_BACKWARD_CONFIG", "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
+           "THREE_WARPGROUPS_MIN_SEQ", "THREE_WARPGROUPS_MIN_SEQ_MASKED", "hopper_forward_config", "FORWARD_KERNELS",
+           "BACKWARD_KERNELS", "TUNED_BACKWARD_CONFIG", "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
 
 # What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
 SUPPORTED = {
@@ -81,17 +81,23 @@ HOPPER_FORWARD_CONFIGS = {
 # Below this many queries 192-row tiles waste more than a third warpgroup gains: at S = 1k the last
 # tile is two-thirds padding and a causal tile of 192 rows straddles 1.5 key blocks of its diagonal.
 THREE_WARPGROUPS_MIN_SEQ = 2048
+# With a causal mask, from 3k queries: at 2k a head has 11 tiles of 192 rows, and the folded order pairs
+# the middle one with the next head's heaviest (issue #26 on the H100: two warpgroups 0.96-0.98 × cuDNN,
+# three 0.76-0.79 at S = 2k; three ahead at 3k, 4k and 8k; notes/hopper_backward.md).
+THREE_WARPGROUPS_MIN_SEQ_MASKED = 3072
 
 
 def hopper_forward_config(dim, masked=False, *, seq_len=None, window=False):
     """The forward ``flash_attention`` runs on a Hopper GPU (whichever device this runs on).
 
     ``HOPPER_FORWARD_CONFIGS[dim, masked]``, except that three consumer warpgroups (block_M = 192)
-    fall back to two for fewer than ``THREE_WARPGROUPS_MIN_SEQ`` queries, and for a sliding window,
-    whose two-sided mask does not fit in the 160 registers a thread of three warpgroups gets.
+    fall back to two for fewer than ``THREE_WARPGROUPS_MIN_SEQ`` queries (``THREE_WARPGROUPS_MIN_SEQ_MASKED``
+    with a causal mask), and for a sliding window, whose two-sided mask does not fit in the 160
+    registers a thread of three warpgroups gets.
     """
     config = HOPPER_FORWARD_CONFIGS[dim, bool(masked)]
-    if config.block_M == 192 and (window or (seq_len is not None and seq_len < THREE_WARPGROUPS_MIN_SEQ)):
+    min_seq = THREE_WARPGROUPS_MIN_SEQ_MASKED if masked else THREE_WARPGROUPS_MIN_SEQ
+    if config.block_M == 192 and (window or (seq_len is not None and seq_len < min_seq)):
         config = config._replace(block_M=128, threads=256)
     return config
 
@@ -278,11 +284,6 @@ def backward_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, con
     problem = _problem(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
     config = (BackwardConfig(*config) if config is not None
               else default_backward_config(q.device.type, q.shape[-1], problem.masked))
-    if config.kernel == "flash_bwd_hopper" and problem.window_size == 1:
-        # With a one-key window and GQA, the atomic (default) Hopper kernel gave wrong dQ and dK in
-        # some runs on the H100 (notes/hopper_backward.md, 2026-11-23); its deterministic kernels did
-        # not, in any run. They are used for this case until that race is found.
-        deterministic = True
     return _compiled_backward(problem, config, bool(deterministic))
 
 

@@ -42,7 +42,12 @@ __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabiliti
 
 ACCUM = "float32"
 # The main kernel places its own barriers (consumer_barrier); TileLang must not add its conservative ones.
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+# Nor may it reuse shared memory: its reuse plan counts on the barriers it would have added. When the
+# loop over query blocks has one iteration (a one-key window, or S_q ≤ block_M), TileLang unrolls it and
+# puts dSᵀ over LSE/Δ and dQ's staging tile over K and V: one warpgroup's stores then overwrite what the
+# other is still reading (wrong dQ and dK in some runs; notes/hopper_backward.md).
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+                tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True}
 _DS_BARRIER, _DQ_BARRIER = 6, 5  # named barrier ids (TileLang's own syncs use 1-3, chapter 07's ping-pong 8-9)
 
 

@@ -151,3 +151,41 @@ def test_lse_and_delta_stages_start_on_128_byte_boundaries():
                          pass_configs=PASS_CONFIGS)
     strides = re.findall(r"\(\(float\*\)(?:lse|delta)\)\[\(\(qb & 1\) \* (\d+)\)\]", source)
     assert strides and all(int(s) * 4 % 128 == 0 for s in strides), strides
+
+
+def _shared_buffers(source):
+    """{name: byte offset} of the dynamic shared-memory buffers in generated CUDA."""
+    return {name: int(off) for name, off in
+            re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", source)}
+
+
+def _overlapping_buffers(source, dim, block_M, block_N, stages=2):
+    """Pairs of shared buffers whose byte ranges overlap (sizes from the kernel's allocations)."""
+    from course_utils.flash_bwd_hopper import padded_rows
+
+    size = dict(K_s=block_N * dim * 2, V_s=block_N * dim * 2, Q_s=stages * block_M * dim * 2,
+                dO_s=stages * block_M * dim * 2, lse=stages * padded_rows(block_M) * 4,
+                delta=stages * padded_rows(block_M) * 4, dST_s=2 * block_N * block_M * 2, dq_s=block_M * dim * 4)
+    spans = sorted((off, off + size[name], name) for name, off in _shared_buffers(source).items())
+    assert {name for _, _, name in spans} == set(size), spans
+    return [(a[2], b[2]) for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
+
+
+@pytest.mark.parametrize("dim, masked, seq, window", [(64, True, 1000, 1), (64, False, 100, None),
+                                                      (128, False, 64, None), (128, True, 64, 2), (64, True, 1000, 2),
+                                                      (128, False, 1000, None)])
+def test_no_shared_buffers_overlap_when_the_loop_has_one_step(dim, masked, seq, window):
+    """The one-key-window race (notes/hopper_backward.md): with one query block per key block TileLang unrolls
+    the loop and, left to reuse shared memory, puts dSᵀ over LSE/Δ and dQ's tile over K and V. Under the
+    kernel's own barriers that is a race between the two consumer warpgroups; PASS_CONFIGS forbids the reuse.
+    The check sees the overlap in the kernel built without that option."""
+    config = HOPPER_BACKWARD_CONFIGS[dim, masked]
+    func = flash_bwd_hopper_kernel(2, 8, seq, seq, dim, heads_kv=2, causal=masked, window_size=window,
+                                   block_M=config.block_M, block_N=config.block_N)
+    tiles = dict(dim=dim, block_M=config.block_M, block_N=config.block_N)
+    assert _overlapping_buffers(cuda_source(func, pass_configs=PASS_CONFIGS), **tiles) == []
+    reuse = {k: v for k, v in PASS_CONFIGS.items() if "reuse" not in str(k).lower()}
+    assert len(reuse) == len(PASS_CONFIGS) - 1
+    overlaps = _overlapping_buffers(cuda_source(func, pass_configs=reuse), **tiles)
+    single_step = seq <= config.block_M or (window == 1 and config.block_M == config.block_N)
+    assert bool(overlaps) == single_step, overlaps

@@ -160,7 +160,7 @@ def feature_checks(cases=None, deterministic_options=(False, True)):
                 errors, error = None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
             rows.append(dict(case=name, deterministic=deterministic, errors=errors, error=error, **case))
             print(f"{'✗' if error else '✓'} {name:28} deterministic={deterministic!s:5} " +
-                  (error or ", ".join(f"{k} {v:.1e}" for k, v in errors.items() if not k.endswith("_low"))))
+                  (error or ", ".join(f"{k} {v['err']:.1e}" for k, v in errors.items() if not k.endswith("_low"))))
     return rows
 
 
