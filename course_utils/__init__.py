@@ -28,6 +28,7 @@ from .attention import (
 from .bench import attention_flops, measured, tflops, time_cuda
 from .checks import CheckFailed, check_attention_error, check_close, check_true, expect_failure
 from .device import DEVICE, HAS_GPU, TILE_TARGET, describe_machine, pick
+from .flex import create_block_mask, flex_attention
 from .reference import attention_reference
 from .ring import ring_attention, shard_sequence, shard_zigzag, unshard_sequence, unshard_zigzag
 from .tiles import TileBackend, compile_kernel
@@ -41,4 +42,5 @@ __all__ = [
     "describe_machine", "pick", "attention_reference", "TileBackend", "compile_kernel", "check_forward",
     "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught", "flash_attention_varlen", "flash_decode",
     "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
+    "flex_attention", "create_block_mask",
 ]

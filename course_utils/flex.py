@@ -25,14 +25,14 @@ import inspect
 import math
 from typing import NamedTuple
 
-import torch
 import tilelang.language as T
+import torch
 from tilelang import tvm
 
 __all__ = ["flex_attention", "create_block_mask", "BlockMask", "captured", "Captured", "where", "tanh", "exp", "log",
            "sqrt", "abs", "minimum", "maximum", "Sym", "Dual", "ModifierPlan", "plan_modifiers", "flex_reference",
-           "flex_references", "noop_mask", "EMPTY", "PARTIAL", "FULL", "HELPERS", "default_block", "causal_mask", "soft_cap",
-           "alibi_slopes", "alibi", "document_ids", "document_mask", "prefix_lm", "window_with_globals"]
+           "flex_references", "noop_mask", "EMPTY", "PARTIAL", "FULL", "HELPERS", "default_block", "causal_mask",
+           "soft_cap", "alibi_slopes", "alibi", "document_ids", "document_mask", "prefix_lm", "window_with_globals"]
 
 _tir = tvm.tirx
 EMPTY, PARTIAL, FULL = 0, 1, 2  # the three states of a (query block, key block) pair
@@ -102,12 +102,12 @@ class Sym:
         a, b = _promote(other, self) if reverse else _promote(self, other)
         return Sym(fn(a, b))
 
-    def __add__(self, o): return self._bin(o, lambda a, b: a + b)  # noqa: E704
-    def __radd__(self, o): return self._bin(o, lambda a, b: a + b, True)  # noqa: E704
-    def __sub__(self, o): return self._bin(o, lambda a, b: a - b)  # noqa: E704
-    def __rsub__(self, o): return self._bin(o, lambda a, b: a - b, True)  # noqa: E704
-    def __mul__(self, o): return self._bin(o, lambda a, b: a * b)  # noqa: E704
-    def __rmul__(self, o): return self._bin(o, lambda a, b: a * b, True)  # noqa: E704
+    def __add__(self, o): return self._bin(o, lambda a, b: a + b)
+    def __radd__(self, o): return self._bin(o, lambda a, b: a + b, True)
+    def __sub__(self, o): return self._bin(o, lambda a, b: a - b)
+    def __rsub__(self, o): return self._bin(o, lambda a, b: a - b, True)
+    def __mul__(self, o): return self._bin(o, lambda a, b: a * b)
+    def __rmul__(self, o): return self._bin(o, lambda a, b: a * b, True)
 
     def __truediv__(self, o):
         return self._bin(o, lambda a, b: _tir.Cast("float32", a) / _tir.Cast("float32", b))
@@ -115,22 +115,22 @@ class Sym:
     def __rtruediv__(self, o):
         return self._bin(o, lambda a, b: _tir.Cast("float32", a) / _tir.Cast("float32", b), True)
 
-    def __floordiv__(self, o): return self._bin(o, _tir.floordiv)  # noqa: E704
-    def __rfloordiv__(self, o): return self._bin(o, _tir.floordiv, True)  # noqa: E704
-    def __mod__(self, o): return self._bin(o, _tir.floormod)  # noqa: E704
-    def __rmod__(self, o): return self._bin(o, _tir.floormod, True)  # noqa: E704
-    def __neg__(self): return Sym(-_promote(self, 0)[0])  # noqa: E704
-    def __lt__(self, o): return self._bin(o, lambda a, b: a < b)  # noqa: E704
-    def __le__(self, o): return self._bin(o, lambda a, b: a <= b)  # noqa: E704
-    def __gt__(self, o): return self._bin(o, lambda a, b: a > b)  # noqa: E704
-    def __ge__(self, o): return self._bin(o, lambda a, b: a >= b)  # noqa: E704
-    def __eq__(self, o): return self._bin(o, _tir.EQ)  # noqa: E704
-    def __ne__(self, o): return self._bin(o, _tir.NE)  # noqa: E704
-    def __and__(self, o): return Sym(_tir.And(_need_bool(self, "&"), _need_bool(o, "&")))  # noqa: E704
+    def __floordiv__(self, o): return self._bin(o, _tir.floordiv)
+    def __rfloordiv__(self, o): return self._bin(o, _tir.floordiv, True)
+    def __mod__(self, o): return self._bin(o, _tir.floormod)
+    def __rmod__(self, o): return self._bin(o, _tir.floormod, True)
+    def __neg__(self): return Sym(-_promote(self, 0)[0])
+    def __lt__(self, o): return self._bin(o, lambda a, b: a < b)
+    def __le__(self, o): return self._bin(o, lambda a, b: a <= b)
+    def __gt__(self, o): return self._bin(o, lambda a, b: a > b)
+    def __ge__(self, o): return self._bin(o, lambda a, b: a >= b)
+    def __eq__(self, o): return self._bin(o, _tir.EQ)
+    def __ne__(self, o): return self._bin(o, _tir.NE)
+    def __and__(self, o): return Sym(_tir.And(_need_bool(self, "&"), _need_bool(o, "&")))
     __rand__ = __and__
-    def __or__(self, o): return Sym(_tir.Or(_need_bool(self, "|"), _need_bool(o, "|")))  # noqa: E704
+    def __or__(self, o): return Sym(_tir.Or(_need_bool(self, "|"), _need_bool(o, "|")))
     __ror__ = __or__
-    def __invert__(self): return Sym(_tir.Not(_need_bool(self, "~")))  # noqa: E704
+    def __invert__(self): return Sym(_tir.Not(_need_bool(self, "~")))
     __hash__ = None
 
     def __bool__(self):
@@ -204,10 +204,10 @@ class Dual:
     def _cmp(self, o, op):
         return op(self.value, Dual.parts(o)[0])
 
-    def __lt__(self, o): return self._cmp(o, lambda a, b: a < b)  # noqa: E704
-    def __le__(self, o): return self._cmp(o, lambda a, b: a <= b)  # noqa: E704
-    def __gt__(self, o): return self._cmp(o, lambda a, b: a > b)  # noqa: E704
-    def __ge__(self, o): return self._cmp(o, lambda a, b: a >= b)  # noqa: E704
+    def __lt__(self, o): return self._cmp(o, lambda a, b: a < b)
+    def __le__(self, o): return self._cmp(o, lambda a, b: a <= b)
+    def __gt__(self, o): return self._cmp(o, lambda a, b: a > b)
+    def __ge__(self, o): return self._cmp(o, lambda a, b: a >= b)
     __hash__ = None
 
     def __bool__(self):
@@ -619,7 +619,7 @@ class BlockMask(NamedTuple):
 
     def fraction_skipped(self):
         """The share of (query block, key block) tiles the kernels skip."""
-        return float((self.state == EMPTY).float().mean())
+        return int((self.state == EMPTY).sum()) / self.state.numel()
 
     def counts(self):
         """{"empty": n, "partial": n, "full": n} tiles."""
