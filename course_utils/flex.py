@@ -21,6 +21,7 @@ packed into one float32 and one int32 input, so one kernel serves new values of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 from typing import NamedTuple
@@ -31,8 +32,9 @@ from tilelang import tvm
 
 __all__ = ["flex_attention", "create_block_mask", "BlockMask", "captured", "Captured", "where", "tanh", "exp", "log",
            "sqrt", "abs", "minimum", "maximum", "Sym", "Dual", "ModifierPlan", "plan_modifiers", "flex_reference",
-           "flex_references", "noop_mask", "EMPTY", "PARTIAL", "FULL", "HELPERS", "default_block", "causal_mask",
-           "soft_cap", "alibi_slopes", "alibi", "document_ids", "document_mask", "prefix_lm", "window_with_globals"]
+           "flex_references", "noop_mask", "visible_pairs", "EMPTY", "PARTIAL", "FULL", "HELPERS", "default_block",
+           "causal_mask", "soft_cap", "alibi_slopes", "alibi", "document_ids", "document_mask", "prefix_lm",
+           "window_with_globals"]
 
 _tir = tvm.tirx
 EMPTY, PARTIAL, FULL = 0, 1, 2  # the three states of a (query block, key block) pair
@@ -283,13 +285,15 @@ def maximum(a, b):
 # --- Captured tensors ------------------------------------------------------------------------------------------
 
 _BUILD = []  # the kernel being built: a stack of _Loader
+_FLOAT64_CAPTURES = []  # non-empty while the float64 reference runs
 
 
 class Captured:
     """A tensor a modifier reads, declared so that it becomes a kernel input: ``doc = captured(document_ids)``.
 
     Index it as the tensor (``doc[q_idx]``, ``slopes[h]``, ``doc[b, q_idx]``). On torch indices it
-    *is* the tensor (floats in float64); in a kernel it reads a packed input, with each index
+    *is* the tensor (floats in float64 inside ``flex_reference``), so the same modifier also runs in
+    PyTorch's own ``flex_attention``; in a kernel it reads a packed input, with each index
     clamped to its dimension so that rows and keys past the end never read out of bounds. Assign
     ``handle.tensor`` to change the values without recompiling.
     """
@@ -318,7 +322,8 @@ class Captured:
             if len(index) != self.tensor.dim():
                 raise TypeError(f"{self!r} has {self.tensor.dim()} dimensions; indexed with {len(index)} indices")
             return _BUILD[-1].load(self, index)
-        t = self.tensor.double() if self.kind == "float" else self.tensor
+        float64 = self.kind == "float" and _FLOAT64_CAPTURES and _FLOAT64_CAPTURES[-1]
+        t = self.tensor.double() if float64 else self.tensor
         index = tuple(i.to(t.device) if isinstance(i, torch.Tensor) else i for i in index)
         return t[index]
 
@@ -436,11 +441,12 @@ class ModifierPlan:
         self.layout = loader.layout
         self.handles = loader.handles
         self.sizes = (max(1, loader.sizes["float"]), max(1, loader.sizes["int"]))
+        self.key = (score_mod, mask_mod, tuple(h.layout_key for h in self.handles))  # what a kernel depends on
+        self._packed = (None, None)
 
-    @property
-    def key(self):
-        """What a compiled kernel depends on: the functions and the captured shapes (not their values)."""
-        return (self.score_mod, self.mask_mod, tuple(h.layout_key for h in self.handles))
+    def current(self):
+        """Whether the captured tensors still have the shapes this plan was traced with."""
+        return self.key[2] == tuple(h.layout_key for h in self.handles)
 
     def _indices(self, b, h, q_idx, kv_idx):
         return tuple(Sym(_promote(x, 0)[0]) for x in (b, h, q_idx, kv_idx))
@@ -470,7 +476,13 @@ class ModifierPlan:
             return _mask_result(self.mask_mod, _call(self.mask_mod, "mask_mod", self._indices(b, h, q_idx, kv_idx)))
 
     def pack(self, device):
-        """The kernels' two captured inputs (float32, int32): every captured tensor, flattened, at its offset."""
+        """The kernels' two captured inputs (float32, int32): every captured tensor, flattened, at its offset.
+
+        Cached while the captured tensors are the same objects, unmodified (their version counters).
+        """
+        stamp = (str(device),) + tuple((id(h.tensor), h.tensor._version) for h in self.handles)
+        if self._packed[0] == stamp:
+            return self._packed[1]
         floats = torch.zeros(self.sizes[0], dtype=torch.float32, device=device)
         ints = torch.zeros(self.sizes[1], dtype=torch.int32, device=device)
         for handle in self.handles:
@@ -482,7 +494,22 @@ class ModifierPlan:
                 ints[offset:offset + flat.numel()] = flat.to(torch.int32)
             else:
                 floats[offset:offset + flat.numel()] = flat.float()
+        self._packed = (stamp, (floats, ints))
         return floats, ints
+
+
+@functools.lru_cache(maxsize=128)
+def _cached_plan(score_mod, mask_mod):
+    return plan_modifiers(score_mod, mask_mod)
+
+
+def cached_plan(score_mod=None, mask_mod=None):
+    """``plan_modifiers``, traced once per pair of functions (again if a captured tensor changed shape)."""
+    plan = _cached_plan(score_mod, mask_mod)
+    if not plan.current():
+        _cached_plan.cache_clear()
+        plan = _cached_plan(score_mod, mask_mod)
+    return plan
 
 
 def plan_modifiers(score_mod=None, mask_mod=None):
@@ -543,7 +570,11 @@ def flex_reference(q, k, v, *, score_mod=None, mask_mod=None, sm_scale=None, com
                                        q.shape[2], k.shape[2], q.device)
     scores = torch.einsum("bhqd,bhkd->bhqk", qc, kc).to(softmax_dtype) * scale
     if score_mod is not None:
-        scores = score_mod(scores, b, h, q_idx, kv_idx)
+        _FLOAT64_CAPTURES.append(compute_dtype == torch.float64)
+        try:
+            scores = score_mod(scores, b, h, q_idx, kv_idx)
+        finally:
+            _FLOAT64_CAPTURES.pop()
         if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
             raise TypeError(f"score_mod `{_name(score_mod)}` must return a floating-point tensor on tensor inputs")
         scores = scores.to(softmax_dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -621,6 +652,12 @@ class BlockMask(NamedTuple):
         """The share of (query block, key block) tiles the kernels skip."""
         return int((self.state == EMPTY).sum()) / self.state.numel()
 
+    def without_skipping(self):
+        """The same mask with no tile skipped: EMPTY tiles become PARTIAL (visited and masked). What skipping saves
+        is the time difference."""
+        state = torch.where(self.state == EMPTY, PARTIAL, self.state).int()
+        return _with_lists(state, self.block, self.seq_q, self.seq_k, self.mask_mod)
+
     def counts(self):
         """{"empty": n, "partial": n, "full": n} tiles."""
         return {name: int((self.state == s).sum()) for name, s in (("empty", EMPTY), ("partial", PARTIAL),
@@ -680,6 +717,21 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", block=None):
     return _with_lists(state, block, Q_LEN, KV_LEN, mask_mod)
 
 
+def visible_pairs(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu"):
+    """How many (b, h, query, key) pairs ``mask_mod`` leaves visible (B, H: as in ``create_block_mask``).
+
+    The exact work of a masked attention: FLOPs are 4 · D · this many (forward). Evaluated a band
+    of queries at a time.
+    """
+    bb, hh = B or 1, H or 1
+    band = max(1, (1 << 24) // (bb * hh * KV_LEN))
+    total = 0
+    for q0 in range(0, Q_LEN, band):
+        b, h, q_idx, kv_idx = _index_grids(range(bb), range(hh), min(band, Q_LEN - q0), KV_LEN, device)
+        total += int(_reference_mask(mask_mod, b, h, q_idx + q0, kv_idx).expand(bb, hh, -1, KV_LEN).sum())
+    return total
+
+
 def _with_lists(state, block, seq_q, seq_k, mask_mod):
     """The BlockMask of ``state``: the non-empty blocks of each row (column) first, in increasing order."""
     visited = state != EMPTY
@@ -726,7 +778,7 @@ def flex_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, s
     if block_mask is not None:
         _check_block_mask(block_mask, mask_mod, q, k)
         mask_mod = block_mask.mask_mod
-    plan = plan_modifiers(score_mod, mask_mod)
+    plan = cached_plan(score_mod, mask_mod)
     if block_mask is None:
         block_mask = create_block_mask(mask_mod or noop_mask, None, None, q.shape[2], k.shape[2], device=q.device)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
@@ -773,14 +825,21 @@ def document_ids(lengths, device="cpu"):
 
 
 def document_mask(doc_ids, causal=True):
-    """Document masking of a packed batch: a query sees keys of its own document (and, if causal, not later ones)."""
+    """Document masking of a packed batch: a query sees keys of its own document (and, if causal, not later ones).
+
+    ``doc_ids``: the document of each token, [S] (shared by the batch) or [B, S] (one packing per row).
+    """
     doc = captured(doc_ids, "document_id")
+    per_row = doc_ids.dim() == 2
+
+    def same_document(b, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) if per_row else (doc[q_idx] == doc[kv_idx])
 
     def document_causal(b, h, q_idx, kv_idx):
-        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        return same_document(b, q_idx, kv_idx) & (q_idx >= kv_idx)
 
     def document(b, h, q_idx, kv_idx):
-        return doc[q_idx] == doc[kv_idx]
+        return same_document(b, q_idx, kv_idx)
 
     return document_causal if causal else document
 
