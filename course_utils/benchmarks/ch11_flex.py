@@ -112,7 +112,7 @@ def _ours_with_lse(score_mod, block_mask, causal):
     return ours
 
 
-def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None):
+def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
     """Forward and backward times of every case: ours (with and without block skipping), PyTorch's compiled
     flex_attention, SDPA with an explicit mask where it can express one, and for the causal case our
     specialised ``flash_attention(causal=True)``. Rows carry ms, TFLOP/s over the visible pairs, the share of
@@ -121,13 +121,13 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None):
     b, h, s, d = sh["batch"], sh["heads"], sh["seq"], sh["dim"]
     compiled_flex, torch_block_mask = _torch_flex()
     rows = []
-    for case, (score_mod, mask_mod, mask_b, dense, note) in flex_cases(sh).items():
+    for case, (score_mod, mask_mod, mask_b, dense, note) in flex_cases(sh, device).items():
         if cases is not None and case not in cases:
             continue
         q, k, v = random_inputs(sh, dtype)
-        block_mask = create_block_mask(mask_mod, mask_b, None, s, s, device="cuda")
-        torch_mask = torch_block_mask(mask_mod, mask_b, None, s, s, device="cuda")
-        pairs = visible_pairs(mask_mod, mask_b, None, s, s, device="cuda") * (b if mask_b is None else 1) * h
+        block_mask = create_block_mask(mask_mod, mask_b, None, s, s, device=device)
+        torch_mask = torch_block_mask(mask_mod, mask_b, None, s, s, device=device)
+        pairs = visible_pairs(mask_mod, mask_b, None, s, s, device=device) * (b if mask_b is None else 1) * h
         flops = 4.0 * pairs * d
         # Every function below is timed within this iteration: the closures see this case's values.
         ours = _ours_with_lse(score_mod, block_mask, case == "causal")
@@ -159,5 +159,6 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None):
                     row["errors"] = errors[impl]
                 rows.append(row)
             print(f"{case:12} {impl:40} fwd {fwd_ms[impl]:.3f} ms, bwd {bwd_ms[impl]:.3f} ms", flush=True)
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return rows
