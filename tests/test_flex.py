@@ -58,7 +58,7 @@ def _check_all(q, k, v, d_out, name, **mods):
 # --- Every modifier of the chapter, forward and gradients, against float64 ------------------------------------
 
 def test_soft_cap_50_forward_and_gradients():
-    q, k, v, d_out = _inputs(scale=12.0)  # scores up to ±40: the cap of 50 bends them
+    q, k, v, d_out = _inputs(scale=5.0)  # scores up to about ±25: the cap of 50 bends them
     _check_all(q, k, v, d_out, "soft-cap 50", score_mod=soft_cap(50.0), mask_mod=causal_mask)
 
 
@@ -289,7 +289,7 @@ def test_hidden_keys_have_no_influence():
 # --- Planted bugs that the checks catch ---------------------------------------------------------------------------
 
 def _softcap_problem():
-    q, k, v, d_out = _inputs(heads=2, seq=40, scale=12.0)
+    q, k, v, d_out = _inputs(heads=2, seq=40, scale=5.0)
     mods = dict(score_mod=soft_cap(50.0), mask_mod=causal_mask)
     out, lse, grads = _run(q, k, v, d_out, **mods)
     refs = flex_references(q, k, v, d_out=d_out, **mods)
@@ -349,3 +349,98 @@ def test_kernels_lower_for_sm90a():
                                       dtype="bfloat16", block_M=64, target="cuda"))
     for src in (fwd, bwd):
         assert "wgmma" in src and "tanh" in src
+
+
+# --- The chapter's exercise checkers ------------------------------------------------------------------------
+
+def _alibi_factory(body):
+    def make(slopes):
+        slope = flex.captured(slopes, "slopes")
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return body(score, slope, h, q_idx, kv_idx)
+
+        return score_mod
+
+    return make
+
+
+def _doc_factory(body):
+    def make(doc_ids):
+        doc = flex.captured(doc_ids, "doc")
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return body(doc, q_idx, kv_idx)
+
+        return mask_mod
+
+    return make
+
+
+def test_exercise_checkers_pass_the_solutions():
+    from course_utils.exercises import ch11
+
+    ch11.check_alibi(_alibi_factory(lambda s, slope, h, q, kv: s + slope[h] * (kv - q)))
+    ch11.check_document_mask(_doc_factory(lambda doc, q, kv: (doc[q] == doc[kv]) & (q >= kv)))
+
+
+@pytest.mark.parametrize("body, diagnosis", [
+    (lambda s, slope, h, q, kv: s + slope[h] * (q - kv), "wrong sign"),
+    (lambda s, slope, h, q, kv: slope[h] * (kv - q) + 0 * s, "score itself is missing"),
+    (lambda s, slope, h, q, kv: s + (kv - q), "its own slope"),
+    (lambda s, slope, h, q, kv: flex.where(s > 1e9, s, s) + slope[0] * (kv - q), "index the captured slopes with h"),
+])
+def test_alibi_checker_names_the_bug(body, diagnosis):
+    from course_utils.exercises import ch11
+    from course_utils.exercises.common import ExerciseWrong
+
+    with pytest.raises(ExerciseWrong, match=diagnosis):
+        ch11.check_alibi(_alibi_factory(body))
+
+
+@pytest.mark.parametrize("body, diagnosis", [
+    (lambda doc, q, kv: doc[q] == doc[kv], "must not see later keys"),
+    (lambda doc, q, kv: q >= kv, "only keys of its own document"),
+    (lambda doc, q, kv: (doc[q] == doc[kv]) & (q > kv), "its own position too"),
+    (lambda doc, q, kv: (doc[q] == doc[kv]) and (q >= kv), "join conditions with &"),
+])
+def test_document_checker_names_the_bug(body, diagnosis):
+    from course_utils.exercises import ch11
+    from course_utils.exercises.common import ExerciseWrong
+
+    with pytest.raises(ExerciseWrong, match=diagnosis):
+        ch11.check_document_mask(_doc_factory(body))
+
+
+def test_skipped_fraction_checker():
+    from course_utils.exercises import ch11
+    from course_utils.exercises.common import ExerciseIncomplete, ExerciseWrong
+
+    def by_pairs(lengths, block):  # a correct answer, computed from the pairs
+        s = sum(lengths)
+        bm = create_block_mask(document_mask(document_ids(lengths)), None, None, s, s, block=(block, block))
+        return bm.fraction_skipped()
+
+    def causal_only(lengths, block):
+        n = -(-sum(lengths) // block)
+        return (n * (n - 1) / 2) / (n * n)
+
+    def blank(lengths, block):
+        raise NotImplementedError  # your code here
+
+    ch11.check_skipped_fraction(by_pairs)
+    with pytest.raises(ExerciseWrong, match="causal masking alone"):
+        ch11.check_skipped_fraction(causal_only)
+    with pytest.raises(ExerciseIncomplete):
+        ch11.check_skipped_fraction(blank)
+
+
+def test_blank_modifier_exercise_says_not_written():
+    from course_utils.exercises import ch11
+    from course_utils.exercises.common import ExerciseIncomplete
+
+    def make_alibi(slopes):
+        raise NotImplementedError  # your code here
+
+    with pytest.raises(ExerciseIncomplete, match="not written yet"):
+        ch11.check_alibi(make_alibi)
