@@ -24,6 +24,7 @@ import contextlib
 import functools
 import inspect
 import math
+import threading
 from typing import NamedTuple
 
 import tilelang.language as T
@@ -284,8 +285,16 @@ def maximum(a, b):
 
 # --- Captured tensors ------------------------------------------------------------------------------------------
 
-_BUILD = []  # the kernel being built: a stack of _Loader
-_FLOAT64_CAPTURES = []  # non-empty while the float64 reference runs
+class _ThreadState(threading.local):
+    """Per thread (kernels are compiled in parallel threads): the kernel being built, a stack of _Loader, and
+    whether the float64 reference is running."""
+
+    def __init__(self):
+        self.build = []
+        self.float64 = []
+
+
+_STATE = _ThreadState()
 
 
 class Captured:
@@ -317,12 +326,12 @@ class Captured:
     def __getitem__(self, index):
         index = index if isinstance(index, tuple) else (index,)
         if any(isinstance(i, (Sym, Dual)) for i in index):
-            if not _BUILD:
+            if not _STATE.build:
                 raise RuntimeError(f"{self!r} was indexed with kernel values outside a kernel build")
             if len(index) != self.tensor.dim():
                 raise TypeError(f"{self!r} has {self.tensor.dim()} dimensions; indexed with {len(index)} indices")
-            return _BUILD[-1].load(self, index)
-        float64 = self.kind == "float" and _FLOAT64_CAPTURES and _FLOAT64_CAPTURES[-1]
+            return _STATE.build[-1].load(self, index)
+        float64 = self.kind == "float" and _STATE.float64 and _STATE.float64[-1]
         t = self.tensor.double() if float64 else self.tensor
         index = tuple(i.to(t.device) if isinstance(i, torch.Tensor) else i for i in index)
         return t[index]
@@ -368,11 +377,11 @@ class _Loader:
 
 @contextlib.contextmanager
 def _building(loader):
-    _BUILD.append(loader)
+    _STATE.build.append(loader)
     try:
         yield loader
     finally:
-        _BUILD.pop()
+        _STATE.build.pop()
 
 
 # --- Checking and tracing the modifiers ------------------------------------------------------------------------
@@ -570,11 +579,11 @@ def flex_reference(q, k, v, *, score_mod=None, mask_mod=None, sm_scale=None, com
                                        q.shape[2], k.shape[2], q.device)
     scores = torch.einsum("bhqd,bhkd->bhqk", qc, kc).to(softmax_dtype) * scale
     if score_mod is not None:
-        _FLOAT64_CAPTURES.append(compute_dtype == torch.float64)
+        _STATE.float64.append(compute_dtype == torch.float64)
         try:
             scores = score_mod(scores, b, h, q_idx, kv_idx)
         finally:
-            _FLOAT64_CAPTURES.pop()
+            _STATE.float64.pop()
         if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
             raise TypeError(f"score_mod `{_name(score_mod)}` must return a floating-point tensor on tensor inputs")
         scores = scores.to(softmax_dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
