@@ -211,6 +211,8 @@ class Dual:
     def __le__(self, o): return self._cmp(o, lambda a, b: a <= b)
     def __gt__(self, o): return self._cmp(o, lambda a, b: a > b)
     def __ge__(self, o): return self._cmp(o, lambda a, b: a >= b)
+    def __eq__(self, o): return self._cmp(o, lambda a, b: a == b)
+    def __ne__(self, o): return self._cmp(o, lambda a, b: a != b)
     __hash__ = None
 
     def __bool__(self):

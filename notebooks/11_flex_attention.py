@@ -27,7 +27,7 @@
 # PyTorch's FlexAttention answered yes: `score_mod(score, b, h, q_idx, kv_idx)` and
 # `mask_mod(b, h, q_idx, kv_idx)` are traced by `torch.compile` into a Triton template, and a
 # `BlockMask` says which tiles to skip. This chapter builds the same thing on the course's TileLang
-# kernels, in about 900 lines (`course_utils/flex.py`, `course_utils/flash_flex.py`): the modifiers
+# kernels (`course_utils/flex.py` for the API, `course_utils/flash_flex.py` for the kernels): the modifiers
 # are applied to the kernel's index and score *expressions* while the kernel is built, so their
 # formulas are inlined into the generated C or CUDA.
 #
