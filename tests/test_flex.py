@@ -106,6 +106,11 @@ def test_causal_mask_mod_matches_flash_attention_exactly():
         assert torch.equal(g, r)
 
 
+def test_float16_on_the_cpu_is_held_to_the_16_bit_criterion():
+    q, k, v, d_out = (t.half() for t in _inputs(seq=40))
+    _check_all(q, k, v, d_out, "fp16", score_mod=soft_cap(50.0), mask_mod=prefix_lm(9))
+
+
 def test_no_modifier_is_plain_attention():
     q, k, v, d_out = _inputs(seq=33, seq_k=21)
     out, lse, grads = _run(q, k, v, d_out)
