@@ -35,7 +35,7 @@ def _mask_dims(state_shape):
 
 
 def flex_fwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, *, heads_kv=None, sm_scale=None,
-                    dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, target=None):
+                    dtype="float16", block_M=128, block_N=128, num_stages=1, threads=256, target=None):
     """Return a ``@T.prim_func`` computing O and LSE with the modifiers of ``plan`` (a ``ModifierPlan``).
 
     ``mask_shape`` is the shape of the BlockMask's ``state`` [B', H', S_q blocks, S_k blocks], whose
