@@ -52,8 +52,7 @@ from tilelang import tvm
 
 from course_utils import flex, plots
 from course_utils.benchmarks import RECORDS
-from course_utils.benchmarks.ch11_flex import (FLEX_SHAPE, OURS_CAUSAL, OURS_NO_SKIP, SDPA_MASKED, TORCH_FLEX,
-                                               UNCHECKED)
+from course_utils.benchmarks.ch11_flex import OURS_CAUSAL, OURS_NO_SKIP, SDPA_MASKED, TORCH_FLEX, UNCHECKED
 from course_utils.flash_flex import flex_backward, flex_bwd_kernel, flex_forward, flex_forward_kernel, flex_fwd_kernel
 from course_utils.flex import Dual, Sym, causal_mask, create_block_mask, flex_attention, prefix_lm, soft_cap
 from course_utils.labels import OURS
@@ -455,9 +454,12 @@ else:
     check_stored_errors(rows, "ch11 flex record (O, LSE, dQ, dK, dV)", unchecked=UNCHECKED)
     short = {OURS: "ours", OURS_NO_SKIP: "ours, no skip", TORCH_FLEX: "torch flex", SDPA_MASKED: "SDPA+mask",
              OURS_CAUSAL: "flash causal"}
+    shape = {key: rows[0][key] for key in ("batch", "heads", "seq", "dim", "dtype")}
+    print("share of tiles skipped: " + ", ".join(f"{r['case']} {r['skipped']:.0%}" for r in rows
+                                                 if r["impl"] == OURS and r["mode"] == "fwd"))
     for mode in ("fwd", "bwd"):
         table = [dict(r, impl=short[r["impl"]]) for r in rows if r["mode"] == mode]
-        print(f"{mode} ms (shape {FLEX_SHAPE}, bf16)")
+        print(f"{mode} ms ({shape})")
         print(plots.text_table(table, index="case", columns="impl", value="ms", fmt="{:.2f}", width=15), "\n")
 
 # %%
