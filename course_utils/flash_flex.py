@@ -23,8 +23,8 @@ from .flash_pieces import LOG2E, NEG_INF, forward_epilogue, forward_tiles, onlin
 from .flex import FULL, PARTIAL
 from .tiles import TileBackend, compile_kernel
 
-__all__ = ["flex_fwd_kernel", "flex_bwd_kernel", "FlexConfig", "default_flex_config", "flex_forward_kernel",
-           "flex_backward_kernels", "flex_backward", "FlexFunction"]
+__all__ = ["flex_fwd_kernel", "flex_bwd_kernel", "recompute_probabilities", "FlexConfig", "default_flex_config",
+           "flex_forward_kernel", "flex_backward_kernels", "flex_backward", "FlexFunction"]
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -110,6 +110,29 @@ def flex_fwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, *, heads_
     return flex_fwd
 
 
+def _seen(plan, captured, b, h, q_pos, k_pos, seq_q, seq_k, masked):
+    """Whether the pair counts: always in a FULL tile; in a PARTIAL one, inside both sequences and by mask_mod."""
+    if not masked:
+        return T.bool(True)
+    return T.And(T.And(q_pos < seq_q, k_pos < seq_k), plan.mask(captured, b, h, q_pos, k_pos))
+
+
+@T.macro
+def recompute_probabilities(tb, plan, captured, PT, GT, lse, bz, by, qb, bx, block_M, block_N, seq_q, seq_k, sm_scale,
+                            scale_log2, masked):
+    """Pᵀ of one tile from the raw scores Kᵀ·Qᵀ in ``PT`` and the forward's LSE, 0 where the pair is hidden;
+    with a score_mod, also score_mod′ᵀ in ``GT`` (one Dual evaluation gives both)."""
+    for j, i in tb.parallel(block_N, block_M):
+        seen = _seen(plan, captured, bz, by, qb * block_M + i, bx * block_N + j, seq_q, seq_k, masked)
+        if plan.score_mod is not None:
+            value, slope = plan.score_and_derivative(captured, PT[j, i] * sm_scale, bz, by, qb * block_M + i,
+                                                     bx * block_N + j)
+            GT[j, i] = T.if_then_else(seen, slope, 0)
+            PT[j, i] = T.if_then_else(seen, T.exp2((value - lse[i]) * LOG2E), 0)
+        else:
+            PT[j, i] = T.if_then_else(seen, T.exp2(PT[j, i] * scale_log2 - lse[i] * LOG2E), 0)
+
+
 def flex_bwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, mask_block, *, heads_kv=None, sm_scale=None,
                     dtype="float16", block_M=64, num_stages=1, threads=256, target=None):
     """Return a ``@T.prim_func`` computing dK, dV and the float32 dQ accumulator (before its scale).
@@ -181,21 +204,13 @@ def flex_bwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, mask_bloc
                 T.copy(LSE[bz, by, qb * block_M:(qb + 1) * block_M], lse)
                 T.clear(PT)
                 T.gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                if has_score:
-                    for j, i in tb.parallel(block_N, block_M):
-                        value, slope = plan.score_and_derivative(captured, PT[j, i] * sm_scale, bz, by,
-                                                                 qb * block_M + i, bx * block_N + j)
-                        seen = T.Or(State[mbz, mby, mask_qb, bx] == FULL,
-                                    T.And(T.And(qb * block_M + i < seq_q, bx * block_N + j < seq_k),
-                                          plan.mask(captured, bz, by, qb * block_M + i, bx * block_N + j)))
-                        GT[j, i] = T.if_then_else(seen, slope, 0)
-                        PT[j, i] = T.if_then_else(seen, T.exp2((value - lse[i]) * LOG2E), 0)
+                # A FULL tile skips the mask; only a PARTIAL one evaluates mask_mod (and the ends of the sequences).
+                if State[mbz, mby, mask_qb, bx] == FULL:
+                    recompute_probabilities(tb, plan, captured, PT, GT, lse, bz, by, qb, bx, block_M, block_N, seq_q,
+                                            seq_k, sm_scale, p.scale_log2, False)
                 else:
-                    for j, i in tb.parallel(block_N, block_M):
-                        seen = T.Or(State[mbz, mby, mask_qb, bx] == FULL,
-                                    T.And(T.And(qb * block_M + i < seq_q, bx * block_N + j < seq_k),
-                                          plan.mask(captured, bz, by, qb * block_M + i, bx * block_N + j)))
-                        PT[j, i] = T.if_then_else(seen, T.exp2(PT[j, i] * p.scale_log2 - lse[i] * LOG2E), 0)
+                    recompute_probabilities(tb, plan, captured, PT, GT, lse, bz, by, qb, bx, block_M, block_N, seq_q,
+                                            seq_k, sm_scale, p.scale_log2, True)
                 # endregion
                 T.copy(dO[bz, by, qb * block_M:(qb + 1) * block_M, :], dO_s)
                 T.clear(dPT)
