@@ -29,6 +29,7 @@ from .bench import attention_flops, measured, tflops, time_cuda
 from .checks import CheckFailed, check_attention_error, check_close, check_true, expect_failure
 from .claims import claim_change, claim_count, claim_order, claim_ratio
 from .device import DEVICE, HAS_GPU, TILE_TARGET, describe_machine, pick
+from .flex import create_block_mask, flex_attention
 from .reference import attention_reference
 from .ring import ring_attention, shard_sequence, shard_zigzag, unshard_sequence, unshard_zigzag
 from .tiles import TileBackend, compile_kernel
@@ -42,5 +43,5 @@ __all__ = [
     "describe_machine", "pick", "attention_reference", "TileBackend", "compile_kernel", "check_forward",
     "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught", "flash_attention_varlen", "flash_decode",
     "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
-    "claim_count", "claim_ratio", "claim_change", "claim_order",
+    "claim_count", "claim_ratio", "claim_change", "claim_order", "flex_attention", "create_block_mask",
 ]
