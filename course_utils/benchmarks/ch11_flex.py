@@ -100,6 +100,9 @@ def _torch_flex():
     from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
     from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
 
+    # The timed backward re-runs one graph (retain_graph=True), which AOT autograd refuses for a graph
+    # compiled with donated buffers (it frees saved tensors after the first backward); found on the H100.
+    torch._functorch.config.donated_buffer = False
     return torch.compile(torch_flex_attention), torch_block_mask
 
 
