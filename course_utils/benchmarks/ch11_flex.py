@@ -102,7 +102,9 @@ def _torch_flex():
 
     # The timed backward re-runs one graph (retain_graph=True), which AOT autograd refuses for a graph
     # compiled with donated buffers (it frees saved tensors after the first backward); found on the H100.
-    torch._functorch.config.donated_buffer = False
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     return torch.compile(torch_flex_attention), torch_block_mask
 
 
