@@ -122,13 +122,19 @@ print(body[:900])
 
 # %% [markdown]
 # ## Exercises
-#
+
+# %%
+from course_utils.exercises import hint, solution  # help in tiers, on request: the idea, the API, the answer
+
+# %% [markdown]
 # ### (a) `axpy`
 #
 # Write `axpy(n, alpha)`, a kernel factory for `C = alpha * A + B`, by copying `vector_add` and
 # changing one line. The checker runs your kernel on this machine and compares it with PyTorch.
+#
+# Stuck? `hint("00", "a", 1)`, then `hint("00", "a", 2)`; `solution("00", "a")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def axpy(n, alpha, block=256, dtype="float32", target=None):
     tb = TileBackend(target)
 

@@ -389,7 +389,11 @@ cu.check_close(states[-1]["m"], tile_scores.amax(-1), "running max after the las
 
 # %% [markdown]
 # ## Exercises
-#
+
+# %%
+from course_utils.exercises import hint, solution  # help in tiers, on request: the idea, the API, the answer
+
+# %% [markdown]
 # ### (a) Merge two softmax states
 #
 # Two thread blocks each process half of a row's keys (a *split-KV* schedule, used when there are
@@ -398,8 +402,10 @@ cu.check_close(states[-1]["m"], tile_scores.amax(-1), "running max after the las
 # returns $(m, \ell)$ for **all** the scores, row by row. The online update of section 3 is the
 # special case where B is one block. Some rows may have $m_b = -\infty$, $\ell_b = 0$ (all of B's
 # keys masked).
+#
+# Stuck? `hint("02", "a", 1)`, then `hint("02", "a", 2)`; `solution("02", "a")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def merge_softmax_states(m_a, l_a, m_b, l_b):
     ### BEGIN SOLUTION
     m = torch.maximum(m_a, m_b)
@@ -423,8 +429,10 @@ check_merge_softmax_states(merge_softmax_states)
 # partial results. Write `combine_partial_attention`, returning $O$ and $\mathrm{LSE}$ over all
 # the keys (`o_*` are `[B, H, S, D]`, `lse_*` are `[B, H, S]`). Hint: $e^{\mathrm{LSE}_a}$ is block
 # A's softmax denominator; what share of the total denominator is it?
+#
+# Stuck? `hint("02", "b", 1)`, then `hint("02", "b", 2)`; `solution("02", "b")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def combine_partial_attention(o_a, lse_a, o_b, lse_b):
     ### BEGIN SOLUTION
     lse = torch.logaddexp(lse_a, lse_b)
@@ -448,8 +456,10 @@ check_combine_partial_attention(combine_partial_attention)
 # exactly these conventions for `shift` and `l`. The checker runs your kernel here, on rows chosen
 # to expose the usual mistakes (masked leading blocks, a masked block in the middle, large logits,
 # a max that grows at every block), and names the likely bug.
+#
+# Stuck? `hint("02", "c", 1)`, then `hint("02", "c", 2)`; `solution("02", "c")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-c"]
 import tilelang.language as T
 
 from course_utils.tiles import TileBackend

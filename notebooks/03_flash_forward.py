@@ -602,13 +602,19 @@ print(f"the '630 TFLOPS' headline in the course's convention: {630 * halved / un
 
 # %% [markdown]
 # ## Exercises
-#
+
+# %%
+from course_utils.exercises import hint, solution  # help in tiers, on request: the idea, the API, the answer
+
+# %% [markdown]
 # **Exercise 1.** Write `kv_blocks_visited(q_block, block_M, block_N, seq, causal)`: the key
 # blocks that query block `q_block` visits in self-attention of length `seq`, as a pair
 # `(first, stop)` like `range(first, stop)`. It must agree with the pictures of section 2,
 # including when `seq` is not a multiple of the blocks and when `block_M ≠ block_N`.
+#
+# Stuck? `hint("03", "a", 1)`, then `hint("03", "a", 2)`; `solution("03", "a")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def kv_blocks_visited(q_block, block_M, block_N, seq, causal):
     ### BEGIN SOLUTION
     num_k_blocks = -(-seq // block_N)
@@ -628,8 +634,10 @@ ch03.check_kv_blocks_visited(kv_blocks_visited)
 # whole tiles, masked parts included. Write `kernel_flops(batch, heads, seq, dim, block_M,
 # block_N, causal)`: the FLOPs of the two matrix products the kernel actually executes
 # (use your `kv_blocks_visited`).
+#
+# Stuck? `hint("03", "b", 1)`, then `hint("03", "b", 2)`; `solution("03", "b")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def kernel_flops(batch, heads, seq, dim, block_M, block_N, causal):
     ### BEGIN SOLUTION
     tiles = 0
@@ -716,8 +724,10 @@ def flash_forward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=32, 
 #
 # The checker runs your kernel on this CPU with causal and non-causal cases built to expose the
 # usual mistakes, compares it with the float64 reference and names the likely bug.
+#
+# Stuck? `hint("03", "c", 1)`, then `hint("03", "c", 2)`; `solution("03", "c")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-c"]
 def forward_tile_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
     sm_scale = 1 / math.sqrt(dim)
     scale_log2 = sm_scale * LOG2E  # exp(sm_scale·x) = exp2(x·scale_log2)

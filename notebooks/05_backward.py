@@ -719,15 +719,21 @@ else:
 # `[S_k, D]`, `lse` and `delta` are `[S_q]` (the natural-log LSE and Δ), `d_out` is `[S_q, D]`, no
 # mask. Block sizes need not divide the lengths. Use tiles only: no softmax and no `S_q × S_k`
 # matrix.
-#
+
+# %%
+from course_utils.exercises import hint, solution  # help in tiers, on request: the idea, the API, the answer
+
+# %% [markdown]
 # ### (a) The main kernel, in PyTorch
 #
 # Write `blockwise_backward`, which returns `(dq, dk, dv)` with the loop structure of the main
 # kernel: an outer loop over key blocks (the grid) and an inner loop over query blocks (the walk).
 # For each tile, recompute $P^\top$ from the LSE, accumulate $dV$ and $dK$ of the key block, and
 # add the tile's share of $dQ$ into the query block's rows (the atomic add).
+#
+# Stuck? `hint("05", "a", 1)`, then `hint("05", "a", 2)`; `solution("05", "a")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def blockwise_backward(q, k, v, lse, delta, d_out, scale, block_M, block_N):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     ### BEGIN SOLUTION
@@ -758,8 +764,10 @@ check_blockwise_backward(blockwise_backward)
 # `dq_query_major`, returning `dq` only: an outer loop over query blocks, an inner loop over key
 # blocks, the query block's $dQ$ accumulated in a local tile and written once after the inner
 # loop. Which products from (a) do you need again, and which not at all?
+#
+# Stuck? `hint("05", "b", 1)`, then `hint("05", "b", 2)`; `solution("05", "b")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def dq_query_major(q, k, v, lse, delta, d_out, scale, block_M, block_N):
     dq = torch.empty_like(q)
     ### BEGIN SOLUTION
@@ -847,8 +855,10 @@ def flash_backward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16,
 # $dS^\top = P^\top \circ (dP^\top - \Delta)$ (Δ indexed by query); $dK \mathrel{+}= dS^\top Q$; and this
 # tile's share of $dQ$ in `dq`, $dS\,K$ times the softmax scale (`T.gemm(dST, K_s, dq, transpose_A=True)`
 # reads `dST` as $dS$). `finish` applies what $dK$ still lacks after the walk.
+#
+# Stuck? `hint("05", "c", 1)`, then `hint("05", "c", 2)`; `solution("05", "c")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-c"]
 def backward_step_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
     sm_scale = 1 / math.sqrt(dim)
     scale_log2 = sm_scale * LOG2E

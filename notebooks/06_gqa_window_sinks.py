@@ -688,15 +688,21 @@ for name, walk in walks.items():
 
 # %% [markdown]
 # ## Exercises
-#
+
+# %%
+from course_utils.exercises import hint, solution  # help in tiers, on request: the idea, the API, the answer
+
+# %% [markdown]
 # ### (a) Attention with a sink, in PyTorch
 #
 # Write `sink_attention(q, k, v, sinks)`: non-causal attention for q, k, v of shape
 # [B, H, S, D] (same number of heads) with one sink logit per head, `sinks` of shape [H]. Do it
 # the way the gpt-oss reference code does: append the sink logit as one extra column of the
 # scaled score matrix, take the softmax, drop that column, multiply by V.
+#
+# Stuck? `hint("06", "a", 1)`, then `hint("06", "a", 2)`; `solution("06", "a")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def sink_attention(q, k, v, sinks):
     ### BEGIN SOLUTION
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
@@ -717,8 +723,10 @@ check_sink_attention(sink_attention)
 # Given `p_sink` $= e^{z_h - \mathrm{LSE}}$ and `delta` $= \Delta = \mathrm{rowsum}(dO \circ O)$,
 # both of shape [B, H, S], return the gradient of the loss with respect to the sink logits, shape [H]
 # (section 3's boxed formula).
+#
+# Stuck? `hint("06", "b", 1)`, then `hint("06", "b", 2)`; `solution("06", "b")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def dsinks(p_sink, delta):
     ### BEGIN SOLUTION
     return -(p_sink * delta).sum(dim=(0, 2))
@@ -735,8 +743,10 @@ check_dsinks(dsinks)
 # tokens that a sliding window of `window` keys leaves visible (query $i$ sees keys
 # $i - W + 1, \dots, i$ that exist). This is what `cu.attention_flops` counts for a window layer.
 # A closed form exists; a loop is fine too.
+#
+# Stuck? `hint("06", "c", 1)`, then `hint("06", "c", 2)`; `solution("06", "c")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-c"]
 def visible_pairs(seq, window):
     ### BEGIN SOLUTION
     w = min(window, seq)
@@ -800,8 +810,11 @@ def gpt_oss_forward(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_
 
     return forward
 
+# %% [markdown]
+# Stuck? `hint("06", "d", 1)`, then `hint("06", "d", 2)`; `solution("06", "d")` shows the answer.
 
-# %% tags=["solution"]
+
+# %% tags=["solution", "ex-d"]
 def window_block_range(qb, *, block_M, block_N, seq_q, seq_k, window):
     """The key blocks [start, stop) that query block qb visits (TileLang expressions of qb)."""
     past = seq_k - seq_q  # query q sees key k iff q + past - window < k <= q + past

@@ -194,3 +194,21 @@ def check_flash_forward(factory):
         hint="Compare your loop body with section 3: scores by selection after T.gemm, clear=False, the "
              "shift guard, α on both ℓ and acc_o, one division at the end, and the LSE in natural log.",
         summary="causal with rows that see no key, non-causal with a ragged tail")
+
+
+HINTS = {
+    "a": ["Non-causal: every key block. Causal: the last row of query block q_block is (q_block+1)·block_M − 1; "
+          "it sees keys up to that index, so stop after the key block holding it, never past the last block.",
+          "Use ceiling division -(-a // b): the number of key blocks is -(-seq // block_N); the causal stop is "
+          "min(that, -(-((q_block + 1) * block_M) // block_N))."],
+    "b": ["Every visited tile costs two matrix products of block_M × block_N × dim, each 2·M·N·K FLOPs, "
+          "masked parts included. Count the visited tiles over all query blocks.",
+          "Loop q_block over range(-(-seq // block_M)), call your kv_blocks_visited, sum stop − first, and "
+          "multiply by 4 · batch · heads · block_M · block_N · dim."],
+    "c": ["tile_step: scores, mask by selection, running max without reset, guarded shift, α, probabilities, "
+          "ℓ and acc_o rescaled by α, then P·V. epilogue: shift again, LSE in natural log, one guarded "
+          "division.",
+          "T.clear(S); T.gemm(Q_s, K_s, S, transpose_B=True); T.if_then_else(visible, S[i, j], neg_inf); "
+          "T.reduce_max(S, m, dim=1, clear=False); T.exp2(x * scale_log2 - shift[i]); T.reduce_sum(S, "
+          "row_sum, dim=1); T.copy(S, P); T.gemm(P, V_s, acc_o); LSE = (shift + T.log2(l)) / LOG2E."],
+}

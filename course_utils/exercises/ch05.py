@@ -172,3 +172,21 @@ def check_flash_backward(factory):
         hint="Check each product against section 3.2: Pᵀ = exp2(Sᵀ·scale_log2 − LSE·log2 e) masked, dV += Pᵀ dO, "
              "dSᵀ = Pᵀ ∘ (dPᵀ − Δ), dK += dSᵀ Q (scaled once at the end), dQ tile = scale · dS K.",
         summary="causal with S_q < S_k, non-causal with a ragged tail")
+
+
+HINTS = {
+    "a": ["Rebuild the tile's probabilities from the LSE (no running max needed), then the four products "
+          "of the backward: dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − Δ), dK += scale·dSᵀ Q and this key "
+          "block's share of dQ, scale·dS K.",
+          "With keys as rows: pt = torch.exp(scale * k[keys] @ q[rows].T - lse[rows]); dpt = v[keys] @ "
+          "d_out[rows].T; dst = pt * (dpt - delta[rows]); then dv[keys] +=, dk[keys] +=, dq[rows] +=."],
+    "b": ["Swap the loops: outer over query blocks, inner over key blocks, dQ of the query block kept in a "
+          "local accumulator and written once. Only P and dP are needed again, not dV or dK.",
+          "p = torch.exp(scale * q[rows] @ k[keys].T - lse[rows, None]); dp = d_out[rows] @ v[keys].T; "
+          "acc += scale * (p * (dp - delta[rows, None])) @ k[keys]."],
+    "c": ["Keys as rows: Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ·c − LSE·log2 e) where visible (0 elsewhere), dPᵀ = V dOᵀ, "
+          "dV += Pᵀ dO, dSᵀ = Pᵀ ∘ (dPᵀ − Δ), dK += dSᵀ Q, dq = scale · dS K; finish scales dK once.",
+          "T.clear(PT); T.gemm(K_s, Q_s, PT, transpose_B=True); T.if_then_else(visible(...), T.exp2(...), 0); "
+          "T.copy(PT, PT_s) before T.gemm(PT_s, dO_s, dv); T.gemm(dST, Q_s, dk); T.clear(dq); "
+          "T.gemm(dST, K_s, dq, transpose_A=True)."],
+}

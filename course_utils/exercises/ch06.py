@@ -276,3 +276,21 @@ def check_gpt_oss_forward(factory):
         hint="The first key block holds the first key of the block's first row, (qb·block_M + past − W + 1); the "
              "sink adds exp2(sink·log2 e − shift) to ℓ before the division and the LSE.",
         summary="window with S_q < S_k and GQA, window over a short self-attention, sinks")
+
+
+HINTS = {
+    "a": ["The sink is one more logit in every row's softmax, with no value row: it takes probability mass "
+          "away from the keys. Add it as a column, softmax, then drop that column.",
+          "scores = q @ k.transpose(-1, -2) / math.sqrt(D); sinks[None, :, None, None].expand(*scores.shape[:-1], "
+          "1); torch.cat([...], dim=-1); torch.softmax(..., dim=-1)[..., :-1] @ v."],
+    "b": ["The sink's logit z_h enters every row's denominator; its gradient is the sink's probability "
+          "times the row's −Δ, summed over batch and rows.",
+          "-(p_sink * delta).sum(dim=(0, 2))."],
+    "c": ["Row i sees min(i + 1, W) keys. Split the rows into those before the window is full and those after.",
+          "w = min(window, seq); w·(w+1)/2 + (seq − w)·w, or sum(min(i + 1, window) for i in range(seq))."],
+    "d": ["start: the block holding the first key the block's FIRST row can see (its window reaches furthest "
+          "back), rounded down, never below 0. Epilogue: the sink adds exp(sink − shift) to ℓ in the same "
+          "base-2 units, before the LSE and the division.",
+          "start = T.max(0, (qb * block_M + past - window + 1) // block_N); l[i] += T.exp2(sink * LOG2E - "
+          "shift[i]) (the sink is a logit: no softmax scale)."],
+}
