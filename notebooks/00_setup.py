@@ -167,5 +167,5 @@ def expected_axpy(n, alpha):
     return alpha * torch.linspace(-1, 1, n) + torch.linspace(2, 3, n)
 
 
-check_exercise("axpy", run_axpy, expected_axpy, [(300, 2.0), (77, -0.5)],
+check_exercise("axpy", run_axpy, expected_axpy, [(300, 2.0), (77, -0.5)], solutions=[axpy],
                hint="C should be alpha * A + B, element by element.")

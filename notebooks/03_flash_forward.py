@@ -649,6 +649,8 @@ def kernel_flops(batch, heads, seq, dim, block_M, block_N, causal):
 
 
 # %%
+from course_utils.exercises import ch03
+
 ch03.check_kernel_flops(kernel_flops)
 
 # %% [markdown]
@@ -656,6 +658,8 @@ ch03.check_kernel_flops(kernel_flops)
 # that the convention counts (the rest is the masked half of the diagonal tiles).
 
 # %%
+from course_utils.exercises import ch03
+
 with ch03.needs("kernel_flops", "exercise 2"):
     for r in (r for r in rows if r["impl"] == OURS and r["causal"]):
         executed = kernel_flops(r["batch"], r["heads"], r["seq"], r["dim"], 128, 128, True)
@@ -773,4 +777,132 @@ def forward_tile_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
 
 
 # %%
+from course_utils.exercises import ch03
+
 ch03.check_flash_forward(flash_forward)
+
+# %% [markdown]
+# ### (d) The whole forward kernel, on your own
+#
+# Now the whole kernel, from an empty body. The skeleton gives the signature, the grid (one
+# thread block per query block, head and batch entry) and the tiles' shapes; everything inside
+# is yours: the Q copy and the initial state, the key-block loop with its causal stop, the K/V
+# copies, `S = Q Kᵀ`, the mask, the online softmax with its guard, the rescale, `P V`, the
+# guarded division and the LSE. It is exercise (c)'s two macros plus what the skeleton of (c)
+# did for you. The checker runs it here on cases named by the property they test (rows that see
+# no key, a ragged S, S below one block, large logits, a second block size that must give the
+# same answer), names the likely bug or the nearest wrong variant, and then lowers your kernel
+# for the A100 (sm_80) and the H100 (sm_90a), which catches what only the GPU compiler rejects.
+#
+# Stuck? `hint("03", "d", 1)`, then `hint("03", "d", 2)`; `solution("03", "d")` shows the answer.
+
+# %% tags=["solution", "ex-d"]
+import math
+
+import tilelang.language as T
+
+from course_utils.flash_pieces import LOG2E
+from course_utils.tiles import TileBackend
+
+
+def my_flash_forward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=32, block_N=8, target=None):
+    """O [B, H, S_q, D] and the natural-log LSE [B, H, S_q] of softmax(Q Kᵀ/√D) V, float32."""
+    tb, f32 = TileBackend(target), "float32"
+    scale_log2 = LOG2E / math.sqrt(dim)  # exp(x/√D) = exp2(x·scale_log2)
+    past = seq_k - seq_q  # causal, bottom-right: query q sees key k iff k <= q + past
+    neg_inf = -T.infinity(f32)
+    q_shape, kv_shape = [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]
+
+    @T.prim_func
+    def forward(Q: T.Tensor(q_shape, f32), K: T.Tensor(kv_shape, f32), V: T.Tensor(kv_shape, f32),
+                O: T.Tensor(q_shape, f32), LSE: T.Tensor(q_shape[:3], f32)):
+        with tb.kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=128) as (qb, h, b):
+            # Tiles: Q_s [block_M, dim], K_s, V_s [block_N, dim], P [block_M, block_N] with tb.shared;
+            # S [block_M, block_N], acc_o [block_M, dim], and per row m, m_prev, shift, alpha, l, row_sum,
+            # lse [block_M] with tb.fragment.
+            ### BEGIN SOLUTION
+            Q_s, K_s, V_s = tb.shared([block_M, dim], f32), tb.shared([block_N, dim], f32), tb.shared([block_N, dim], f32)
+            S, P, acc_o = tb.fragment([block_M, block_N], f32), tb.shared([block_M, block_N], f32), tb.fragment([block_M, dim], f32)
+            m, m_prev, shift, alpha, l, row_sum, lse = (tb.fragment([block_M], f32) for _ in range(7))
+            T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+            T.fill(acc_o, 0)
+            T.fill(l, 0)
+            T.fill(m, neg_inf)
+            stop = T.ceildiv(seq_k, block_N)
+            if causal:
+                stop = T.min(stop, T.ceildiv((qb + 1) * block_M + past, block_N))
+            for kb in T.Pipelined(stop, num_stages=1):
+                T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
+                T.copy(V[b, h, kb * block_N:(kb + 1) * block_N, :], V_s)
+                T.clear(S)
+                T.gemm(Q_s, K_s, S, transpose_B=True)
+                for i, j in tb.parallel(block_M, block_N):
+                    q, k = qb * block_M + i, kb * block_N + j
+                    visible = T.And(k < seq_k, k <= q + past) if causal else k < seq_k
+                    S[i, j] = T.if_then_else(visible, S[i, j], neg_inf)
+                T.copy(m, m_prev)
+                T.reduce_max(S, m, dim=1, clear=False)
+                for i in tb.parallel(block_M):
+                    shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+                    alpha[i] = T.exp2(m_prev[i] * scale_log2 - shift[i])
+                for i, j in tb.parallel(block_M, block_N):
+                    S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
+                T.reduce_sum(S, row_sum, dim=1)
+                for i in tb.parallel(block_M):
+                    l[i] = l[i] * alpha[i] + row_sum[i]
+                for i, j in tb.parallel(block_M, dim):
+                    acc_o[i, j] *= alpha[i]
+                T.copy(S, P)
+                T.gemm(P, V_s, acc_o)
+            for i in tb.parallel(block_M):
+                shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+                lse[i] = T.if_then_else(l[i] > 0, (shift[i] + T.log2(l[i])) / LOG2E, neg_inf)
+            for i, j in tb.parallel(block_M, dim):
+                acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0)
+            T.copy(acc_o, O[b, h, qb * block_M:(qb + 1) * block_M, :])
+            T.copy(lse, LSE[b, h, qb * block_M:(qb + 1) * block_M])
+            ### END SOLUTION
+
+    return forward
+
+
+# %%
+from course_utils.exercises import ch03
+
+ch03.check_my_flash_forward(my_flash_forward)
+
+# %% [markdown]
+# ### The compiler on your kernel: `TL_LOWER_TRACE`
+#
+# Between your `@T.prim_func` and the CUDA of section 5 sit about ninety lowering steps.
+# TileLang 0.1.15 can record each one: the IR before and after every pass, then the generated
+# code. For a script, set the environment variable `TL_LOWER_TRACE=1` (an HTML report with a diff
+# per pass, under `TL_LOWER_TRACE_DIR`, default `./tmp/lower_trace_dir`; `TL_LOWER_TRACE=terminal`
+# prints the diffs instead). In a notebook, `kernels.trace_lowering` does the same for one kernel and
+# returns the steps. Here it lowers *your* kernel for the H100 (a small configuration, about ten
+# seconds). If you have not finished (d), the course's kernel stands in.
+
+# %%
+from course_utils.exercises import ch03
+from course_utils.exercises.kernels import trace_lowering
+
+shape, tiling = ch03.forward_gpu_config()
+factory = ch03.forward_or_course(my_flash_forward)
+steps = trace_lowering(factory(*shape, **tiling, target="cuda"), arch="sm_90a")
+changed = [s for s in steps if s.changed]
+print(f"{len(steps)} steps, {len(changed)} changed the IR. The first ones that did:")
+print("  " + ", ".join(dict.fromkeys(s.name for s in changed[:24])))
+tile_op = next(s for s in steps if s.name == "LowerTileOp")
+print("\nLowerTileOp turns the tile operations into code; your second T.gemm before and after it:")
+print("  before:", next(line.strip() for line in tile_op.before.splitlines() if "gemm" in line)[:150])
+print("  after: ", next(line.strip() for line in tile_op.after.splitlines() if "gemm" in line)[:150])
+cu.check_true("wgmma" in steps[-1].after, "the generated CUDA (the last step) uses wgmma, the H100's tensor-core gemm")
+
+# %% [markdown]
+# **When your kernel misbehaves, use the trace.** A kernel that fails to lower reports the pass that
+# failed (`FAILED` in the trace, and the checker's message names the compiler's error); read that
+# pass's *before* IR to see what your code became just before. A kernel that lowers but computes
+# the wrong thing: find your tile in the IR after `LayoutInference` (which register layout each
+# fragment got) and after `LowerTileOp` (what each `T.copy`, `T.gemm` and reduction became), and
+# compare the index expressions with what you meant. Switch it off again afterwards: tracing writes
+# a few megabytes per kernel.

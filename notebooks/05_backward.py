@@ -903,3 +903,244 @@ def backward_step_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
 from course_utils.exercises.ch05 import check_flash_backward
 
 check_flash_backward(flash_backward)
+
+# %% [markdown]
+# ## Capstone: your own FlashAttention, forward and backward
+#
+# The last four exercises build the whole backward from empty kernels and wrap it, with your
+# forward from chapter 03, into a `torch.autograd.Function`: *your* `flash_attention`, which
+# PyTorch can differentiate. Every kernel is float32 and runs here on TileLang's C backend; each
+# checker also lowers it for the A100 and the H100.
+#
+# ### (d) Δ, the preprocessing kernel
+#
+# $\Delta_i = \sum_d dO_{id}\,O_{id}$ for every query row: one thread block per block of rows,
+# an elementwise product and a row sum (section 2 says why the backward needs it).
+#
+# Stuck? `hint("05", "d", 1)`, then `hint("05", "d", 2)`; `solution("05", "d")` shows the answer.
+
+# %% tags=["solution", "ex-d"]
+import math
+
+import tilelang.language as T
+
+from course_utils.flash_pieces import LOG2E
+from course_utils.tiles import TileBackend
+
+
+def my_delta(batch, heads, seq, dim, *, block_M=16, target=None):
+    """Δ [B, H, S] = rowsum(dO ∘ O), float32."""
+    tb, f32 = TileBackend(target), "float32"
+
+    @T.prim_func
+    def delta_kernel(O: T.Tensor([batch, heads, seq, dim], f32), dO: T.Tensor([batch, heads, seq, dim], f32),
+                     Delta: T.Tensor([batch, heads, seq], f32)):
+        with tb.kernel(T.ceildiv(seq, block_M), heads, batch, threads=128) as (qb, h, b):
+            # Tiles: o, do [block_M, dim] and delta [block_M] (tb.fragment).
+            ### BEGIN SOLUTION
+            o, do, delta = tb.fragment([block_M, dim], f32), tb.fragment([block_M, dim], f32), tb.fragment([block_M], f32)
+            T.copy(O[b, h, qb * block_M:(qb + 1) * block_M, :], o)
+            T.copy(dO[b, h, qb * block_M:(qb + 1) * block_M, :], do)
+            for i, d in tb.parallel(block_M, dim):
+                o[i, d] *= do[i, d]
+            T.reduce_sum(o, delta, dim=1)
+            T.copy(delta, Delta[b, h, qb * block_M:(qb + 1) * block_M])
+            ### END SOLUTION
+
+    return delta_kernel
+
+
+# %%
+from course_utils.exercises import ch05
+
+ch05.check_my_delta(my_delta)
+
+# %% [markdown]
+# ### (e) The dK/dV kernel
+#
+# One thread block per key block, keys as rows, as in (c): K and V stay, the query blocks that can
+# see them stream past. This time the whole kernel is yours, and it does **not** touch dQ (that is
+# (f)'s job, without atomics): the tiles, the copies, the causal start of the walk, $P^\top$ from the
+# LSE with the mask, $dV \mathrel{+}= P^\top dO$, $dS^\top = P^\top \circ (dP^\top - \Delta)$,
+# $dK \mathrel{+}= dS^\top Q$, the scale, the stores.
+#
+# Stuck? `hint("05", "e", 1)`, then `hint("05", "e", 2)`; `solution("05", "e")` shows the answer.
+
+# %% tags=["solution", "ex-e"]
+def my_dkdv(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16, block_N=16, target=None):
+    """dK, dV [B, H, S_k, D] of softmax(Q Kᵀ/√D) V from Q, K, V, dO, the LSE and Δ, float32."""
+    tb, f32 = TileBackend(target), "float32"
+    sm_scale = 1 / math.sqrt(dim)
+    scale_log2 = sm_scale * LOG2E
+    past = seq_k - seq_q  # causal: query q sees key k iff k <= q + past
+    q_shape, k_shape = [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]
+
+    @T.prim_func
+    def dkdv(Q: T.Tensor(q_shape, f32), K: T.Tensor(k_shape, f32), V: T.Tensor(k_shape, f32),
+             dO: T.Tensor(q_shape, f32), LSE: T.Tensor(q_shape[:3], f32), Delta: T.Tensor(q_shape[:3], f32),
+             dK: T.Tensor(k_shape, f32), dV: T.Tensor(k_shape, f32)):
+        with tb.kernel(T.ceildiv(seq_k, block_N), heads, batch, threads=128) as (kb, h, b):
+            # Tiles: K_s, V_s [block_N, dim], Q_s, dO_s [block_M, dim], lse, delta [block_M], PT_s, dST
+            # [block_N, block_M] (tb.shared); PT, dPT [block_N, block_M], dk, dv [block_N, dim] (tb.fragment).
+            ### BEGIN SOLUTION
+            K_s, V_s, Q_s, dO_s = (tb.shared([n, dim], f32) for n in (block_N, block_N, block_M, block_M))
+            lse, delta = tb.shared([block_M], f32), tb.shared([block_M], f32)
+            PT, dPT = tb.fragment([block_N, block_M], f32), tb.fragment([block_N, block_M], f32)
+            PT_s, dST = tb.shared([block_N, block_M], f32), tb.shared([block_N, block_M], f32)
+            dk, dv = tb.fragment([block_N, dim], f32), tb.fragment([block_N, dim], f32)
+            T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
+            T.copy(V[b, h, kb * block_N:(kb + 1) * block_N, :], V_s)
+            T.clear(dk)
+            T.clear(dv)
+            start = T.max(0, (kb * block_N - past) // block_M) if causal else 0
+            for qb in T.Pipelined(start, T.ceildiv(seq_q, block_M), num_stages=1):
+                T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+                T.copy(dO[b, h, qb * block_M:(qb + 1) * block_M, :], dO_s)
+                T.copy(LSE[b, h, qb * block_M:(qb + 1) * block_M], lse)
+                T.copy(Delta[b, h, qb * block_M:(qb + 1) * block_M], delta)
+                T.clear(PT)
+                T.gemm(K_s, Q_s, PT, transpose_B=True)
+                for j, i in tb.parallel(block_N, block_M):
+                    q, k = qb * block_M + i, kb * block_N + j
+                    visible = T.And(T.And(q < seq_q, k < seq_k), k <= q + past) if causal else T.And(q < seq_q, k < seq_k)
+                    PT[j, i] = T.if_then_else(visible, T.exp2(PT[j, i] * scale_log2 - lse[i] * LOG2E), 0)
+                T.clear(dPT)
+                T.gemm(V_s, dO_s, dPT, transpose_B=True)
+                T.copy(PT, PT_s)
+                T.gemm(PT_s, dO_s, dv)
+                for j, i in tb.parallel(block_N, block_M):
+                    dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])
+                T.gemm(dST, Q_s, dk)
+            for j, d in tb.parallel(block_N, dim):
+                dk[j, d] *= sm_scale
+            T.copy(dv, dV[b, h, kb * block_N:(kb + 1) * block_N, :])
+            T.copy(dk, dK[b, h, kb * block_N:(kb + 1) * block_N, :])
+            ### END SOLUTION
+
+    return dkdv
+
+
+# %%
+from course_utils.exercises import ch05
+
+ch05.check_my_dkdv(my_dkdv)
+
+# %% [markdown]
+# ### (f) The dQ kernel
+#
+# Exercise (b) as a kernel: one thread block per query block, the key blocks up to the causal stop
+# streaming past, $P$ and $dP$ recomputed, $dS\,K$ accumulated in registers and written once.
+# No atomics: no other thread block writes these rows.
+#
+# Stuck? `hint("05", "f", 1)`, then `hint("05", "f", 2)`; `solution("05", "f")` shows the answer.
+
+# %% tags=["solution", "ex-f"]
+def my_dq(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16, block_N=16, target=None):
+    """dQ [B, H, S_q, D] of softmax(Q Kᵀ/√D) V from Q, K, V, dO, the LSE and Δ, float32."""
+    tb, f32 = TileBackend(target), "float32"
+    sm_scale = 1 / math.sqrt(dim)
+    scale_log2 = sm_scale * LOG2E
+    past = seq_k - seq_q
+    q_shape, k_shape = [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]
+
+    @T.prim_func
+    def dq_kernel(Q: T.Tensor(q_shape, f32), K: T.Tensor(k_shape, f32), V: T.Tensor(k_shape, f32),
+                  dO: T.Tensor(q_shape, f32), LSE: T.Tensor(q_shape[:3], f32), Delta: T.Tensor(q_shape[:3], f32),
+                  dQ: T.Tensor(q_shape, f32)):
+        with tb.kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=128) as (qb, h, b):
+            # Tiles: Q_s, dO_s [block_M, dim], K_s, V_s [block_N, dim], lse, delta [block_M], dS_s
+            # [block_M, block_N] (tb.shared); S, dP [block_M, block_N], dq [block_M, dim] (tb.fragment).
+            ### BEGIN SOLUTION
+            Q_s, dO_s, K_s, V_s = (tb.shared([n, dim], f32) for n in (block_M, block_M, block_N, block_N))
+            lse, delta, dS_s = tb.shared([block_M], f32), tb.shared([block_M], f32), tb.shared([block_M, block_N], f32)
+            S, dP, dq = tb.fragment([block_M, block_N], f32), tb.fragment([block_M, block_N], f32), tb.fragment([block_M, dim], f32)
+            T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+            T.copy(dO[b, h, qb * block_M:(qb + 1) * block_M, :], dO_s)
+            T.copy(LSE[b, h, qb * block_M:(qb + 1) * block_M], lse)
+            T.copy(Delta[b, h, qb * block_M:(qb + 1) * block_M], delta)
+            T.clear(dq)
+            stop = T.ceildiv(seq_k, block_N)
+            if causal:
+                stop = T.min(stop, T.ceildiv((qb + 1) * block_M + past, block_N))
+            for kb in T.Pipelined(stop, num_stages=1):
+                T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
+                T.copy(V[b, h, kb * block_N:(kb + 1) * block_N, :], V_s)
+                T.clear(S)
+                T.gemm(Q_s, K_s, S, transpose_B=True)
+                T.clear(dP)
+                T.gemm(dO_s, V_s, dP, transpose_B=True)
+                for i, j in tb.parallel(block_M, block_N):
+                    q, k = qb * block_M + i, kb * block_N + j
+                    visible = T.And(T.And(q < seq_q, k < seq_k), k <= q + past) if causal else T.And(q < seq_q, k < seq_k)
+                    p = T.exp2(S[i, j] * scale_log2 - lse[i] * LOG2E)
+                    dS_s[i, j] = T.if_then_else(visible, p * (dP[i, j] - delta[i]), 0)
+                T.gemm(dS_s, K_s, dq)
+            for i, d in tb.parallel(block_M, dim):
+                dq[i, d] *= sm_scale
+            T.copy(dq, dQ[b, h, qb * block_M:(qb + 1) * block_M, :])
+            ### END SOLUTION
+
+    return dq_kernel
+
+
+# %%
+from course_utils.exercises import ch05
+
+ch05.check_my_dq(my_dq)
+
+# %% [markdown]
+# ### (g) Your `flash_attention`, differentiable
+#
+# Wrap it up. `forward` runs your chapter-03 forward and saves what the backward needs (Q, K, V, O
+# and the LSE, never P); `backward` runs your three kernels: Δ, then dK/dV, then dQ. The next cell
+# fetches your forward from your copy of chapter 03 (or the course's, if yours is not finished, and
+# says so); `ch05.compiled(factory, *shape, out_idx=..., **options)` compiles a kernel once per shape
+# for the C backend and returns it. The checker runs a gradient check against the float64
+# reference: causal and not, a ragged S, S_q ≠ S_k.
+#
+# Stuck? `hint("05", "g", 1)`, then `hint("05", "g", 2)`; `solution("05", "g")` shows the answer.
+
+# %%
+from course_utils.exercises import your_solution
+
+my_flash_forward = your_solution("03", "d", "my_flash_forward")
+
+# %% tags=["solution", "ex-g"]
+import torch
+
+from course_utils.exercises.ch05 import compiled
+
+
+class MyFlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        ### BEGIN SOLUTION
+        (batch, heads, seq_q, dim), seq_k = q.shape, k.shape[2]
+        out, lse = compiled(my_flash_forward, batch, heads, seq_q, seq_k, dim, causal=causal, out_idx=[3, 4])(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal = causal
+        return out
+        ### END SOLUTION
+
+    @staticmethod
+    def backward(ctx, d_out):
+        ### BEGIN SOLUTION
+        q, k, v, out, lse = ctx.saved_tensors
+        (batch, heads, seq_q, dim), seq_k = q.shape, k.shape[2]
+        d_out = d_out.contiguous()
+        delta = compiled(my_delta, batch, heads, seq_q, dim, out_idx=[2])(out, d_out)
+        shape = (batch, heads, seq_q, seq_k, dim)
+        dk, dv = compiled(my_dkdv, *shape, causal=ctx.causal, out_idx=[6, 7])(q, k, v, d_out, lse, delta)
+        dq = compiled(my_dq, *shape, causal=ctx.causal, out_idx=[6])(q, k, v, d_out, lse, delta)
+        return dq, dk, dv, None
+        ### END SOLUTION
+
+
+def my_flash_attention(q, k, v, causal=False):
+    return MyFlashAttention.apply(q, k, v, causal)
+
+
+# %%
+from course_utils.exercises import ch05
+
+ch05.check_my_flash_attention(my_flash_attention)

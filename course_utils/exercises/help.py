@@ -115,3 +115,71 @@ def solution(chapter, exercise):
     print(f"# Solution of exercise {chapter}{letter} (from {_notebook(chapter).name}); "
           "paste it into your solution cell, then run that cell and the checker.\n")
     print("\n\n".join(cells))
+
+
+# --- A later chapter builds on an earlier exercise: the learner's version, else the course's -------
+
+_PRELUDE = """import math
+import torch
+import tilelang.language as T
+from course_utils.flash_pieces import LOG2E
+from course_utils.tiles import TileBackend
+"""
+
+
+def _learner_cells(chapter, letter, workspace=None):
+    """The learner's solution cells of the exercise, from their copy in workspace/learner/, or None."""
+    import nbformat
+
+    from ..workspace import WORKSPACE
+
+    folder = Path(workspace or WORKSPACE) / "learner"
+    copies = sorted(folder.glob(f"{chapter}_*.ipynb"))
+    if not copies:
+        return None
+    try:
+        nb = nbformat.read(copies[0], as_version=4)
+    except Exception:  # not a readable notebook any more: the course's version stands in
+        return None
+    cells = [c.source for c in nb.cells if c.cell_type == "code"
+             and {"solution", f"ex-{letter}"} <= set(c.metadata.get("tags", []))]
+    return cells or None
+
+
+def _load(cells, name, label):
+    import linecache
+
+    text = _PRELUDE + "\n\n".join(cells) + "\n"
+    filename = f"<{label}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)  # TileLang reads the source
+    namespace = {"__name__": f"solution_{abs(hash(filename))}"}
+    exec(compile(text, filename, "exec"), namespace)
+    if name not in namespace:
+        raise NameError(f"the cells define no `{name}`")
+    return namespace[name]
+
+
+def your_solution(chapter, exercise, name, *, probe=None, workspace=None):
+    """The learner's ``name`` from their workspace copy of chapter ``chapter``, exercise ``exercise`` (its
+    solution cells, run afresh), if it is written and ``probe(fn)`` does not raise; else the course's
+    (the committed notebook's solution cells), with one printed line saying so."""
+    from ..workspace import PLACEHOLDER
+
+    chapter, letter = _chapter(chapter), _letter(exercise)
+    cells = _learner_cells(chapter, letter, workspace)
+    why = f"no workspace copy of chapter {chapter} with exercise {chapter}{letter}"
+    if cells is not None:
+        if any(PLACEHOLDER in c for c in cells):
+            why = f"exercise {chapter}{letter} is not written yet in your copy"
+        else:
+            try:
+                fn = _load(cells, name, f"your {chapter}{letter}")
+                if probe is not None:
+                    probe(fn)
+                print(f"Using your `{name}` from chapter {chapter}, exercise ({letter}).")
+                return fn
+            except Exception as exc:  # the learner's version does not run: the course's keeps the chapter going
+                why = f"your `{name}` from exercise {chapter}{letter} fails ({type(exc).__name__}: " \
+                      f"{str(exc).splitlines()[0][:100] if str(exc) else ''})"
+    print(f"Using the course's `{name}` ({why}).")
+    return _load(solution_cells(chapter, letter), name, f"course {chapter}{letter}")
