@@ -183,3 +183,20 @@ def your_solution(chapter, exercise, name, *, probe=None, workspace=None):
                       f"{str(exc).splitlines()[0][:100] if str(exc) else ''})"
     print(f"Using the course's `{name}` ({why}).")
     return _load(solution_cells(chapter, letter), name, f"course {chapter}{letter}")
+
+
+def your_code(chapter, exercise):
+    """Print the learner's solution cells of an earlier exercise (from their workspace copy), or the
+    course's with one line saying so when theirs is missing or not written: the start of an exercise
+    that extends the learner's own code."""
+    from ..workspace import PLACEHOLDER
+
+    chapter, letter = _chapter(chapter), _letter(exercise)
+    cells = _learner_cells(chapter, letter)
+    if cells and not any(PLACEHOLDER in c for c in cells):
+        print(f"# Your exercise {chapter}{letter}, from your copy of chapter {chapter}:\n")
+    else:
+        print(f"# The course's exercise {chapter}{letter} (yours is not written yet, or there is no workspace "
+              f"copy of chapter {chapter}):\n")
+        cells = solution_cells(chapter, letter)
+    print("\n\n".join(cells))

@@ -209,6 +209,8 @@ _GPU_CAUSES = (
      "into a shared tile first (T.copy(S, P), then T.gemm(P, ...))."),
     ("layout for fragment", "TileLang could not choose a register layout for a fragment: give every fragment a "
      "consumer it can take its layout from (a gemm result, a reduction) or make it a shared tile."),
+    ("Layout infer conflict", "two tiles indexed in one parallel loop need different register layouts, typically "
+     "a register tile that later feeds T.gemm: keep the gemm operand in a shared tile (tb.shared)."),
     ("Only one dynamic shared memory", "too many or mismatched shared tiles for the GPU kernel."),
 )
 
