@@ -325,10 +325,9 @@ cu.check_close(row_softmax(X), torch.softmax(scale * X.double(), dim=-1), "TileL
 # `m` is never reset between blocks. (Some widely copied FlashAttention kernels do reset it at
 # every block and keep only the new block's maximum: then $\alpha$ can exceed 1, and a row whose
 # first blocks are masked turns into `NaN`.) At the end the kernel also writes the LSE.
-
-# %%
-show_source(softmax_online_kernel, "passes")
-
+#
+# *The listings of these pieces are at the end of the chapter, after the exercises, so that they do not
+# give the exercises away; here the text and the formulas describe each piece.*
 # %%
 online_softmax = compile_kernel(softmax_online_kernel(M, N, scale=scale, block_N=64), out_idx=[1, 2])
 X_masked = X.clone()
@@ -509,3 +508,16 @@ def online_softmax(M, N, *, scale=1.0, block_M=8, block_N=16, target=None):
 from course_utils.exercises.ch02 import check_online_softmax_kernel
 
 check_online_softmax_kernel(online_softmax)
+
+# %% [markdown]
+# ## The course's online-softmax kernel, listed (read after the exercises)
+#
+# The course's own code for what the exercises above asked you to write, kept until after them so that
+# it cannot give the answer away. Compare it with yours: the same steps, sometimes written as shared
+# pieces (`course_utils/flash_pieces.py`) that several kernels use.
+
+# %% [markdown]
+# From section 7 · A TileLang online softmax: stream the columns:
+
+# %%
+show_source(softmax_online_kernel, "passes")

@@ -126,10 +126,9 @@ diagrams.visit_table(56, 56, 16, 16, causal=True, window_size=20)
 # chapter 07 and the backward of chapter 05 are built from them. We read them in the order the
 # kernel uses them. First the **prelude**: ordinary Python, evaluated when the factory runs, so
 # its numbers reach the generated code as constants.
-
-# %%
-show_source(Prelude)
-
+#
+# *The listings of these pieces are at the end of the chapter, after the exercises, so that they do not
+# give the exercises away; here the text and the formulas describe each piece.*
 # %% [markdown]
 # - **`scale_log2`** folds two constants into one. Since $e^x = 2^{x \log_2 e}$,
 #   $\exp(\text{scale}\cdot s - \text{scale}\cdot m) = \operatorname{exp2}(s \cdot c - m \cdot c)$
@@ -142,19 +141,12 @@ show_source(Prelude)
 # `visible` builds the mask condition as a TileLang expression. `k_pos < seq_k` is the guard
 # for the partial last K tile; windows are chapter 06.
 
-# %%
-show_source(visible)
-
 # %% [markdown]
 # **The launch and the tiles.** The kernel's signature names the tensors in HBM (`Sinks` is read
 # only by the gpt-oss variant of chapter 06). The launch creates the grid of section 1, and
 # `forward_tiles` allocates the tiles from the table above: four in shared memory, the rest in
 # registers. `tb` is the `TileBackend` of chapter 00: on the CPU its "shared" and "fragment" tiles
 # are plain local arrays, so this same source runs here.
-
-# %%
-show_source(flash_fwd_kernel, "launch")
-show_source(forward_tiles)
 
 # %% [markdown]
 # **The Q load and the initial state.** The reversed query-block index `qb` from section 1;
@@ -163,10 +155,6 @@ show_source(forward_tiles)
 # (`init_running_max`; chapter 06's sinks start it elsewhere). The loop bounds are the skipped
 # triangle of section 2 in one formula: a causal query block stops after the key block holding
 # its last row's diagonal key.
-
-# %%
-show_source(flash_fwd_kernel, "setup")
-show_source(key_block_range)
 
 # %% [markdown]
 # **QKᵀ, then the mask.** `T.Pipelined` is a loop whose copies TileLang may issue ahead of the
@@ -181,10 +169,6 @@ show_source(key_block_range)
 # (`block_needs_mask`: the diagonal, the ragged end, a window's edge): the condition is the same
 # for every thread of the block, so the other tiles skip the pass for free.
 
-# %%
-show_source(flash_fwd_kernel, "scores")
-show_source(mask_scores)
-
 # %% [markdown]
 # **The online softmax**, chapter 02's update for a tile of rows, is one piece shared by the
 # forward kernels. `T.reduce_max(S, m, dim=1, clear=False)` does *not* reset `m`: it folds this
@@ -198,18 +182,11 @@ show_source(mask_scores)
 # The scores then become unnormalised probabilities in place, and their row sums update the
 # denominator, `l = l·alpha + rowsum`.
 
-# %%
-show_source(online_softmax)
-
 # %% [markdown]
 # **Rescale and PV.** Back in the kernel, the probabilities are rounded to the input type (`P`)
 # for the second matrix product, the output accumulator is scaled by `alpha` (its old terms were
 # exponentiated against a smaller max), and `acc_o += P V`. That is the whole loop body: two
 # matrix products on the tensor cores and a handful of per-row operations in between.
-
-# %%
-show_source(flash_fwd_kernel, "softmax")
-show_source(flash_fwd_kernel, "pv")
 
 # %% [markdown]
 # **Epilogue.** The shift is recomputed (the loop may have run zero times for a query block that
@@ -224,11 +201,6 @@ show_source(flash_fwd_kernel, "pv")
 # and is all the backward (chapter 05) needs to rebuild any probability without a second
 # running max: `P_ij = exp(scale·q_i·k_j − LSE_i)`. The first half is its own piece,
 # `normalise_rows`, because chapter 09's kernels for packed batches store their rows differently.
-
-# %%
-show_source(normalise_rows)
-show_source(forward_epilogue)
-show_source(natural_lse)
 
 # %% [markdown]
 # ## 4 · Run it here and check it
@@ -906,3 +878,43 @@ cu.check_true("wgmma" in steps[-1].after, "the generated CUDA (the last step) us
 # fragment got) and after `LowerTileOp` (what each `T.copy`, `T.gemm` and reduction became), and
 # compare the index expressions with what you meant. Switch it off again afterwards: tracing writes
 # a few megabytes per kernel.
+
+# %% [markdown]
+# ## The course's kernel, listed (read after the exercises)
+#
+# The course's own code for what the exercises above asked you to write, kept until after them so that
+# it cannot give the answer away. Compare it with yours: the same steps, sometimes written as shared
+# pieces (`course_utils/flash_pieces.py`) that several kernels use.
+
+# %% [markdown]
+# From section 3 · The kernel, piece by piece:
+
+# %%
+show_source(Prelude)
+
+# %%
+show_source(visible)
+
+# %%
+show_source(flash_fwd_kernel, "launch")
+show_source(forward_tiles)
+
+# %%
+show_source(flash_fwd_kernel, "setup")
+show_source(key_block_range)
+
+# %%
+show_source(flash_fwd_kernel, "scores")
+show_source(mask_scores)
+
+# %%
+show_source(online_softmax)
+
+# %%
+show_source(flash_fwd_kernel, "softmax")
+show_source(flash_fwd_kernel, "pv")
+
+# %%
+show_source(normalise_rows)
+show_source(forward_epilogue)
+show_source(natural_lse)

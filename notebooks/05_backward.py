@@ -250,10 +250,9 @@ print(f"separate dQ pass instead: 7 products instead of 5, {7 / 5:.1f}× the bac
 #
 # One thread block per `block` query rows of one (batch, head): load $O$ and $dO$ as float32
 # tiles, multiply element by element, sum each row.
-
-# %%
-show_source(flash_bwd_preprocess_kernel)
-
+#
+# *The listings of these pieces are at the end of the chapter, after the exercises, so that they do not
+# give the exercises away; here the text and the formulas describe each piece.*
 # %% [markdown]
 # ### 3.2 The main kernel
 #
@@ -262,17 +261,10 @@ show_source(flash_bwd_preprocess_kernel)
 # copies in the input dtype for the tensor cores (16-bit on a GPU); and three float32 accumulators. `dv` and `dk` live for the
 # whole kernel, `dq` for one step.
 
-# %%
-show_source(flash_bwd_kernel, "launch")
-show_source(flash_bwd_kernel, "setup")
-
 # %% [markdown]
 # Which query blocks can see these keys? Causal masking (bottom-right aligned, `past = S_k − S_q`)
 # lets key `j` be seen only by queries `i ≥ j − past`, so the walk starts at the first query block
 # that holds such a query; a sliding window (chapter 06) also ends it early.
-
-# %%
-show_source(query_block_range)
 
 # %% [markdown]
 # **Step 1: recompute $P^\top$.** One product gives $K Q^\top$ for this tile; the element-wise loop
@@ -280,15 +272,9 @@ show_source(query_block_range)
 # (query, key) pair is masked or lies past the end of either sequence. `visible` is the same helper
 # as in the forward.
 
-# %%
-show_source(flash_bwd_kernel, "recompute P")
-
 # %% [markdown]
 # **Step 2: $dP^\top$ and $dV$.** $dP^\top = V\,dO^\top$ from the two tiles in shared memory; then
 # $P^\top$ is cast to 16 bits and multiplied by $dO$ into the register accumulator `dv`.
-
-# %%
-show_source(flash_bwd_kernel, "dV")
 
 # %% [markdown]
 # **Step 3: $dS^\top$ and $dK$.** The element-wise $dS^\top = P^\top \circ (dP^\top - \Delta)$, with
@@ -296,33 +282,21 @@ show_source(flash_bwd_kernel, "dV")
 # `sm_scale` is left out here and applied once at the end: one multiply per element of $dK$ instead
 # of one per score.
 
-# %%
-show_source(flash_bwd_kernel, "dK")
-
 # %% [markdown]
 # **Step 4: this key block's share of $dQ$.** $dS^\top$ goes to shared memory, the product reads it
 # transposed (`transpose_A=True`) to get $dS\,K$ for the `block_M` query rows, and every element is
 # added atomically into the float32 buffer `dQ_acc`. Rows past the end of the queries are skipped.
-
-# %%
-show_source(flash_bwd_kernel, "dQ")
 
 # %% [markdown]
 # **After the walk**, $dK$ gets its scale and both gradients are written once. (With grouped-query
 # attention several query heads share one K/V head, and these writes become atomic adds too:
 # chapter 06.)
 
-# %%
-show_source(flash_bwd_kernel, "store")
-
 # %% [markdown]
 # ### 3.3 dQ, the post-pass
 #
 # When every key block has added its share, a last small kernel multiplies the float32 sums by
 # `sm_scale` and casts them to the input dtype.
-
-# %%
-show_source(flash_bwd_postprocess_kernel)
 
 # %% [markdown]
 # ### 3.4 Wired into autograd
@@ -332,9 +306,6 @@ show_source(flash_bwd_postprocess_kernel)
 # float32 buffer for $dQ$. (A loss that also uses the returned LSE, such as a z-loss, sends a
 # gradient `d_lse` to it; since $\partial\,\mathrm{LSE}_i / \partial s_{ij} = P_{ij}$, it simply
 # joins $\Delta$ as $\Delta - d\mathrm{LSE}$.)
-
-# %%
-show_source(cu.attention_backward, "three kernels")
 
 # %% [markdown]
 # ## 4 · Run it, and check it
@@ -1144,3 +1115,44 @@ def my_flash_attention(q, k, v, causal=False):
 from course_utils.exercises import ch05
 
 ch05.check_my_flash_attention(my_flash_attention)
+
+# %% [markdown]
+# ## The course's kernels, listed (read after the exercises)
+#
+# The course's own code for what the exercises above asked you to write, kept until after them so that
+# it cannot give the answer away. Compare it with yours: the same steps, sometimes written as shared
+# pieces (`course_utils/flash_pieces.py`) that several kernels use.
+
+# %% [markdown]
+# From section 3 · The three kernels:
+
+# %%
+show_source(flash_bwd_preprocess_kernel)
+
+# %%
+show_source(flash_bwd_kernel, "launch")
+show_source(flash_bwd_kernel, "setup")
+
+# %%
+show_source(query_block_range)
+
+# %%
+show_source(flash_bwd_kernel, "recompute P")
+
+# %%
+show_source(flash_bwd_kernel, "dV")
+
+# %%
+show_source(flash_bwd_kernel, "dK")
+
+# %%
+show_source(flash_bwd_kernel, "dQ")
+
+# %%
+show_source(flash_bwd_kernel, "store")
+
+# %%
+show_source(flash_bwd_postprocess_kernel)
+
+# %%
+show_source(cu.attention_backward, "three kernels")

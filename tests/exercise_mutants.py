@@ -187,20 +187,7 @@ MUTANTS = [
     Mutant("ch06_window_sinks", "no window skipping",
            (("start = T.max(0, (qb * block_M + past - window + 1) // block_N)", "start = 0"),),
            "no row of the query block"),
-]
 
-# Correct solutions written differently: the checker must pass them (a diagnosis never names a right kernel).
-VARIANTS = [
-    Mutant("ch03_forward", "mask filled in before the gemm (S = visible ? 0 : −∞, then S += Q Kᵀ)",
-           (("        T.clear(S)\n        T.gemm(Q_s, K_s, S, transpose_B=True)\n", ""),
-            ("S[i, j] = T.if_then_else(visible, S[i, j], neg_inf)\n",
-             "S[i, j] = T.if_then_else(visible, 0, neg_inf)\n        T.gemm(Q_s, K_s, S, transpose_B=True)\n")),
-           ""),
-    Mutant("ch05_backward", "softmax scale folded into dS once",
-           (("dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])",
-             "dST[j, i] = sm_scale * PT[j, i] * (dPT[j, i] - delta[i])"),
-            ("dq[i, d] *= sm_scale", "dq[i, d] *= 1.0"), ("dk[j, d] *= sm_scale", "dk[j, d] *= 1.0")),
-           ""),
     Mutant("ch06_window_sinks", "causal stop one key short at a block edge",
            (("T.ceildiv((qb + 1) * block_M + past, block_N))", "T.ceildiv((qb + 1) * block_M + past - 1, block_N))"),),
            "diagonal key when that key is the first of a block"),
@@ -223,4 +210,18 @@ VARIANTS = [
            "sink is missing"),
     Mutant("ch06_own_gpt_oss", "float32 register tile fed to T.gemm (right on the CPU, rejected for sm_90a)",
            (("T.copy(S, P)\n                T.gemm(P, V_s, acc_o)", "T.gemm(S, V_s, acc_o)"),), "lowered for sm_90a"),
+]
+
+# Correct solutions written differently: the checker must pass them (a diagnosis never names a right kernel).
+VARIANTS = [
+    Mutant("ch03_forward", "mask filled in before the gemm (S = visible ? 0 : −∞, then S += Q Kᵀ)",
+           (("        T.clear(S)\n        T.gemm(Q_s, K_s, S, transpose_B=True)\n", ""),
+            ("S[i, j] = T.if_then_else(visible, S[i, j], neg_inf)\n",
+             "S[i, j] = T.if_then_else(visible, 0, neg_inf)\n        T.gemm(Q_s, K_s, S, transpose_B=True)\n")),
+           ""),
+    Mutant("ch05_backward", "softmax scale folded into dS once",
+           (("dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])",
+             "dST[j, i] = sm_scale * PT[j, i] * (dPT[j, i] - delta[i])"),
+            ("dq[i, d] *= sm_scale", "dq[i, d] *= 1.0"), ("dk[j, d] *= sm_scale", "dk[j, d] *= 1.0")),
+           ""),
 ]
