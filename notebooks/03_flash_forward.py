@@ -429,7 +429,7 @@ for peer in PEERS:
 # written for Hopper, is faster still (the count above says in how many cases); chapter 04 tunes
 # the pipeline and the tiles.
 # At short S the causal rates drop further than the non-causal ones: a larger share of the work
-# sits in diagonal tiles that are half masked (exercise 2 counts it), and each block has fewer
+# sits in diagonal tiles that are half masked (exercise (b) counts it), and each block has fewer
 # tiles over which to hide the start and end of its pipeline.
 
 # %% [markdown]
@@ -579,7 +579,7 @@ print(f"the '630 TFLOPS' headline in the course's convention: {630 * halved / un
 from course_utils.exercises import hint, solution  # help in tiers, on request: the idea, the API, the answer
 
 # %% [markdown]
-# **Exercise 1.** Write `kv_blocks_visited(q_block, block_M, block_N, seq, causal)`: the key
+# **Exercise (a).** Write `kv_blocks_visited(q_block, block_M, block_N, seq, causal)`: the key
 # blocks that query block `q_block` visits in self-attention of length `seq`, as a pair
 # `(first, stop)` like `range(first, stop)`. It must agree with the pictures of section 2,
 # including when `seq` is not a multiple of the blocks and when `block_M ≠ block_N`.
@@ -602,7 +602,7 @@ from course_utils.exercises import ch03
 ch03.check_kv_blocks_visited(kv_blocks_visited)
 
 # %% [markdown]
-# **Exercise 2.** The FLOP convention counts the visible pairs. The kernel, though, computes
+# **Exercise (b).** The FLOP convention counts the visible pairs. The kernel, though, computes
 # whole tiles, masked parts included. Write `kernel_flops(batch, heads, seq, dim, block_M,
 # block_N, causal)`: the FLOPs of the two matrix products the kernel actually executes
 # (use your `kv_blocks_visited`).
@@ -632,14 +632,14 @@ ch03.check_kernel_flops(kernel_flops)
 # %%
 from course_utils.exercises import ch03
 
-with ch03.needs("kernel_flops", "exercise 2"):
+with ch03.needs("kernel_flops", "exercise (b)"):
     for r in (r for r in rows if r["impl"] == OURS and r["causal"]):
         executed = kernel_flops(r["batch"], r["heads"], r["seq"], r["dim"], 128, 128, True)
         useful = cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"], causal=True)
         print(f"S={r['seq']:>5}: counted / executed = {useful / executed:.3f}")
 
 # %% [markdown]
-# **Exercise 3: the forward's key-tile loop, in TileLang.** Now write the heart of the kernel
+# **Exercise (c): the forward's key-tile loop, in TileLang.** Now write the heart of the kernel
 # yourself. The factory below is given: the signature, the tiles, the Q load, the initial state,
 # the loop bounds and the K/V copies, written with `TileBackend` like `flash_fwd_kernel` (it lowers
 # for CUDA too). It calls two macros that you write in the next cell: `tile_step`, the body of the

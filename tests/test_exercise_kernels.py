@@ -77,7 +77,7 @@ def test_failures_render_as_one_line():
 
 
 def test_cell_using_a_blank_function_says_not_written_yet():
-    """Chapter 03's cell after exercise 2 calls the learner's kernel_flops: blank, it ends in one line."""
+    """Chapter 03's cell after exercise (b) calls the learner's kernel_flops: blank, it ends in one line."""
     import course_utils as cu
     from course_utils.exercises import ch03
 
@@ -89,7 +89,7 @@ def test_cell_using_a_blank_function_says_not_written_yet():
     record = dict(impl=OURS, causal=True, batch=1, heads=1, seq=256, dim=64)
     namespace = {"cu": cu, "ch03": ch03, "rows": [record], "OURS": OURS}
     exec(strip_solutions(solution), namespace)
-    with pytest.raises(ExerciseIncomplete, match="`kernel_flops` is not written yet: finish exercise 2"):
+    with pytest.raises(ExerciseIncomplete, match="`kernel_flops` is not written yet: finish exercise \(b\)"):
         exec(downstream, namespace)
 
 

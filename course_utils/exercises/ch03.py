@@ -69,7 +69,7 @@ def check_kernel_flops(fn):
              "sum the visited tiles of every query block and multiply by batch·heads.")
 
 
-# --- Exercise 3: the forward's key-tile loop and epilogue, in TileLang ---------------------------
+# --- Exercise (c): the forward's key-tile loop and epilogue, in TileLang ---------------------------
 
 def _forward_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, seed, logit_scale=(1.0,)):
     """Inputs (float32; head h of Q multiplied by logit_scale[h]) and the float64 reference."""
