@@ -865,10 +865,14 @@ changed = [s for s in steps if s.changed]
 print(f"{len(steps)} steps, {len(changed)} changed the IR. The first ones that did:")
 print("  " + ", ".join(dict.fromkeys(s.name for s in changed[:24])))
 tile_op = next(s for s in steps if s.name == "LowerTileOp")
-print("\nLowerTileOp turns the tile operations into code; your second T.gemm before and after it:")
-print("  before:", next(line.strip() for line in tile_op.before.splitlines() if "gemm" in line)[:150])
-print("  after: ", next(line.strip() for line in tile_op.after.splitlines() if "gemm" in line)[:150])
-cu.check_true("wgmma" in steps[-1].after, "the generated CUDA (the last step) uses wgmma, the H100's tensor-core gemm")
+before = [line.strip() for line in tile_op.before.splitlines() if line.strip().startswith("T.gemm(")]
+after = [line.strip() for line in tile_op.after.splitlines() if "ptx_ldmatrix" in line]
+print(f"\nLowerTileOp: your {len(before)} T.gemm calls become register loads (ldmatrix) and mma instructions;")
+print("  before:", before[0][:110], "...")
+print("  after: ", after[0][:110], "...")
+mma = [line.strip() for line in steps[-1].after.splitlines() if "mma_sync<" in line]
+print("  in the generated CUDA:", mma[0][:110], "...")
+cu.check_true(len(mma) > 0, "the CUDA multiplies on the tensor cores (mma; float32 inputs run as TF32)")
 
 # %% [markdown]
 # **When your kernel misbehaves, use the trace.** A kernel that fails to lower reports the pass that

@@ -150,8 +150,14 @@ def _where(exc):
     match = re.search(r"-->\s*(.+?):(\d+):\d+", str(exc))
     if match and ("<" in match.group(1) or "ipykernel_" in match.group(1)):
         filename = match.group(1)[match.group(1).find("<"):] if "<" in match.group(1) else match.group(1)
-        line = linecache.getline(filename, int(match.group(2))).strip()
-        return f" (line {match.group(2)} of your cell" + (f": `{line}`)" if line else ")")
+        number = int(match.group(2))
+        named = re.search(r"layout for (\w+)|between (\w+)", str(exc))
+        buffer = next((g for g in named.groups() if g), None) if named else None
+        if buffer and not re.search(rf"\b{buffer}\b", linecache.getline(filename, number)) \
+                and re.search(rf"\b{buffer}\b", linecache.getline(filename, number + 1)):
+            number += 1  # TileLang 0.1.15's span of a layout error sits one line above the tile's allocation
+        line = linecache.getline(filename, number).strip()
+        return f" (line {number} of your cell" + (f": `{line}`)" if line else ")")
     return _learner_line(exc)
 
 
