@@ -441,6 +441,8 @@ def combine_partial_attention(o_a, lse_a, o_b, lse_b):
 
 
 # %%
+from course_utils.exercises.ch02 import check_combine_partial_attention
+
 check_combine_partial_attention(combine_partial_attention)
 
 # %% [markdown]

@@ -897,7 +897,9 @@ cu.check_true(len(mma) > 0, "the CUDA multiplies on the tensor cores (mma; float
 show_source(Prelude)
 
 # %%
-show_source(visible)
+from course_utils import flash_pieces
+
+show_source(flash_pieces.visible)  # `visible` is a mask tensor by now
 
 # %%
 show_source(flash_fwd_kernel, "launch")

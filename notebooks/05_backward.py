@@ -757,6 +757,8 @@ def dq_query_major(q, k, v, lse, delta, d_out, scale, block_M, block_N):
 
 # %%
 # NBVAL_CHECK_OUTPUT
+from course_utils.exercises.ch05 import check_dq_query_major
+
 check_dq_query_major(dq_query_major)
 
 # %% [markdown]

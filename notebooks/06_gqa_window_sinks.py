@@ -734,6 +734,8 @@ def dsinks(p_sink, delta):
 
 
 # %%
+from course_utils.exercises.ch06 import check_dsinks
+
 check_dsinks(dsinks)
 
 # %% [markdown]
@@ -755,6 +757,8 @@ def visible_pairs(seq, window):
 
 
 # %%
+from course_utils.exercises.ch06 import check_visible_pairs
+
 check_visible_pairs(visible_pairs)
 
 # %% [markdown]
