@@ -124,7 +124,7 @@ print(body[:900])
 # ## Exercises
 
 # %%
-from course_utils.exercises import hint, solution  # help in tiers, on request: the idea, the API, the answer
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
 
 # %% [markdown]
 # ### (a) `axpy`

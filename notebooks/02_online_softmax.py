@@ -390,7 +390,7 @@ cu.check_close(states[-1]["m"], tile_scores.amax(-1), "running max after the las
 # ## Exercises
 
 # %%
-from course_utils.exercises import hint, solution  # help in tiers, on request: the idea, the API, the answer
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
 
 # %% [markdown]
 # ### (a) Merge two softmax states
@@ -415,7 +415,7 @@ def merge_softmax_states(m_a, l_a, m_b, l_b):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from course_utils.exercises.ch02 import check_combine_partial_attention, check_merge_softmax_states
+from course_utils.exercises.ch02 import check_merge_softmax_states
 
 check_merge_softmax_states(merge_softmax_states)
 

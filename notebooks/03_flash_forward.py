@@ -47,7 +47,7 @@ from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
 from course_utils.validation import check_stored_errors
 from course_utils.flash_fwd import flash_fwd_kernel
 from course_utils.flash_pieces import (LOG2E, Prelude, forward_epilogue, forward_tiles, key_block_range,
-                                       mask_scores, natural_lse, normalise_rows, online_softmax, visible)
+                                       mask_scores, natural_lse, normalise_rows, online_softmax)
 from course_utils.source import count, cuda_source, grep, show_source
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
@@ -576,7 +576,7 @@ print(f"the '630 TFLOPS' headline in the course's convention: {630 * halved / un
 # ## Exercises
 
 # %%
-from course_utils.exercises import hint, solution  # help in tiers, on request: the idea, the API, the answer
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
 
 # %% [markdown]
 # **Exercise (a).** Write `kv_blocks_visited(q_block, block_M, block_N, seq, causal)`: the key
@@ -769,29 +769,47 @@ ch03.check_flash_forward(flash_forward)
 # Stuck? `hint("03", "d", 1)`, then `hint("03", "d", 2)`; `solution("03", "d")` shows the answer.
 
 # %% tags=["solution", "ex-d"]
-import math
+def my_softmax_step(tb, dim, *, block_M, block_N):
+    """For one tile of masked scores S: the online softmax, the rescale, then acc_o += P V (a T.macro)."""
+    scale_log2 = LOG2E / math.sqrt(dim)  # exp(x/√D) = exp2(x·scale_log2)
+    neg_inf = -T.infinity("float32")
 
-import tilelang.language as T
+    @T.macro
+    def softmax_step(S, P, V_s, acc_o, m, m_prev, shift, alpha, l, row_sum):
+        ### BEGIN SOLUTION
+        T.copy(m, m_prev)
+        T.reduce_max(S, m, dim=1, clear=False)
+        for i in tb.parallel(block_M):
+            shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+            alpha[i] = T.exp2(m_prev[i] * scale_log2 - shift[i])
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
+        T.reduce_sum(S, row_sum, dim=1)
+        for i in tb.parallel(block_M):
+            l[i] = l[i] * alpha[i] + row_sum[i]
+        for i, j in tb.parallel(block_M, dim):
+            acc_o[i, j] *= alpha[i]
+        T.copy(S, P)
+        T.gemm(P, V_s, acc_o)
+        ### END SOLUTION
 
-from course_utils.flash_pieces import LOG2E
-from course_utils.tiles import TileBackend
+    return softmax_step
 
 
+# %% tags=["solution", "ex-d"]
 def my_flash_forward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=32, block_N=8, target=None):
     """O [B, H, S_q, D] and the natural-log LSE [B, H, S_q] of softmax(Q Kᵀ/√D) V, float32."""
     tb, f32 = TileBackend(target), "float32"
-    scale_log2 = LOG2E / math.sqrt(dim)  # exp(x/√D) = exp2(x·scale_log2)
-    past = seq_k - seq_q  # causal, bottom-right: query q sees key k iff k <= q + past
-    neg_inf = -T.infinity(f32)
+    softmax_step = my_softmax_step(tb, dim, block_M=block_M, block_N=block_N)
+    scale_log2, past, neg_inf = LOG2E / math.sqrt(dim), seq_k - seq_q, -T.infinity(f32)  # causal: k <= q + past
     q_shape, kv_shape = [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]
 
     @T.prim_func
     def forward(Q: T.Tensor(q_shape, f32), K: T.Tensor(kv_shape, f32), V: T.Tensor(kv_shape, f32),
                 O: T.Tensor(q_shape, f32), LSE: T.Tensor(q_shape[:3], f32)):
         with tb.kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=128) as (qb, h, b):
-            # Tiles: Q_s [block_M, dim], K_s, V_s [block_N, dim], P [block_M, block_N] with tb.shared;
-            # S [block_M, block_N], acc_o [block_M, dim], and per row m, m_prev, shift, alpha, l, row_sum,
-            # lse [block_M] with tb.fragment.
+            # Tiles: tb.shared Q_s [block_M, dim], K_s, V_s [block_N, dim], P [block_M, block_N]; tb.fragment S [block_M,
+            # block_N], acc_o [block_M, dim], and m, m_prev, shift, alpha, l, row_sum, lse [block_M] (one per row).
             ### BEGIN SOLUTION
             Q_s, K_s, V_s = tb.shared([block_M, dim], f32), tb.shared([block_N, dim], f32), tb.shared([block_N, dim], f32)
             S, P, acc_o = tb.fragment([block_M, block_N], f32), tb.shared([block_M, block_N], f32), tb.fragment([block_M, dim], f32)
@@ -800,9 +818,8 @@ def my_flash_forward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=3
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(m, neg_inf)
-            stop = T.ceildiv(seq_k, block_N)
-            if causal:
-                stop = T.min(stop, T.ceildiv((qb + 1) * block_M + past, block_N))
+            num_k_blocks = T.ceildiv(seq_k, block_N)
+            stop = T.min(num_k_blocks, T.ceildiv((qb + 1) * block_M + past, block_N)) if causal else num_k_blocks
             for kb in T.Pipelined(stop, num_stages=1):
                 T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
                 T.copy(V[b, h, kb * block_N:(kb + 1) * block_N, :], V_s)
@@ -812,20 +829,7 @@ def my_flash_forward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=3
                     q, k = qb * block_M + i, kb * block_N + j
                     visible = T.And(k < seq_k, k <= q + past) if causal else k < seq_k
                     S[i, j] = T.if_then_else(visible, S[i, j], neg_inf)
-                T.copy(m, m_prev)
-                T.reduce_max(S, m, dim=1, clear=False)
-                for i in tb.parallel(block_M):
-                    shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
-                    alpha[i] = T.exp2(m_prev[i] * scale_log2 - shift[i])
-                for i, j in tb.parallel(block_M, block_N):
-                    S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
-                T.reduce_sum(S, row_sum, dim=1)
-                for i in tb.parallel(block_M):
-                    l[i] = l[i] * alpha[i] + row_sum[i]
-                for i, j in tb.parallel(block_M, dim):
-                    acc_o[i, j] *= alpha[i]
-                T.copy(S, P)
-                T.gemm(P, V_s, acc_o)
+                softmax_step(S, P, V_s, acc_o, m, m_prev, shift, alpha, l, row_sum)
             for i in tb.parallel(block_M):
                 shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
                 lse[i] = T.if_then_else(l[i] > 0, (shift[i] + T.log2(l[i])) / LOG2E, neg_inf)

@@ -692,7 +692,7 @@ else:
 # matrix.
 
 # %%
-from course_utils.exercises import hint, solution  # help in tiers, on request: the idea, the API, the answer
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
 
 # %% [markdown]
 # ### (a) The main kernel, in PyTorch
@@ -724,7 +724,7 @@ def blockwise_backward(q, k, v, lse, delta, d_out, scale, block_M, block_N):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from course_utils.exercises.ch05 import check_blockwise_backward, check_dq_query_major
+from course_utils.exercises.ch05 import check_blockwise_backward
 
 check_blockwise_backward(blockwise_backward)
 
@@ -893,14 +893,6 @@ check_flash_backward(flash_backward)
 # Stuck? `hint("05", "d", 1)`, then `hint("05", "d", 2)`; `solution("05", "d")` shows the answer.
 
 # %% tags=["solution", "ex-d"]
-import math
-
-import tilelang.language as T
-
-from course_utils.flash_pieces import LOG2E
-from course_utils.tiles import TileBackend
-
-
 def my_delta(batch, heads, seq, dim, *, block_M=16, target=None):
     """Δ [B, H, S] = rowsum(dO ∘ O), float32."""
     tb, f32 = TileBackend(target), "float32"
@@ -943,10 +935,8 @@ ch05.check_my_delta(my_delta)
 def my_dkdv(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16, block_N=16, target=None):
     """dK, dV [B, H, S_k, D] of softmax(Q Kᵀ/√D) V from Q, K, V, dO, the LSE and Δ, float32."""
     tb, f32 = TileBackend(target), "float32"
-    sm_scale = 1 / math.sqrt(dim)
-    scale_log2 = sm_scale * LOG2E
-    past = seq_k - seq_q  # causal: query q sees key k iff k <= q + past
-    q_shape, k_shape = [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]
+    sm_scale, scale_log2 = 1 / math.sqrt(dim), LOG2E / math.sqrt(dim)
+    past, q_shape, k_shape = seq_k - seq_q, [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]  # q sees k <= q + past
 
     @T.prim_func
     def dkdv(Q: T.Tensor(q_shape, f32), K: T.Tensor(k_shape, f32), V: T.Tensor(k_shape, f32),
@@ -957,10 +947,8 @@ def my_dkdv(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16, block_
             # [block_N, block_M] (tb.shared); PT, dPT [block_N, block_M], dk, dv [block_N, dim] (tb.fragment).
             ### BEGIN SOLUTION
             K_s, V_s, Q_s, dO_s = (tb.shared([n, dim], f32) for n in (block_N, block_N, block_M, block_M))
-            lse, delta = tb.shared([block_M], f32), tb.shared([block_M], f32)
-            PT, dPT = tb.fragment([block_N, block_M], f32), tb.fragment([block_N, block_M], f32)
-            PT_s, dST = tb.shared([block_N, block_M], f32), tb.shared([block_N, block_M], f32)
-            dk, dv = tb.fragment([block_N, dim], f32), tb.fragment([block_N, dim], f32)
+            lse, delta, PT_s, dST = (tb.shared(s, f32) for s in ([block_M], [block_M], [block_N, block_M], [block_N, block_M]))
+            PT, dPT, dk, dv = (tb.fragment(s, f32) for s in ([block_N, block_M], [block_N, block_M], [block_N, dim], [block_N, dim]))
             T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
             T.copy(V[b, h, kb * block_N:(kb + 1) * block_N, :], V_s)
             T.clear(dk)
@@ -982,10 +970,8 @@ def my_dkdv(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16, block_
                 T.copy(PT, PT_s)
                 T.gemm(PT_s, dO_s, dv)
                 for j, i in tb.parallel(block_N, block_M):
-                    dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])
+                    dST[j, i] = sm_scale * PT[j, i] * (dPT[j, i] - delta[i])  # dK = scale · dSᵀ Q
                 T.gemm(dST, Q_s, dk)
-            for j, d in tb.parallel(block_N, dim):
-                dk[j, d] *= sm_scale
             T.copy(dv, dV[b, h, kb * block_N:(kb + 1) * block_N, :])
             T.copy(dk, dK[b, h, kb * block_N:(kb + 1) * block_N, :])
             ### END SOLUTION
@@ -1011,10 +997,8 @@ ch05.check_my_dkdv(my_dkdv)
 def my_dq(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16, block_N=16, target=None):
     """dQ [B, H, S_q, D] of softmax(Q Kᵀ/√D) V from Q, K, V, dO, the LSE and Δ, float32."""
     tb, f32 = TileBackend(target), "float32"
-    sm_scale = 1 / math.sqrt(dim)
-    scale_log2 = sm_scale * LOG2E
-    past = seq_k - seq_q
-    q_shape, k_shape = [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]
+    sm_scale, scale_log2 = 1 / math.sqrt(dim), LOG2E / math.sqrt(dim)
+    past, q_shape, k_shape = seq_k - seq_q, [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]  # q sees k <= q + past
 
     @T.prim_func
     def dq_kernel(Q: T.Tensor(q_shape, f32), K: T.Tensor(k_shape, f32), V: T.Tensor(k_shape, f32),
@@ -1032,9 +1016,8 @@ def my_dq(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16, block_N=
             T.copy(LSE[b, h, qb * block_M:(qb + 1) * block_M], lse)
             T.copy(Delta[b, h, qb * block_M:(qb + 1) * block_M], delta)
             T.clear(dq)
-            stop = T.ceildiv(seq_k, block_N)
-            if causal:
-                stop = T.min(stop, T.ceildiv((qb + 1) * block_M + past, block_N))
+            num_k_blocks = T.ceildiv(seq_k, block_N)
+            stop = T.min(num_k_blocks, T.ceildiv((qb + 1) * block_M + past, block_N)) if causal else num_k_blocks
             for kb in T.Pipelined(stop, num_stages=1):
                 T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
                 T.copy(V[b, h, kb * block_N:(kb + 1) * block_N, :], V_s)

@@ -690,7 +690,7 @@ for name, walk in walks.items():
 # ## Exercises
 
 # %%
-from course_utils.exercises import hint, solution  # help in tiers, on request: the idea, the API, the answer
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
 
 # %% [markdown]
 # ### (a) Attention with a sink, in PyTorch
@@ -713,7 +713,7 @@ def sink_attention(q, k, v, sinks):
 
 
 # %%
-from course_utils.exercises.ch06 import check_dsinks, check_sink_attention, check_visible_pairs
+from course_utils.exercises.ch06 import check_sink_attention
 
 check_sink_attention(sink_attention)
 
@@ -857,7 +857,7 @@ check_gpt_oss_forward(gpt_oss_forward)
 # ### (e) GQA, the window and sinks in your own kernel
 #
 # Exercise (d) filled two holes in the course's kernel. Now add all three features to **your**
-# forward of chapter 03, exercise (d): the cell below prints it (the course's, if yours is not
+# forward of chapter 03, exercise (d): the cell below prints it, its two cells, (the course's, if yours is not
 # finished; it says which). Copy its body into the skeleton and change three things:
 # - **GQA**: query head `h` reads K/V head `h // group`;
 # - **the window**: the key loop starts at the block of the first row's first key, and the mask
@@ -876,22 +876,40 @@ from course_utils.exercises import your_code
 your_code("03", "d")
 
 # %% tags=["solution", "ex-e"]
-import math
+def my_softmax_step(tb, dim, *, block_M, block_N):
+    """Your chapter-03 step: for one tile of masked scores S, the online softmax, the rescale, acc_o += P V."""
+    scale_log2 = LOG2E / math.sqrt(dim)
+    neg_inf = -T.infinity("float32")
 
-import tilelang.language as T
+    @T.macro
+    def softmax_step(S, P, V_s, acc_o, m, m_prev, shift, alpha, l, row_sum):
+        ### BEGIN SOLUTION
+        T.copy(m, m_prev)
+        T.reduce_max(S, m, dim=1, clear=False)
+        for i in tb.parallel(block_M):
+            shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+            alpha[i] = T.exp2(m_prev[i] * scale_log2 - shift[i])
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
+        T.reduce_sum(S, row_sum, dim=1)
+        for i in tb.parallel(block_M):
+            l[i] = l[i] * alpha[i] + row_sum[i]
+        for i, j in tb.parallel(block_M, dim):
+            acc_o[i, j] *= alpha[i]
+        T.copy(S, P)
+        T.gemm(P, V_s, acc_o)
+        ### END SOLUTION
 
-from course_utils.flash_pieces import LOG2E
-from course_utils.tiles import TileBackend
+    return softmax_step
 
 
+# %% tags=["solution", "ex-e"]
 def my_gpt_oss_forward(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_M=16, block_N=8, target=None):
     """O and LSE of causal sliding-window attention with GQA and one sink logit per query head, float32."""
     tb, f32 = TileBackend(target), "float32"
-    scale_log2 = LOG2E / math.sqrt(dim)
-    past = seq_k - seq_q  # query q sees key k iff q + past - window < k <= q + past
-    group = heads // heads_kv
-    neg_inf = -T.infinity(f32)
-    q_shape, kv_shape = [batch, heads, seq_q, dim], [batch, heads_kv, seq_k, dim]
+    softmax_step = my_softmax_step(tb, dim, block_M=block_M, block_N=block_N)
+    scale_log2, past, neg_inf = LOG2E / math.sqrt(dim), seq_k - seq_q, -T.infinity(f32)  # q sees k: k <= q + past
+    group, q_shape, kv_shape = heads // heads_kv, [batch, heads, seq_q, dim], [batch, heads_kv, seq_k, dim]
 
     @T.prim_func
     def forward(Q: T.Tensor(q_shape, f32), K: T.Tensor(kv_shape, f32), V: T.Tensor(kv_shape, f32),
@@ -917,20 +935,7 @@ def my_gpt_oss_forward(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, blo
                     q, k = qb * block_M + i, kb * block_N + j
                     visible = T.And(T.And(k < seq_k, k <= q + past), k > q + past - window)
                     S[i, j] = T.if_then_else(visible, S[i, j], neg_inf)
-                T.copy(m, m_prev)
-                T.reduce_max(S, m, dim=1, clear=False)
-                for i in tb.parallel(block_M):
-                    shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
-                    alpha[i] = T.exp2(m_prev[i] * scale_log2 - shift[i])
-                for i, j in tb.parallel(block_M, block_N):
-                    S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
-                T.reduce_sum(S, row_sum, dim=1)
-                for i in tb.parallel(block_M):
-                    l[i] = l[i] * alpha[i] + row_sum[i]
-                for i, j in tb.parallel(block_M, dim):
-                    acc_o[i, j] *= alpha[i]
-                T.copy(S, P)
-                T.gemm(P, V_s, acc_o)
+                softmax_step(S, P, V_s, acc_o, m, m_prev, shift, alpha, l, row_sum)
             for i in tb.parallel(block_M):
                 shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
                 l[i] += T.exp2(Sinks[h] * LOG2E - shift[i])

@@ -39,14 +39,15 @@ EXERCISES = {
                                     "online_softmax"),
     "ch03_forward": Exercise("03_flash_forward", ("flash_forward", "forward_tile_macros"),
                              "ch03:check_flash_forward", "flash_forward"),
-    "ch03_full_forward": Exercise("03_flash_forward", ("my_flash_forward",), "ch03:check_my_flash_forward",
-                                  "my_flash_forward"),
+    "ch03_full_forward": Exercise("03_flash_forward", ("my_softmax_step", "my_flash_forward"),
+                                  "ch03:check_my_flash_forward", "my_flash_forward"),
     "ch05_delta": Exercise("05_backward", ("my_delta",), "ch05:check_my_delta", "my_delta"),
     "ch05_dkdv": Exercise("05_backward", ("my_dkdv",), "ch05:check_my_dkdv", "my_dkdv"),
     "ch05_dq": Exercise("05_backward", ("my_dq",), "ch05:check_my_dq", "my_dq"),
     "ch05_backward": Exercise("05_backward", ("flash_backward", "backward_step_macros"),
                               "ch05:check_flash_backward", "flash_backward"),
-    "ch06_own_gpt_oss": Exercise("06_gqa_window_sinks", ("my_gpt_oss_forward",), "ch06:check_my_gpt_oss_forward",
+    "ch06_own_gpt_oss": Exercise("06_gqa_window_sinks", ("my_softmax_step", "my_gpt_oss_forward"),
+                                 "ch06:check_my_gpt_oss_forward",
                                  "my_gpt_oss_forward"),
     "ch06_window_sinks": Exercise("06_gqa_window_sinks", ("gpt_oss_forward", "window_block_range", "sink_epilogue"),
                                   "ch06:check_gpt_oss_forward", "gpt_oss_forward"),
@@ -115,8 +116,7 @@ MUTANTS = [
            (("T.And(k < seq_k, k <= q + past) if causal else k < seq_k", "k <= q + past if causal else True"),),
            "keys past the end of K are not masked"),
     Mutant("ch03_full_forward", "accumulator rescale forgotten",
-           (("                for i, j in tb.parallel(block_M, dim):\n"
-             "                    acc_o[i, j] *= alpha[i]\n", ""),),
+           (("        for i, j in tb.parallel(block_M, dim):\n            acc_o[i, j] *= alpha[i]\n", ""),),
            "acc_o is not rescaled"),
     Mutant("ch03_full_forward", "0/0 for rows that see no key",
            (("acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0)", "acc_o[i, j] = acc_o[i, j] / l[i]"),),
@@ -126,7 +126,7 @@ MUTANTS = [
     Mutant("ch03_full_forward", "K not transposed", (("T.gemm(Q_s, K_s, S, transpose_B=True)", "T.gemm(Q_s, K_s, S)"),),
            "transpose_B=True"),
     Mutant("ch03_full_forward", "float32 register tile fed to T.gemm (right on the CPU, rejected for sm_90a)",
-           (("T.copy(S, P)\n                T.gemm(P, V_s, acc_o)", "T.gemm(S, V_s, acc_o)"),),
+           (("T.copy(S, P)\n        T.gemm(P, V_s, acc_o)", "T.gemm(S, V_s, acc_o)"),),
            "lowered for sm_90a"),
 
     # --- chapter 05: one step of the backward ---
@@ -144,9 +144,9 @@ MUTANTS = [
     # --- chapter 05 capstone: Δ, dK/dV and dQ kernels ---
     Mutant("ch05_delta", "O times O", (("o[i, d] *= do[i, d]", "o[i, d] *= o[i, d]"),), "dO ∘ dO or O ∘ O"),
     Mutant("ch05_dkdv", "Δ omitted",
-           (("dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])", "dST[j, i] = PT[j, i] * dPT[j, i]"),),
+           (("sm_scale * PT[j, i] * (dPT[j, i] - delta[i])", "sm_scale * PT[j, i] * dPT[j, i]"),),
            "Δ is missing"),
-    Mutant("ch05_dkdv", "dK missing the softmax scale", (("dk[j, d] *= sm_scale", "dk[j, d] *= 1.0"),),
+    Mutant("ch05_dkdv", "dK missing the softmax scale", (("dST[j, i] = sm_scale * PT", "dST[j, i] = PT"),),
            "dK is missing the softmax scale"),
     Mutant("ch05_dkdv", "LSE used as a base-2 logarithm", (("lse[i] * LOG2E), 0)", "lse[i]), 0)"),), "natural log"),
     Mutant("ch05_dkdv", "causal walk starts without the offset S_k − S_q",
@@ -209,7 +209,7 @@ MUTANTS = [
            (("                l[i] += T.exp2(Sinks[h] * LOG2E - shift[i])\n", ""),),
            "sink is missing"),
     Mutant("ch06_own_gpt_oss", "float32 register tile fed to T.gemm (right on the CPU, rejected for sm_90a)",
-           (("T.copy(S, P)\n                T.gemm(P, V_s, acc_o)", "T.gemm(S, V_s, acc_o)"),), "lowered for sm_90a"),
+           (("T.copy(S, P)\n        T.gemm(P, V_s, acc_o)", "T.gemm(S, V_s, acc_o)"),), "lowered for sm_90a"),
 ]
 
 # Correct solutions written differently: the checker must pass them (a diagnosis never names a right kernel).

@@ -89,7 +89,7 @@ def test_cell_using_a_blank_function_says_not_written_yet():
     record = dict(impl=OURS, causal=True, batch=1, heads=1, seq=256, dim=64)
     namespace = {"cu": cu, "ch03": ch03, "rows": [record], "OURS": OURS}
     exec(strip_solutions(solution), namespace)
-    with pytest.raises(ExerciseIncomplete, match="`kernel_flops` is not written yet: finish exercise \(b\)"):
+    with pytest.raises(ExerciseIncomplete, match=r"`kernel_flops` is not written yet: finish exercise \(b\)"):
         exec(downstream, namespace)
 
 
@@ -231,8 +231,7 @@ def test_a_blank_kernel_in_check_exercise_logs_no_builder_dump(caplog):
 
 def test_a_kernel_that_only_the_gpu_compiler_rejects_fails_on_the_cpu():
     exercise = EXERCISES["ch03_full_forward"]
-    source = exercise_source(exercise).replace("T.copy(S, P)\n                T.gemm(P, V_s, acc_o)",
-                                               "T.gemm(S, V_s, acc_o)")
+    source = exercise_source(exercise).replace("T.copy(S, P)\n        T.gemm(P, V_s, acc_o)", "T.gemm(S, V_s, acc_o)")
     with pytest.raises(ExerciseWrong, match="lowered for sm_90a") as info:
         checker(exercise)(load(exercise, source, "fragment into gemm"))
     assert "\n" not in str(info.value) and "shared tile" in str(info.value)

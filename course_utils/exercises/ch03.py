@@ -285,7 +285,7 @@ def check_my_flash_forward(factory):
              "stop, the K/V copies, S = Q Kᵀ, the mask by selection, the online softmax with its guard, α on ℓ "
              "and acc_o, P V, then the guarded division and the natural-log LSE.",
         summary="rows that see no key, ragged S, S below a block, large logits, two block sizes",
-        gpu=forward_gpu_config())
+        gpu=forward_gpu_config(), learner=("my_softmax_step",))
 
 
 HINTS = {

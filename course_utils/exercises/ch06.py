@@ -312,12 +312,12 @@ def gpt_oss_gpu_config():
     return (1, 2, 1, 64, 64, 32), dict(window=24, block_M=32, block_N=32)
 
 
-def check_gpt_oss_forward(factory, name="gpt-oss forward"):
+def check_gpt_oss_forward(factory, name="gpt-oss forward", learner=("window_block_range", "sink_epilogue")):
     """Check ``factory(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_M, block_N, target)``
     (a prim_func (Q, K, V, Sinks) -> O, LSE) on the C backend, then lowered for sm_90a and sm_80."""
     check_kernel(
         name, factory, _gpt_oss_cases, suspects=_GPT_OSS_SUSPECTS, gpu=gpt_oss_gpu_config(),
-        learner=("window_block_range", "sink_epilogue"),
+        learner=learner,
         hint="The first key block holds the first key of the block's first row, (qb·block_M + past − W + 1); the "
              "sink adds exp2(sink·log2 e − shift) to ℓ before the division and the LSE.",
         summary="window with S_q < S_k and GQA, window over a short self-attention, sinks, rows that see no key, "
@@ -326,7 +326,7 @@ def check_gpt_oss_forward(factory, name="gpt-oss forward"):
 
 def check_my_gpt_oss_forward(factory):
     """Exercise (e): the learner's own chapter-03 forward with GQA, the window and sinks added."""
-    check_gpt_oss_forward(factory, name="your gpt-oss forward")
+    check_gpt_oss_forward(factory, name="your gpt-oss forward", learner=("my_softmax_step",))
 
 
 HINTS = {
