@@ -192,7 +192,8 @@ def check_online_softmax_kernel(factory):
     check_kernel("online softmax kernel", factory, _online_softmax_cases, suspects=_ONLINE_SOFTMAX_SUSPECTS,
                  hint="Compare your update with section 7: clear=False, the shift guard, exp2 with scale_log2, "
                       "and ℓ rescaled by exp2(m_prev·scale_log2 − shift).",
-                 summary="masked leading and middle blocks, large logits, a growing max")
+                 summary="masked leading and middle blocks, large logits, a growing max",
+                 gpu=((256, 128), dict(scale=_SCALE, block_M=8, block_N=64)))
 
 
 HINTS = {

@@ -172,7 +172,8 @@ def check_flash_backward(factory):
         "flash backward", factory, _backward_cases, suspects=_BACKWARD_SUSPECTS,
         hint="Check each product against section 3.2: Pᵀ = exp2(Sᵀ·scale_log2 − LSE·log2 e) masked, dV += Pᵀ dO, "
              "dSᵀ = Pᵀ ∘ (dPᵀ − Δ), dK += dSᵀ Q (scaled once at the end), dQ tile = scale · dS K.",
-        summary="causal with S_q < S_k, non-causal with a ragged tail")
+        summary="causal with S_q < S_k, non-causal with a ragged tail", gpu=backward_gpu_config(),
+        learner=("backward_step_macros",))
 
 
 
