@@ -58,12 +58,20 @@ def is_solution_cell(cell):
     return cell.cell_type == "code" and ("solution" in cell.metadata.get("tags", []) or BEGIN in cell.source)
 
 
+# Cells whose stored output shows an exercise's answer (the course's code of an earlier exercise,
+# printed as the start of a later one): the learner's edition drops it; running the cell prints theirs.
+_ANSWER_PRINTING = re.compile(r"^\s*(your_code|solution)\(", re.M)
+
+
 def learner_edition(nb):
     """A copy of notebook ``nb`` with the solutions removed and every other output kept."""
     nb = copy.deepcopy(nb)
     hide_next_output = False
     for cell in nb.cells:
         if cell.cell_type != "code":
+            continue
+        if _ANSWER_PRINTING.search(cell.source):
+            cell.outputs, cell.execution_count = [], None
             continue
         if is_solution_cell(cell):
             cell.source = strip_solutions(cell.source)

@@ -126,13 +126,19 @@ print(body[:900])
 
 # %% [markdown]
 # ## Exercises
-#
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
 # ### (a) `axpy`
 #
 # Write `axpy(n, alpha)`, a kernel factory for `C = alpha * A + B`, by copying `vector_add` and
 # changing one line. The checker runs your kernel on this machine and compares it with PyTorch.
+#
+# Stuck? `hint("00", "a", 1)`, then `hint("00", "a", 2)`; `solution("00", "a")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def axpy(n, alpha, block=256, dtype="float32", target=None):
     tb = TileBackend(target)
 
@@ -154,6 +160,7 @@ def axpy(n, alpha, block=256, dtype="float32", target=None):
 
 # %%
 from course_utils.exercises import check_exercise
+from course_utils.exercises.kernels import lower_for_gpus
 
 
 def run_axpy(n, alpha):
@@ -165,5 +172,7 @@ def expected_axpy(n, alpha):
     return alpha * torch.linspace(-1, 1, n) + torch.linspace(2, 3, n)
 
 
-check_exercise("axpy", run_axpy, expected_axpy, [(300, 2.0), (77, -0.5)],
+check_exercise("axpy", run_axpy, expected_axpy, [(300, 2.0), (77, -0.5)], solutions=[axpy],
                hint="C should be alpha * A + B, element by element.")
+lower_for_gpus("axpy", axpy, (4096, 2.0), {})  # the same kernel, lowered for the A100 and the H100 (no GPU needed)
+print("✓ axpy also lowers for sm_90a and sm_80")

@@ -327,10 +327,9 @@ cu.check_close(row_softmax(X), torch.softmax(scale * X.double(), dim=-1), "TileL
 # `m` is never reset between blocks. (Some widely copied FlashAttention kernels do reset it at
 # every block and keep only the new block's maximum: then $\alpha$ can exceed 1, and a row whose
 # first blocks are masked turns into `NaN`.) At the end the kernel also writes the LSE.
-
-# %%
-show_source(softmax_online_kernel, "passes")
-
+#
+# *The listings of these pieces are at the end of the chapter, after the exercises, so that they do not
+# give the exercises away; here the text and the formulas describe each piece.*
 # %%
 online_softmax = compile_kernel(softmax_online_kernel(M, N, scale=scale, block_N=64), out_idx=[1, 2])
 X_masked = X.clone()
@@ -391,7 +390,11 @@ cu.check_close(states[-1]["m"], tile_scores.amax(-1), "running max after the las
 
 # %% [markdown]
 # ## Exercises
-#
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
 # ### (a) Merge two softmax states
 #
 # Two thread blocks each process half of a row's keys (a *split-KV* schedule, used when there are
@@ -400,8 +403,10 @@ cu.check_close(states[-1]["m"], tile_scores.amax(-1), "running max after the las
 # returns $(m, \ell)$ for **all** the scores, row by row. The online update of section 3 is the
 # special case where B is one block. Some rows may have $m_b = -\infty$, $\ell_b = 0$ (all of B's
 # keys masked).
+#
+# Stuck? `hint("02", "a", 1)`, then `hint("02", "a", 2)`; `solution("02", "a")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def merge_softmax_states(m_a, l_a, m_b, l_b):
     ### BEGIN SOLUTION
     m = torch.maximum(m_a, m_b)
@@ -412,7 +417,7 @@ def merge_softmax_states(m_a, l_a, m_b, l_b):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from course_utils.exercises.ch02 import check_combine_partial_attention, check_merge_softmax_states
+from course_utils.exercises.ch02 import check_merge_softmax_states
 
 check_merge_softmax_states(merge_softmax_states)
 
@@ -425,8 +430,10 @@ check_merge_softmax_states(merge_softmax_states)
 # partial results. Write `combine_partial_attention`, returning $O$ and $\mathrm{LSE}$ over all
 # the keys (`o_*` are `[B, H, S, D]`, `lse_*` are `[B, H, S]`). Hint: $e^{\mathrm{LSE}_a}$ is block
 # A's softmax denominator; what share of the total denominator is it?
+#
+# Stuck? `hint("02", "b", 1)`, then `hint("02", "b", 2)`; `solution("02", "b")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def combine_partial_attention(o_a, lse_a, o_b, lse_b):
     ### BEGIN SOLUTION
     lse = torch.logaddexp(lse_a, lse_b)
@@ -436,6 +443,8 @@ def combine_partial_attention(o_a, lse_a, o_b, lse_b):
 
 
 # %%
+from course_utils.exercises.ch02 import check_combine_partial_attention
+
 check_combine_partial_attention(combine_partial_attention)
 
 # %% [markdown]
@@ -450,8 +459,10 @@ check_combine_partial_attention(combine_partial_attention)
 # exactly these conventions for `shift` and `l`. The checker runs your kernel here, on rows chosen
 # to expose the usual mistakes (masked leading blocks, a masked block in the middle, large logits,
 # a max that grows at every block), and names the likely bug.
+#
+# Stuck? `hint("02", "c", 1)`, then `hint("02", "c", 2)`; `solution("02", "c")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-c"]
 import tilelang.language as T
 
 from course_utils.tiles import TileBackend
@@ -501,3 +512,16 @@ def online_softmax(M, N, *, scale=1.0, block_M=8, block_N=16, target=None):
 from course_utils.exercises.ch02 import check_online_softmax_kernel
 
 check_online_softmax_kernel(online_softmax)
+
+# %% [markdown]
+# ## The course's online-softmax kernel, listed (read after the exercises)
+#
+# The course's own code for what the exercises above asked you to write, kept until after them so that
+# it cannot give the answer away. Compare it with yours: the same steps, sometimes written as shared
+# pieces (`course_utils/flash_pieces.py`) that several kernels use.
+
+# %% [markdown]
+# From section 7 · A TileLang online softmax: stream the columns:
+
+# %%
+show_source(softmax_online_kernel, "passes")

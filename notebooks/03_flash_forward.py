@@ -47,7 +47,7 @@ from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
 from course_utils.validation import check_stored_errors
 from course_utils.flash_fwd import flash_fwd_kernel
 from course_utils.flash_pieces import (LOG2E, Prelude, forward_epilogue, forward_tiles, key_block_range,
-                                       mask_scores, natural_lse, normalise_rows, online_softmax, visible)
+                                       mask_scores, natural_lse, normalise_rows, online_softmax)
 from course_utils.source import count, cuda_source, grep, show_source
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
@@ -126,10 +126,9 @@ diagrams.visit_table(56, 56, 16, 16, causal=True, window_size=20)
 # chapter 07 and the backward of chapter 05 are built from them. We read them in the order the
 # kernel uses them. First the **prelude**: ordinary Python, evaluated when the factory runs, so
 # its numbers reach the generated code as constants.
-
-# %%
-show_source(Prelude)
-
+#
+# *The listings of these pieces are at the end of the chapter, after the exercises, so that they do not
+# give the exercises away; here the text and the formulas describe each piece.*
 # %% [markdown]
 # - **`scale_log2`** folds two constants into one. Since $e^x = 2^{x \log_2 e}$,
 #   $\exp(\text{scale}\cdot s - \text{scale}\cdot m) = \operatorname{exp2}(s \cdot c - m \cdot c)$
@@ -142,19 +141,12 @@ show_source(Prelude)
 # `visible` builds the mask condition as a TileLang expression. `k_pos < seq_k` is the guard
 # for the partial last K tile; windows are chapter 06.
 
-# %%
-show_source(visible)
-
 # %% [markdown]
 # **The launch and the tiles.** The kernel's signature names the tensors in HBM (`Sinks` is read
 # only by the gpt-oss variant of chapter 06). The launch creates the grid of section 1, and
 # `forward_tiles` allocates the tiles from the table above: four in shared memory, the rest in
 # registers. `tb` is the `TileBackend` of chapter 00: on the CPU its "shared" and "fragment" tiles
 # are plain local arrays, so this same source runs here.
-
-# %%
-show_source(flash_fwd_kernel, "launch")
-show_source(forward_tiles)
 
 # %% [markdown]
 # **The Q load and the initial state.** The reversed query-block index `qb` from section 1;
@@ -163,10 +155,6 @@ show_source(forward_tiles)
 # (`init_running_max`; chapter 06's sinks start it elsewhere). The loop bounds are the skipped
 # triangle of section 2 in one formula: a causal query block stops after the key block holding
 # its last row's diagonal key.
-
-# %%
-show_source(flash_fwd_kernel, "setup")
-show_source(key_block_range)
 
 # %% [markdown]
 # **QKᵀ, then the mask.** `T.Pipelined` is a loop whose copies TileLang may issue ahead of the
@@ -181,10 +169,6 @@ show_source(key_block_range)
 # (`block_needs_mask`: the diagonal, the ragged end, a window's edge): the condition is the same
 # for every thread of the block, so the other tiles skip the pass for free.
 
-# %%
-show_source(flash_fwd_kernel, "scores")
-show_source(mask_scores)
-
 # %% [markdown]
 # **The online softmax**, chapter 02's update for a tile of rows, is one piece shared by the
 # forward kernels. `T.reduce_max(S, m, dim=1, clear=False)` does *not* reset `m`: it folds this
@@ -198,18 +182,11 @@ show_source(mask_scores)
 # The scores then become unnormalised probabilities in place, and their row sums update the
 # denominator, `l = l·alpha + rowsum`.
 
-# %%
-show_source(online_softmax)
-
 # %% [markdown]
 # **Rescale and PV.** Back in the kernel, the probabilities are rounded to the input type (`P`)
 # for the second matrix product, the output accumulator is scaled by `alpha` (its old terms were
 # exponentiated against a smaller max), and `acc_o += P V`. That is the whole loop body: two
 # matrix products on the tensor cores and a handful of per-row operations in between.
-
-# %%
-show_source(flash_fwd_kernel, "softmax")
-show_source(flash_fwd_kernel, "pv")
 
 # %% [markdown]
 # **Epilogue.** The shift is recomputed (the loop may have run zero times for a query block that
@@ -224,11 +201,6 @@ show_source(flash_fwd_kernel, "pv")
 # and is all the backward (chapter 05) needs to rebuild any probability without a second
 # running max: `P_ij = exp(scale·q_i·k_j − LSE_i)`. The first half is its own piece,
 # `normalise_rows`, because chapter 09's kernels for packed batches store their rows differently.
-
-# %%
-show_source(normalise_rows)
-show_source(forward_epilogue)
-show_source(natural_lse)
 
 # %% [markdown]
 # ## 4 · Run it here and check it
@@ -459,7 +431,7 @@ cu.claim_count(f"ours faster than {SHORT[CUDNN]}", faster[CUDNN], cases="(S, cau
 # written for Hopper, is faster still at every length (the second count); chapter 04 tunes
 # the pipeline and the tiles.
 # At short S the causal rates drop further than the non-causal ones: a larger share of the work
-# sits in diagonal tiles that are half masked (exercise 2 counts it), and each block has fewer
+# sits in diagonal tiles that are half masked (exercise (b) counts it), and each block has fewer
 # tiles over which to hide the start and end of its pipeline.
 
 # %% [markdown]
@@ -605,13 +577,19 @@ cu.claim_change("ours at S=16k, TFLOP/s", tf[OURS, False, 16384], cu.tflops(unha
 
 # %% [markdown]
 # ## Exercises
-#
-# **Exercise 1.** Write `kv_blocks_visited(q_block, block_M, block_N, seq, causal)`: the key
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
+# **Exercise (a).** Write `kv_blocks_visited(q_block, block_M, block_N, seq, causal)`: the key
 # blocks that query block `q_block` visits in self-attention of length `seq`, as a pair
 # `(first, stop)` like `range(first, stop)`. It must agree with the pictures of section 2,
 # including when `seq` is not a multiple of the blocks and when `block_M ≠ block_N`.
+#
+# Stuck? `hint("03", "a", 1)`, then `hint("03", "a", 2)`; `solution("03", "a")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def kv_blocks_visited(q_block, block_M, block_N, seq, causal):
     ### BEGIN SOLUTION
     num_k_blocks = -(-seq // block_N)
@@ -627,12 +605,14 @@ from course_utils.exercises import ch03
 ch03.check_kv_blocks_visited(kv_blocks_visited)
 
 # %% [markdown]
-# **Exercise 2.** The FLOP convention counts the visible pairs. The kernel, though, computes
+# **Exercise (b).** The FLOP convention counts the visible pairs. The kernel, though, computes
 # whole tiles, masked parts included. Write `kernel_flops(batch, heads, seq, dim, block_M,
 # block_N, causal)`: the FLOPs of the two matrix products the kernel actually executes
 # (use your `kv_blocks_visited`).
+#
+# Stuck? `hint("03", "b", 1)`, then `hint("03", "b", 2)`; `solution("03", "b")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def kernel_flops(batch, heads, seq, dim, block_M, block_N, causal):
     ### BEGIN SOLUTION
     tiles = 0
@@ -644,6 +624,8 @@ def kernel_flops(batch, heads, seq, dim, block_M, block_N, causal):
 
 
 # %%
+from course_utils.exercises import ch03
+
 ch03.check_kernel_flops(kernel_flops)
 
 # %% [markdown]
@@ -651,14 +633,16 @@ ch03.check_kernel_flops(kernel_flops)
 # that the convention counts (the rest is the masked half of the diagonal tiles).
 
 # %%
-with ch03.needs("kernel_flops", "exercise 2"):
+from course_utils.exercises import ch03
+
+with ch03.needs("kernel_flops", "exercise (b)"):
     for r in (r for r in rows if r["impl"] == OURS and r["causal"]):
         executed = kernel_flops(r["batch"], r["heads"], r["seq"], r["dim"], 128, 128, True)
         useful = cu.attention_flops(r["batch"], r["heads"], r["seq"], r["seq"], r["dim"], causal=True)
         print(f"S={r['seq']:>5}: counted / executed = {useful / executed:.3f}")
 
 # %% [markdown]
-# **Exercise 3: the forward's key-tile loop, in TileLang.** Now write the heart of the kernel
+# **Exercise (c): the forward's key-tile loop, in TileLang.** Now write the heart of the kernel
 # yourself. The factory below is given: the signature, the tiles, the Q load, the initial state,
 # the loop bounds and the K/V copies, written with `TileBackend` like `flash_fwd_kernel` (it lowers
 # for CUDA too). It calls two macros that you write in the next cell: `tile_step`, the body of the
@@ -719,8 +703,10 @@ def flash_forward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=32, 
 #
 # The checker runs your kernel on this CPU with causal and non-causal cases built to expose the
 # usual mistakes, compares it with the float64 reference and names the likely bug.
+#
+# Stuck? `hint("03", "c", 1)`, then `hint("03", "c", 2)`; `solution("03", "c")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-c"]
 def forward_tile_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
     sm_scale = 1 / math.sqrt(dim)
     scale_log2 = sm_scale * LOG2E  # exp(sm_scale·x) = exp2(x·scale_log2)
@@ -766,4 +752,182 @@ def forward_tile_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
 
 
 # %%
+from course_utils.exercises import ch03
+
 ch03.check_flash_forward(flash_forward)
+
+# %% [markdown]
+# ### (d) The whole forward kernel, on your own
+#
+# Now the whole kernel, from an empty body. The skeleton gives the signature, the grid (one
+# thread block per query block, head and batch entry) and the tiles' shapes; everything inside
+# is yours: the Q copy and the initial state, the key-block loop with its causal stop, the K/V
+# copies, `S = Q Kᵀ`, the mask, the online softmax with its guard, the rescale, `P V`, the
+# guarded division and the LSE. It is exercise (c)'s two macros plus what the skeleton of (c)
+# did for you. The checker runs it here on cases named by the property they test (rows that see
+# no key, a ragged S, S below one block, large logits, a second block size that must give the
+# same answer), names the likely bug or the nearest wrong variant, and then lowers your kernel
+# for the A100 (sm_80) and the H100 (sm_90a), which catches what only the GPU compiler rejects.
+#
+# Stuck? `hint("03", "d", 1)`, then `hint("03", "d", 2)`; `solution("03", "d")` shows the answer.
+
+# %% tags=["solution", "ex-d"]
+def my_softmax_step(tb, dim, *, block_M, block_N):
+    """For one tile of masked scores S: the online softmax, the rescale, then acc_o += P V (a T.macro)."""
+    scale_log2 = LOG2E / math.sqrt(dim)  # exp(x/√D) = exp2(x·scale_log2)
+    neg_inf = -T.infinity("float32")
+
+    @T.macro
+    def softmax_step(S, P, V_s, acc_o, m, m_prev, shift, alpha, l, row_sum):
+        ### BEGIN SOLUTION
+        T.copy(m, m_prev)
+        T.reduce_max(S, m, dim=1, clear=False)
+        for i in tb.parallel(block_M):
+            shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+            alpha[i] = T.exp2(m_prev[i] * scale_log2 - shift[i])
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
+        T.reduce_sum(S, row_sum, dim=1)
+        for i in tb.parallel(block_M):
+            l[i] = l[i] * alpha[i] + row_sum[i]
+        for i, j in tb.parallel(block_M, dim):
+            acc_o[i, j] *= alpha[i]
+        T.copy(S, P)
+        T.gemm(P, V_s, acc_o)
+        ### END SOLUTION
+
+    return softmax_step
+
+
+# %% tags=["solution", "ex-d"]
+def my_flash_forward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=32, block_N=8, target=None):
+    """O [B, H, S_q, D] and the natural-log LSE [B, H, S_q] of softmax(Q Kᵀ/√D) V, float32."""
+    tb, f32 = TileBackend(target), "float32"
+    softmax_step = my_softmax_step(tb, dim, block_M=block_M, block_N=block_N)
+    scale_log2, past, neg_inf = LOG2E / math.sqrt(dim), seq_k - seq_q, -T.infinity(f32)  # causal: k <= q + past
+    q_shape, kv_shape = [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]
+
+    @T.prim_func
+    def forward(Q: T.Tensor(q_shape, f32), K: T.Tensor(kv_shape, f32), V: T.Tensor(kv_shape, f32),
+                O: T.Tensor(q_shape, f32), LSE: T.Tensor(q_shape[:3], f32)):
+        with tb.kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=128) as (qb, h, b):
+            # Tiles: tb.shared Q_s [block_M, dim], K_s, V_s [block_N, dim], P [block_M, block_N]; tb.fragment S [block_M,
+            # block_N], acc_o [block_M, dim], and m, m_prev, shift, alpha, l, row_sum, lse [block_M] (one per row).
+            ### BEGIN SOLUTION
+            Q_s, K_s, V_s = tb.shared([block_M, dim], f32), tb.shared([block_N, dim], f32), tb.shared([block_N, dim], f32)
+            S, P, acc_o = tb.fragment([block_M, block_N], f32), tb.shared([block_M, block_N], f32), tb.fragment([block_M, dim], f32)
+            m, m_prev, shift, alpha, l, row_sum, lse = (tb.fragment([block_M], f32) for _ in range(7))
+            T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+            T.fill(acc_o, 0)
+            T.fill(l, 0)
+            T.fill(m, neg_inf)
+            num_k_blocks = T.ceildiv(seq_k, block_N)
+            stop = T.min(num_k_blocks, T.ceildiv((qb + 1) * block_M + past, block_N)) if causal else num_k_blocks
+            for kb in T.Pipelined(stop, num_stages=1):
+                T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
+                T.copy(V[b, h, kb * block_N:(kb + 1) * block_N, :], V_s)
+                T.clear(S)
+                T.gemm(Q_s, K_s, S, transpose_B=True)
+                for i, j in tb.parallel(block_M, block_N):
+                    q, k = qb * block_M + i, kb * block_N + j
+                    visible = T.And(k < seq_k, k <= q + past) if causal else k < seq_k
+                    S[i, j] = T.if_then_else(visible, S[i, j], neg_inf)
+                softmax_step(S, P, V_s, acc_o, m, m_prev, shift, alpha, l, row_sum)
+            for i in tb.parallel(block_M):
+                shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+                lse[i] = T.if_then_else(l[i] > 0, (shift[i] + T.log2(l[i])) / LOG2E, neg_inf)
+            for i, j in tb.parallel(block_M, dim):
+                acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0)
+            T.copy(acc_o, O[b, h, qb * block_M:(qb + 1) * block_M, :])
+            T.copy(lse, LSE[b, h, qb * block_M:(qb + 1) * block_M])
+            ### END SOLUTION
+
+    return forward
+
+
+# %%
+from course_utils.exercises import ch03
+
+ch03.check_my_flash_forward(my_flash_forward)
+
+# %% [markdown]
+# ### The compiler on your kernel: `TL_LOWER_TRACE`
+#
+# Between your `@T.prim_func` and the CUDA of section 5 sit about ninety lowering steps.
+# TileLang 0.1.15 can record each one: the IR before and after every pass, then the generated
+# code. For a script, set the environment variable `TL_LOWER_TRACE=1` (an HTML report with a diff
+# per pass, under `TL_LOWER_TRACE_DIR`, default `./tmp/lower_trace_dir`; `TL_LOWER_TRACE=terminal`
+# prints the diffs instead). In a notebook, `kernels.trace_lowering` does the same for one kernel and
+# returns the steps. Here it lowers *your* kernel for the H100 (a small configuration, about ten
+# seconds). If you have not finished (d), the course's kernel stands in.
+
+# %%
+from course_utils.exercises import ch03
+from course_utils.exercises.kernels import trace_lowering
+
+shape, tiling = ch03.forward_gpu_config()
+factory = ch03.forward_or_course(my_flash_forward)
+steps = trace_lowering(factory(*shape, **tiling, target="cuda"), arch="sm_90a")
+changed = [s for s in steps if s.changed]
+print(f"{len(steps)} steps, {len(changed)} changed the IR. The first ones that did:")
+print("  " + ", ".join(dict.fromkeys(s.name for s in changed[:24])))
+tile_op = next(s for s in steps if s.name == "LowerTileOp")
+before = [line.strip() for line in tile_op.before.splitlines() if line.strip().startswith("T.gemm(")]
+after = [line.strip() for line in tile_op.after.splitlines() if "ptx_ldmatrix" in line]
+print(f"\nLowerTileOp: your {len(before)} T.gemm calls become register loads (ldmatrix) and mma instructions;")
+print("  before:", before[0][:110], "...")
+print("  after: ", after[0][:110], "...")
+mma = [line.strip() for line in steps[-1].after.splitlines() if "mma_sync<" in line]
+print("  in the generated CUDA:", mma[0][:110], "...")
+cu.check_true(len(mma) > 0, "the CUDA multiplies on the tensor cores (mma; float32 inputs run as TF32)")
+
+# %% [markdown]
+# **When your kernel misbehaves, use the trace.** A kernel that fails to lower reports the pass that
+# failed (`FAILED` in the trace, and the checker's message names the compiler's error); read that
+# pass's *before* IR to see what your code became just before. A kernel that lowers but computes
+# the wrong thing: find your tile in the IR after `LayoutInference` (which register layout each
+# fragment got) and after `LowerTileOp` (what each `T.copy`, `T.gemm` and reduction became), and
+# compare the index expressions with what you meant. Switch it off again afterwards: tracing writes
+# a few megabytes per kernel.
+
+# %% [markdown]
+# ## The course's kernel, listed (read after the exercises)
+#
+# The course's own code for what the exercises above asked you to write, kept until after them so that
+# it cannot give the answer away. Compare it with yours: the same steps, sometimes written as shared
+# pieces (`course_utils/flash_pieces.py`) that several kernels use.
+
+# %% [markdown]
+# From section 3 · The kernel, piece by piece:
+
+# %%
+show_source(Prelude)
+
+# %%
+from course_utils import flash_pieces
+
+show_source(flash_pieces.visible)  # `visible` is a mask tensor by now
+
+# %%
+show_source(flash_fwd_kernel, "launch")
+show_source(forward_tiles)
+
+# %%
+show_source(flash_fwd_kernel, "setup")
+show_source(key_block_range)
+
+# %%
+show_source(flash_fwd_kernel, "scores")
+show_source(mask_scores)
+
+# %%
+show_source(online_softmax)
+
+# %%
+show_source(flash_fwd_kernel, "softmax")
+show_source(flash_fwd_kernel, "pv")
+
+# %%
+show_source(normalise_rows)
+show_source(forward_epilogue)
+show_source(natural_lse)

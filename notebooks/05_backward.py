@@ -250,10 +250,9 @@ print(f"separate dQ pass instead: 7 products instead of 5, {7 / 5:.1f}× the bac
 #
 # One thread block per `block` query rows of one (batch, head): load $O$ and $dO$ as float32
 # tiles, multiply element by element, sum each row.
-
-# %%
-show_source(flash_bwd_preprocess_kernel)
-
+#
+# *The listings of these pieces are at the end of the chapter, after the exercises, so that they do not
+# give the exercises away; here the text and the formulas describe each piece.*
 # %% [markdown]
 # ### 3.2 The main kernel
 #
@@ -262,17 +261,10 @@ show_source(flash_bwd_preprocess_kernel)
 # copies in the input dtype for the tensor cores (16-bit on a GPU); and three float32 accumulators. `dv` and `dk` live for the
 # whole kernel, `dq` for one step.
 
-# %%
-show_source(flash_bwd_kernel, "launch")
-show_source(flash_bwd_kernel, "setup")
-
 # %% [markdown]
 # Which query blocks can see these keys? Causal masking (bottom-right aligned, `past = S_k − S_q`)
 # lets key `j` be seen only by queries `i ≥ j − past`, so the walk starts at the first query block
 # that holds such a query; a sliding window (chapter 06) also ends it early.
-
-# %%
-show_source(query_block_range)
 
 # %% [markdown]
 # **Step 1: recompute $P^\top$.** One product gives $K Q^\top$ for this tile; the element-wise loop
@@ -280,15 +272,9 @@ show_source(query_block_range)
 # (query, key) pair is masked or lies past the end of either sequence. `visible` is the same helper
 # as in the forward.
 
-# %%
-show_source(flash_bwd_kernel, "recompute P")
-
 # %% [markdown]
 # **Step 2: $dP^\top$ and $dV$.** $dP^\top = V\,dO^\top$ from the two tiles in shared memory; then
 # $P^\top$ is cast to 16 bits and multiplied by $dO$ into the register accumulator `dv`.
-
-# %%
-show_source(flash_bwd_kernel, "dV")
 
 # %% [markdown]
 # **Step 3: $dS^\top$ and $dK$.** The element-wise $dS^\top = P^\top \circ (dP^\top - \Delta)$, with
@@ -296,33 +282,21 @@ show_source(flash_bwd_kernel, "dV")
 # `sm_scale` is left out here and applied once at the end: one multiply per element of $dK$ instead
 # of one per score.
 
-# %%
-show_source(flash_bwd_kernel, "dK")
-
 # %% [markdown]
 # **Step 4: this key block's share of $dQ$.** $dS^\top$ goes to shared memory, the product reads it
 # transposed (`transpose_A=True`) to get $dS\,K$ for the `block_M` query rows, and every element is
 # added atomically into the float32 buffer `dQ_acc`. Rows past the end of the queries are skipped.
-
-# %%
-show_source(flash_bwd_kernel, "dQ")
 
 # %% [markdown]
 # **After the walk**, $dK$ gets its scale and both gradients are written once. (With grouped-query
 # attention several query heads share one K/V head, and these writes become atomic adds too:
 # chapter 06.)
 
-# %%
-show_source(flash_bwd_kernel, "store")
-
 # %% [markdown]
 # ### 3.3 dQ, the post-pass
 #
 # When every key block has added its share, a last small kernel multiplies the float32 sums by
 # `sm_scale` and casts them to the input dtype.
-
-# %%
-show_source(flash_bwd_postprocess_kernel)
 
 # %% [markdown]
 # ### 3.4 Wired into autograd
@@ -332,9 +306,6 @@ show_source(flash_bwd_postprocess_kernel)
 # float32 buffer for $dQ$. (A loss that also uses the returned LSE, such as a z-loss, sends a
 # gradient `d_lse` to it; since $\partial\,\mathrm{LSE}_i / \partial s_{ij} = P_{ij}$, it simply
 # joins $\Delta$ as $\Delta - d\mathrm{LSE}$.)
-
-# %%
-show_source(cu.attention_backward, "three kernels")
 
 # %% [markdown]
 # ## 4 · Run it, and check it
@@ -719,15 +690,21 @@ else:
 # `[S_k, D]`, `lse` and `delta` are `[S_q]` (the natural-log LSE and Δ), `d_out` is `[S_q, D]`, no
 # mask. Block sizes need not divide the lengths. Use tiles only: no softmax and no `S_q × S_k`
 # matrix.
-#
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
 # ### (a) The main kernel, in PyTorch
 #
 # Write `blockwise_backward`, which returns `(dq, dk, dv)` with the loop structure of the main
 # kernel: an outer loop over key blocks (the grid) and an inner loop over query blocks (the walk).
 # For each tile, recompute $P^\top$ from the LSE, accumulate $dV$ and $dK$ of the key block, and
 # add the tile's share of $dQ$ into the query block's rows (the atomic add).
+#
+# Stuck? `hint("05", "a", 1)`, then `hint("05", "a", 2)`; `solution("05", "a")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def blockwise_backward(q, k, v, lse, delta, d_out, scale, block_M, block_N):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     ### BEGIN SOLUTION
@@ -747,7 +724,7 @@ def blockwise_backward(q, k, v, lse, delta, d_out, scale, block_M, block_N):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from course_utils.exercises.ch05 import check_blockwise_backward, check_dq_query_major
+from course_utils.exercises.ch05 import check_blockwise_backward
 
 check_blockwise_backward(blockwise_backward)
 
@@ -758,8 +735,10 @@ check_blockwise_backward(blockwise_backward)
 # `dq_query_major`, returning `dq` only: an outer loop over query blocks, an inner loop over key
 # blocks, the query block's $dQ$ accumulated in a local tile and written once after the inner
 # loop. Which products from (a) do you need again, and which not at all?
+#
+# Stuck? `hint("05", "b", 1)`, then `hint("05", "b", 2)`; `solution("05", "b")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def dq_query_major(q, k, v, lse, delta, d_out, scale, block_M, block_N):
     dq = torch.empty_like(q)
     ### BEGIN SOLUTION
@@ -778,6 +757,8 @@ def dq_query_major(q, k, v, lse, delta, d_out, scale, block_M, block_N):
 
 # %%
 # NBVAL_CHECK_OUTPUT
+from course_utils.exercises.ch05 import check_dq_query_major
+
 check_dq_query_major(dq_query_major)
 
 # %% [markdown]
@@ -847,8 +828,10 @@ def flash_backward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16,
 # $dS^\top = P^\top \circ (dP^\top - \Delta)$ (Δ indexed by query); $dK \mathrel{+}= dS^\top Q$; and this
 # tile's share of $dQ$ in `dq`, $dS\,K$ times the softmax scale (`T.gemm(dST, K_s, dq, transpose_A=True)`
 # reads `dST` as $dS$). `finish` applies what $dK$ still lacks after the walk.
+#
+# Stuck? `hint("05", "c", 1)`, then `hint("05", "c", 2)`; `solution("05", "c")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-c"]
 def backward_step_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
     sm_scale = 1 / math.sqrt(dim)
     scale_log2 = sm_scale * LOG2E
@@ -893,3 +876,268 @@ def backward_step_macros(tb, seq_q, seq_k, dim, *, causal, block_M, block_N):
 from course_utils.exercises.ch05 import check_flash_backward
 
 check_flash_backward(flash_backward)
+
+# %% [markdown]
+# ## Capstone: your own FlashAttention, forward and backward
+#
+# The last four exercises build the whole backward from empty kernels and wrap it, with your
+# forward from chapter 03, into a `torch.autograd.Function`: *your* `flash_attention`, which
+# PyTorch can differentiate. Every kernel is float32 and runs here on TileLang's C backend; each
+# checker also lowers it for the A100 and the H100.
+#
+# ### (d) Δ, the preprocessing kernel
+#
+# $\Delta_i = \sum_d dO_{id}\,O_{id}$ for every query row: one thread block per block of rows,
+# an elementwise product and a row sum (section 2 says why the backward needs it).
+#
+# Stuck? `hint("05", "d", 1)`, then `hint("05", "d", 2)`; `solution("05", "d")` shows the answer.
+
+# %% tags=["solution", "ex-d"]
+def my_delta(batch, heads, seq, dim, *, block_M=16, target=None):
+    """Δ [B, H, S] = rowsum(dO ∘ O), float32."""
+    tb, f32 = TileBackend(target), "float32"
+
+    @T.prim_func
+    def delta_kernel(O: T.Tensor([batch, heads, seq, dim], f32), dO: T.Tensor([batch, heads, seq, dim], f32),
+                     Delta: T.Tensor([batch, heads, seq], f32)):
+        with tb.kernel(T.ceildiv(seq, block_M), heads, batch, threads=128) as (qb, h, b):
+            # Tiles: o, do [block_M, dim] and delta [block_M] (tb.fragment).
+            ### BEGIN SOLUTION
+            o, do, delta = tb.fragment([block_M, dim], f32), tb.fragment([block_M, dim], f32), tb.fragment([block_M], f32)
+            T.copy(O[b, h, qb * block_M:(qb + 1) * block_M, :], o)
+            T.copy(dO[b, h, qb * block_M:(qb + 1) * block_M, :], do)
+            for i, d in tb.parallel(block_M, dim):
+                o[i, d] *= do[i, d]
+            T.reduce_sum(o, delta, dim=1)
+            T.copy(delta, Delta[b, h, qb * block_M:(qb + 1) * block_M])
+            ### END SOLUTION
+
+    return delta_kernel
+
+
+# %%
+from course_utils.exercises import ch05
+
+ch05.check_my_delta(my_delta)
+
+# %% [markdown]
+# ### (e) The dK/dV kernel
+#
+# One thread block per key block, keys as rows, as in (c): K and V stay, the query blocks that can
+# see them stream past. This time the whole kernel is yours, and it does **not** touch dQ (that is
+# (f)'s job, without atomics): the tiles, the copies, the causal start of the walk, $P^\top$ from the
+# LSE with the mask, $dV \mathrel{+}= P^\top dO$, $dS^\top = P^\top \circ (dP^\top - \Delta)$,
+# $dK \mathrel{+}= dS^\top Q$, the scale, the stores.
+#
+# Stuck? `hint("05", "e", 1)`, then `hint("05", "e", 2)`; `solution("05", "e")` shows the answer.
+
+# %% tags=["solution", "ex-e"]
+def my_dkdv(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16, block_N=16, target=None):
+    """dK, dV [B, H, S_k, D] of softmax(Q Kᵀ/√D) V from Q, K, V, dO, the LSE and Δ, float32."""
+    tb, f32 = TileBackend(target), "float32"
+    sm_scale, scale_log2 = 1 / math.sqrt(dim), LOG2E / math.sqrt(dim)
+    past, q_shape, k_shape = seq_k - seq_q, [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]  # q sees k <= q + past
+
+    @T.prim_func
+    def dkdv(Q: T.Tensor(q_shape, f32), K: T.Tensor(k_shape, f32), V: T.Tensor(k_shape, f32),
+             dO: T.Tensor(q_shape, f32), LSE: T.Tensor(q_shape[:3], f32), Delta: T.Tensor(q_shape[:3], f32),
+             dK: T.Tensor(k_shape, f32), dV: T.Tensor(k_shape, f32)):
+        with tb.kernel(T.ceildiv(seq_k, block_N), heads, batch, threads=128) as (kb, h, b):
+            # Tiles: K_s, V_s [block_N, dim], Q_s, dO_s [block_M, dim], lse, delta [block_M], PT_s, dST
+            # [block_N, block_M] (tb.shared); PT, dPT [block_N, block_M], dk, dv [block_N, dim] (tb.fragment).
+            ### BEGIN SOLUTION
+            K_s, V_s, Q_s, dO_s = (tb.shared([n, dim], f32) for n in (block_N, block_N, block_M, block_M))
+            lse, delta, PT_s, dST = (tb.shared(s, f32) for s in ([block_M], [block_M], [block_N, block_M], [block_N, block_M]))
+            PT, dPT, dk, dv = (tb.fragment(s, f32) for s in ([block_N, block_M], [block_N, block_M], [block_N, dim], [block_N, dim]))
+            T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
+            T.copy(V[b, h, kb * block_N:(kb + 1) * block_N, :], V_s)
+            T.clear(dk)
+            T.clear(dv)
+            start = T.max(0, (kb * block_N - past) // block_M) if causal else 0
+            for qb in T.Pipelined(start, T.ceildiv(seq_q, block_M), num_stages=1):
+                T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+                T.copy(dO[b, h, qb * block_M:(qb + 1) * block_M, :], dO_s)
+                T.copy(LSE[b, h, qb * block_M:(qb + 1) * block_M], lse)
+                T.copy(Delta[b, h, qb * block_M:(qb + 1) * block_M], delta)
+                T.clear(PT)
+                T.gemm(K_s, Q_s, PT, transpose_B=True)
+                for j, i in tb.parallel(block_N, block_M):
+                    q, k = qb * block_M + i, kb * block_N + j
+                    visible = T.And(T.And(q < seq_q, k < seq_k), k <= q + past) if causal else T.And(q < seq_q, k < seq_k)
+                    PT[j, i] = T.if_then_else(visible, T.exp2(PT[j, i] * scale_log2 - lse[i] * LOG2E), 0)
+                T.clear(dPT)
+                T.gemm(V_s, dO_s, dPT, transpose_B=True)
+                T.copy(PT, PT_s)
+                T.gemm(PT_s, dO_s, dv)
+                for j, i in tb.parallel(block_N, block_M):
+                    dST[j, i] = sm_scale * PT[j, i] * (dPT[j, i] - delta[i])  # dK = scale · dSᵀ Q
+                T.gemm(dST, Q_s, dk)
+            T.copy(dv, dV[b, h, kb * block_N:(kb + 1) * block_N, :])
+            T.copy(dk, dK[b, h, kb * block_N:(kb + 1) * block_N, :])
+            ### END SOLUTION
+
+    return dkdv
+
+
+# %%
+from course_utils.exercises import ch05
+
+ch05.check_my_dkdv(my_dkdv)
+
+# %% [markdown]
+# ### (f) The dQ kernel
+#
+# Exercise (b) as a kernel: one thread block per query block, the key blocks up to the causal stop
+# streaming past, $P$ and $dP$ recomputed, $dS\,K$ accumulated in registers and written once.
+# No atomics: no other thread block writes these rows.
+#
+# Stuck? `hint("05", "f", 1)`, then `hint("05", "f", 2)`; `solution("05", "f")` shows the answer.
+
+# %% tags=["solution", "ex-f"]
+def my_dq(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16, block_N=16, target=None):
+    """dQ [B, H, S_q, D] of softmax(Q Kᵀ/√D) V from Q, K, V, dO, the LSE and Δ, float32."""
+    tb, f32 = TileBackend(target), "float32"
+    sm_scale, scale_log2 = 1 / math.sqrt(dim), LOG2E / math.sqrt(dim)
+    past, q_shape, k_shape = seq_k - seq_q, [batch, heads, seq_q, dim], [batch, heads, seq_k, dim]  # q sees k <= q + past
+
+    @T.prim_func
+    def dq_kernel(Q: T.Tensor(q_shape, f32), K: T.Tensor(k_shape, f32), V: T.Tensor(k_shape, f32),
+                  dO: T.Tensor(q_shape, f32), LSE: T.Tensor(q_shape[:3], f32), Delta: T.Tensor(q_shape[:3], f32),
+                  dQ: T.Tensor(q_shape, f32)):
+        with tb.kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=128) as (qb, h, b):
+            # Tiles: Q_s, dO_s [block_M, dim], K_s, V_s [block_N, dim], lse, delta [block_M], dS_s
+            # [block_M, block_N] (tb.shared); S, dP [block_M, block_N], dq [block_M, dim] (tb.fragment).
+            ### BEGIN SOLUTION
+            Q_s, dO_s, K_s, V_s = (tb.shared([n, dim], f32) for n in (block_M, block_M, block_N, block_N))
+            lse, delta, dS_s = tb.shared([block_M], f32), tb.shared([block_M], f32), tb.shared([block_M, block_N], f32)
+            S, dP, dq = tb.fragment([block_M, block_N], f32), tb.fragment([block_M, block_N], f32), tb.fragment([block_M, dim], f32)
+            T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+            T.copy(dO[b, h, qb * block_M:(qb + 1) * block_M, :], dO_s)
+            T.copy(LSE[b, h, qb * block_M:(qb + 1) * block_M], lse)
+            T.copy(Delta[b, h, qb * block_M:(qb + 1) * block_M], delta)
+            T.clear(dq)
+            num_k_blocks = T.ceildiv(seq_k, block_N)
+            stop = T.min(num_k_blocks, T.ceildiv((qb + 1) * block_M + past, block_N)) if causal else num_k_blocks
+            for kb in T.Pipelined(stop, num_stages=1):
+                T.copy(K[b, h, kb * block_N:(kb + 1) * block_N, :], K_s)
+                T.copy(V[b, h, kb * block_N:(kb + 1) * block_N, :], V_s)
+                T.clear(S)
+                T.gemm(Q_s, K_s, S, transpose_B=True)
+                T.clear(dP)
+                T.gemm(dO_s, V_s, dP, transpose_B=True)
+                for i, j in tb.parallel(block_M, block_N):
+                    q, k = qb * block_M + i, kb * block_N + j
+                    visible = T.And(T.And(q < seq_q, k < seq_k), k <= q + past) if causal else T.And(q < seq_q, k < seq_k)
+                    p = T.exp2(S[i, j] * scale_log2 - lse[i] * LOG2E)
+                    dS_s[i, j] = T.if_then_else(visible, p * (dP[i, j] - delta[i]), 0)
+                T.gemm(dS_s, K_s, dq)
+            for i, d in tb.parallel(block_M, dim):
+                dq[i, d] *= sm_scale
+            T.copy(dq, dQ[b, h, qb * block_M:(qb + 1) * block_M, :])
+            ### END SOLUTION
+
+    return dq_kernel
+
+
+# %%
+from course_utils.exercises import ch05
+
+ch05.check_my_dq(my_dq)
+
+# %% [markdown]
+# ### (g) Your `flash_attention`, differentiable
+#
+# Wrap it up. `forward` runs your chapter-03 forward and saves what the backward needs (Q, K, V, O
+# and the LSE, never P); `backward` runs your three kernels: Δ, then dK/dV, then dQ. The next cell
+# fetches your forward from your copy of chapter 03 (or the course's, if yours is not finished, and
+# says so); `ch05.compiled(factory, *shape, out_idx=..., **options)` compiles a kernel once per shape
+# for the C backend and returns it. The checker runs a gradient check against the float64
+# reference: causal and not, a ragged S, S_q ≠ S_k.
+#
+# Stuck? `hint("05", "g", 1)`, then `hint("05", "g", 2)`; `solution("05", "g")` shows the answer.
+
+# %%
+from course_utils.exercises import your_solution
+
+my_flash_forward = your_solution("03", "d", "my_flash_forward")
+
+# %% tags=["solution", "ex-g"]
+import torch
+
+from course_utils.exercises.ch05 import compiled
+
+
+class MyFlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        ### BEGIN SOLUTION
+        (batch, heads, seq_q, dim), seq_k = q.shape, k.shape[2]
+        out, lse = compiled(my_flash_forward, batch, heads, seq_q, seq_k, dim, causal=causal, out_idx=[3, 4])(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal = causal
+        return out
+        ### END SOLUTION
+
+    @staticmethod
+    def backward(ctx, d_out):
+        ### BEGIN SOLUTION
+        q, k, v, out, lse = ctx.saved_tensors
+        (batch, heads, seq_q, dim), seq_k = q.shape, k.shape[2]
+        d_out = d_out.contiguous()
+        delta = compiled(my_delta, batch, heads, seq_q, dim, out_idx=[2])(out, d_out)
+        shape = (batch, heads, seq_q, seq_k, dim)
+        dk, dv = compiled(my_dkdv, *shape, causal=ctx.causal, out_idx=[6, 7])(q, k, v, d_out, lse, delta)
+        dq = compiled(my_dq, *shape, causal=ctx.causal, out_idx=[6])(q, k, v, d_out, lse, delta)
+        return dq, dk, dv, None
+        ### END SOLUTION
+
+
+def my_flash_attention(q, k, v, causal=False):
+    return MyFlashAttention.apply(q, k, v, causal)
+
+
+# %%
+from course_utils.exercises import ch05
+
+ch05.check_my_flash_attention(my_flash_attention)
+
+# %% [markdown]
+# ## The course's kernels, listed (read after the exercises)
+#
+# The course's own code for what the exercises above asked you to write, kept until after them so that
+# it cannot give the answer away. Compare it with yours: the same steps, sometimes written as shared
+# pieces (`course_utils/flash_pieces.py`) that several kernels use.
+
+# %% [markdown]
+# From section 3 · The three kernels:
+
+# %%
+show_source(flash_bwd_preprocess_kernel)
+
+# %%
+show_source(flash_bwd_kernel, "launch")
+show_source(flash_bwd_kernel, "setup")
+
+# %%
+show_source(query_block_range)
+
+# %%
+show_source(flash_bwd_kernel, "recompute P")
+
+# %%
+show_source(flash_bwd_kernel, "dV")
+
+# %%
+show_source(flash_bwd_kernel, "dK")
+
+# %%
+show_source(flash_bwd_kernel, "dQ")
+
+# %%
+show_source(flash_bwd_kernel, "store")
+
+# %%
+show_source(flash_bwd_postprocess_kernel)
+
+# %%
+show_source(cu.attention_backward, "three kernels")

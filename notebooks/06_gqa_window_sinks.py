@@ -707,15 +707,21 @@ for name, walk in walks.items():
 
 # %% [markdown]
 # ## Exercises
-#
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
 # ### (a) Attention with a sink, in PyTorch
 #
 # Write `sink_attention(q, k, v, sinks)`: non-causal attention for q, k, v of shape
 # [B, H, S, D] (same number of heads) with one sink logit per head, `sinks` of shape [H]. Do it
 # the way the gpt-oss reference code does: append the sink logit as one extra column of the
 # scaled score matrix, take the softmax, drop that column, multiply by V.
+#
+# Stuck? `hint("06", "a", 1)`, then `hint("06", "a", 2)`; `solution("06", "a")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def sink_attention(q, k, v, sinks):
     ### BEGIN SOLUTION
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
@@ -726,7 +732,7 @@ def sink_attention(q, k, v, sinks):
 
 
 # %%
-from course_utils.exercises.ch06 import check_dsinks, check_sink_attention, check_visible_pairs
+from course_utils.exercises.ch06 import check_sink_attention
 
 check_sink_attention(sink_attention)
 
@@ -736,8 +742,10 @@ check_sink_attention(sink_attention)
 # Given `p_sink` $= e^{z_h - \mathrm{LSE}}$ and `delta` $= \Delta = \mathrm{rowsum}(dO \circ O)$,
 # both of shape [B, H, S], return the gradient of the loss with respect to the sink logits, shape [H]
 # (section 3's boxed formula).
+#
+# Stuck? `hint("06", "b", 1)`, then `hint("06", "b", 2)`; `solution("06", "b")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def dsinks(p_sink, delta):
     ### BEGIN SOLUTION
     return -(p_sink * delta).sum(dim=(0, 2))
@@ -745,6 +753,8 @@ def dsinks(p_sink, delta):
 
 
 # %%
+from course_utils.exercises.ch06 import check_dsinks
+
 check_dsinks(dsinks)
 
 # %% [markdown]
@@ -754,8 +764,10 @@ check_dsinks(dsinks)
 # tokens that a sliding window of `window` keys leaves visible (query $i$ sees keys
 # $i - W + 1, \dots, i$ that exist). This is what `cu.attention_flops` counts for a window layer.
 # A closed form exists; a loop is fine too.
+#
+# Stuck? `hint("06", "c", 1)`, then `hint("06", "c", 2)`; `solution("06", "c")` shows the answer.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-c"]
 def visible_pairs(seq, window):
     ### BEGIN SOLUTION
     w = min(window, seq)
@@ -764,6 +776,8 @@ def visible_pairs(seq, window):
 
 
 # %%
+from course_utils.exercises.ch06 import check_visible_pairs
+
 check_visible_pairs(visible_pairs)
 
 # %% [markdown]
@@ -819,8 +833,11 @@ def gpt_oss_forward(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_
 
     return forward
 
+# %% [markdown]
+# Stuck? `hint("06", "d", 1)`, then `hint("06", "d", 2)`; `solution("06", "d")` shows the answer.
 
-# %% tags=["solution"]
+
+# %% tags=["solution", "ex-d"]
 def window_block_range(qb, *, block_M, block_N, seq_q, seq_k, window):
     """The key blocks [start, stop) that query block qb visits (TileLang expressions of qb)."""
     past = seq_k - seq_q  # query q sees key k iff q + past - window < k <= q + past
@@ -854,3 +871,104 @@ def sink_epilogue(tb, dim, *, block_M):
 from course_utils.exercises.ch06 import check_gpt_oss_forward
 
 check_gpt_oss_forward(gpt_oss_forward)
+
+# %% [markdown]
+# ### (e) GQA, the window and sinks in your own kernel
+#
+# Exercise (d) filled two holes in the course's kernel. Now add all three features to **your**
+# forward of chapter 03, exercise (d): the cell below prints it, its two cells, (the course's, if yours is not
+# finished; it says which). Copy its body into the skeleton and change three things:
+# - **GQA**: query head `h` reads K/V head `h // group`;
+# - **the window**: the key loop starts at the block of the first row's first key, and the mask
+#   also hides keys with `k <= q + past − window` (the kernel is causal);
+# - **sinks**: the epilogue adds the sink's term to `ℓ`, with the guarded shift, before the LSE and
+#   the division.
+#
+# The checker adds two cases to (d)'s: rows that see no key but a sink, and a last row whose
+# diagonal key is the first of a key block.
+#
+# Stuck? `hint("06", "e", 1)`, then `hint("06", "e", 2)`; `solution("06", "e")` shows the answer.
+
+# %%
+from course_utils.exercises import your_code
+
+your_code("03", "d")
+
+# %% tags=["solution", "ex-e"]
+def my_softmax_step(tb, dim, *, block_M, block_N):
+    """Your chapter-03 step: for one tile of masked scores S, the online softmax, the rescale, acc_o += P V."""
+    scale_log2 = LOG2E / math.sqrt(dim)
+    neg_inf = -T.infinity("float32")
+
+    @T.macro
+    def softmax_step(S, P, V_s, acc_o, m, m_prev, shift, alpha, l, row_sum):
+        ### BEGIN SOLUTION
+        T.copy(m, m_prev)
+        T.reduce_max(S, m, dim=1, clear=False)
+        for i in tb.parallel(block_M):
+            shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+            alpha[i] = T.exp2(m_prev[i] * scale_log2 - shift[i])
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
+        T.reduce_sum(S, row_sum, dim=1)
+        for i in tb.parallel(block_M):
+            l[i] = l[i] * alpha[i] + row_sum[i]
+        for i, j in tb.parallel(block_M, dim):
+            acc_o[i, j] *= alpha[i]
+        T.copy(S, P)
+        T.gemm(P, V_s, acc_o)
+        ### END SOLUTION
+
+    return softmax_step
+
+
+# %% tags=["solution", "ex-e"]
+def my_gpt_oss_forward(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_M=16, block_N=8, target=None):
+    """O and LSE of causal sliding-window attention with GQA and one sink logit per query head, float32."""
+    tb, f32 = TileBackend(target), "float32"
+    softmax_step = my_softmax_step(tb, dim, block_M=block_M, block_N=block_N)
+    scale_log2, past, neg_inf = LOG2E / math.sqrt(dim), seq_k - seq_q, -T.infinity(f32)  # q sees k: k <= q + past
+    group, q_shape, kv_shape = heads // heads_kv, [batch, heads, seq_q, dim], [batch, heads_kv, seq_k, dim]
+
+    @T.prim_func
+    def forward(Q: T.Tensor(q_shape, f32), K: T.Tensor(kv_shape, f32), V: T.Tensor(kv_shape, f32),
+                Sinks: T.Tensor([heads], f32), O: T.Tensor(q_shape, f32), LSE: T.Tensor(q_shape[:3], f32)):
+        with tb.kernel(T.ceildiv(seq_q, block_M), heads, batch, threads=128) as (qb, h, b):
+            # Tiles as in chapter 03 (d).
+            ### BEGIN SOLUTION
+            Q_s, K_s, V_s = tb.shared([block_M, dim], f32), tb.shared([block_N, dim], f32), tb.shared([block_N, dim], f32)
+            S, P, acc_o = tb.fragment([block_M, block_N], f32), tb.shared([block_M, block_N], f32), tb.fragment([block_M, dim], f32)
+            m, m_prev, shift, alpha, l, row_sum, lse = (tb.fragment([block_M], f32) for _ in range(7))
+            T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+            T.fill(acc_o, 0)
+            T.fill(l, 0)
+            T.fill(m, neg_inf)
+            start = T.max(0, (qb * block_M + past - window + 1) // block_N)
+            stop = T.min(T.ceildiv(seq_k, block_N), T.ceildiv((qb + 1) * block_M + past, block_N))
+            for kb in T.Pipelined(start, stop, num_stages=1):
+                T.copy(K[b, h // group, kb * block_N:(kb + 1) * block_N, :], K_s)
+                T.copy(V[b, h // group, kb * block_N:(kb + 1) * block_N, :], V_s)
+                T.clear(S)
+                T.gemm(Q_s, K_s, S, transpose_B=True)
+                for i, j in tb.parallel(block_M, block_N):
+                    q, k = qb * block_M + i, kb * block_N + j
+                    visible = T.And(T.And(k < seq_k, k <= q + past), k > q + past - window)
+                    S[i, j] = T.if_then_else(visible, S[i, j], neg_inf)
+                softmax_step(S, P, V_s, acc_o, m, m_prev, shift, alpha, l, row_sum)
+            for i in tb.parallel(block_M):
+                shift[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+                l[i] += T.exp2(Sinks[h] * LOG2E - shift[i])
+                lse[i] = T.if_then_else(l[i] > 0, (shift[i] + T.log2(l[i])) / LOG2E, neg_inf)
+            for i, j in tb.parallel(block_M, dim):
+                acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0)
+            T.copy(acc_o, O[b, h, qb * block_M:(qb + 1) * block_M, :])
+            T.copy(lse, LSE[b, h, qb * block_M:(qb + 1) * block_M])
+            ### END SOLUTION
+
+    return forward
+
+
+# %%
+from course_utils.exercises.ch06 import check_my_gpt_oss_forward
+
+check_my_gpt_oss_forward(my_gpt_oss_forward)

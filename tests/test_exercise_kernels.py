@@ -77,19 +77,19 @@ def test_failures_render_as_one_line():
 
 
 def test_cell_using_a_blank_function_says_not_written_yet():
-    """Chapter 03's cell after exercise 2 calls the learner's kernel_flops: blank, it ends in one line."""
+    """Chapter 03's cell after exercise (b) calls the learner's kernel_flops: blank, it ends in one line."""
     import course_utils as cu
     from course_utils.exercises import ch03
 
     cells = [c.source for c in jupytext.read(NOTEBOOKS / "03_flash_forward.py").cells if c.cell_type == "code"]
     solution = next(src for src in cells if src.startswith("def kernel_flops("))
-    downstream = next(src for src in cells if src.startswith('with ch03.needs("kernel_flops"'))
+    downstream = next(src for src in cells if 'with ch03.needs("kernel_flops"' in src)
     from course_utils.labels import OURS
 
     record = dict(impl=OURS, causal=True, batch=1, heads=1, seq=256, dim=64)
     namespace = {"cu": cu, "ch03": ch03, "rows": [record], "OURS": OURS}
     exec(strip_solutions(solution), namespace)
-    with pytest.raises(ExerciseIncomplete, match="`kernel_flops` is not written yet: finish exercise 2"):
+    with pytest.raises(ExerciseIncomplete, match=r"`kernel_flops` is not written yet: finish exercise \(b\)"):
         exec(downstream, namespace)
 
 
@@ -99,6 +99,11 @@ _GPU_CONFIGS = {
     "ch03_forward": ((1, 8, 1024, 1024, 64), dict(causal=True, block_M=64, block_N=64)),
     "ch05_backward": ((1, 8, 1024, 1024, 64), dict(causal=True, block_M=64, block_N=64)),
     "ch06_window_sinks": ((1, 8, 2, 1024, 1024, 64), dict(window=128, block_M=64, block_N=64)),
+    "ch03_full_forward": ((1, 8, 1024, 1024, 64), dict(causal=True, block_M=64, block_N=64)),
+    "ch05_delta": ((1, 8, 1024, 64), dict(block_M=64)),
+    "ch05_dkdv": ((1, 8, 1024, 1024, 64), dict(causal=True, block_M=64, block_N=64)),
+    "ch05_dq": ((1, 8, 1024, 1024, 64), dict(causal=True, block_M=64, block_N=64)),
+    "ch06_own_gpt_oss": ((1, 8, 2, 1024, 1024, 64), dict(window=128, block_M=64, block_N=64)),
 }
 
 
@@ -112,3 +117,121 @@ def test_solution_lowers_for_the_h100(key):
     prim_func = load(exercise, exercise_source(exercise), "cuda")(*args, **kwargs, target="cuda")
     with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
         assert "__global__" in tilelang.lower(prim_func).kernel_source
+
+
+# --- The chapter 05 capstone: the learner's kernels wrapped in a torch.autograd.Function ------------
+
+def _capstone(edit=None, strip=False):
+    """The learner's flash_attention of chapter 05 (g), built from the notebook's solution cells (05 d–g)
+    and the course's forward of chapter 03 (d)."""
+    from course_utils.exercises.help import _PRELUDE, _load, solution_cells
+
+    forward = _load(solution_cells("03", "d"), "my_flash_forward", "course 03d")
+    cells = [c for letter in "defg" for c in solution_cells("05", letter)]
+    text = "\n\n".join(cells)
+    if edit:
+        assert edit[0] in text, edit[0]
+        text = text.replace(*edit)
+    if strip:
+        text = strip_solutions(text)
+    import linecache
+
+    filename = f"<05 capstone {abs(hash(text))}>"
+    source = _PRELUDE + text
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"__name__": "capstone", "my_flash_forward": forward}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["my_flash_attention"]
+
+
+def test_capstone_passes_its_gradient_check(capsys):
+    from course_utils.exercises.ch05 import check_my_flash_attention
+
+    check_my_flash_attention(_capstone())
+    assert "✓ your flash_attention" in capsys.readouterr().out
+
+
+def test_capstone_with_dk_and_dv_swapped_is_named():
+    from course_utils.exercises.ch05 import check_my_flash_attention
+
+    with pytest.raises(ExerciseWrong, match="holds the other gradient") as info:
+        check_my_flash_attention(_capstone(("return dq, dk, dv, None", "return dq, dv, dk, None")))
+    assert "\n" not in str(info.value)
+
+
+def test_capstone_blank_says_not_written_yet():
+    from course_utils.exercises.ch05 import check_my_flash_attention
+
+    with pytest.raises(ExerciseIncomplete, match="not written yet"):
+        check_my_flash_attention(_capstone(strip=True))
+
+
+# --- Help in tiers, and a solution cell that did not run --------------------------------------------
+
+def test_hints_and_solutions_exist_for_every_tagged_exercise(capsys):
+    from course_utils.exercises import hint, solution
+    from course_utils.exercises.help import exercises_of, solution_cells
+
+    for chapter in ("00", "02", "03", "05", "06"):
+        for letter in exercises_of(chapter):
+            assert solution_cells(chapter, letter), f"{chapter}{letter}: no cell tagged solution + ex-{letter}"
+            hint(chapter, letter, 1)
+            hint(chapter, letter, 2)
+            solution(chapter, letter)
+            out = capsys.readouterr().out
+            assert f"Hint 1 for exercise {chapter}{letter}" in out and "### BEGIN SOLUTION" in out
+
+
+@pytest.mark.parametrize("args, error", [(("3", "a", 1), ValueError), (("03", "z", 1), ValueError),
+                                         (("03", "a", 3), ValueError), ((3.0, "a", 1), TypeError),
+                                         (("03", 1, 1), TypeError)])
+def test_bad_help_requests_name_the_argument(args, error):
+    from course_utils.exercises import hint
+
+    with pytest.raises(error, match="chapter|exercise|tier"):
+        hint(*args)
+
+
+def test_a_solution_cell_with_a_syntax_error_is_reported_not_rechecked():
+    import linecache
+
+    from course_utils.exercises.common import stale_definition
+
+    cell = "def f(x):\n    return 2 * x\n"
+    linecache.cache["<cell 1>"] = (len(cell), None, cell.splitlines(True), "<cell 1>")
+    namespace = {}
+    exec(compile(cell, "<cell 1>", "exec"), namespace)
+    f = namespace["f"]
+    assert stale_definition("f", f, history=["", cell, "check(f)"]) is None
+    broken = stale_definition("f", f, history=["", cell, "def f(x):\n    return 3 * x +\n", "check(f)"])
+    assert broken is not None and "SyntaxError (line 2" in str(broken) and "previous `f`" in str(broken)
+    edited = stale_definition("f", f, history=["", cell, "def f(x):\n    return 3 * x\n", "check(f)"])
+    assert edited is not None and "did not run" not in str(edited) and "run that cell" in str(edited)
+
+
+def test_a_blank_kernel_in_check_exercise_logs_no_builder_dump(caplog):
+    """Chapter 00's first exercise: a placeholder inside a prim_func gives one line, no CRITICAL dump."""
+    import logging
+
+    import tilelang.language as T
+
+    from course_utils.exercises import check_exercise
+
+    def blank_kernel(n):
+        @T.prim_func
+        def kernel(A: T.Tensor([n], "float32")):
+            with T.Kernel(1):
+                raise NotImplementedError  # your code here
+        return kernel
+
+    with caplog.at_level(logging.DEBUG), pytest.raises(ExerciseIncomplete, match="not written yet"):
+        check_exercise("axpy", lambda n: blank_kernel(n), lambda n: None, [(4,)])
+    assert not [r for r in caplog.records if r.levelno >= logging.CRITICAL]
+
+
+def test_a_kernel_that_only_the_gpu_compiler_rejects_fails_on_the_cpu():
+    exercise = EXERCISES["ch03_full_forward"]
+    source = exercise_source(exercise).replace("T.copy(S, P)\n        T.gemm(P, V_s, acc_o)", "T.gemm(S, V_s, acc_o)")
+    with pytest.raises(ExerciseWrong, match="lowered for sm_90a") as info:
+        checker(exercise)(load(exercise, source, "fragment into gemm"))
+    assert "\n" not in str(info.value) and "shared tile" in str(info.value)

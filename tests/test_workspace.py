@@ -213,3 +213,10 @@ def test_workspace_copies_stand_alone(course):
     ws.refresh("learner", workspace, notebooks)
     copy = nbformat.read(workspace / "learner" / "01_first.ipynb", as_version=4)
     assert "jupytext" not in copy.metadata, "a paired copy would make Lab write a .py beside it"
+
+
+def test_a_cell_printing_an_earlier_answer_keeps_no_output_in_the_learner_edition():
+    printed = new_code_cell('your_code("03", "d")', outputs=[new_output("stream", name="stdout", text="def f(): ...")])
+    kept = new_code_cell("print(1)", outputs=[new_output("stream", name="stdout", text="1")])
+    learner = ws.learner_edition(new_notebook(cells=[printed, kept]))
+    assert learner.cells[0].outputs == [] and learner.cells[1].outputs

@@ -192,4 +192,23 @@ def check_online_softmax_kernel(factory):
     check_kernel("online softmax kernel", factory, _online_softmax_cases, suspects=_ONLINE_SOFTMAX_SUSPECTS,
                  hint="Compare your update with section 7: clear=False, the shift guard, exp2 with scale_log2, "
                       "and ℓ rescaled by exp2(m_prev·scale_log2 − shift).",
-                 summary="masked leading and middle blocks, large logits, a growing max")
+                 summary="masked leading and middle blocks, large logits, a growing max",
+                 gpu=((256, 128), dict(scale=_SCALE, block_M=8, block_N=64)))
+
+
+HINTS = {
+    "a": ["Both states must be expressed against the same maximum before they can be added: the larger of "
+          "the two maxima. Each ℓ is a sum of exponentials relative to its own maximum.",
+          "m = torch.maximum(m_a, m_b); rescale each ℓ by torch.exp(m_x − m) (≤ 1, finite even when one "
+          "side is empty with m_x = −∞ and m finite)."],
+    "b": ["exp(LSE_a) is block A's softmax denominator; the total is the sum of both. Each half's output "
+          "is weighted by its share of the total denominator.",
+          "lse = torch.logaddexp(lse_a, lse_b); the weights are torch.exp(lse_a − lse) and "
+          "torch.exp(lse_b − lse), broadcast over D with [..., None]."],
+    "c": ["For each block: remember the old max, fold the block's maxima into m, shift by m·c (but by 0 "
+          "while m is still −∞), exponentiate the block, and rescale ℓ by exp2(m_prev·c − shift) before "
+          "adding the block's row sums.",
+          "T.copy(m, m_prev); T.reduce_max(x, m, dim=1, clear=False); T.if_then_else(m[i] == neg_inf, 0, "
+          "m[i] * scale_log2); T.exp2(...); T.reduce_sum(x, row_sum, dim=1); loops with tb.parallel(block_M) "
+          "and tb.parallel(block_M, block_N)."],
+}

@@ -9,9 +9,10 @@ from ..diagrams import SKIPPED, tile_classes
 from ..flash_pieces import LOG2E
 from ..reference import attention_reference
 from .common import ExerciseWrong, check_exercise, needs
-from .kernels import KernelCase, Suspect, check_kernel, same_outputs
+from .kernels import KernelCase, Suspect, check_kernel, learner_or_course, nearest_variant, same_outputs
 
-__all__ = ["check_kv_blocks_visited", "check_kernel_flops", "check_flash_forward", "needs"]
+__all__ = ["check_kv_blocks_visited", "check_kernel_flops", "check_flash_forward", "check_my_flash_forward",
+           "forward_gpu_config", "forward_or_course", "needs"]
 
 # (q_block, block_M, block_N, seq, causal): multiples and non-multiples of the blocks, one block,
 # a sequence shorter than one block, block_M != block_N both ways.
@@ -68,7 +69,7 @@ def check_kernel_flops(fn):
              "sum the visited tiles of every query block and multiply by batch·heads.")
 
 
-# --- Exercise 3: the forward's key-tile loop and epilogue, in TileLang ---------------------------
+# --- Exercise (c): the forward's key-tile loop and epilogue, in TileLang ---------------------------
 
 def _forward_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, seed, logit_scale=(1.0,)):
     """Inputs (float32; head h of Q multiplied by logit_scale[h]) and the float64 reference."""
@@ -106,7 +107,7 @@ def _simulate_forward(q, k, v, *, causal, block_M, block_N, bugs=()):
     q, k, v = q.double(), k.double(), v.double()
     batch, heads, seq_q, dim = q.shape
     seq_k = k.shape[2]
-    sm_scale = 1 / math.sqrt(dim)
+    sm_scale = 1.0 if "no sm_scale" in bugs else 1 / math.sqrt(dim)
     c = sm_scale * LOG2E
     c_step = sm_scale if "no log2e" in bugs else c
     past = seq_k - seq_q
@@ -123,19 +124,23 @@ def _simulate_forward(q, k, v, *, causal, block_M, block_N, bugs=()):
         stop = min(n_k, -(-((qb + 1) * block_M + past) // block_N)) if causal else n_k
         for kb in range(max(stop, 0)):
             keys = torch.arange(kb * block_N, (kb + 1) * block_N)
-            s = q[:, :, rows] @ kp[:, :, keys].transpose(-1, -2)
+            k_tile = kp[:, :, keys]
+            s = q[:, :, rows] @ (k_tile if "K not transposed" in bugs else k_tile.transpose(-1, -2))
             diag = rows[:, None] if "top-left" in bugs else rows[:, None] + past
             causal_ok = keys[None, :] < diag if "causal strict" in bugs else keys[None, :] <= diag
+            if "causal one late" in bugs:
+                causal_ok = keys[None, :] <= diag + 1
             in_bounds = torch.ones_like(causal_ok) if "no bounds" in bugs else keys[None, :] < seq_k
             visible = in_bounds & causal_ok if causal else in_bounds
             s = torch.where(visible, s, torch.zeros(()) if "mask zero" in bugs else inf)
             m_prev = m
             m = s.amax(-1) if "max reset" in bugs else torch.maximum(m_prev, s.amax(-1))
-            shift = torch.where(m == -math.inf, 0.0, m * c_step)
+            shift = m * c_step if "no guard" in bugs else torch.where(m == -math.inf, 0.0, m * c_step)
             alpha = torch.exp2(m_prev * c_step - shift)
             p = torch.exp2(s * c_step - shift[..., None])
             l = l + p.sum(-1) if "l not rescaled" in bugs else l * alpha + p.sum(-1)
-            acc = (acc if "acc not rescaled" in bugs else acc * alpha[..., None]) + p @ vp[:, :, keys]
+            v_tile = vp[:, :, keys].transpose(-1, -2) if "V transposed" in bugs else vp[:, :, keys]
+            acc = (acc if "acc not rescaled" in bugs else acc * alpha[..., None]) + p @ v_tile
         shift = torch.where(m == -math.inf, 0.0, m * c)
         log_l = shift + torch.log2(l)
         lse[:, :, rows] = torch.where(l > 0, log_l if "lse base 2" in bugs else log_l / LOG2E, inf)
@@ -161,6 +166,9 @@ def _like_base2_softmax(case, got, kernel):
 
 
 _FORWARD_SUSPECTS = [
+    Suspect("NaN where a row has seen no key yet: m = −∞ there, and S·scale_log2 − m·scale_log2 is −∞ − (−∞). "
+            "Guard the shift: shift = 0 while m = −∞ (T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)).",
+            _like("no guard")),
     Suspect("rows that see no key have ℓ = 0, and acc_o / ℓ is 0/0 = NaN: divide only where ℓ > 0 and "
             "leave the other rows at 0 (their LSE is −∞).", _like("no div guard")),
     Suspect("the running max is reset at every key tile: T.reduce_max clears m first unless clear=False. "
@@ -193,4 +201,113 @@ def check_flash_forward(factory):
         "flash forward", factory, _forward_cases, suspects=_FORWARD_SUSPECTS,
         hint="Compare your loop body with section 3: scores by selection after T.gemm, clear=False, the "
              "shift guard, α on both ℓ and acc_o, one division at the end, and the LSE in natural log.",
-        summary="causal with rows that see no key, non-causal with a ragged tail")
+        summary="causal with rows that see no key, non-causal with a ragged tail", gpu=forward_gpu_config(),
+        learner=("forward_tile_macros",))
+
+
+
+# --- Exercise (d): the whole forward kernel, from an empty body -----------------------------------
+
+def _full_forward_cases():
+    """Property-named cases, most revealing first (the checker stops at the first wrong one)."""
+    return [
+        _forward_case("rows that see no key, ragged S_k, large logits in head 1 (causal, S_q=40 > S_k=29, 32×8 tiles)",
+                      1, 2, 40, 29, 16, causal=True, block_M=32, block_N=8, seed=31, logit_scale=(1.0, 4.0)),
+        _forward_case("S_q below one block (non-causal, S_q=7 < block_M=32, S_k=29 ragged)", 1, 1, 7, 29, 16,
+                      causal=False, block_M=32, block_N=8, seed=32),
+        _forward_case("the block size must not change the answer (causal, S=48, 16×16 tiles, logits ×12 in head 1)",
+                      1, 2, 48, 48, 16, causal=True, block_M=16, block_N=16, seed=33, logit_scale=(1.0, 12.0)),
+    ]
+
+
+# A GPU-sized configuration, lowered for sm_80 and sm_90a on the CPU by the checkers.
+def forward_gpu_config(causal=True):
+    """Small enough to lower in seconds, large enough for the tensor-core gemm layouts of a real tiling."""
+    return (1, 1, 64, 64, 32), dict(causal=causal, block_M=32, block_N=32)
+
+
+def _course_forward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=32, block_N=8, target=None):
+    from ..flash_fwd import flash_fwd_kernel
+    return flash_fwd_kernel(batch, heads, seq_q, seq_k, dim, causal=causal, block_M=block_M, block_N=block_N,
+                            num_stages=1, threads=128, target=target)
+
+
+def forward_or_course(my_flash_forward):
+    """The learner's forward of exercise (d) if it builds, else the course's (saying so in one line)."""
+    args, kwargs = forward_gpu_config()
+    return learner_or_course("my_flash_forward", my_flash_forward, _course_forward,
+                             lambda f: f(*args, **kwargs, target="c"), "exercise 03 (d)")
+
+
+_NEAREST_FORWARD = (
+    ("the softmax scale 1/√D is missing", ("no sm_scale",)),
+    ("exp2 is used without log2(e) (a natural-log softmax computed in base 2)", ("no log2e",)),
+    ("the causal mask is one key too strict (k < q + past)", ("causal strict",)),
+    ("the causal mask lets one key too many through (k <= q + past + 1)", ("causal one late",)),
+    ("K is not transposed in S = Q Kᵀ (T.gemm needs transpose_B=True)", ("K not transposed",)),
+    ("V is transposed in acc_o += P V", ("V transposed",)),
+    ("the running max is not carried from tile to tile", ("max reset",)),
+)
+
+
+def _nearest_forward(case, got):
+    d = case.data
+    variants = {}
+    for what, bugs in _NEAREST_FORWARD:
+        try:
+            variants[what] = _simulate_forward(d["q"], d["k"], d["v"], causal=d["causal"], block_M=d["block_M"],
+                                               block_N=d["block_N"], bugs=bugs)
+        except RuntimeError:  # a transposed tile only multiplies when block_N == D
+            continue
+    return nearest_variant(got, variants, case.expected, outputs=("O", "LSE"))
+
+
+_FULL_FORWARD_SUSPECTS = [
+    Suspect("NaN where a row has seen no key yet: m = −∞ there, and S·scale_log2 − m·scale_log2 is −∞ − (−∞). "
+            "Guard the shift: shift = 0 while m = −∞ (T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)).",
+            _like("no guard")),
+    Suspect("K is not transposed in S = Q Kᵀ: K_s is [block_N, D], so write T.gemm(Q_s, K_s, S, transpose_B=True).",
+            _like("K not transposed")),
+    Suspect("V is transposed in acc_o += P V: V_s is [block_N, D] and P is [block_M, block_N]: T.gemm(P, V_s, acc_o).",
+            _like("V transposed")),
+    Suspect("the softmax scale 1/√D is missing: scale_log2 = LOG2E / √D multiplies every score in the exponent.",
+            _like("no sm_scale")),
+] + _FORWARD_SUSPECTS
+
+
+def check_my_flash_forward(factory):
+    """Check the learner's whole forward kernel, ``factory(batch, heads, seq_q, seq_k, dim, *, causal,
+    block_M, block_N, target)`` returning a prim_func Q, K, V -> O, LSE: on the C backend over
+    property-named cases, then lowered for sm_80 and sm_90a."""
+    check_kernel(
+        "your flash forward", factory, _full_forward_cases, suspects=_FULL_FORWARD_SUSPECTS, nearest=_nearest_forward,
+        hint="Go through the kernel in order: Q copy and initial state (acc_o = 0, ℓ = 0, m = −∞), the causal "
+             "stop, the K/V copies, S = Q Kᵀ, the mask by selection, the online softmax with its guard, α on ℓ "
+             "and acc_o, P V, then the guarded division and the natural-log LSE.",
+        summary="rows that see no key, ragged S, S below a block, large logits, two block sizes",
+        gpu=forward_gpu_config(), learner=("my_softmax_step",))
+
+
+HINTS = {
+    "a": ["Non-causal: every key block. Causal: the last row of query block q_block is (q_block+1)·block_M − 1; "
+          "it sees keys up to that index, so stop after the key block holding it, never past the last block.",
+          "Use ceiling division -(-a // b): the number of key blocks is -(-seq // block_N); the causal stop is "
+          "min(that, -(-((q_block + 1) * block_M) // block_N))."],
+    "b": ["Every visited tile costs two matrix products of block_M × block_N × dim, each 2·M·N·K FLOPs, "
+          "masked parts included. Count the visited tiles over all query blocks.",
+          "Loop q_block over range(-(-seq // block_M)), call your kv_blocks_visited, sum stop − first, and "
+          "multiply by 4 · batch · heads · block_M · block_N · dim."],
+    "c": ["tile_step: scores, mask by selection, running max without reset, guarded shift, α, probabilities, "
+          "ℓ and acc_o rescaled by α, then P·V. epilogue: shift again, LSE in natural log, one guarded "
+          "division.",
+          "T.clear(S); T.gemm(Q_s, K_s, S, transpose_B=True); T.if_then_else(visible, S[i, j], neg_inf); "
+          "T.reduce_max(S, m, dim=1, clear=False); T.exp2(x * scale_log2 - shift[i]); T.reduce_sum(S, "
+          "row_sum, dim=1); T.copy(S, P); T.gemm(P, V_s, acc_o); LSE = (shift + T.log2(l)) / LOG2E."],
+    "d": ["It is exercise (c)'s two macros inside (c)'s skeleton: allocate the tiles, copy Q once, start acc_o and ℓ "
+          "at 0 and m at −∞; loop over the key blocks up to the causal stop ⌈((qb+1)·block_M + past) / block_N⌉; "
+          "in the loop copy K and V, then (c)'s tile step; after it, (c)'s epilogue and the two stores.",
+          "tb.shared([...], f32) / tb.fragment([...], f32); T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s); "
+          "T.fill(m, neg_inf); for kb in T.Pipelined(stop, num_stages=1); T.min / T.ceildiv for the stop; "
+          "T.copy(acc_o, O[...]) and T.copy(lse, LSE[...]) at the end. P must be a shared tile: on the GPU a "
+          "float32 register tile cannot be a T.gemm operand."],
+}

@@ -14,10 +14,11 @@ import torch
 
 from ..flash_pieces import LOG2E
 from ..reference import attention_reference, visibility_mask
-from .common import ExerciseWrong, check_exercise
+from .common import ExerciseWrong, check_exercise, quiet_builder
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 
-__all__ = ["backward_cases", "check_blockwise_backward", "check_dq_query_major", "check_flash_backward"]
+__all__ = ["backward_cases", "check_blockwise_backward", "check_dq_query_major", "check_flash_backward",
+           "check_my_delta", "check_my_dkdv", "check_my_dq", "check_my_flash_attention", "compiled"]
 
 _NAMES = ("dq", "dk", "dv")
 
@@ -171,4 +172,205 @@ def check_flash_backward(factory):
         "flash backward", factory, _backward_cases, suspects=_BACKWARD_SUSPECTS,
         hint="Check each product against section 3.2: Pᵀ = exp2(Sᵀ·scale_log2 − LSE·log2 e) masked, dV += Pᵀ dO, "
              "dSᵀ = Pᵀ ∘ (dPᵀ − Δ), dK += dSᵀ Q (scaled once at the end), dQ tile = scale · dS K.",
-        summary="causal with S_q < S_k, non-causal with a ragged tail")
+        summary="causal with S_q < S_k, non-causal with a ragged tail", gpu=backward_gpu_config(),
+        learner=("backward_step_macros",))
+
+
+
+# --- The capstone: Δ, dK/dV and dQ kernels, and the learner's autograd op -------------------------
+
+def backward_gpu_config(causal=True):
+    """Small enough to lower in seconds (the checkers lower every kernel for sm_90a and sm_80)."""
+    return (1, 1, 64, 64, 32), dict(causal=causal, block_M=32, block_N=32)
+
+
+def _delta_case():
+    g = torch.Generator().manual_seed(53)
+    o, d_out = torch.randn(1, 2, 24, 16, generator=g), torch.randn(1, 2, 24, 16, generator=g)
+    expected = {"Δ": (o.double() * d_out.double()).sum(-1)}
+
+    def run(kernel):
+        return {"Δ": kernel(o, d_out)}
+
+    return KernelCase("Δ, S=24 (a ragged second block of 16 rows), 2 heads", (1, 2, 24, 16), dict(block_M=16), [2],
+                      run, expected, data=dict(o=o, d_out=d_out))
+
+
+def check_my_delta(factory):
+    """``factory(batch, heads, seq, dim, *, block_M, target)``: a prim_func O, dO -> Δ = rowsum(dO ∘ O)."""
+    suspects = [Suspect("Δ sums dO ∘ dO or O ∘ O: multiply the two tiles elementwise, o[i, d] *= do[i, d].",
+                        lambda case, got, kernel: same_outputs(got, {"Δ": (case.data["o"].double() ** 2).sum(-1)})
+                        or same_outputs(got, {"Δ": (case.data["d_out"].double() ** 2).sum(-1)}))]
+    check_kernel("your Δ kernel", factory, [_delta_case()], suspects=suspects,
+                 hint="Copy the block of O and dO rows, multiply elementwise, T.reduce_sum over dim=1, copy Δ out.",
+                 gpu=((1, 1, 64, 32), dict(block_M=32)))
+
+
+def _grads_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, seed, outputs, logit_scale=(1.0,)):
+    case = _backward_case(label, batch, heads, seq_q, seq_k, dim, causal=causal, block_M=block_M, block_N=block_N,
+                          seed=seed, logit_scale=logit_scale)
+    d = case.data
+    expected = {name: case.expected[name] for name in outputs}
+
+    def run(kernel):
+        got = kernel(d["q"], d["k"], d["v"], d["d_out"], d["lse"], d["delta"])
+        got = got if isinstance(got, (list, tuple)) else [got]
+        return dict(zip(outputs, got))
+
+    return KernelCase(label, case.args, case.kwargs, list(range(6, 6 + len(outputs))), run, expected, data=d,
+                      rows="row")
+
+
+def _grads_cases(outputs):
+    return [
+        _grads_case("causal, S_q=24 < S_k=40, keys no query sees, 16×16 tiles", 1, 2, 24, 40, 16, causal=True,
+                    block_M=16, block_N=16, seed=51, outputs=outputs, logit_scale=(1.0, 3.0)),
+        _grads_case("non-causal, S_q=20, S_k=29 (both ragged), 16×8 tiles", 1, 1, 20, 29, 16, causal=False,
+                    block_M=16, block_N=8, seed=52, outputs=outputs),
+    ]
+
+
+def _like_only(outputs, *bugs):
+    return lambda case, got, kernel: same_outputs(got, {k: v for k, v in _model_backward(case.data, bugs).items()
+                                                        if k in outputs})
+
+
+def _suspects(outputs):
+    return [Suspect(s.message, _like_only(outputs, *bugs)) for s, bugs in zip(
+        _BACKWARD_SUSPECTS, (("no delta",), ("dk unscaled",), ("dq unscaled",), ("lse base 2",), ("no mask",)))
+        if not (bugs == ("no mask",) and "dQ" in outputs)]
+
+
+def check_my_dkdv(factory):
+    """``factory(batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, target)``: a prim_func
+    (Q, K, V, dO, LSE, Δ) -> dK, dV."""
+    check_kernel("your dK/dV kernel", factory, lambda: _grads_cases(("dK", "dV")), suspects=_suspects(("dK", "dV")),
+                 hint="Per query block: Pᵀ = exp2(Sᵀ·scale_log2 − LSE·log2 e) where visible (0 elsewhere), "
+                      "dV += Pᵀ dO, dSᵀ = Pᵀ ∘ (dPᵀ − Δ), dK += dSᵀ Q; dK times the scale once at the end; the "
+                      "causal walk starts at the first query block that sees the key block.",
+                 summary="causal S_q < S_k, non-causal ragged", gpu=backward_gpu_config())
+
+
+def check_my_dq(factory):
+    """``factory(batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, target)``: a prim_func
+    (Q, K, V, dO, LSE, Δ) -> dQ."""
+    check_kernel("your dQ kernel", factory, lambda: _grads_cases(("dQ",)), suspects=_suspects(("dQ",)),
+                 hint="Per key block up to the causal stop: P = exp2(S·scale_log2 − LSE·log2 e) where visible, "
+                      "dP = dO Vᵀ, dS = P ∘ (dP − Δ), dq += dS K; dq times the scale once, then one store.",
+                 summary="causal S_q < S_k, non-causal ragged", gpu=backward_gpu_config())
+
+
+_COMPILED = {}
+
+
+def compiled(factory, *shape, out_idx, **options):
+    """The learner's kernel ``factory(*shape, **options, target="c")`` compiled for the C backend, once per
+    shape and options (and per version of the factory)."""
+    from .kernels import build, compile_c
+
+    key = (factory, shape, tuple(sorted(options.items())), tuple(out_idx))
+    if key not in _COMPILED:
+        name = getattr(factory, "__name__", "kernel")
+        _COMPILED[key] = compile_c(name, build(name, factory, *shape, **options, target="c"), out_idx)
+    return _COMPILED[key]
+
+
+def _autograd_cases():
+    return [("causal, S=24 (ragged: 16 + 8 rows)", 1, 2, 24, 24, 16, True, 61),
+            ("non-causal, S_q=20, S_k=29 (ragged)", 1, 1, 20, 29, 16, False, 62),
+            ("causal, S_q=29 > S_k=20 (rows that see no key)", 1, 1, 29, 20, 16, True, 63)]
+
+
+def check_my_flash_attention(fn):
+    """``fn(q, k, v, causal)`` -> O, differentiable through the learner's own ``torch.autograd.Function``:
+    O and the gradients of Q, K, V against float64 autograd of the reference."""
+    from torch.autograd.function import BackwardCFunction
+
+    from .common import ExerciseIncomplete, not_written, stale_definition
+
+    stale = stale_definition("your flash_attention", fn)
+    if stale is not None:
+        raise stale
+    for label, batch, heads, seq_q, seq_k, dim, causal, seed in _autograd_cases():
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(batch, heads, seq_q, dim, generator=g)
+        k, v, d_out = (torch.randn(batch, heads, n, dim, generator=g) for n in (seq_k, seq_k, seq_q))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        try:
+            with quiet_builder():
+                out = fn(*leaves, causal)
+                if not isinstance(out, torch.Tensor):
+                    raise ExerciseWrong(f"✗ your flash_attention, {label}: returned a {type(out).__name__}, not O")
+                if not isinstance(out.grad_fn, BackwardCFunction):
+                    raise ExerciseWrong(f"✗ your flash_attention, {label}: O was not made by a torch.autograd."
+                                        f"Function (its grad_fn is {type(out.grad_fn).__name__}): call "
+                                        "MyFlashAttention.apply.")
+                out.backward(d_out)
+        except NotImplementedError as exc:
+            raise not_written("your flash_attention", exc) from None
+        except (ExerciseWrong, ExerciseIncomplete):
+            raise
+        except Exception as exc:
+            raise ExerciseWrong(f"✗ your flash_attention, {label}: raised {type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}") from None
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref = attention_reference(*ref_leaves, causal=causal)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, d_out.double())
+        got = {"O": out.detach(), "dQ": leaves[0].grad, "dK": leaves[1].grad, "dV": leaves[2].grad}
+        want = {"O": ref.detach(), "dQ": ref_grads[0], "dK": ref_grads[1], "dV": ref_grads[2]}
+        for name, value in got.items():
+            if value is None:
+                raise ExerciseWrong(f"✗ your flash_attention, {label}: {name} is None — backward must return "
+                                    "dq, dk, dv (and None for causal).")
+            if value.shape != want[name].shape:
+                raise ExerciseWrong(f"✗ your flash_attention, {label}: {name} has shape {tuple(value.shape)}, "
+                                    f"expected {tuple(want[name].shape)}.")
+        wrong = [n for n in got if not torch.allclose(got[n].double(), want[n], atol=2e-4, rtol=1e-3)]
+        if wrong:
+            err = max(float((got[n].double() - want[n]).abs().nan_to_num(float("inf")).max()) for n in wrong)
+            where = "the forward" if "O" in wrong else "the backward"
+            swapped = [a for a, b in (("dK", "dV"), ("dV", "dK")) if a in wrong
+                       and torch.allclose(got[a].double(), want[b], atol=2e-4, rtol=1e-3)]
+            extra = f" ({swapped[0]} holds the other gradient: return dq, dk, dv in that order)" if swapped else ""
+            raise ExerciseWrong(f"✗ your flash_attention, {label}: {', '.join(wrong)} wrong (off by up to {err:.3g}) "
+                                f"— look at {where}{extra}. Each kernel passed its own checker? Then look at how "
+                                "they are wired: what forward saves, the order of the outputs, d_out made contiguous.")
+    print(f"✓ your flash_attention: O, dQ, dK and dV match float64 autograd on {len(_autograd_cases())} cases "
+          "(causal and not, ragged S, S_q ≠ S_k)")
+
+
+HINTS = {
+    "a": ["Rebuild the tile's probabilities from the LSE (no running max needed), then the four products "
+          "of the backward: dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − Δ), dK += scale·dSᵀ Q and this key "
+          "block's share of dQ, scale·dS K.",
+          "With keys as rows: pt = torch.exp(scale * k[keys] @ q[rows].T - lse[rows]); dpt = v[keys] @ "
+          "d_out[rows].T; dst = pt * (dpt - delta[rows]); then dv[keys] +=, dk[keys] +=, dq[rows] +=."],
+    "b": ["Swap the loops: outer over query blocks, inner over key blocks, dQ of the query block kept in a "
+          "local accumulator and written once. Only P and dP are needed again, not dV or dK.",
+          "p = torch.exp(scale * q[rows] @ k[keys].T - lse[rows, None]); dp = d_out[rows] @ v[keys].T; "
+          "acc += scale * (p * (dp - delta[rows, None])) @ k[keys]."],
+    "c": ["Keys as rows: Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ·c − LSE·log2 e) where visible (0 elsewhere), dPᵀ = V dOᵀ, "
+          "dV += Pᵀ dO, dSᵀ = Pᵀ ∘ (dPᵀ − Δ), dK += dSᵀ Q, dq = scale · dS K; finish scales dK once.",
+          "T.clear(PT); T.gemm(K_s, Q_s, PT, transpose_B=True); T.if_then_else(visible(...), T.exp2(...), 0); "
+          "T.copy(PT, PT_s) before T.gemm(PT_s, dO_s, dv); T.gemm(dST, Q_s, dk); T.clear(dq); "
+          "T.gemm(dST, K_s, dq, transpose_A=True)."],
+    "d": ["Each thread block owns a block of query rows: copy its rows of O and dO, multiply elementwise, sum "
+          "each row, store.",
+          "T.copy(O[b, h, qb * block_M:(qb + 1) * block_M, :], o); o[i, d] *= do[i, d] in tb.parallel(block_M, "
+          "dim); T.reduce_sum(o, delta, dim=1); T.copy(delta, Delta[b, h, qb * block_M:(qb + 1) * block_M])."],
+    "e": ["Exercise (c)'s skeleton and step without dQ: K and V of the key block stay, the query blocks from the "
+          "first that can see them stream past; per block Pᵀ from the LSE (masked), dV += Pᵀ dO, dSᵀ = Pᵀ ∘ (dPᵀ − Δ), "
+          "dK += dSᵀ Q; dK scaled once at the end.",
+          "start = T.max(0, (kb * block_N - past) // block_M) for causal; T.Pipelined(start, T.ceildiv(seq_q, "
+          "block_M), num_stages=1); T.gemm(K_s, Q_s, PT, transpose_B=True); T.copy(PT, PT_s) before "
+          "T.gemm(PT_s, dO_s, dv); T.gemm(dST, Q_s, dk)."],
+    "f": ["The forward's loop structure (query block per thread block, key blocks up to the causal stop) with "
+          "exercise (b)'s body: P and dP recomputed, dS = P ∘ (dP − Δ), dq += dS K, scaled and stored once.",
+          "T.gemm(Q_s, K_s, S, transpose_B=True); T.gemm(dO_s, V_s, dP, transpose_B=True); dS into a shared "
+          "tile with T.if_then_else(visible, p * (dP[i, j] - delta[i]), 0); T.gemm(dS_s, K_s, dq)."],
+    "g": ["forward: run your forward kernel, save Q, K, V, O and the LSE (ctx.save_for_backward) and causal "
+          "(ctx.causal). backward: Δ from O and dO, then dK/dV, then dQ; return one gradient per input of "
+          "forward (None for causal).",
+          "compiled(my_flash_forward, B, H, S_q, S_k, D, causal=causal, out_idx=[3, 4])(q, k, v) gives (O, LSE); "
+          "compiled(my_delta, B, H, S_q, D, out_idx=[2])(out, d_out); out_idx=[6, 7] for dK/dV, [6] for dQ."],
+}

@@ -15,7 +15,8 @@ from ..reference import attention_reference, visibility_mask
 from .common import check_exercise, with_diagnosis
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 
-__all__ = ["check_sink_attention", "check_dsinks", "check_visible_pairs", "check_gpt_oss_forward"]
+__all__ = ["check_sink_attention", "check_dsinks", "check_visible_pairs", "check_gpt_oss_forward",
+           "check_my_gpt_oss_forward"]
 
 
 def _close(a, b, tol=1e-9):
@@ -170,21 +171,30 @@ def _gpt_oss_cases():
                       9, [1.5, -1.0, 3.0, 0.0], block_M=20, block_N=8, seed=61, poison=True),
         _gpt_oss_case("window 5, S=30, 2 query heads on 1 K/V head, sinks, 16×8 tiles", 2, 1, 30, 30, 16, 5,
                       [0.5, 2.0], block_M=16, block_N=8, seed=62, poison=False),
+        _gpt_oss_case("rows that see no key but a sink, and a last row whose diagonal key is the first of a key block "
+                      "(window 6, S_q=27 > S_k=20, 16×8 tiles)", 2, 1, 27, 20, 16, 6, [1.0, -2.0], block_M=16,
+                      block_N=8, seed=63, poison=False),
     ]
 
 
-def _model(data, sink, lse_sink, first_block=None):
+def _model(data, sink, lse_sink, first_block=None, last_block=None, gqa_tiled=False, wider=0):
     """O and LSE of windowed attention with a per-row sink logit ``sink`` [1, H, S_q] (None: no sink), the
     LSE with ``lse_sink`` in its place, and keys before block ``first_block(qb)`` of each query block dropped."""
     q, k, v = (data[n].double() for n in ("q", "k", "v"))
     group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if gqa_tiled:  # query head h on K/V head h % heads_kv
+        k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
+    else:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     seq_q, seq_k = q.shape[2], k.shape[2]
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    visible = visibility_mask(seq_q, seq_k, window_size=data["window"])
+    visible = visibility_mask(seq_q, seq_k, window_size=data["window"] + wider)
     if first_block is not None:
         starts = torch.tensor([first_block(i // data["block_M"]) * data["block_N"] for i in range(seq_q)])
         visible = visible & (torch.arange(seq_k)[None, :] >= starts[:, None])
+    if last_block is not None:
+        stops = torch.tensor([last_block(i // data["block_M"]) * data["block_N"] for i in range(seq_q)])
+        visible = visible & (torch.arange(seq_k)[None, :] < stops[:, None])
     scores = scores.masked_fill(~visible, -math.inf)
 
     def lse_with(z):
@@ -198,11 +208,12 @@ def _sinks(data):
     return data["sinks"].double()[None, :, None].expand(1, -1, data["q"].shape[2])
 
 
-def _like(sink=None, lse_sink=None, first_block=None):
+def _like(sink=None, lse_sink=None, first_block=None, last_block=None, **bugs):
     """A suspect's test: the learner's outputs equal ``_model``'s (each argument a function of the case data)."""
     def test(case, got, kernel):
         d = case.data
-        model = _model(d, sink and sink(d), lse_sink and lse_sink(d), first_block and first_block(d))
+        model = _model(d, sink and sink(d), lse_sink and lse_sink(d), first_block and first_block(d),
+                       last_block and last_block(d), **bugs)
         return same_outputs(got, model)
     return test
 
@@ -237,6 +248,25 @@ def _start(from_last_row=False, round_up=False):
     return first_block
 
 
+def _stop_minus_one(data):
+    """qb -> the stop of a causal range computed as ⌈((qb+1)·block_M + past − 1) / block_N⌉."""
+    past = data["k"].shape[2] - data["q"].shape[2]
+    bm, bn = data["block_M"], data["block_N"]
+    return lambda qb: max(0, -(-((qb + 1) * bm + past - 1) // bn))
+
+
+def _unguarded_sink_test(case, got, kernel):
+    """Rows that see no key have LSE = +∞ (ℓ = ∞ from exp2(sink·log2 e + ∞)) and O = 0; the others are right."""
+    no_key = ~visibility_mask(case.data["q"].shape[2], case.data["k"].shape[2],
+                              window_size=case.data["window"]).any(-1)
+    if not no_key.any():
+        return False
+    lse = got["LSE"].double()
+    seen = ~no_key
+    return bool(torch.isposinf(lse[..., no_key]).all()) and bool(torch.allclose(
+        lse[..., seen], case.expected["LSE"][..., seen], atol=1e-3, rtol=1e-3))
+
+
 def _scaled_sinks(data):
     return _sinks(data) / math.sqrt(data["q"].shape[-1])
 
@@ -257,6 +287,16 @@ _GPT_OSS_SUSPECTS = [
             "scaled scores, so its exp2 argument is sink·log2(e) − shift.", _like(_scaled_sinks, _scaled_sinks)),
     Suspect("the sink's exp2 lacks log2(e): e^z = exp2(z·log2 e), so add exp2(sink·log2 e − shift).",
             _like(_sinks_over_log2e, _sinks_over_log2e)),
+    Suspect("the sink's term uses the unguarded shift: in a row that has seen no key, m = −∞, so "
+            "exp2(sink·log2 e − m·scale_log2) is +∞. Use the guarded shift (0 while m = −∞): the row's O is then 0 "
+            "and its LSE is the sink.", _unguarded_sink_test),
+    Suspect("the causal stop loses the key block that holds the last row's diagonal key when that key is the "
+            "first of a block: the last row sees keys up to (qb+1)·block_M − 1 + past, so stop = "
+            "⌈((qb+1)·block_M + past) / block_N⌉.", _like(_sinks, _sinks, last_block=_stop_minus_one)),
+    Suspect("query head h must read K/V head h // group (consecutive query heads share a K/V head), not "
+            "h % heads_kv.", _like(_sinks, _sinks, gqa_tiled=True)),
+    Suspect("the window's mask lets one key too many through: query q sees keys k with q + past − W < k, "
+            "i.e. k > q + past − window (you used >=).", _like(_sinks, _sinks, first_block=_start(), wider=1)),
     Suspect("the sink term is not shifted: ℓ holds exp2(x·scale_log2 − shift), so the sink adds "
             "exp2(sink·log2 e − shift), not exp2(sink·log2 e).", _like(_unshifted_sink, _unshifted_sink)),
     Suspect("the window's first key block is computed from the query block's last row; its first row needs "
@@ -268,11 +308,46 @@ _GPT_OSS_SUSPECTS = [
 ]
 
 
-def check_gpt_oss_forward(factory):
+def gpt_oss_gpu_config():
+    return (1, 2, 1, 64, 64, 32), dict(window=24, block_M=32, block_N=32)
+
+
+def check_gpt_oss_forward(factory, name="gpt-oss forward", learner=("window_block_range", "sink_epilogue")):
     """Check ``factory(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_M, block_N, target)``
-    (a prim_func (Q, K, V, Sinks) -> O, LSE) on the C backend."""
+    (a prim_func (Q, K, V, Sinks) -> O, LSE) on the C backend, then lowered for sm_90a and sm_80."""
     check_kernel(
-        "gpt-oss forward", factory, _gpt_oss_cases, suspects=_GPT_OSS_SUSPECTS,
+        name, factory, _gpt_oss_cases, suspects=_GPT_OSS_SUSPECTS, gpu=gpt_oss_gpu_config(),
+        learner=learner,
         hint="The first key block holds the first key of the block's first row, (qb·block_M + past − W + 1); the "
              "sink adds exp2(sink·log2 e − shift) to ℓ before the division and the LSE.",
-        summary="window with S_q < S_k and GQA, window over a short self-attention, sinks")
+        summary="window with S_q < S_k and GQA, window over a short self-attention, sinks, rows that see no key, "
+                "a diagonal key at a block edge")
+
+
+def check_my_gpt_oss_forward(factory):
+    """Exercise (e): the learner's own chapter-03 forward with GQA, the window and sinks added."""
+    check_gpt_oss_forward(factory, name="your gpt-oss forward", learner=("my_softmax_step",))
+
+
+HINTS = {
+    "a": ["The sink is one more logit in every row's softmax, with no value row: it takes probability mass "
+          "away from the keys. Add it as a column, softmax, then drop that column.",
+          "scores = q @ k.transpose(-1, -2) / math.sqrt(D); sinks[None, :, None, None].expand(*scores.shape[:-1], "
+          "1); torch.cat([...], dim=-1); torch.softmax(..., dim=-1)[..., :-1] @ v."],
+    "b": ["The sink's logit z_h enters every row's denominator; its gradient is the sink's probability "
+          "times the row's −Δ, summed over batch and rows.",
+          "-(p_sink * delta).sum(dim=(0, 2))."],
+    "c": ["Row i sees min(i + 1, W) keys. Split the rows into those before the window is full and those after.",
+          "w = min(window, seq); w·(w+1)/2 + (seq − w)·w, or sum(min(i + 1, window) for i in range(seq))."],
+    "d": ["start: the block holding the first key the block's FIRST row can see (its window reaches furthest "
+          "back), rounded down, never below 0. Epilogue: the sink adds exp(sink − shift) to ℓ in the same "
+          "base-2 units, before the LSE and the division.",
+          "start = T.max(0, (qb * block_M + past - window + 1) // block_N); l[i] += T.exp2(sink * LOG2E - "
+          "shift[i]) (the sink is a logit: no softmax scale)."],
+    "e": ["Three changes to your chapter-03 kernel: K/V head h // (heads / heads_kv); the key loop starts at the "
+          "block of the first row's first key and the mask also hides keys k <= q + past − window; the epilogue "
+          "adds the sink's term exp(sink − shift) to ℓ (guarded shift) before the LSE and the division.",
+          "K[b, h // group, ...]; start = T.max(0, (qb * block_M + past - window + 1) // block_N); "
+          "T.Pipelined(start, stop, num_stages=1); T.And(k <= q + past, k > q + past - window); "
+          "l[i] += T.exp2(Sinks[h] * LOG2E - shift[i])."],
+}

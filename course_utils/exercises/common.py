@@ -7,9 +7,30 @@ pytest they stay ordinary ``AssertionError`` subclasses with a full traceback.
 """
 
 import contextlib
+import linecache
+import logging
+import re
 import traceback
 
 import torch
+
+# TileLang logs the whole generated builder source at CRITICAL when a prim_func fails to build
+# (a learner's placeholder included): 40 lines before the one-line verdict.
+_NOISY_LOGGERS = ("tilelang.language.eager.builder",)
+
+
+@contextlib.contextmanager
+def quiet_builder():
+    """Silence TileLang's dump of the builder source while a learner's kernel is built."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    saved = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, was in zip(loggers, saved):
+            logger.disabled = was
 
 
 class ExerciseFailed(AssertionError):
@@ -49,7 +70,8 @@ def needs(name, exercise):
             ...   # code that calls kernel_flops
     """
     try:
-        yield
+        with quiet_builder():
+            yield
     except NotImplementedError as exc:
         where = placeholder_function(exc)
         who = f"`{where}`" if where and where != "<module>" else f"`{name}`"
@@ -57,19 +79,77 @@ def needs(name, exercise):
                                  "again.") from None
 
 
+def _ipython_history():
+    """The inputs of the running IPython session, oldest first (``In``), or None outside IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    if shell is None:
+        return None
+    return list(shell.user_ns.get("In") or [])
+
+
+def _normalised(text):
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+def stale_definition(name, *functions, history=None):
+    """The ``ExerciseWrong`` to raise when a function the checker is about to run is not the one the
+    learner last wrote, or None.
+
+    In a notebook, a solution cell with a SyntaxError defines nothing, so the previous definition
+    stays and a checker would silently re-check it. The cell's code lives in ``linecache`` under
+    the code object's file name; the learner's latest cell that defines the function is the last
+    entry of ``In`` with ``def <name>(``. If the two differ, the latest version never ran.
+    """
+    history = _ipython_history() if history is None else history
+    if not history:
+        return None
+    for fn in functions:
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            continue
+        loaded = "".join(linecache.getlines(code.co_filename))
+        if not loaded:
+            continue
+        pattern = re.compile(rf"^\s*def {re.escape(fn.__name__)}\(", re.M)
+        latest = next((cell for cell in reversed(history) if cell and pattern.search(cell)), None)
+        if latest is None or _normalised(latest) == _normalised(loaded):
+            continue
+        try:
+            compile(latest, "<your cell>", "exec")
+        except SyntaxError as exc:
+            return ExerciseWrong(
+                f"✗ {name}: the cell that defines `{fn.__name__}` has a SyntaxError (line {exc.lineno} of the cell: "
+                f"{exc.msg}), so it defined nothing and Python still holds your previous `{fn.__name__}`. Fix the "
+                "cell, run it, then run this checker again.")
+        return ExerciseWrong(
+            f"✗ {name}: you edited the cell that defines `{fn.__name__}` but the version Python holds is an older "
+            "one: run that cell, then this checker again.")
+    return None
+
+
 def _describe(args):
     return ", ".join(f"tensor{tuple(a.shape)}" if isinstance(a, torch.Tensor) else repr(a) for a in args)
 
 
-def check_exercise(name, learner_fn, reference_fn, cases, *, atol=1e-6, rtol=1e-5, hint=None):
+def check_exercise(name, learner_fn, reference_fn, cases, *, atol=1e-6, rtol=1e-5, hint=None, solutions=()):
     """Compare ``learner_fn(*args)`` with ``reference_fn(*args)`` for every ``args`` in ``cases``.
 
-    Prints a ✓ line when all cases pass; raises ``ExerciseIncomplete`` or ``ExerciseWrong`` with a
+    ``solutions``: the learner's functions that ``learner_fn`` calls, checked for a definition that
+    did not run (see ``stale_definition``). Prints a ✓ line when all cases pass; raises
+    ``ExerciseIncomplete`` or ``ExerciseWrong`` with a
     message naming the failing case, the error and a hint otherwise.
     """
+    stale = stale_definition(name, learner_fn, *solutions)
+    if stale is not None:
+        raise stale
     for index, args in enumerate(cases):
         try:
-            got = learner_fn(*args)
+            with quiet_builder():
+                got = learner_fn(*args)
         except NotImplementedError as exc:
             raise not_written(name, exc) from None
         except ExerciseFailed:

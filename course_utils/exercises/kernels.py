@@ -20,10 +20,15 @@ with the line of the learner's code where Python saw it), or a wrong result.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import logging
 import math
 import os
+import re
+import sys
+import tempfile
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,27 +37,80 @@ import torch
 
 from ..flash_pieces import LOG2E
 from ..tiles import compile_kernel
-from .common import ExerciseFailed, ExerciseWrong, not_written
+from .common import ExerciseFailed, ExerciseWrong, not_written, quiet_builder, stale_definition
 
 __all__ = ["KernelCase", "Suspect", "check_kernel", "build", "compile_c", "same_outputs", "describe_rows",
-           "forward_tile_step"]
+           "forward_tile_step", "lower_for_gpus", "nearest_variant", "GPU_ARCHS"]
 
-# TileLang logs the whole generated builder source at CRITICAL when a prim_func fails to build.
-_NOISY_LOGGERS = ("tilelang.language.eager.builder",)
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_ARCHS = ("sm_90a", "sm_80")  # every kernel exercise is also lowered for these (no GPU needed)
+_quiet_builder = quiet_builder
+
+
+class _Captured:
+    """What TileLang said while a block ran: its log records (warnings and up) and the text its C++
+    side wrote to the process's stderr (file descriptor 2), kept out of the learner's output."""
+
+    def __init__(self):
+        self.records, self.stderr = [], ""
+
+    def warnings(self):
+        """TileLang's warnings, one line each, without duplicates."""
+        lines = [r.getMessage() for r in self.records if r.levelno >= logging.WARNING]
+        lines += [line for line in self.stderr.splitlines() if re.search(r"\bWarning\b|\bwarning:", line, re.I)]
+        seen = []
+        for line in (re.sub(r"^\[[^\]]*\]\s*:?\s*", "", line).strip() for line in lines):
+            if line and line not in seen:
+                seen.append(line)
+        return seen
+
+
+class _Handler(logging.Handler):
+    def __init__(self, records):
+        super().__init__(logging.WARNING)
+        self.records = records
+
+    def emit(self, record):
+        self.records.append(record)
 
 
 @contextlib.contextmanager
-def _quiet_builder():
-    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
-    saved = [logger.disabled for logger in loggers]
-    for logger in loggers:
-        logger.disabled = True
+def _stderr_into(captured):
+    """Send file descriptor 2 to a temporary file while the block runs; its text goes to ``captured``."""
     try:
+        sys.stderr.flush()
+        saved_fd = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real stderr (some embedded interpreters)
         yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            tmp.seek(0)
+            captured.stderr += tmp.read().decode(errors="replace")
+
+
+@contextlib.contextmanager
+def _capture(captured=None):
+    """Run the block with TileLang's builder dump silenced and its warnings and stderr kept in a ``_Captured``."""
+    captured = captured if captured is not None else _Captured()
+    handler = _Handler(captured.records)
+    logger = logging.getLogger("tilelang")
+    logger.addHandler(handler)
+    try:
+        with quiet_builder(), _stderr_into(captured), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                yield captured
+            finally:
+                for w in caught:
+                    captured.records.append(logging.makeLogRecord({"msg": str(w.message), "levelno": logging.WARNING}))
     finally:
-        for logger, was in zip(loggers, saved):
-            logger.disabled = was
+        logger.removeHandler(handler)
 
 
 def _is_library(filename):
@@ -68,9 +126,17 @@ def _one_line(exc):
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _is_learner(filename):
+    """A notebook cell (IPython's "<ipython-input-…>" or ipykernel's ".../ipykernel_…/….py"), a cell
+    loaded by the tests ("<…>"), or a script of the learner's; not TileLang, TVM or the course."""
+    if filename.startswith("<"):
+        return not filename.startswith("<frozen") and bool(linecache.getlines(filename))
+    return os.path.isabs(filename) and not _is_library(filename)
+
+
 def _learner_line(exc):
     """'in `fn`, line N: `code`' for the innermost frame of the learner's own code, or ''."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _is_library(f.filename)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_learner(f.filename)]
     if not frames:
         return ""
     frame = frames[-1]
@@ -78,25 +144,101 @@ def _learner_line(exc):
     return f" (in `{frame.name}`, line {frame.lineno} of its cell{code})"
 
 
-def build(name, factory, *args, **kwargs):
+def _where(exc):
+    """Where the error is in the learner's cell: a TVM/TileLang error's '--> file:line:col' when it
+    names a cell, else the innermost frame of the learner's code."""
+    match = re.search(r"-->\s*(.+?):(\d+):\d+", str(exc))
+    if match and ("<" in match.group(1) or "ipykernel_" in match.group(1)):
+        filename = match.group(1)[match.group(1).find("<"):] if "<" in match.group(1) else match.group(1)
+        number = int(match.group(2))
+        named = re.search(r"layout for (\w+)|between (\w+)", str(exc))
+        buffer = next((g for g in named.groups() if g), None) if named else None
+        if buffer and not re.search(rf"\b{buffer}\b", linecache.getline(filename, number)) \
+                and re.search(rf"\b{buffer}\b", linecache.getline(filename, number + 1)):
+            number += 1  # TileLang 0.1.15's span of a layout error sits one line above the tile's allocation
+        line = linecache.getline(filename, number).strip()
+        return f" (line {number} of your cell" + (f": `{line}`)" if line else ")")
+    return _learner_line(exc)
+
+
+# What a build error usually means in these exercises, by a piece of its message.
+_BUILD_CAUSES = (
+    ("K shape check failed", "the inner dimensions of a T.gemm do not agree. T.gemm(A, B, C) computes C += A·B with "
+     "A [M, K] and B [K, N]; a tile stored [N, K] (K_s, V_s are [block_N, D]) is passed with transpose_B=True, "
+     "as in S = Q Kᵀ."),
+    ("but got `tirx.B", "a whole tile is used where one element is expected: index it (alpha[i], not alpha)."),
+)
+
+
+def _build_cause(exc):
+    cause = next((why for key, why in _BUILD_CAUSES if key in str(exc)), "")
+    return f" Likely cause: {cause}" if cause else ''
+
+
+def build(name, factory, *args, captured=None, **kwargs):
     """Call the learner's kernel factory; a placeholder or a build error becomes a one-line failure."""
     try:
-        with _quiet_builder():
+        with _capture(captured):
             return factory(*args, **kwargs)
     except NotImplementedError as exc:
         raise not_written(name, exc) from None
     except ExerciseFailed:
         raise
     except Exception as exc:
-        raise ExerciseWrong(f"✗ {name}: your kernel does not build: {_one_line(exc)}{_learner_line(exc)}") from None
+        raise ExerciseWrong(f"✗ {name}: your kernel does not build: {_one_line(exc)}{_where(exc)}."
+                            f"{_build_cause(exc)}") from None
 
 
-def compile_c(name, prim_func, out_idx):
+def compile_c(name, prim_func, out_idx, captured=None):
     """Compile for TileLang's C backend (the checks run on the CPU on every machine)."""
     try:
-        return compile_kernel(prim_func, out_idx=out_idx, target="c")
+        with _capture(captured):
+            return compile_kernel(prim_func, out_idx=out_idx, target="c")
     except Exception as exc:
-        raise ExerciseWrong(f"✗ {name}: your kernel builds but does not compile: {_one_line(exc)}") from None
+        raise ExerciseWrong(f"✗ {name}: your kernel builds but does not compile: {_one_line(exc)}{_where(exc)}"
+                            f"{_warned(captured)}") from None
+
+
+def _warned(captured, limit=2):
+    """' TileLang warned: …' (its first warnings, as the likely cause), or ''."""
+    lines = captured.warnings() if captured is not None else []
+    if not lines:
+        return ""
+    shown = "; ".join(line if len(line) <= 200 else line[:197] + "..." for line in lines[:limit])
+    return f" TileLang warned (a likely cause): {shown}"
+
+
+# What a GPU compiler error usually means in these exercises, by a piece of its message.
+_GPU_CAUSES = (
+    ("Get different layout", "a register tile (fragment) is used in two layouts, typically a float32 fragment fed "
+     "to T.gemm as an operand, which the GPU's tensor-core gemm cannot read in the accumulator's layout: copy it "
+     "into a shared tile first (T.copy(S, P), then T.gemm(P, ...))."),
+    ("layout for fragment", "TileLang could not choose a register layout for a fragment: give every fragment a "
+     "consumer it can take its layout from (a gemm result, a reduction) or make it a shared tile."),
+    ("Layout infer conflict", "two tiles indexed in one parallel loop need different register layouts, typically "
+     "a register tile that later feeds T.gemm: keep the gemm operand in a shared tile (tb.shared)."),
+    ("Only one dynamic shared memory", "too many or mismatched shared tiles for the GPU kernel."),
+)
+
+
+def lower_for_gpus(name, factory, args, kwargs, archs=GPU_ARCHS, captured=None):
+    """Build the learner's factory for CUDA and lower it for each of ``archs`` on the CPU (seconds, no
+    GPU): a kernel that is right on the C backend but that the GPU compiler rejects fails here, with
+    the compiler's message, the line of the learner's cell and TileLang's warnings."""
+    import tilelang
+    from tilelang import tvm
+
+    captured = captured if captured is not None else _Captured()
+    prim_func = build(name, factory, *args, **kwargs, target="cuda", captured=captured)
+    for arch in archs:
+        try:
+            with _capture(captured), tvm.target.Target({"kind": "cuda", "arch": arch}):
+                tilelang.lower(prim_func)
+        except Exception as exc:
+            cause = next((why for key, why in _GPU_CAUSES if key in str(exc)), "")
+            raise ExerciseWrong(
+                f"✗ {name}: right on this CPU, but the GPU build fails when lowered for {arch}: {_one_line(exc)}"
+                f"{_where(exc)}." + (f" Likely cause: {cause}" if cause else "") + _warned(captured)) from None
 
 
 @dataclass
@@ -216,16 +358,26 @@ def _diagnose(suspects, case, got, kernel):
     return None
 
 
-def check_kernel(name, factory, cases, *, suspects=(), hint="", atol=1e-4, rtol=1e-3, summary=None):
+def check_kernel(name, factory, cases, *, suspects=(), hint="", atol=1e-4, rtol=1e-3, summary=None, gpu=None,
+                 learner=(), nearest=None):
     """Build, compile and run the learner's ``factory`` on every case; print ✓ or raise one line.
 
     ``cases`` is a list of ``KernelCase`` (or a function returning one), run in order; the first
-    wrong case is diagnosed with ``suspects`` and reported with its symptom.
+    wrong case is diagnosed with ``suspects`` and reported with its symptom. When no suspect
+    matches, ``nearest(case, got)`` may name the closest reference variant (a string or None), and
+    TileLang's warnings are shown as the likely cause. ``gpu`` = (args, kwargs): a GPU-sized
+    configuration, lowered for sm_80 and sm_90a once the CPU cases pass. ``learner``: the names of
+    the learner's functions (looked up beside ``factory``) whose cells must have run as last written.
     """
+    functions = [factory] + [factory.__globals__[n] for n in learner if n in getattr(factory, "__globals__", {})]
+    stale = stale_definition(name, *functions)
+    if stale is not None:
+        raise stale
     cases = cases() if callable(cases) else cases
     for case in cases:
-        prim_func = build(name, factory, *case.args, **case.kwargs, target="c")
-        kernel = compile_c(name, prim_func, case.out_idx)
+        captured = _Captured()
+        prim_func = build(name, factory, *case.args, **case.kwargs, target="c", captured=captured)
+        kernel = compile_c(name, prim_func, case.out_idx, captured)
         try:
             got = case.run(kernel)
         except Exception as exc:
@@ -234,10 +386,39 @@ def check_kernel(name, factory, cases, *, suspects=(), hint="", atol=1e-4, rtol=
         if out is None:
             continue
         cause = _diagnose(suspects, case, got, kernel)
-        advice = f"Likely cause: {cause}" if cause else hint
+        if cause is None and nearest is not None:
+            try:
+                cause = nearest(case, got)
+            except Exception:  # naming the nearest bug is a courtesy: never a crash
+                cause = None
+        advice = f"Likely cause: {cause}" if cause else (hint + _warned(captured))
         raise ExerciseWrong(f"✗ {name}, {case.label}: {symptom}. {advice}".strip())
+    if gpu is not None:
+        lower_for_gpus(name, factory, *gpu)
     counted = f"all {len(cases)} cases" if len(cases) > 1 else "its test case"
-    print(f"✓ {name}: correct on {counted}" + (f" ({summary})" if summary else ""))
+    lowered = f", and it lowers for {' and '.join(GPU_ARCHS)}" if gpu is not None else ""
+    print(f"✓ {name}: correct on {counted}" + (f" ({summary})" if summary else "") + lowered)
+
+
+def nearest_variant(got, variants, expected, *, outputs=("O",)):
+    """Name the reference variant closest to the learner's outputs, if it is much closer than the right
+    answer: ``variants`` maps a description to outputs (dicts like ``expected``)."""
+    def distance(model):
+        total = 0.0
+        for out in outputs:
+            a, b = got[out].detach().double().cpu(), model[out].detach().double().cpu()
+            fin = torch.isfinite(a) & torch.isfinite(b)
+            if not torch.equal(torch.isnan(a), torch.isnan(b)):
+                total += 1e9
+            total += float((a[fin] - b[fin]).abs().mean()) if fin.any() else 0.0
+        return total
+
+    right = distance(expected)
+    scored = sorted((distance(model), what) for what, model in variants.items())
+    if scored and scored[0][0] < 0.25 * right:
+        return f"your output is closest to a kernel in which {scored[0][1]} (mean error {scored[0][0]:.2g} from it, " \
+               f"{right:.2g} from the right answer)."
+    return None
 
 
 # --- Given building blocks: solved exercises that later chapters' skeletons call -----------------
@@ -279,3 +460,69 @@ def forward_tile_step(tb, seq_q, seq_k, dim, *, block_M, block_N, causal=False, 
         T.gemm(P, V_s, acc_o)
 
     return tile_step
+
+
+def learner_or_course(name, learner, course, probe, chapter_exercise):
+    """The learner's kernel factory if it builds (``probe(factory)`` builds one small configuration),
+    else the course's, with one line saying so: a chapter that builds on an unfinished exercise
+    still runs from the top."""
+    try:
+        with _capture():
+            probe(learner)
+        return learner
+    except Exception as exc:  # not written, or does not build: the course's version keeps the chapter going
+        why = "is not written yet" if isinstance(exc, NotImplementedError) else f"does not build ({_one_line(exc)})"
+        print(f"Your `{name}` {why}: using the course's kernel instead (finish {chapter_exercise} to use yours).")
+        return course
+
+
+# --- The compiler on the learner's kernel: TileLang's lower trace ---------------------------------
+
+@dataclass
+class TracedPass:
+    """One step of a lowering recorded by TileLang's lower trace: the IR before and after it."""
+    index: int
+    phase: str
+    name: str
+    before: str
+    after: str
+
+    @property
+    def changed(self):
+        return self.before != self.after
+
+
+def trace_lowering(prim_func, arch="sm_90a", folder=None):
+    """Lower ``prim_func`` for CUDA ``arch`` with TileLang's lower trace on (what ``TL_LOWER_TRACE=1``
+    does for a script) and return its steps, in order, as ``TracedPass``es; the last is the code
+    generation (``after`` is the CUDA source). The trace's files stay in ``folder`` (a temporary
+    folder when None): ``<phase>/<NN>_<pass>_before.tir`` and ``_after.tir``."""
+    import tilelang
+    from tilelang import tvm
+    from tilelang.tools import lower_trace
+
+    folder = folder or tempfile.mkdtemp(prefix="lower_trace_")
+    with contextlib.redirect_stdout(open(os.devnull, "w")) as sink:
+        lower_trace.enable(mode="html", trace_dir=folder)
+        sink.close()
+    try:
+        with _capture(), contextlib.redirect_stdout(open(os.devnull, "w")) as sink, \
+                tvm.target.Target({"kind": "cuda", "arch": arch}):
+            try:
+                tilelang.lower(prim_func)
+            finally:
+                sink.close()
+    finally:
+        with contextlib.redirect_stdout(open(os.devnull, "w")) as sink:
+            lower_trace.disable()
+            sink.close()
+    steps = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            match = re.fullmatch(r"(\d+)_(.+)_(before|after)\.(tir|cpp)", name)
+            if match:
+                with open(os.path.join(root, name), encoding="utf-8") as handle:
+                    steps.setdefault((int(match.group(1)), os.path.basename(root), match.group(2)), {})[
+                        match.group(3)] = handle.read()
+    return [TracedPass(index, phase, name, text.get("before", ""), text.get("after", ""))
+            for (index, phase, name), text in sorted(steps.items())]

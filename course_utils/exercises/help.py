@@ -1,0 +1,202 @@
+"""Help on an exercise, in tiers, on request: the idea, then the API, then the answer.
+
+    from course_utils.exercises import hint, solution
+    hint("03", "a", 1)     # tier 1: the idea, no code
+    hint("03", "a", 2)     # tier 2: the TileLang / PyTorch API to use, still not the solution
+    solution("03", "a")    # the solution cell(s), read from the committed notebooks/03_*.py
+
+An exercise is chapter ``"NN"`` plus a letter. Its hints are ``HINTS[letter]`` (a list of two
+strings) in ``course_utils/exercises/chNN.py``; its solution is every code cell of the chapter's
+``.py`` tagged both ``solution`` and ``ex-<letter>``, so the answer printed is always the one the
+notebook runs. Nothing here is printed unless asked for: the learner's edition shows no solution
+code before its exercise.
+"""
+
+import importlib
+import re
+from pathlib import Path
+
+__all__ = ["hint", "solution", "solution_cells", "exercises_of"]
+
+TIERS = (1, 2)
+
+
+def _chapter(chapter):
+    if isinstance(chapter, bool) or not isinstance(chapter, (str, int)):
+        raise TypeError(f"chapter must be a string such as \"03\", not {type(chapter).__name__}")
+    text = f"{chapter:02d}" if isinstance(chapter, int) else chapter.strip()
+    if not re.fullmatch(r"\d\d", text):
+        raise ValueError(f"chapter must be two digits such as \"03\", not {chapter!r}")
+    return text
+
+
+def _letter(exercise):
+    if not isinstance(exercise, str):
+        raise TypeError(f"exercise must be a letter such as \"a\", not {type(exercise).__name__}")
+    text = exercise.strip().lower()
+    if not re.fullmatch(r"[a-z]", text):
+        raise ValueError(f"exercise must be one letter such as \"a\", not {exercise!r}")
+    return text
+
+
+def _hints(chapter):
+    try:
+        module = importlib.import_module(f"course_utils.exercises.ch{chapter}")
+    except ModuleNotFoundError:
+        raise ValueError(f"chapter {chapter!r} has no exercises") from None
+    return getattr(module, "HINTS", {})
+
+
+def _notebooks_dir():
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "notebooks").is_dir():
+            return parent / "notebooks"
+    raise FileNotFoundError("cannot find the course's notebooks/ folder above " + str(here))
+
+
+def _notebook(chapter):
+    found = sorted(_notebooks_dir().glob(f"{chapter}_*.py"))
+    if not found:
+        raise ValueError(f"chapter {chapter!r}: no notebooks/{chapter}_*.py")
+    return found[0]
+
+
+def solution_cells(chapter, exercise):
+    """The sources of the code cells of chapter ``chapter`` tagged ``solution`` and ``ex-<exercise>``."""
+    import jupytext
+
+    chapter, letter = _chapter(chapter), _letter(exercise)
+    cells = jupytext.read(_notebook(chapter)).cells
+    return [c.source for c in cells if c.cell_type == "code"
+            and {"solution", f"ex-{letter}"} <= set(c.metadata.get("tags", []))]
+
+
+def exercises_of(chapter):
+    """The letters of the chapter's exercises that have hints or a tagged solution cell."""
+    import jupytext
+
+    chapter = _chapter(chapter)
+    letters = set(_hints(chapter))
+    for cell in jupytext.read(_notebook(chapter)).cells:
+        letters |= {t[3:] for t in cell.metadata.get("tags", []) if re.fullmatch(r"ex-[a-z]", t)}
+    return sorted(letters)
+
+
+def _unknown(chapter, letter):
+    known = exercises_of(chapter)
+    listed = ", ".join(f'"{x}"' for x in known) or "none"
+    return ValueError(f"chapter {chapter} has no exercise {letter!r} (its exercises: {listed})")
+
+
+def hint(chapter, exercise, tier=1):
+    """Print hint ``tier`` (1: the idea, 2: the API) of exercise ``exercise`` of chapter ``chapter``."""
+    chapter, letter = _chapter(chapter), _letter(exercise)
+    if isinstance(tier, bool) or not isinstance(tier, int):
+        raise TypeError(f"tier must be 1 or 2, not {tier!r}")
+    if tier not in TIERS:
+        raise ValueError(f"tier must be 1 (the idea) or 2 (the API), not {tier}; "
+                         f"solution({chapter!r}, {letter!r}) shows the answer")
+    hints = _hints(chapter).get(letter)
+    if not hints:
+        raise _unknown(chapter, letter)
+    text = hints[tier - 1]
+    more = (f'Next: hint("{chapter}", "{letter}", 2).' if tier == 1
+            else f'Still stuck? solution("{chapter}", "{letter}") shows the answer.')
+    print(f"Hint {tier} for exercise {chapter}{letter}: {text}\n{more}")
+
+
+def solution(chapter, exercise):
+    """Print the solution of exercise ``exercise`` of chapter ``chapter`` (the notebook's solution cells)."""
+    chapter, letter = _chapter(chapter), _letter(exercise)
+    cells = solution_cells(chapter, letter)
+    if not cells:
+        raise _unknown(chapter, letter)
+    print(f"# Solution of exercise {chapter}{letter} (from {_notebook(chapter).name}); "
+          "paste it into your solution cell, then run that cell and the checker.\n")
+    print("\n\n".join(cells))
+
+
+# --- A later chapter builds on an earlier exercise: the learner's version, else the course's -------
+
+_PRELUDE = """import math
+import torch
+import tilelang.language as T
+from course_utils.flash_pieces import LOG2E
+from course_utils.tiles import TileBackend
+"""
+
+
+def _learner_cells(chapter, letter, workspace=None):
+    """The learner's solution cells of the exercise, from their copy in workspace/learner/, or None."""
+    import nbformat
+
+    from ..workspace import WORKSPACE
+
+    folder = Path(workspace or WORKSPACE) / "learner"
+    copies = sorted(folder.glob(f"{chapter}_*.ipynb"))
+    if not copies:
+        return None
+    try:
+        nb = nbformat.read(copies[0], as_version=4)
+    except Exception:  # not a readable notebook any more: the course's version stands in
+        return None
+    cells = [c.source for c in nb.cells if c.cell_type == "code"
+             and {"solution", f"ex-{letter}"} <= set(c.metadata.get("tags", []))]
+    return cells or None
+
+
+def _load(cells, name, label):
+    import linecache
+
+    text = _PRELUDE + "\n\n".join(cells) + "\n"
+    filename = f"<{label}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)  # TileLang reads the source
+    namespace = {"__name__": f"solution_{abs(hash(filename))}"}
+    exec(compile(text, filename, "exec"), namespace)
+    if name not in namespace:
+        raise NameError(f"the cells define no `{name}`")
+    return namespace[name]
+
+
+def your_solution(chapter, exercise, name, *, probe=None, workspace=None):
+    """The learner's ``name`` from their workspace copy of chapter ``chapter``, exercise ``exercise`` (its
+    solution cells, run afresh), if it is written and ``probe(fn)`` does not raise; else the course's
+    (the committed notebook's solution cells), with one printed line saying so."""
+    from ..workspace import PLACEHOLDER
+
+    chapter, letter = _chapter(chapter), _letter(exercise)
+    cells = _learner_cells(chapter, letter, workspace)
+    why = f"no workspace copy of chapter {chapter} with exercise {chapter}{letter}"
+    if cells is not None:
+        if any(PLACEHOLDER in c for c in cells):
+            why = f"exercise {chapter}{letter} is not written yet in your copy"
+        else:
+            try:
+                fn = _load(cells, name, f"your {chapter}{letter}")
+                if probe is not None:
+                    probe(fn)
+                print(f"Using your `{name}` from chapter {chapter}, exercise ({letter}).")
+                return fn
+            except Exception as exc:  # the learner's version does not run: the course's keeps the chapter going
+                why = f"your `{name}` from exercise {chapter}{letter} fails ({type(exc).__name__}: " \
+                      f"{str(exc).splitlines()[0][:100] if str(exc) else ''})"
+    print(f"Using the course's `{name}` ({why}).")
+    return _load(solution_cells(chapter, letter), name, f"course {chapter}{letter}")
+
+
+def your_code(chapter, exercise):
+    """Print the learner's solution cells of an earlier exercise (from their workspace copy), or the
+    course's with one line saying so when theirs is missing or not written: the start of an exercise
+    that extends the learner's own code."""
+    from ..workspace import PLACEHOLDER
+
+    chapter, letter = _chapter(chapter), _letter(exercise)
+    cells = _learner_cells(chapter, letter)
+    if cells and not any(PLACEHOLDER in c for c in cells):
+        print(f"# Your exercise {chapter}{letter}, from your copy of chapter {chapter}:\n")
+    else:
+        print(f"# The course's exercise {chapter}{letter} (yours is not written yet, or there is no workspace "
+              f"copy of chapter {chapter}):\n")
+        cells = solution_cells(chapter, letter)
+    print("\n\n".join(cells))
