@@ -1,0 +1,72 @@
+"""The exercises of chapters 04, 07, 08, 09 and 10 that run the learner's code, and their mutants.
+
+Same format as ``exercise_mutants.py``: an exercise names the notebook, the functions its cells define
+(read from the notebook's .py), the checker and the function passed to it; a mutant is a list of
+(find, replace) edits applied to that source (each find text must occur) and a piece of the diagnosis
+the checker must give. ``prelude`` is what the chapter's earlier cells provide. Run by
+``tests/test_exercises_late.py``.
+"""
+
+from dataclasses import dataclass
+
+from exercise_mutants import Mutant
+
+TILE_PRELUDE = """
+import math
+import torch
+import tilelang.language as T
+from course_utils.tiles import TileBackend
+NEG_INF = -T.infinity("float32")
+"""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    notebook: str  # stem of notebooks/<stem>.py
+    defines: tuple  # functions whose cells make up the exercise (skeleton and solution)
+    checker: str  # "module:function" in course_utils.exercises
+    factory: str  # the name passed to the checker
+    prelude: str = TILE_PRELUDE
+
+
+EXERCISES = {
+    "ch09_merge_kernel": Exercise("09_varlen_decoding", ("merge_kernel", "merge_macros"), "ch09:check_merge_kernel",
+                                  "merge_kernel"),
+    "ch09_paged_lookup": Exercise("09_varlen_decoding", ("paged_scores", "paged_macros"), "ch09:check_paged_scores",
+                                  "paged_scores"),
+}
+
+MUTANTS = [
+    # --- chapter 09 (c): the split-KV merge kernel ---
+    Mutant("ch09_merge_kernel", "LSE not rescaled: weights e^(LSE_s − m), not divided by the total",
+           (("T.exp(LSE_part[r, s] - LSE[r])", "T.exp(LSE_part[r, s] - shift[0])"),), "not divided by the total"),
+    Mutant("ch09_merge_kernel", "no maximum subtracted",
+           (("l[0] += T.exp(LSE_part[r, s] - shift[0])", "l[0] += T.exp(LSE_part[r, s])"),
+            ("shift[0] + T.log(l[0])", "T.log(l[0])")),
+           "no maximum is subtracted"),
+    Mutant("ch09_merge_kernel", "max not carried",
+           (("shift[0] = T.max(shift[0], LSE_part[r, s])", "shift[0] = LSE_part[r, s]"),), "not carried"),
+    Mutant("ch09_merge_kernel", "no guard for a row no split saw",
+           (("T.if_then_else(l[0] > 0, T.exp(LSE_part[r, s] - LSE[r]), 0)", "T.exp(LSE_part[r, s] - LSE[r])"),),
+           "no guard"),
+
+    # --- chapter 09 (d): the paged-cache lookup ---
+    Mutant("ch09_paged_lookup", "wrong page index: table entry kb",
+           (("BlockTable[b, kb * block_N // page_size]", "BlockTable[b, kb]"),), "looked up as block-table entry kb"),
+    Mutant("ch09_paged_lookup", "block table skipped",
+           (("page = BlockTable[b, kb * block_N // page_size]", "page = kb * block_N // page_size"),),
+           "logical page number is used as the physical one"),
+    Mutant("ch09_paged_lookup", "off by one in the last page: floor instead of ceil",
+           (("T.ceildiv(length, block_N)", "length // block_N"),), "last, partial tile is skipped"),
+    Mutant("ch09_paged_lookup", "every tile from its page's start",
+           (("first = kb * block_N % page_size", "first = 0"),), "first row of its page"),
+]
+
+# Correct solutions written differently: the checker must pass them.
+VARIANTS = [
+    Mutant("ch09_merge_kernel", "no −∞ guard on the max (the ℓ > 0 guards cover that row)",
+           (("        shift[0] = T.if_then_else(shift[0] == NEG_INF, 0, shift[0])  # no split saw the row: "
+             "no −∞ − (−∞)\n", ""),), ""),
+    Mutant("ch09_paged_lookup", "tile count written with integer arithmetic",
+           (("T.ceildiv(length, block_N)", "(length + block_N - 1) // block_N"),), ""),
+]
