@@ -410,11 +410,11 @@ check_forward(q_d, k_d, v_d, o_kernel, lse_kernel, refs=refs_d, name="split + me
 
 # %% [markdown]
 # The split kernel's loop is chapter 03's, over this split's key blocks; the range is the packed
-# tile's key range cut into `splits` nearly equal parts (they differ by at most one key block):
+# tile's key range cut into `splits` nearly equal parts (they differ by at most one key block). The
+# merge kernel is exercise (c): you write it, and its source follows the exercise.
 
 # %%
 show_source(flash_decode_kernel, "this split's key blocks")
-show_source(flash_decode_merge_kernel, "merge")
 
 # %% [markdown]
 # ## 8 · GQA packing, and the paged cache
@@ -435,13 +435,12 @@ show_source(flash_decode_kernel, "packed query tile")
 # from one shared pool, and a *block table* `[B, max_pages]` lists each sequence's pages in order.
 # The kernel changes in one place: a key tile of `block_N` keys lies inside one page (`block_N`
 # divides the page size), so loading it is a lookup in the block table followed by the same
-# contiguous copy from that page.
+# contiguous copy from that page (exercise (d) has you write it).
 
 # %%
 fig, ax = plt.subplots(figsize=(12, 3.2))
 example_table = torch.tensor([[5, 2, 10, -1], [7, 0, 3, 9], [1, -1, -1, -1]])
 varlen_diagrams.paged_cache(ax, [40, 60, 10], 16, example_table, 12)
-show_source(flash_decode_kernel, "load a key tile")
 
 # %% [markdown]
 # The same cache as shuffled pages (unused block-table entries are −1), checked against the

@@ -70,3 +70,35 @@ VARIANTS = [
     Mutant("ch09_paged_lookup", "tile count written with integer arithmetic",
            (("T.ceildiv(length, block_N)", "(length + block_N - 1) // block_N"),), ""),
 ]
+
+PLAIN_PRELUDE = """
+import math
+import torch
+"""
+
+EXERCISES["ch10_ring_step"] = Exercise("10_ring_attention", ("merge_partial",), "ch10:check_merge_partial",
+                                       "merge_partial", PLAIN_PRELUDE)
+MUTANTS += [
+    # --- chapter 10 (c): one ring step, the LSE merge of a partial result ---
+    Mutant("ch10_ring_step", "plain average",
+           (("new_out = torch.exp(lse - shift)[..., None] * out + torch.exp(lse_b - shift)[..., None] * out_b",
+             "new_out = (out + out_b) / 2"),), "averaged"),
+    Mutant("ch10_ring_step", "LSE not updated",
+           (("return new_out, new_lse", "return new_out, lse"),), "the LSE returned is the old one"),
+    Mutant("ch10_ring_step", "no maximum subtracted",
+           (("new_lse = torch.logaddexp(lse, lse_b)", "new_lse = torch.log(torch.exp(lse) + torch.exp(lse_b))"),
+            ("shift = torch.where(new_lse == float(\"-inf\"), 0.0, new_lse)", "shift = new_lse")),
+           "without subtracting the larger LSE"),
+    Mutant("ch10_ring_step", "no guard for rows neither part saw",
+           (("shift = torch.where(new_lse == float(\"-inf\"), 0.0, new_lse)", "shift = new_lse"),), "no guard"),
+    Mutant("ch10_ring_step", "weights swapped",
+           (("torch.exp(lse - shift)[..., None] * out + torch.exp(lse_b - shift)[..., None] * out_b",
+             "torch.exp(lse_b - shift)[..., None] * out + torch.exp(lse - shift)[..., None] * out_b"),),
+           "weights are swapped"),
+]
+VARIANTS += [
+    Mutant("ch10_ring_step", "max-shift written out instead of logaddexp",
+           (("new_lse = torch.logaddexp(lse, lse_b)\n",
+             "m = torch.maximum(lse, lse_b)\n    m0 = torch.where(m == float('-inf'), 0.0, m)\n"
+             "    new_lse = m0 + torch.log(torch.exp(lse - m0) + torch.exp(lse_b - m0))\n"),), ""),
+]

@@ -132,7 +132,7 @@ def check_merge_with_sink(merge):
 
 # --- Exercise (c): the split-KV merge kernel, in TileLang --------------------------------------------
 
-def _merge_reference(o_part, lse_part):
+def _merge_kernel_reference(o_part, lse_part):
     """Float64 O [rows, D] and LSE [rows] of merged states o_part [rows, splits, D], lse_part [rows, splits]."""
     lse = torch.logsumexp(lse_part.double(), dim=1)
     weight = torch.where(torch.isfinite(lse)[:, None], torch.exp(lse_part.double() - lse[:, None]), 0.0)
@@ -162,7 +162,7 @@ def _merge_model(o_part, lse_part, *, shift="max", normalise=True, guard=True):
     return {"O": (weight[..., None] * o_part).sum(dim=1), "LSE": lse}
 
 
-def _merge_case(label, rows, splits, dim, seed, *, empty_row=None, empty_split=None, large=False):
+def _merge_kernel_case(label, rows, splits, dim, seed, *, empty_row=None, empty_split=None, large=False):
     g = torch.Generator().manual_seed(seed)
     o_part = torch.randn(rows, splits, dim, generator=g)
     lse_part = torch.randn(rows, splits, generator=g) * 4
@@ -175,7 +175,7 @@ def _merge_case(label, rows, splits, dim, seed, *, empty_row=None, empty_split=N
     if large:  # e^{LSE} overflows float32 past 88: row 2 unless the largest LSE is subtracted, row 3
         lse_part[2] = torch.tensor([150.0, 20.0, 5.0])  # unless some LSE is (any of them will do there)
         lse_part[3] = torch.tensor([100.0, 95.0, 90.0])
-    out, lse = _merge_reference(o_part, lse_part)
+    out, lse = _merge_kernel_reference(o_part, lse_part)
 
     def run(kernel):
         got_o, got_lse = kernel(o_part, lse_part)
@@ -185,13 +185,13 @@ def _merge_case(label, rows, splits, dim, seed, *, empty_row=None, empty_split=N
                       data=dict(o_part=o_part, lse_part=lse_part))
 
 
-def _merge_cases():
+def _merge_kernel_cases():
     """Row 0: no split saw a key; row 1: split 1 saw none; rows 2 and 3: LSEs far past float32's e^88,
     the largest first. Then five splits of moderate LSEs."""
     return [
-        _merge_case("3 splits, an empty row, an empty split, LSE up to 150", 6, 3, 8, 91,
+        _merge_kernel_case("3 splits, an empty row, an empty split, LSE up to 150", 6, 3, 8, 91,
                     empty_row=0, empty_split=(1, 1), large=True),
-        _merge_case("5 splits", 4, 5, 16, 92),
+        _merge_kernel_case("5 splits", 4, 5, 16, 92),
     ]
 
 
@@ -214,7 +214,7 @@ _MERGE_SUSPECTS = [
 def check_merge_kernel(merge_kernel):
     """Run the learner's ``merge_kernel(rows, splits, dim, target=...)`` on the C backend: O [rows, D]
     and LSE [rows] of the merged split states, against the float64 merge."""
-    check_kernel("split-KV merge kernel", merge_kernel, _merge_cases, suspects=_MERGE_SUSPECTS,
+    check_kernel("split-KV merge kernel", merge_kernel, _merge_kernel_cases, suspects=_MERGE_SUSPECTS,
                  hint="Hint: LSE = m + log Σ_s e^{LSE_s − m} with m the largest LSE_s (0 if it is −∞), "
                       "and O = Σ_s e^{LSE_s − LSE} · O_s.",
                  summary="an empty row, an empty split, LSE past e^88, 1–5 splits")
