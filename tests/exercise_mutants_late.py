@@ -102,3 +102,35 @@ VARIANTS += [
              "m = torch.maximum(lse, lse_b)\n    m0 = torch.where(m == float('-inf'), 0.0, m)\n"
              "    new_lse = m0 + torch.log(torch.exp(lse - m0) + torch.exp(lse_b - m0))\n"),), ""),
 ]
+
+LAYOUT_PRELUDE = TILE_PRELUDE + """
+from tilelang.layout import make_linear_layout, make_swizzled_layout
+"""
+
+EXERCISES["ch04_pipelined_gemm"] = Exercise("04_pipelining_swizzle_tuning", ("pipelined_gemm", "k_loop_macro"),
+                                            "ch04:check_pipelined_gemm", "pipelined_gemm", LAYOUT_PRELUDE)
+MUTANTS += [
+    # --- chapter 04 (c): the pipelined, swizzled K loop ---
+    Mutant("ch04_pipelined_gemm", "one stage",
+           (("num_stages=2", "num_stages=1"),), "cp_async_wait<0> right after each copy"),
+    Mutant("ch04_pipelined_gemm", "three stages",
+           (("num_stages=2", "num_stages=3"),), "3 buffer(s) per shared tile"),
+    Mutant("ch04_pipelined_gemm", "not pipelined (T.serial)",
+           (("for ko in T.Pipelined(T.ceildiv(K, block_K), num_stages=2):",
+             "for ko in T.serial(T.ceildiv(K, block_K)):"),),
+           "has no cp.async"),
+    Mutant("ch04_pipelined_gemm", "B tile row-major",
+           (("B_s: make_swizzled_layout(B_s)", "B_s: make_linear_layout(B_s)"),), "in B_s, one ldmatrix.x4 needs 32"),
+    Mutant("ch04_pipelined_gemm", "both tiles row-major",
+           (("make_swizzled_layout(A_s)", "make_linear_layout(A_s)"),
+            ("make_swizzled_layout(B_s)", "make_linear_layout(B_s)")),
+           "8-way bank conflicts"),
+    Mutant("ch04_pipelined_gemm", "B not transposed",
+           (("T.gemm(A_s, B_s, C_frag, transpose_B=True)", "T.gemm(A_s, B_s, C_frag)"),), "pipelined GEMM loop"),
+]
+VARIANTS += [
+    Mutant("ch04_pipelined_gemm", "no annotation: TileLang's own choice is the swizzle",
+           (("        if tb.on_gpu:  # layouts exist only on the GPU: the C backend's tiles are plain arrays\n"
+             "            T.annotate_layout({A_s: make_swizzled_layout(A_s), B_s: make_swizzled_layout(B_s)})\n", ""),),
+           ""),
+]
