@@ -559,7 +559,7 @@ cu.check_true(best_ours < PEAK_TFLOPS, "below the roof, as it must be")
 #
 # **Exercise 1.** Write `bank_of(byte_address)`: the shared-memory bank (0–31) that serves a byte.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def bank_of(byte_address):
     ### BEGIN SOLUTION
     return (byte_address // 4) % 32
@@ -577,7 +577,7 @@ ch04.check_bank_of(bank_of)
 # compares your function with `make_swizzled_layout` on every element and counts the wavefronts
 # of every `ldmatrix` phase in your layout.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def swizzled_offset(i, j):
     ### BEGIN SOLUTION
     chunk = (j // 8) ^ (i % 8)

@@ -636,7 +636,7 @@ print("(" + plots.record_caption(backward) + ")")
 # matmuls the kernel issues that do nothing useful. When is it large, and why does the kernel pay
 # it anyway (section 4)?
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def wasted_share(seq, block_M, block_N, causal):
     ### BEGIN SOLUTION
     num_k_blocks = -(-seq // block_N)
@@ -659,7 +659,7 @@ ch07.check_wasted_share(wasted_share)
 # still running; batches finish in issue order. Given the batches issued so far (oldest first)
 # and the one whose result you need, return the largest N that makes it safe to read that result.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def wait_count(issued, needed):
     ### BEGIN SOLUTION
     return len(issued) - 1 - issued.index(needed)

@@ -637,7 +637,7 @@ if rec_d is not None:
 # `lengths[b]` rows, the rest padding), `lengths` an int tensor `[B]`. Return the packed tokens
 # `[total, H, D]` and `cu_seqlens`, int32 `[B + 1]`, as `flash_attention_varlen` takes them.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def pack(padded, lengths):
     ### BEGIN SOLUTION
     packed = torch.cat([padded[b, :n] for b, n in enumerate(lengths.tolist())])
@@ -659,7 +659,7 @@ check_pack(pack)
 # decoding step (a split that saw no key for a row has LSE = −∞ there), `sink` `[rows]` each row's sink
 # logit. Return the final O `[rows, D]` and LSE `[rows]`, as the merge kernel computes them.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def merge_with_sink(o, lse, sink):
     ### BEGIN SOLUTION
     lse_all = torch.cat([lse, sink[None]])  # the sink: one more state, LSE = its logit …

@@ -429,7 +429,7 @@ if rec is not None:
 # entirely (`"full"`), through the causal triangle (`"diagonal"`), or not at all (`"empty"`).
 # Return a dict {(a, b): kind}.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def zigzag_pairs(rank, source, world):
     ### BEGIN SOLUTION
     def chunks(r):
@@ -453,7 +453,7 @@ check_zigzag_pairs(zigzag_pairs)
 # at one step of the backward lap that sends both the K/V shard and the running dK/dV sums (every
 # step but the last; read `ring_backward` above: what travels, and in which dtype?).
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def ring_bytes(batch, heads, heads_kv, seq_local, dim, bytes_per_element):
     ### BEGIN SOLUTION
     shard = batch * heads_kv * seq_local * dim

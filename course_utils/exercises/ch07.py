@@ -4,7 +4,16 @@ import torch
 
 from .common import check_exercise
 
-__all__ = ["check_wasted_share", "check_wait_count"]
+__all__ = ["check_wasted_share", "check_wait_count", "HINTS"]
+
+HINTS = {
+    "a": ["A query block that sees n key blocks runs n + 1 iterations of two matmuls; two of them (the first "
+          "P·V, the last QKᵀ) do nothing. With the causal mask, n depends on the query block.",
+          "Loop over the query blocks qb: n = ⌈S / block_N⌉, or causal min(that, ⌈(qb + 1)·block_M / block_N⌉); "
+          "add 2·(n + 1) to the issued count and 2 to the wasted count; divide at the end."],
+    "b": ["Batches finish oldest first: once at most N are running, the N newest may still be unfinished.",
+          "N is the number of batches issued after the one you need: len(issued) − 1 − issued.index(needed)."],
+}
 
 
 # --- Exercise 1: the matmuls the rotated loop issues for nothing ------------------------------------
