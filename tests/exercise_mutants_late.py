@@ -134,3 +134,43 @@ VARIANTS += [
              "            T.annotate_layout({A_s: make_swizzled_layout(A_s), B_s: make_swizzled_layout(B_s)})\n", ""),),
            ""),
 ]
+
+HOPPER_PRELUDE = TILE_PRELUDE + """
+from course_utils.flash_pieces import LOG2E
+"""
+
+EXERCISES["ch07_rotated_loop"] = Exercise("07_hopper_overlap", ("async_matmuls", "weighted_sum", "rotated_loop_macro"),
+                                          "ch07:check_rotated_loop", "weighted_sum", HOPPER_PRELUDE)
+MUTANTS += [
+    # --- chapter 07 (c): the rotated loop (the last four only fail when lowered for sm_90a) ---
+    Mutant("ch07_rotated_loop", "no extra iteration",
+           (("T.Pipelined(num_blocks + 1, num_stages=2)", "T.Pipelined(num_blocks, num_stages=2)"),),
+           "one extra iteration"),
+    Mutant("ch07_rotated_loop", "V of the same block as K",
+           (("v_blk = T.max(kb - 1, 0)", "v_blk = k_blk"),), "one behind K"),
+    Mutant("ch07_rotated_loop", "P copied before the exponentials",
+           (("            T.copy(S, P)\n", ""),
+            ("            wait(1)\n", "            wait(1)\n            T.copy(S, P)\n")),
+           "before the exponentials"),
+    Mutant("ch07_rotated_loop", "wait between the issues (serialised)",
+           (("            issue_scores(Q_s, K_s, S)\n",
+             "            issue_scores(Q_s, K_s, S)\n            wait(0)\n"),),
+           "a wait sits between the two issues"),
+    Mutant("ch07_rotated_loop", "wait(0) for the scores (no overlap)",
+           (("            wait(1)\n", "            wait(0)\n"),), "the first wait is wait(0)"),
+    Mutant("ch07_rotated_loop", "no wait for the scores (race on S)",
+           (("            wait(1)\n", ""),), "the exponentials come before any wait"),
+    Mutant("ch07_rotated_loop", "no wait(0) before P is overwritten (race on P)",
+           (("            wait(0)\n", ""),), "no wait(0) after the exponentials"),
+    Mutant("ch07_rotated_loop", "stage released at the issue",
+           (("            stage_in_use[0] = K_s[0, 0] + V_s[0, 0]\n", ""),), "released before the last wait"),
+]
+MUTANTS += [
+    Mutant("ch07_rotated_loop", "P·V issued before QKᵀ (wait(1) then leaves the scores running)",
+           (("            issue_scores(Q_s, K_s, S)\n            issue_update(P, V_s, acc)\n",
+             "            issue_update(P, V_s, acc)\n            issue_scores(Q_s, K_s, S)\n"),), "Issue QKᵀ first"),
+]
+VARIANTS += [
+    Mutant("ch07_rotated_loop", "block indices clamped with if_then_else",
+           (("k_blk = T.min(kb, num_blocks - 1)", "k_blk = T.if_then_else(kb < num_blocks, kb, num_blocks - 1)"),), ""),
+]
