@@ -501,8 +501,8 @@ with needs("ring_bytes", "exercise (b)"):
 # rows of large logits): e<sup>LSE</sup> alone overflows float32 past 88.
 #
 # The checker tries rows chosen to break it against the float64 merge, then puts your function in
-# place of `merge_attention` inside `ring_forward` and runs the ring on two gloo processes (causal,
-# zigzag), checking O and LSE against the float64 reference.
+# place of `merge_attention` inside `ring_forward` and runs the ring on two gloo processes, checking
+# O and LSE against the float64 reference.
 #
 # Stuck? `hint("10", "c", 1)`, then `hint("10", "c", 2)`; `solution("10", "c")` shows the answer.
 
