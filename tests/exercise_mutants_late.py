@@ -142,7 +142,7 @@ from course_utils.flash_pieces import LOG2E
 EXERCISES["ch07_rotated_loop"] = Exercise("07_hopper_overlap", ("async_matmuls", "weighted_sum", "rotated_loop_macro"),
                                           "ch07:check_rotated_loop", "weighted_sum", HOPPER_PRELUDE)
 MUTANTS += [
-    # --- chapter 07 (c): the rotated loop (the last four only fail when lowered for sm_90a) ---
+    # --- chapter 07 (c): the rotated loop (all but the first three fail only when lowered for sm_90a) ---
     Mutant("ch07_rotated_loop", "no extra iteration",
            (("T.Pipelined(num_blocks + 1, num_stages=2)", "T.Pipelined(num_blocks, num_stages=2)"),),
            "one extra iteration"),
