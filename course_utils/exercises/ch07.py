@@ -96,14 +96,16 @@ def _rotated_case():
     q, k, v = (torch.randn(batch, seq, dim, generator=g) for _ in range(3))
     expected = torch.exp(q.double() @ k.double().transpose(1, 2) / dim ** 0.5) @ v.double()
     return [KernelCase("B=2, S=64, D=16, 16 × 16 tiles (C backend: matmuls synchronous)", (batch, seq, dim),
-                       dict(block_M=block, block_N=block, dtype="float32"), [3], lambda kernel: {"O": kernel(q, k, v)},
-                       {"O": expected}, data=dict(q=q, k=k, v=v, block_N=block), rows="query row")]
+                       dict(block_M=block, block_N=block, dtype="float32"), [3],
+                       lambda kernel: {"O": kernel(q, k, v)[:, None]},  # [B, 1, S, D]: messages name query rows
+                       {"O": expected[:, None]}, data=dict(q=q, k=k, v=v, block_N=block), rows="query row")]
 
 
 def _model_suspect(message, **bug):
     def test(case, got, kernel):
         d = case.data
-        return same_outputs(got, {"O": _chain_model(d["q"], d["k"], d["v"], d["block_N"], **bug)}, rtol=1e-3, atol=1e-3)
+        model = _chain_model(d["q"], d["k"], d["v"], d["block_N"], **bug)[:, None]
+        return same_outputs(got, {"O": model}, rtol=1e-3, atol=1e-3)
     return Suspect(message, test)
 
 
