@@ -166,6 +166,9 @@ MUTANTS += [
            (("            stage_in_use[0] = K_s[0, 0] + V_s[0, 0]\n", ""),), "released before the last wait"),
 ]
 MUTANTS += [
+    Mutant("ch07_rotated_loop", "scores never issued (TileLang's warning names S)",
+           (("            issue_scores(Q_s, K_s, S)\n", ""),),
+           "TileLang warned: `S` is read before anything writes it"),
     Mutant("ch07_rotated_loop", "P·V issued before QKᵀ (wait(1) then leaves the scores running)",
            (("            issue_scores(Q_s, K_s, S)\n            issue_update(P, V_s, acc)\n",
              "            issue_update(P, V_s, acc)\n            issue_scores(Q_s, K_s, S)\n"),), "Issue QKᵀ first"),

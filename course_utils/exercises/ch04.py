@@ -17,6 +17,7 @@ import torch
 from .. import banks, layouts
 from .common import ExerciseWrong, check_exercise
 from .kernels import KernelCase, build, check_kernel
+from .late_tools import c_lowering, surfacing_warnings
 
 __all__ = ["check_bank_of", "check_swizzle", "check_pipelined_gemm", "HINTS"]
 
@@ -112,6 +113,10 @@ def _lower(name, factory, arch):
 def check_pipelined_gemm(factory):
     """Run the learner's ``pipelined_gemm(M, N, K, ..., target=...)`` on the C backend, then lower it for
     sm_80 and sm_90a and read the stages, the copies and the bank conflicts from the generated code."""
+    surfacing_warnings(lambda: _check_pipelined_gemm(factory), c_lowering(factory, 96, 80, 160, dtype="float32"))
+
+
+def _check_pipelined_gemm(factory):
     name = "pipelined GEMM loop"
     with contextlib.redirect_stdout(io.StringIO()):  # one ✓ at the end, after the GPU checks too
         check_kernel(name, factory, _gemm_case, hint="Hint: copy row block by of A and column block bx of B at "

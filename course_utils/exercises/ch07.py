@@ -11,6 +11,7 @@ import torch
 
 from .common import ExerciseWrong, check_exercise
 from .kernels import KernelCase, Suspect, build, check_kernel, same_outputs
+from .late_tools import c_lowering, surfacing_warnings
 
 __all__ = ["check_wasted_share", "check_wait_count", "check_rotated_loop", "HINTS"]
 
@@ -187,12 +188,16 @@ def check_rotated_loop(factory):
     import io
 
     name = "rotated loop"
-    with contextlib.redirect_stdout(io.StringIO()):
-        check_kernel(name, factory, _rotated_case, suspects=_ROTATED_SUSPECTS,
-                     hint="Hint: iteration kb multiplies P of block kb − 1 with V of block kb − 1, and the loop "
-                          "runs num_blocks + 1 times.")
-    steps = _consumer_steps(name, factory)
-    problem = _order_problem(steps)
-    if problem:
-        raise ExerciseWrong(f"✗ {name}: right on the CPU, but in the sm_90a code ({' → '.join(steps)}) {problem}.")
-    print(f"✓ {name}: right on the C backend; sm_90a consumer loop: {' → '.join(steps)}")
+
+    def run():
+        with contextlib.redirect_stdout(io.StringIO()):
+            check_kernel(name, factory, _rotated_case, suspects=_ROTATED_SUSPECTS,
+                         hint="Hint: iteration kb multiplies P of block kb − 1 with V of block kb − 1, and the loop "
+                              "runs num_blocks + 1 times.")
+        steps = _consumer_steps(name, factory)
+        problem = _order_problem(steps)
+        if problem:
+            raise ExerciseWrong(f"✗ {name}: right on the CPU, but in the sm_90a code ({' → '.join(steps)}) {problem}.")
+        print(f"✓ {name}: right on the C backend; sm_90a consumer loop: {' → '.join(steps)}")
+
+    surfacing_warnings(run, c_lowering(factory, 2, 64, 16, block_M=16, block_N=16, dtype="float32"))

@@ -17,6 +17,7 @@ import torch
 from ..softmax import merge_attention_states
 from .common import ExerciseWrong, check_exercise, with_diagnosis
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
+from .late_tools import c_lowering, surfacing_warnings
 
 __all__ = ["check_pack", "check_merge_with_sink", "check_merge_kernel", "check_paged_scores", "HINTS"]
 
@@ -214,10 +215,11 @@ _MERGE_SUSPECTS = [
 def check_merge_kernel(merge_kernel):
     """Run the learner's ``merge_kernel(rows, splits, dim, target=...)`` on the C backend: O [rows, D]
     and LSE [rows] of the merged split states, against the float64 merge."""
-    check_kernel("split-KV merge kernel", merge_kernel, _merge_kernel_cases, suspects=_MERGE_SUSPECTS,
-                 hint="Hint: LSE = m + log Σ_s e^{LSE_s − m} with m the largest LSE_s (0 if it is −∞), "
-                      "and O = Σ_s e^{LSE_s − LSE} · O_s.",
-                 summary="an empty row, an empty split, LSE past e^88, 1–5 splits")
+    surfacing_warnings(lambda: check_kernel(
+        "split-KV merge kernel", merge_kernel, _merge_kernel_cases, suspects=_MERGE_SUSPECTS,
+        hint="Hint: LSE = m + log Σ_s e^{LSE_s − m} with m the largest LSE_s (0 if it is −∞), and O = Σ_s "
+             "e^{LSE_s − LSE} · O_s.", summary="an empty row, an empty split, LSE past e^88, 1–5 splits"),
+        c_lowering(merge_kernel, 6, 3, 8))
 
 
 # --- Exercise (d): the paged-cache lookup, in TileLang ----------------------------------------------
@@ -304,7 +306,9 @@ def check_paged_scores(paged_scores):
     """Run the learner's ``paged_scores(batch, max_pages, num_pages, page_size, dim, block_N, target=...)``
     on the C backend: the scores q · k of each sequence's keys read through the block table, −∞ past
     its length, against the float64 reference."""
-    check_kernel("paged-cache lookup", paged_scores, _paged_cases, suspects=_PAGED_SUSPECTS,
-                 hint="Hint: key p of sequence b is row p % page_size of page BlockTable[b, p // page_size]; "
-                      "a sequence of n keys has ⌈n / block_N⌉ tiles.",
-                 summary="partial and full last pages, an empty sequence, two tiles per page")
+    surfacing_warnings(lambda: check_kernel(
+        "paged-cache lookup", paged_scores, _paged_cases, suspects=_PAGED_SUSPECTS,
+        hint="Hint: key p of sequence b is row p % page_size of page BlockTable[b, p // page_size]; a sequence of "
+             "n keys has ⌈n / block_N⌉ tiles.",
+        summary="partial and full last pages, an empty sequence, two tiles per page"),
+        c_lowering(paged_scores, 5, 4, 10, 8, 8, 4))
