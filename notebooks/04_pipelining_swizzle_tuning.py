@@ -556,7 +556,7 @@ cu.check_true(best_ours < PEAK_TFLOPS, "below the roof, as it must be")
 #
 # **Exercise 1.** Write `bank_of(byte_address)`: the shared-memory bank (0–31) that serves a byte.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def bank_of(byte_address):
     ### BEGIN SOLUTION
     return (byte_address // 4) % 32
@@ -574,7 +574,7 @@ ch04.check_bank_of(bank_of)
 # compares your function with `make_swizzled_layout` on every element and counts the wavefronts
 # of every `ldmatrix` phase in your layout.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def swizzled_offset(i, j):
     ### BEGIN SOLUTION
     chunk = (j // 8) ^ (i % 8)
@@ -584,3 +584,63 @@ def swizzled_offset(i, j):
 
 # %%
 ch04.check_swizzle(swizzled_offset)
+
+# %% [markdown]
+# **Exercise 3.** Make both decisions of this chapter yourself, in TileLang. The kernel below computes
+# C = A Bᵀ (the shape of S = Q Kᵀ) one 64 × 64 tile of C per block, walking K in tiles of 64. Write its
+# K loop, `k_loop`: copy the A and B tiles into shared memory and multiply them into `C_frag`, with
+# - **two stages**: the copy of the next K tile in flight while the gemm reads this one (section 1), and
+# - **swizzled shared tiles**, asked for explicitly with `T.annotate_layout` (section 2). Layouts exist
+#   only on the GPU; the C backend's tiles are plain arrays, so annotate only when `tb.on_gpu`.
+#
+# The checker runs your kernel on the C backend against the float64 product, then lowers it for sm_80
+# and reads the generated code and the layouts TileLang kept: the buffers per tile, the `cp.async`
+# waits, and the wavefronts one `ldmatrix.x4` needs in each shared tile (the bank model above). It
+# also lowers it for sm_90a, where wgmma takes only swizzled operand tiles.
+#
+# Stuck? `hint("04", "c", 1)`, then `hint("04", "c", 2)`; `solution("04", "c")` shows the answer.
+
+# %%
+import tilelang.language as T
+
+from course_utils.tiles import TileBackend
+
+
+def pipelined_gemm(M, N, K, *, block_M=64, block_N=64, block_K=64, dtype="float16", target=None):
+    """C = A Bᵀ (A [M, K], B [N, K], C [M, N] float32), one block per block_M × block_N tile of C."""
+    tb = TileBackend(target)
+    k_loop = k_loop_macro(tb, K, block_M, block_N, block_K)
+
+    @T.prim_func
+    def gemm(A: T.Tensor([M, K], dtype), B: T.Tensor([N, K], dtype), C: T.Tensor([M, N], "float32")):
+        with tb.kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), threads=128) as (bx, by):
+            A_s = tb.shared([block_M, block_K], dtype)
+            B_s = tb.shared([block_N, block_K], dtype)
+            C_frag = tb.fragment([block_M, block_N], "float32")
+            T.clear(C_frag)
+            k_loop(A, B, A_s, B_s, C_frag, bx, by)
+            T.copy(C_frag, C[by * block_M, bx * block_N])
+
+    return gemm
+
+
+# %% tags=["solution", "ex-c"]
+def k_loop_macro(tb, K, block_M, block_N, block_K):
+    @T.macro
+    def k_loop(A, B, A_s, B_s, C_frag, bx, by):
+        ### BEGIN SOLUTION
+        if tb.on_gpu:  # layouts exist only on the GPU: the C backend's tiles are plain arrays
+            T.annotate_layout({A_s: make_swizzled_layout(A_s), B_s: make_swizzled_layout(B_s)})
+        for ko in T.Pipelined(T.ceildiv(K, block_K), num_stages=2):
+            T.copy(A[by * block_M, ko * block_K], A_s)
+            T.copy(B[bx * block_N, ko * block_K], B_s)
+            T.gemm(A_s, B_s, C_frag, transpose_B=True)
+        ### END SOLUTION
+
+    return k_loop
+
+
+# %%
+from course_utils.exercises import ch04
+
+ch04.check_pipelined_gemm(pipelined_gemm)

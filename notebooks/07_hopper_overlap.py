@@ -677,7 +677,7 @@ cu.check_true(best["tflops"] < PEAK_TFLOPS, "below the roof, as it must be")
 # matmuls the kernel issues that do nothing useful. When is it large, and why does the kernel pay
 # it anyway (section 4)?
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def wasted_share(seq, block_M, block_N, causal):
     ### BEGIN SOLUTION
     num_k_blocks = -(-seq // block_N)
@@ -700,7 +700,7 @@ ch07.check_wasted_share(wasted_share)
 # still running; batches finish in issue order. Given the batches issued so far (oldest first)
 # and the one whose result you need, return the largest N that makes it safe to read that result.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def wait_count(issued, needed):
     ### BEGIN SOLUTION
     return len(issued) - 1 - issued.index(needed)
@@ -709,3 +709,114 @@ def wait_count(issued, needed):
 
 # %%
 ch07.check_wait_count(wait_count)
+
+# %% [markdown]
+# **Exercise 3.** Rotate a loop yourself. The kernel below computes O = e<sup>Q Kᵀ/√D</sup> V, one
+# 128-row query block per thread block, without a softmax's running state (unnormalised: the inputs
+# are small), so only the schedule is left. `issue_scores(Q_s, K_s, S)` issues S = Q Kᵀ and
+# `issue_update(P, V_s, acc)` issues acc += P V, both without waiting; `wait(n)` waits until at most
+# n batches run. Write `rotated_loop`: iteration kb issues the scores of key block kb *and* the
+# update of block kb − 1, computes the exponentials of block kb while that update runs, and hands
+# the exponentials to the next iteration in P (P starts at 0). Put the waits where they are needed
+# and nowhere else, and release the K/V stage only after the last wait that needs it (section 3's
+# third detail).
+#
+# The checker runs your loop on the C backend, where the matmuls are synchronous, against the
+# float64 result (this checks the iterations and block indices), then lowers it for sm_90a and
+# reads the consumer loop: the order of the two issues, the waits and the exponentials (a wait
+# missing there is a race that no CPU run can show).
+#
+# Stuck? `hint("07", "c", 1)`, then `hint("07", "c", 2)`; `solution("07", "c")` shows the answer.
+
+# %%
+import tilelang.language as T
+
+from course_utils.flash_pieces import LOG2E
+from course_utils.tiles import TileBackend
+
+
+def async_matmuls(tb):
+    """issue_scores, issue_update and wait(n): wgmma batches and T.wait_wgmma on Hopper; plain gemms and
+    no wait on the C backend (one CPU thread has nothing in flight), so the same loop runs on both."""
+    gemm = T.wgmma_gemm if tb.on_gpu else T.gemm
+
+    @T.macro
+    def issue_scores(Q_s, K_s, S):  # S = Q Kᵀ
+        gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+
+    @T.macro
+    def issue_update(P, V_s, acc):  # acc += P V
+        gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+
+    return issue_scores, issue_update, (T.wait_wgmma if tb.on_gpu else lambda n: None)
+
+
+# %%
+def weighted_sum(batch, seq, dim, *, block_M=128, block_N=128, dtype="float16", target=None):
+    """O = e^(Q Kᵀ / √D) V (Q, K, V [B, S, D]; O float32), S a multiple of block_N."""
+    tb = TileBackend(target)
+    issue_scores, issue_update, wait = async_matmuls(tb)
+    num_blocks, scale_log2 = seq // block_N, LOG2E / dim ** 0.5
+    loop = rotated_loop_macro(tb, issue_scores, issue_update, wait, num_blocks, block_M, block_N, scale_log2)
+
+    @T.prim_func
+    def kernel(Q: T.Tensor([batch, seq, dim], dtype), K: T.Tensor([batch, seq, dim], dtype),
+               V: T.Tensor([batch, seq, dim], dtype), O: T.Tensor([batch, seq, dim], "float32")):
+        with tb.kernel(T.ceildiv(seq, block_M), batch, threads=256) as (bx, b):
+            Q_s = tb.shared([block_M, dim], dtype)
+            K_s = tb.shared([block_N, dim], dtype)
+            V_s = tb.shared([block_N, dim], dtype)
+            S = tb.fragment([block_M, block_N], "float32")
+            P = tb.fragment([block_M, block_N], dtype)
+            acc = tb.fragment([block_M, dim], "float32")
+            stage_in_use = T.alloc_local([1], dtype)
+            T.copy(Q[b, bx * block_M:(bx + 1) * block_M, :], Q_s)
+            T.fill(acc, 0)
+            T.fill(P, 0)
+            loop(K, V, Q_s, K_s, V_s, S, P, acc, stage_in_use, b)
+            T.copy(acc, O[b, bx * block_M:(bx + 1) * block_M, :])
+
+    return kernel
+
+
+# %% tags=["solution", "ex-c"]
+def rotated_loop_macro(tb, issue_scores, issue_update, wait, num_blocks, block_M, block_N, scale_log2):
+    @T.macro
+    def rotated_loop(K, V, Q_s, K_s, V_s, S, P, acc, stage_in_use, b):
+        ### BEGIN SOLUTION
+        for kb in T.Pipelined(num_blocks + 1, num_stages=2):
+            k_blk = T.min(kb, num_blocks - 1)
+            v_blk = T.max(kb - 1, 0)
+            T.copy(K[b, k_blk * block_N:(k_blk + 1) * block_N, :], K_s)
+            T.copy(V[b, v_blk * block_N:(v_blk + 1) * block_N, :], V_s)
+            issue_scores(Q_s, K_s, S)
+            issue_update(P, V_s, acc)
+            wait(1)
+            for i, j in tb.parallel(block_M, block_N):
+                S[i, j] = T.exp2(S[i, j] * scale_log2)
+            wait(0)
+            T.copy(S, P)
+            stage_in_use[0] = K_s[0, 0] + V_s[0, 0]
+        ### END SOLUTION
+
+    return rotated_loop
+
+
+# %%
+from course_utils.exercises import ch07
+
+ch07.check_rotated_loop(weighted_sum)
+
+# %% [markdown]
+# What this order was worth on the H100, from section 5's record: version 3 (TileLang's TMA producer,
+# synchronous `T.gemm`: a wait after every batch) against version 5 (the loop rotated as you just did).
+# At D = 128 the exponentials are worth hiding; at D = 64 one block's softmax is short next to its
+# matmuls (section 5's takeaways say why it gains little there).
+
+# %%
+synchronous, rotated = (next(v.label for v in VERSIONS if v.number == n) for n in (3, 5))
+for dim, causal in cases:
+    before, after = tflops[synchronous, dim, causal], tflops[rotated, dim, causal]
+    print(f"D={dim:3} causal={causal!s:5}: {before:4.0f} → {after:4.0f} TFLOP/s ({after / before:.2f}×)")
+cu.check_true(all(tflops[rotated, 128, c] > tflops[synchronous, 128, c] for c in (False, True)),
+              "at D = 128 the rotated loop was faster, causal and not")

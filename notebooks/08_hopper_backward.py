@@ -520,7 +520,7 @@ cu.claim_ratio("deterministic ÷ default", {(r["dim"], r["causal"]): r["tflops"]
 # `batch`, `heads`, `seq_q` queries, `seq_k` keys, head dimension `dim` and key blocks of `block_N`
 # (no mask)? Write `dq_reduce_bytes(batch, heads, seq_q, seq_k, dim, block_N)`.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def dq_reduce_bytes(batch, heads, seq_q, seq_k, dim, block_N):
     ### BEGIN SOLUTION
     key_blocks = -(-seq_k // block_N)
@@ -538,7 +538,7 @@ ch08.check_dq_reduce_bytes(dq_reduce_bytes)
 # give the same bits every time. `parts` is a list of `(key_block, tensor)` pairs in arrival order;
 # return their float32 sum, the same bits whatever the arrival order.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def fixed_order_sum(parts):
     ### BEGIN SOLUTION
     total = None
@@ -556,7 +556,7 @@ ch08.check_fixed_order_sum(fixed_order_sum)
 # storing dQ. What is the largest `n` that makes dQ safe to read, and what may still be running?
 # Write `wait_before_dq_store()` returning `(n, names_still_running)`.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-c"]
 def wait_before_dq_store():
     ### BEGIN SOLUTION
     return 1, ["dK"]

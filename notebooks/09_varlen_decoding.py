@@ -420,11 +420,11 @@ check_forward(q_d, k_d, v_d, o_kernel, lse_kernel, refs=refs_d, name="split + me
 
 # %% [markdown]
 # The split kernel's loop is chapter 03's, over this split's key blocks; the range is the packed
-# tile's key range cut into `splits` nearly equal parts (they differ by at most one key block):
+# tile's key range cut into `splits` nearly equal parts (they differ by at most one key block). The
+# merge kernel is exercise (c): you write it, and its source follows the exercise.
 
 # %%
 show_source(flash_decode_kernel, "this split's key blocks")
-show_source(flash_decode_merge_kernel, "merge")
 
 # %% [markdown]
 # ## 8 · GQA packing, and the paged cache
@@ -445,13 +445,12 @@ show_source(flash_decode_kernel, "packed query tile")
 # from one shared pool, and a *block table* `[B, max_pages]` lists each sequence's pages in order.
 # The kernel changes in one place: a key tile of `block_N` keys lies inside one page (`block_N`
 # divides the page size), so loading it is a lookup in the block table followed by the same
-# contiguous copy from that page.
+# contiguous copy from that page (exercise (d) has you write it).
 
 # %%
 fig, ax = plt.subplots(figsize=(12, 3.2))
 example_table = torch.tensor([[5, 2, 10, -1], [7, 0, 3, 9], [1, -1, -1, -1]])
 varlen_diagrams.paged_cache(ax, [40, 60, 10], 16, example_table, 12)
-show_source(flash_decode_kernel, "load a key tile")
 
 # %% [markdown]
 # The same cache as shuffled pages (unused block-table entries are −1), checked against the
@@ -671,7 +670,7 @@ if rec_d is not None:
 # `lengths[b]` rows, the rest padding), `lengths` an int tensor `[B]`. Return the packed tokens
 # `[total, H, D]` and `cu_seqlens`, int32 `[B + 1]`, as `flash_attention_varlen` takes them.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def pack(padded, lengths):
     ### BEGIN SOLUTION
     packed = torch.cat([padded[b, :n] for b, n in enumerate(lengths.tolist())])
@@ -693,7 +692,7 @@ check_pack(pack)
 # decoding step (a split that saw no key for a row has LSE = −∞ there), `sink` `[rows]` each row's sink
 # logit. Return the final O `[rows, D]` and LSE `[rows]`, as the merge kernel computes them.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def merge_with_sink(o, lse, sink):
     ### BEGIN SOLUTION
     lse_all = torch.cat([lse, sink[None]])  # the sink: one more state, LSE = its logit …
@@ -704,3 +703,145 @@ def merge_with_sink(o, lse, sink):
 
 # %%
 check_merge_with_sink(merge_with_sink)
+
+# %% [markdown]
+# ### (c) The merge kernel, in TileLang
+#
+# Section 7 merged the splits' partial results in PyTorch. Write the merge as a kernel: one block
+# per row, which reads the row's `splits` partial states `O_part [rows, splits, D]` (each normalised
+# over its own keys) and `LSE_part [rows, splits]` (natural log), and writes the merged `O [rows, D]`
+# and `LSE [rows]`. Section 7's rule, computed so that nothing overflows:
+#
+# $$m = \max_s \mathrm{LSE}_s,\qquad \ell = \sum_s e^{\mathrm{LSE}_s - m},\qquad
+#   \mathrm{LSE} = m + \log \ell,\qquad O = \sum_s e^{\mathrm{LSE}_s - \mathrm{LSE}}\, O_s .$$
+#
+# A split that saw no key of the row has LSE<sub>s</sub> = −∞ (and contributes nothing); a row that
+# no split saw must come out as O = 0, LSE = −∞, without a NaN. The skeleton gives the kernel and the
+# per-row scalars `shift` (m) and `l` (ℓ); you write `merge_row`. The checker runs it on TileLang's
+# C backend with an empty row, an empty split and LSEs past float32's e<sup>88</sup>.
+#
+# Stuck? `hint("09", "c", 1)`, then `hint("09", "c", 2)`; `solution("09", "c")` shows the answer.
+
+# %%
+import tilelang.language as T
+
+from course_utils.tiles import TileBackend
+
+NEG_INF = -T.infinity("float32")
+
+
+def merge_kernel(rows, splits, dim, *, target=None):
+    """Merge split states: O_part [rows, splits, D], LSE_part [rows, splits] -> O [rows, D], LSE [rows]."""
+    tb = TileBackend(target)
+    merge_row = merge_macros(tb, splits, dim)
+
+    @T.prim_func
+    def merge(O_part: T.Tensor([rows, splits, dim], "float32"), LSE_part: T.Tensor([rows, splits], "float32"),
+              O: T.Tensor([rows, dim], "float32"), LSE: T.Tensor([rows], "float32")):
+        with tb.kernel(rows, threads=dim) as r:
+            acc = tb.fragment([dim], "float32")
+            shift = T.alloc_local([1], "float32")  # m, the row's largest LSE_s (0 when every LSE_s is −∞)
+            l = T.alloc_local([1], "float32")  # noqa: E741  ℓ = Σ_s e^(LSE_s − m)
+            merge_row(O_part, LSE_part, O, LSE, acc, shift, l, r)
+
+    return merge
+
+
+# %% tags=["solution", "ex-c"]
+def merge_macros(tb, splits, dim):
+    @T.macro
+    def merge_row(O_part, LSE_part, O, LSE, acc, shift, l, r):
+        ### BEGIN SOLUTION
+        shift[0] = NEG_INF
+        for s in T.serial(splits):
+            shift[0] = T.max(shift[0], LSE_part[r, s])
+        shift[0] = T.if_then_else(shift[0] == NEG_INF, 0, shift[0])  # no split saw the row: no −∞ − (−∞)
+        l[0] = 0
+        for s in T.serial(splits):
+            l[0] += T.exp(LSE_part[r, s] - shift[0])
+        LSE[r] = T.if_then_else(l[0] > 0, shift[0] + T.log(l[0]), NEG_INF)
+        T.clear(acc)
+        for s in T.serial(splits):
+            for d in tb.parallel(dim):
+                acc[d] += T.if_then_else(l[0] > 0, T.exp(LSE_part[r, s] - LSE[r]), 0) * O_part[r, s, d]
+        for d in tb.parallel(dim):
+            O[r, d] = acc[d]
+        ### END SOLUTION
+
+    return merge_row
+
+
+# %%
+from course_utils.exercises import ch09
+
+ch09.check_merge_kernel(merge_kernel)
+
+# %% [markdown]
+# ### (d) The paged-cache lookup, in TileLang
+#
+# Section 8's paged cache stores each sequence's keys in pages of `page_size` keys, anywhere in a
+# shared pool `Pages [num_pages, page_size, D]`; `BlockTable [B, max_pages]` lists sequence b's pages
+# in order. The kernel below reads sequence b's keys tile by tile (`block_N` keys, a divisor of
+# `page_size`) and writes the scores q<sub>b</sub> · k of its first `Lengths[b]` keys (−∞ past them).
+# Write the two pieces that touch the cache: how many tiles sequence b has, and where tile `kb` of it
+# lies in the pool. The checker uses pages of 8 keys, tiles of 4, a shuffled pool, sequences that
+# end inside a page and on a page's edge, and an empty one; unused block-table entries point at a page
+# of NaN, as a never-written page would hold garbage.
+#
+# Stuck? `hint("09", "d", 1)`, then `hint("09", "d", 2)`; `solution("09", "d")` shows the answer.
+
+# %%
+def paged_scores(batch, max_pages, num_pages, page_size, dim, block_N, *, target=None):
+    """S [B, max_pages · page_size]: q_b · k for sequence b's first Lengths[b] keys, −∞ past them."""
+    tb = TileBackend(target)
+    num_key_tiles, load_key_tile = paged_macros(page_size, block_N)
+
+    @T.prim_func
+    def scores(Q: T.Tensor([batch, dim], "float32"), Pages: T.Tensor([num_pages, page_size, dim], "float32"),
+               BlockTable: T.Tensor([batch, max_pages], "int32"), Lengths: T.Tensor([batch], "int32"),
+               S: T.Tensor([batch, max_pages * page_size], "float32")):
+        with tb.kernel(batch, threads=block_N) as b:
+            K_s = tb.shared([block_N, dim], "float32")
+            for p in T.serial(max_pages * page_size):
+                S[b, p] = NEG_INF
+            for kb in T.serial(num_key_tiles(Lengths[b])):
+                load_key_tile(Pages, BlockTable, K_s, b, kb)
+                for j in tb.parallel(block_N):
+                    if kb * block_N + j < Lengths[b]:  # the last tile may run past the sequence's end
+                        S[b, kb * block_N + j] = 0
+                        for d in T.serial(dim):
+                            S[b, kb * block_N + j] += Q[b, d] * K_s[j, d]
+
+    return scores
+
+
+# %% tags=["solution", "ex-d"]
+def paged_macros(page_size, block_N):
+    def num_key_tiles(length):
+        ### BEGIN SOLUTION
+        return T.ceildiv(length, block_N)
+        ### END SOLUTION
+
+    @T.macro
+    def load_key_tile(Pages, BlockTable, tile, b, kb):
+        ### BEGIN SOLUTION
+        page = BlockTable[b, kb * block_N // page_size]
+        first = kb * block_N % page_size
+        T.copy(Pages[page, first:first + block_N, :], tile)
+        ### END SOLUTION
+
+    return num_key_tiles, load_key_tile
+
+
+# %%
+from course_utils.exercises import ch09
+
+ch09.check_paged_scores(paged_scores)
+
+# %% [markdown]
+# The course's kernels, for comparison: the merge of `flash_decode_merge_kernel` (in base 2, with the
+# sink as one more state) and the key-tile load of `flash_decode_kernel`.
+
+# %%
+show_source(flash_decode_merge_kernel, "merge")
+show_source(flash_decode_kernel, "load a key tile")

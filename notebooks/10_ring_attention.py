@@ -88,11 +88,9 @@ fig.tight_layout()
 #   O = e^{\mathrm{LSE}_a - \mathrm{LSE}}\, O_a + e^{\mathrm{LSE}_b - \mathrm{LSE}}\, O_b .$$
 #
 # The weights are ≤ 1, so nothing overflows; this is the rescaling of the online softmax, applied
-# to finished partial results (chapter 02's exercise (b) wrote it). `merge_attention` is the one
-# the ring uses:
-
-# %%
-show_source(merge_attention)
+# to finished partial results (chapter 02's exercise (b) wrote it). `merge_attention`
+# (`course_utils.softmax`) is the one the ring uses; exercise (c) has you write it, and shows its
+# source after.
 
 # %% [markdown]
 # Before any communication, check the idea with the real kernel in one process: cut the keys in
@@ -442,7 +440,7 @@ if rec is not None:
 # entirely (`"full"`), through the causal triangle (`"diagonal"`), or not at all (`"empty"`).
 # Return a dict {(a, b): kind}.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def zigzag_pairs(rank, source, world):
     ### BEGIN SOLUTION
     def chunks(r):
@@ -466,7 +464,7 @@ check_zigzag_pairs(zigzag_pairs)
 # at one step of the backward lap that sends both the K/V shard and the running dK/dV sums (every
 # step but the last; read `ring_backward` above: what travels, and in which dtype?).
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def ring_bytes(batch, heads, heads_kv, seq_local, dim, bytes_per_element):
     ### BEGIN SOLUTION
     shard = batch * heads_kv * seq_local * dim
@@ -502,3 +500,44 @@ with needs("ring_bytes", "exercise (b)"):
         print(f"measured at S = {plots.seq_label(r['seq'])}: transfers {bandwidth / 1e9:.0f} GB/s per direction, "
               f"compute {compute / 1e12:.0f} TFLOP/s per GPU → a step hides its transfer once it does more than "
               f"{compute / bandwidth:.0f} FLOP per byte sent")
+
+# %% [markdown]
+# ### (c) One ring step: merge a partial result
+#
+# At every step of the forward lap, each rank merges the partial result of its queries against the
+# K/V shard it holds, `out_b` `[B, H, S, D]` and `lse_b` `[B, H, S]`, into its running result `out`, `lse`
+# (float32; before the first step `out` = 0 and `lse` = −∞). Write that merge, section 1's formula.
+# Rows that saw no key have LSE = −∞: the running result before the first step, a causal block
+# that hides a whole row, or both; the result must have no NaN there. The LSEs can be large (long
+# rows of large logits): e<sup>LSE</sup> alone overflows float32 past 88.
+#
+# The checker tries rows chosen to break it against the float64 merge, then puts your function in
+# place of `merge_attention` inside `ring_forward` and runs the ring on two gloo processes, checking
+# O and LSE against the float64 reference.
+#
+# Stuck? `hint("10", "c", 1)`, then `hint("10", "c", 2)`; `solution("10", "c")` shows the answer.
+
+# %% tags=["solution", "ex-c"]
+def merge_partial(out, lse, out_b, lse_b):
+    ### BEGIN SOLUTION
+    new_lse = torch.logaddexp(lse, lse_b)
+    shift = torch.where(new_lse == float("-inf"), 0.0, new_lse)  # neither part saw a key: no −∞ − (−∞)
+    new_out = torch.exp(lse - shift)[..., None] * out + torch.exp(lse_b - shift)[..., None] * out_b
+    return new_out, new_lse
+    ### END SOLUTION
+
+
+# %%
+from course_utils.exercises import ch10
+
+ch10.check_merge_partial(merge_partial)
+
+# %% [markdown]
+# The course's `merge_attention`, for comparison (it merges any number of parts with
+# `merge_attention_states`):
+
+# %%
+show_source(merge_attention)
+from course_utils.softmax import merge_attention_states
+
+show_source(merge_attention_states)

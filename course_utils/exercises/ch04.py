@@ -1,11 +1,39 @@
-"""Checkers for the exercises of chapter 04 (pipelining, swizzled layouts and tuning)."""
+"""Checkers for the exercises of chapter 04 (pipelining, swizzled layouts and tuning).
+
+The kernel exercise (c) is checked three ways: the learner's pipelined GEMM loop runs on TileLang's C
+backend against the float64 product; it is lowered for sm_80 (no GPU needed) and the generated code
+and TileLang's inferred layouts say how many buffers each tile got, whether the copies are
+asynchronous (cp.async) and how many wavefronts an ``ldmatrix`` needs in each shared tile (the bank
+model of ``course_utils.banks``); and it must lower for sm_90a too, where wgmma accepts only swizzled
+operand tiles.
+"""
+
+import contextlib
+import io
+import re
 
 import torch
 
 from .. import banks, layouts
 from .common import ExerciseWrong, check_exercise
+from .kernels import KernelCase, build, check_kernel
+from .late_tools import c_lowering, surfacing_warnings
 
-__all__ = ["check_bank_of", "check_swizzle"]
+__all__ = ["check_bank_of", "check_swizzle", "check_pipelined_gemm", "HINTS"]
+
+HINTS = {
+    "a": ["Successive 4-byte words go to successive banks, and there are 32 of them.",
+          "Integer division by 4, then the remainder modulo 32: (byte_address // 4) % 32."],
+    "b": ["Keep each 16-byte chunk (8 fp16) whole and in its row's 128-byte line, but move chunk c of row r "
+          "to position c XOR (r mod 8).",
+          "chunk = (j // 8) ^ (i % 8); the offset is (i // 8) * 512 + (i % 8) * 64 + chunk * 8 + j % 8."],
+    "c": ["Two buffers per tile let the copy of tile ko + 1 run while the gemm reads tile ko; a swizzled shared "
+          "layout lets ldmatrix read 8 rows of a 16-byte column without bank conflicts. Layouts exist only "
+          "on the GPU (tb.on_gpu).",
+          "T.annotate_layout({A_s: make_swizzled_layout(A_s), ...}); for ko in T.Pipelined(T.ceildiv(K, "
+          "block_K), num_stages=...): T.copy(A[row, ko * block_K], A_s), the same for B, then "
+          "T.gemm(A_s, B_s, C_frag, transpose_B=True)."],
+}
 
 
 # --- Exercise 1: which bank serves a byte address ---------------------------------------------------
@@ -52,3 +80,75 @@ def check_swizzle(fn, rows=64, cols=64):
         if banks.wavefronts(addrs, 16) != 1:
             raise ExerciseWrong(f"swizzled_offset: an ldmatrix phase on chunk {chunk} still conflicts")
     print("  and every ldmatrix phase (8 rows x 16 B) of your layout takes 1 wavefront.")
+
+
+# --- Exercise (c): a pipelined, swizzled GEMM loop, in TileLang --------------------------------------
+
+_GPU_SHAPE = (256, 256, 1024)  # M, N, K of the lowered kernel: 16 K tiles of 64
+
+
+def _gemm_case():
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(96, 160, generator=g), torch.randn(80, 160, generator=g)  # ragged M, N and K
+    return [KernelCase("M=96, N=80, K=160, 64 × 64 × 64 tiles (float32, C backend)", (96, 80, 160),
+                       dict(dtype="float32"), [2], lambda kernel: {"C": kernel(a, b)},
+                       {"C": a.double() @ b.double().T})]
+
+
+def _buffers(layout):
+    offsets = layouts.layout_offsets(layout)
+    return offsets if offsets.ndim == 3 else offsets[None]
+
+
+def _lower(name, factory, arch):
+    prim_func = build(name, factory, *_GPU_SHAPE, target="cuda")
+    try:
+        return layouts.lower_with_layouts(prim_func, arch)
+    except Exception as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = next((line for line in lines if "layout" in line.lower()), lines[-1] if lines else type(exc).__name__)
+        raise ExerciseWrong(f"✗ {name}: your kernel does not lower for {arch}: {why[:200]}") from None
+
+
+def check_pipelined_gemm(factory):
+    """Run the learner's ``pipelined_gemm(M, N, K, ..., target=...)`` on the C backend, then lower it for
+    sm_80 and sm_90a and read the stages, the copies and the bank conflicts from the generated code."""
+    surfacing_warnings(lambda: _check_pipelined_gemm(factory), c_lowering(factory, 96, 80, 160, dtype="float32"))
+
+
+def _check_pipelined_gemm(factory):
+    name = "pipelined GEMM loop"
+    with contextlib.redirect_stdout(io.StringIO()):  # one ✓ at the end, after the GPU checks too
+        check_kernel(name, factory, _gemm_case, hint="Hint: copy row block by of A and column block bx of B at "
+                     "column ko · block_K, and multiply with transpose_B=True (C = A Bᵀ).")
+    ampere = _lower(name, factory, "sm_80")
+    if "cp_async" not in ampere.source:
+        raise ExerciseWrong(f"✗ {name}: the sm_80 code has no cp.async: every copy is a plain load and store "
+                            "that the gemm waits for. Make the K loop a T.Pipelined(..., num_stages=2): only a "
+                            "pipelined loop gets asynchronous copies.")
+    tiles = {buf: _buffers(ampere.layouts[buf]) for buf in ("A_s", "B_s") if buf in ampere.layouts}
+    stages = {buf: offsets.shape[0] for buf, offsets in tiles.items()}
+    waits = sorted({int(n) for n in re.findall(r"cp_async_wait<(\d+)>", ampere.source)})
+    if set(stages.values()) != {2}:
+        count = max(stages.values())
+        why = ("cp_async_wait<0> right after each copy is issued: the loop waits for the tile it is about to use, "
+               "so nothing is in flight while the gemm runs" if count == 1 else
+               f"{count} buffers per tile cost {ampere.shared_bytes // 1024} KB of shared memory; the chapter's "
+               "model and the H100 sweep show a copy is hidden once one tile is in flight behind the gemm")
+        raise ExerciseWrong(f"✗ {name}: {count} buffer(s) per shared tile (num_stages={count}): {why}. "
+                            "Use num_stages=2.")
+    report = []
+    for buf, offsets in tiles.items():
+        table = banks.conflict_table({"yours": offsets[0]}, banks.warp_access_patterns(offsets.shape[-1]))
+        ldmatrix = next(row for row in table if row["pattern"].startswith("ldmatrix"))
+        if ldmatrix["yours"] > ldmatrix["ideal"]:
+            raise ExerciseWrong(f"✗ {name}: in {buf}, one ldmatrix.x4 needs {ldmatrix['yours']} wavefronts instead "
+                                f"of {ldmatrix['ideal']} ({ldmatrix['yours'] // ldmatrix['ideal']}-way bank "
+                                f"conflicts): its rows are {offsets.shape[-1] * 2} bytes, a multiple of 128, so a "
+                                "row-major column of 8 rows sits in one group of 4 banks. Annotate it with "
+                                "make_swizzled_layout.")
+        report.append(f"{buf} {ldmatrix['yours']}")
+    _lower(name, factory, "sm_90a")
+    print(f"✓ {name}: right on the C backend (ragged M, N, K); sm_80: 2 buffers per tile "
+          f"(cp_async_wait<{max(waits)}>), {ampere.shared_bytes // 1024} KB shared; "
+          f"wavefronts per ldmatrix.x4: {', '.join(report)} (ideal {ldmatrix['ideal']}); lowers for sm_90a too")

@@ -1,10 +1,35 @@
-"""Checkers for the exercises of chapter 07 (the Hopper forward)."""
+"""Checkers for the exercises of chapter 07 (the Hopper forward).
+
+Exercise (c), the learner's rotated loop, is checked twice: on TileLang's C backend (the matmuls are
+synchronous there, so this checks the loop's indices: the extra iteration, which block's K and V, P
+taken after the exponentials) against float64 and PyTorch models of the usual mistakes; then lowered
+for sm_90a, where the order of the wgmma issues, the waits and the exponentials in the generated
+consumer loop is what makes the overlap, and a wait in the wrong place is a race or a lost overlap.
+"""
 
 import torch
 
-from .common import check_exercise
+from .common import ExerciseWrong, check_exercise
+from .kernels import KernelCase, Suspect, build, check_kernel, same_outputs
+from .late_tools import c_lowering, surfacing_warnings
 
-__all__ = ["check_wasted_share", "check_wait_count"]
+__all__ = ["check_wasted_share", "check_wait_count", "check_rotated_loop", "HINTS"]
+
+HINTS = {
+    "a": ["A query block that sees n key blocks runs n + 1 iterations of two matmuls; two of them (the first "
+          "P·V, the last QKᵀ) do nothing. With the causal mask, n depends on the query block.",
+          "Loop over the query blocks qb: n = ⌈S / block_N⌉, or causal min(that, ⌈(qb + 1)·block_M / block_N⌉); "
+          "add 2·(n + 1) to the issued count and 2 to the wasted count; divide at the end."],
+    "b": ["Batches finish oldest first: once at most N are running, the N newest may still be unfinished.",
+          "N is the number of batches issued after the one you need: len(issued) − 1 − issued.index(needed)."],
+    "c": ["Iteration kb issues S = Q K_kbᵀ and acc += P V_(kb−1), both before any wait; waits for the scores "
+          "only (P·V keeps running), computes the exponentials, then waits for P·V before P is overwritten. "
+          "One extra iteration finishes the last block; clamp the block indices so every copy is valid.",
+          "for kb in T.Pipelined(num_blocks + 1, num_stages=2): k_blk = T.min(kb, num_blocks − 1), "
+          "v_blk = T.max(kb − 1, 0); T.copy the K and V tiles; issue_scores, issue_update; wait(1); "
+          "S[i, j] = T.exp2(S[i, j] * scale_log2) in tb.parallel; wait(0); T.copy(S, P); then read K_s and "
+          "V_s into stage_in_use[0]."],
+}
 
 
 # --- Exercise 1: the matmuls the rotated loop issues for nothing ------------------------------------
@@ -44,3 +69,135 @@ def check_wait_count(fn):
     check_exercise("wait_count", lambda issued, needed: torch.tensor(int(fn(list(issued), needed))),
                    lambda issued, needed: torch.tensor(len(issued) - 1 - issued.index(needed)), cases,
                    atol=0, rtol=0, hint=hint)
+
+
+# --- Exercise (c): rotate the loop yourself ----------------------------------------------------------
+
+def _chain_model(q, k, v, block_N, *, extra=True, same_block_v=False, p_before_exp=False):
+    """The rotated loop's O in float64, with one bug: no extra iteration (the last block's P·V is never
+    issued), P·V of block kb − 1 read with V of block kb, or P copied before the exponentials."""
+    scale = 1 / q.shape[-1] ** 0.5
+    q, k, v = q.double(), k.double(), v.double()
+    num_blocks = k.shape[1] // block_N
+    acc = torch.zeros_like(q)
+    p = torch.zeros(q.shape[0], q.shape[1], block_N, dtype=torch.float64)
+    for kb in range(num_blocks + 1 if extra else num_blocks):
+        k_blk, v_blk = min(kb, num_blocks - 1), max(kb - 1, 0)
+        if same_block_v:
+            v_blk = k_blk
+        s = q @ k[:, k_blk * block_N:(k_blk + 1) * block_N].transpose(1, 2)
+        acc = acc + p @ v[:, v_blk * block_N:(v_blk + 1) * block_N]
+        p = s if p_before_exp else torch.exp(s * scale)
+    return acc
+
+
+def _rotated_case():
+    g = torch.Generator().manual_seed(7)
+    batch, seq, dim, block = 2, 64, 16, 16
+    q, k, v = (torch.randn(batch, seq, dim, generator=g) for _ in range(3))
+    expected = torch.exp(q.double() @ k.double().transpose(1, 2) / dim ** 0.5) @ v.double()
+    return [KernelCase("B=2, S=64, D=16, 16 × 16 tiles (C backend: matmuls synchronous)", (batch, seq, dim),
+                       dict(block_M=block, block_N=block, dtype="float32"), [3],
+                       lambda kernel: {"O": kernel(q, k, v)[:, None]},  # [B, 1, S, D]: messages name query rows
+                       {"O": expected[:, None]}, data=dict(q=q, k=k, v=v, block_N=block), rows="query row")]
+
+
+def _model_suspect(message, **bug):
+    def test(case, got, kernel):
+        d = case.data
+        model = _chain_model(d["q"], d["k"], d["v"], d["block_N"], **bug)[:, None]
+        return same_outputs(got, {"O": model}, rtol=1e-3, atol=1e-3)
+    return Suspect(message, test)
+
+
+_ROTATED_SUSPECTS = [
+    _model_suspect("the last block's P·V is never issued: the rotated loop needs one extra iteration "
+                   "(num_blocks + 1), its QKᵀ on a clamped block and unused.", extra=False),
+    _model_suspect("P·V of block kb − 1 is multiplied with V of block kb: the V tile of iteration kb is block "
+                   "T.max(kb − 1, 0), one behind K.", same_block_v=True),
+    _model_suspect("P is copied from S before the exponentials: compute e^(S·scale) in S, then T.copy(S, P).",
+                   p_before_exp=True),
+]
+
+_STEPS = {
+    "mbarrier wait": r"mbarrier\[[^\]]*\]\.wait",
+    "issue QKᵀ": r"tl::wgmma_ss<",
+    "issue P·V": r"tl::wgmma_rs<",
+    "wait({0})": r"wait_wgmma<(\d)>",
+    "exp2": r"exp2f",
+    "release K/V stage": r"\]\.arrive\(\)",
+}
+_GPU_SHAPE = (1, 1024, 128)
+
+
+def _consumer_steps(name, factory):
+    from ..source import cuda_source, loop_skeleton
+
+    prim_func = build(name, factory, *_GPU_SHAPE, target="cuda")
+    try:
+        source = cuda_source(prim_func)
+    except Exception as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = (lines or [type(exc).__name__])[-1][:200]
+        raise ExerciseWrong(f"✗ {name}: your loop does not lower for sm_90a: {why}") from None
+    steps = [label.split(" ×")[0] for _, label in loop_skeleton(source, r"for \(int kb_1 = ", _STEPS)]
+    return [step for step in steps if step != "mbarrier wait"]
+
+
+def _order_problem(steps):
+    """The first schedule property the sm_90a consumer loop breaks, as a message; None if it keeps all."""
+    def first(step):
+        return steps.index(step) if step in steps else None
+
+    qk, pv, exp = first("issue QKᵀ"), first("issue P·V"), first("exp2")
+    waits = [i for i, step in enumerate(steps) if step.startswith("wait(")]
+    if None in (qk, pv, exp):
+        return "the loop must issue QKᵀ (issue_scores), issue P·V (issue_update) and compute exp2 in every iteration"
+    if not waits:
+        return ("there is no wait at all: the exponentials read S while its wgmma batch may still be running (a race "
+                "the CPU cannot show). Wait for the scores with wait(1) before touching S")
+    if any(w < max(qk, pv) for w in waits):
+        return ("a wait sits between the two issues, so the P·V batch starts only after the scores are done: the "
+                "tensor cores idle during the wait and nothing overlaps. Issue both batches, then wait")
+    if exp < waits[0]:
+        return ("the exponentials come before any wait: they read S while its wgmma batch may still be running (a "
+                "race the CPU cannot show). wait(1) first")
+    if steps[waits[0]] != "wait(1)":
+        return (f"the first wait is {steps[waits[0]]}: it waits for P·V too, so the exponentials no longer overlap "
+                "it. wait(1) leaves the newest batch (P·V) running while the scores are ready")
+    if pv < qk:
+        return ("P·V is issued before QKᵀ, so the scores are the newest batch and wait(1) leaves exactly them "
+                "running: the exponentials read S while its wgmma may still write it (a race the CPU cannot show). "
+                "Issue QKᵀ first, then P·V")
+    if not any(w > exp and steps[w] == "wait(0)" for w in waits):
+        return ("no wait(0) after the exponentials: the next iteration issues P·V on a P that this one overwrites "
+                "while the previous P·V may still read it, and accumulates into acc while it runs (a race the "
+                "CPU cannot show)")
+    last_wait = max(waits)
+    if not any(step == "release K/V stage" and i > last_wait for i, step in enumerate(steps)):
+        return ("the K/V stage is released before the last wait: TileLang frees a stage after the last statement "
+                "that reads it, here the issue, so TMA may overwrite K or V while the wgmma still reads them. Read "
+                "K_s and V_s after wait(0) (stage_in_use[0] = K_s[0, 0] + V_s[0, 0])")
+    return None
+
+
+def check_rotated_loop(factory):
+    """Run the learner's ``weighted_sum`` (its ``rotated_loop``) on the C backend against float64, then lower it
+    for sm_90a and check the order of issues, waits and exponentials in the generated consumer loop."""
+    import contextlib
+    import io
+
+    name = "rotated loop"
+
+    def run():
+        with contextlib.redirect_stdout(io.StringIO()):
+            check_kernel(name, factory, _rotated_case, suspects=_ROTATED_SUSPECTS,
+                         hint="Hint: iteration kb multiplies P of block kb − 1 with V of block kb − 1, and the loop "
+                              "runs num_blocks + 1 times.")
+        steps = _consumer_steps(name, factory)
+        problem = _order_problem(steps)
+        if problem:
+            raise ExerciseWrong(f"✗ {name}: right on the CPU, but in the sm_90a code ({' → '.join(steps)}) {problem}.")
+        print(f"✓ {name}: right on the C backend; sm_90a consumer loop: {' → '.join(steps)}")
+
+    surfacing_warnings(run, c_lowering(factory, 2, 64, 16, block_M=16, block_N=16, dtype="float32"))

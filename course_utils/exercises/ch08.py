@@ -6,7 +6,17 @@ import torch
 
 from .common import ExerciseIncomplete, ExerciseWrong, check_exercise
 
-__all__ = ["check_dq_reduce_bytes", "check_fixed_order_sum", "check_wait_before_dq_store"]
+__all__ = ["check_dq_reduce_bytes", "check_fixed_order_sum", "check_wait_before_dq_store", "HINTS"]
+
+HINTS = {
+    "a": ["Every key block adds a float32 contribution to every element of dQ.",
+          "⌈S_k / block_N⌉ · batch · heads · S_q · D · 4 bytes."],
+    "b": ["Float addition is not associative: the bits depend on the order. Add in a fixed order, whatever "
+          "the arrival order.",
+          "sorted(parts, key=lambda p: p[0]), then add the tensors in that order, starting from the first."],
+    "c": ["wait_group n lets the n newest batches keep running; dQ must be finished before it is stored.",
+          "Count the batches issued after dQ in [dV, dQ, dK]: that is n, and they are the ones still running."],
+}
 
 
 # --- Exercise 1: the bytes of dQ's reduction ---------------------------------------------------------

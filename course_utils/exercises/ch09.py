@@ -3,15 +3,44 @@
 Each checker runs the learner's function through ``check_exercise``; when the answer is wrong it
 compares it with the usual mistakes (a missing leading 0, lengths instead of prefix sums, the sink
 left out, the sink given a value row, weights that do not share one maximum) and says which one it
-looks like.
+looks like. The two kernel checkers run the learner's TileLang merge kernel and paged-cache lookup
+on the C backend against float64 references, and name the bug by comparing with PyTorch models of
+the usual mistakes (weights not divided by the total, no max subtracted, the max not carried, no
+guard for a row no split saw; the wrong page, the block table skipped, the last partial tile
+dropped, every tile read from its page's start).
 """
+
+import math
 
 import torch
 
 from ..softmax import merge_attention_states
 from .common import ExerciseWrong, check_exercise, with_diagnosis
+from .kernels import KernelCase, Suspect, check_kernel, same_outputs
+from .late_tools import c_lowering, surfacing_warnings
 
-__all__ = ["check_pack", "check_merge_with_sink"]
+__all__ = ["check_pack", "check_merge_with_sink", "check_merge_kernel", "check_paged_scores", "HINTS"]
+
+HINTS = {
+    "a": ["Sequence b's real tokens are the first lengths[b] rows of padded[b]; cu_seqlens[b] is where "
+          "sequence b starts in the packed tensor, so it starts at 0 and ends at the total.",
+          "torch.cat of the slices padded[b, :n]; torch.cumsum(lengths, 0) written after a leading 0, "
+          "then .to(torch.int32)."],
+    "b": ["The sink is one more partial state: its LSE is the sink logit, its O is 0 (no value row). "
+          "Merge all states with weights e^{LSE_s − LSE}, where LSE is over every state, sink included.",
+          "torch.logsumexp over torch.cat([lse, sink[None]]), then (torch.exp(lse − total)[..., None] * o).sum(0)."],
+    "c": ["LSE = m + log Σ_s e^{LSE_s − m}, with m the largest LSE_s (so nothing overflows), and "
+          "O = Σ_s e^{LSE_s − LSE} · O_s. A row no split saw has every LSE_s = −∞: take m = 0 there, "
+          "and give it O = 0 and LSE = −∞.",
+          "Scalars live in shift[0] and l[0]; loop over splits with T.serial(splits), over D with "
+          "tb.parallel(dim); T.max, T.exp, T.log and T.if_then_else(cond, a, b) build the expressions; "
+          "T.clear(acc) before summing into acc."],
+    "d": ["Key position p of sequence b sits in logical page p // page_size, at row p % page_size of it; "
+          "the block table turns the logical page into the physical one. A tile of block_N keys lies "
+          "inside one page. The last page is usually partial: it still needs its tile.",
+          "num_key_tiles: T.ceildiv(length, block_N). load_key_tile: page = BlockTable[b, kb * block_N // "
+          "page_size], then T.copy(Pages[page, start:start + block_N, :], tile) with the row the tile starts at."],
+}
 
 
 # --- Exercise (a): pack a padded batch ---------------------------------------------------------------
@@ -100,3 +129,186 @@ def check_merge_with_sink(merge):
         ("each state's weight is e^{LSE_s − LSE} with the LSE over all states (sink included), not a plain "
          "average of the O_s.", lambda: torch.allclose(merge(o, lse, sink)[0], o.mean(dim=0))),
     ])
+
+
+# --- Exercise (c): the split-KV merge kernel, in TileLang --------------------------------------------
+
+def _merge_kernel_reference(o_part, lse_part):
+    """Float64 O [rows, D] and LSE [rows] of merged states o_part [rows, splits, D], lse_part [rows, splits]."""
+    lse = torch.logsumexp(lse_part.double(), dim=1)
+    weight = torch.where(torch.isfinite(lse)[:, None], torch.exp(lse_part.double() - lse[:, None]), 0.0)
+    return (weight[..., None] * o_part.double()).sum(dim=1), lse
+
+
+def _merge_model(o_part, lse_part, *, shift="max", normalise=True, guard=True):
+    """The merge in float32 as the kernel computes it, with one bug: ``shift`` "max", "none" (e^{LSE_s}
+    taken as is) or "last" (the max not carried: the last split's LSE); weights not divided by the
+    total (``normalise=False``); no guard for a row no split saw (``guard=False``: the weights are
+    e^{−∞ − (−∞)} there)."""
+    lse_part, o_part = lse_part.float(), o_part.float()
+    if shift == "max":
+        m = lse_part.max(dim=1).values
+    elif shift == "last":
+        m = lse_part[:, -1]
+    else:
+        m = torch.zeros_like(lse_part[:, 0])
+    if guard:
+        m = torch.where(m == -math.inf, 0.0, m)
+    e = torch.exp(lse_part - m[:, None])
+    l = e.sum(dim=1)  # noqa: E741
+    lse = torch.where(l > 0, m + torch.log(l), -math.inf)  # NaN > 0 is false too
+    weight = torch.exp(lse_part - lse[:, None]) if normalise else e
+    if guard:  # without it, a row no split saw gets e^{−∞ − (−∞)} = NaN
+        weight = torch.where((l > 0)[:, None], weight, 0.0)
+    return {"O": (weight[..., None] * o_part).sum(dim=1), "LSE": lse}
+
+
+def _merge_kernel_case(label, rows, splits, dim, seed, *, empty_row=None, empty_split=None, large=False):
+    g = torch.Generator().manual_seed(seed)
+    o_part = torch.randn(rows, splits, dim, generator=g)
+    lse_part = torch.randn(rows, splits, generator=g) * 4
+    if empty_split is not None:  # a split that saw no key of this row
+        lse_part[empty_split] = -math.inf
+        o_part[empty_split] = 0
+    if empty_row is not None:  # no split saw a key of this row
+        lse_part[empty_row] = -math.inf
+        o_part[empty_row] = 0
+    if large:  # e^{LSE} overflows float32 past 88: row 2 unless the largest LSE is subtracted, row 3
+        lse_part[2] = torch.tensor([150.0, 20.0, 5.0])  # unless some LSE is (any of them will do there)
+        lse_part[3] = torch.tensor([100.0, 95.0, 90.0])
+    out, lse = _merge_kernel_reference(o_part, lse_part)
+
+    def run(kernel):
+        got_o, got_lse = kernel(o_part, lse_part)
+        return {"O": got_o, "LSE": got_lse}
+
+    return KernelCase(label, (rows, splits, dim), {}, [2, 3], run, {"O": out, "LSE": lse},
+                      data=dict(o_part=o_part, lse_part=lse_part))
+
+
+def _merge_kernel_cases():
+    """Row 0: no split saw a key; row 1: split 1 saw none; rows 2 and 3: LSEs far past float32's e^88,
+    the largest first. Then five splits of moderate LSEs."""
+    return [
+        _merge_kernel_case("3 splits, an empty row, an empty split, LSE up to 150", 6, 3, 8, 91,
+                    empty_row=0, empty_split=(1, 1), large=True),
+        _merge_kernel_case("5 splits", 4, 5, 16, 92),
+    ]
+
+
+def _looks_like(**bug):
+    return lambda case, got, kernel: same_outputs(got, _merge_model(case.data["o_part"], case.data["lse_part"], **bug))
+
+
+_MERGE_SUSPECTS = [
+    Suspect("split s's weight is e^{LSE_s − m}: not divided by the total. The weights must sum to 1: "
+            "use e^{LSE_s − LSE}, with LSE = m + log ℓ the merged log-sum-exp.", _looks_like(normalise=False)),
+    Suspect("no maximum is subtracted: e^{LSE_s} overflows float32 once LSE_s > 88. Compute "
+            "m = max_s LSE_s, sum e^{LSE_s − m}, and add m back: LSE = m + log ℓ.", _looks_like(shift="none")),
+    Suspect("the maximum is not carried across the splits: m ends as the last split's LSE, not the largest "
+            "(write m = T.max(m, LSE_s) in the loop), so a larger LSE_s overflows.", _looks_like(shift="last")),
+    Suspect("no guard for a row that no split saw: every LSE_s = −∞, so e^{LSE_s − LSE} = e^{−∞ − (−∞)} = NaN. "
+            "Such a row has ℓ = 0: give it weight 0 (O = 0) and LSE = −∞.", _looks_like(guard=False)),
+]
+
+
+def check_merge_kernel(merge_kernel):
+    """Run the learner's ``merge_kernel(rows, splits, dim, target=...)`` on the C backend: O [rows, D]
+    and LSE [rows] of the merged split states, against the float64 merge."""
+    surfacing_warnings(lambda: check_kernel(
+        "split-KV merge kernel", merge_kernel, _merge_kernel_cases, suspects=_MERGE_SUSPECTS,
+        hint="Hint: LSE = m + log Σ_s e^{LSE_s − m} with m the largest LSE_s (0 if it is −∞), and O = Σ_s "
+             "e^{LSE_s − LSE} · O_s.", summary="an empty row, an empty split, LSE past e^88, 1–5 splits"),
+        c_lowering(merge_kernel, 6, 3, 8))
+
+
+# --- Exercise (d): the paged-cache lookup, in TileLang ----------------------------------------------
+
+def _paged_case(label, lengths, max_pages, page_size, block_N, dim, seed):
+    """A shuffled page pool for sequences of ``lengths``; unused block-table entries point at a page of
+    NaN (a never-written page), so a kernel that reads one shows it."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    used = [-(-n // page_size) for n in lengths]
+    num_pages = sum(used) + 1
+    order = torch.randperm(num_pages, generator=g)
+    poison = int(order[-1])
+    pages = torch.randn(num_pages, page_size, dim, generator=g)
+    pages[poison] = math.nan
+    table = torch.full((batch, max_pages), poison, dtype=torch.int32)
+    position = 0
+    for b, n in enumerate(used):
+        table[b, :n] = order[position:position + n].to(torch.int32)
+        position += n
+    q = torch.randn(batch, dim, generator=g)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    expected = torch.full((batch, max_pages * page_size), -math.inf, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        for p in range(n):
+            expected[b, p] = q[b].double() @ pages[table[b, p // page_size], p % page_size].double()
+
+    def run(kernel):
+        return {"S": kernel(q, pages, table, lens)}
+
+    return KernelCase(label, (batch, max_pages, num_pages, page_size, dim, block_N), {}, [4], run, {"S": expected},
+                      data=dict(q=q, pages=pages, table=table, lengths=lengths, block_N=block_N), rows="sequence")
+
+
+def _paged_cases():
+    """Pages of 8 keys read in tiles of 4 (two tiles per page); lengths with a partial last page (13, 5),
+    exactly full pages (16), an empty sequence and one shorter than a tile (3)."""
+    return [_paged_case("pages of 8, tiles of 4, lengths 13, 16, 0, 5, 3", [13, 16, 0, 5, 3], 4, 8, 4, 8, 93)]
+
+
+def _paged_model(case, *, page_of, row_of, tiles):
+    """Scores as a kernel with one bug computes them: tile kb of sequence b read from page
+    ``page_of(b, kb)`` at row ``row_of(kb)``, for ``tiles(length)`` tiles."""
+    d = case.data
+    q, pages, table, block_N = d["q"].double(), d["pages"].double(), d["table"], d["block_N"]
+    flat = table.flatten()  # an index past a row of the table reads the next row, as the kernel does
+    out = torch.full((len(d["lengths"]), table.shape[1] * pages.shape[1]), -math.inf, dtype=torch.float64)
+    for b, n in enumerate(d["lengths"]):
+        for kb in range(tiles(n)):
+            page = page_of(flat, b, kb, table.shape[1])
+            for j in range(block_N):
+                p = kb * block_N + j
+                if p < n:
+                    out[b, p] = q[b] @ pages[page, row_of(kb) + j]
+    return {"S": out}
+
+
+def _paged_suspect(message, **bug):
+    def test(case, got, kernel):
+        page_size, block_N = case.data["pages"].shape[1], case.data["block_N"]
+        model = dict(page_of=lambda flat, b, kb, width: int(flat[b * width + kb * block_N // page_size]),
+                     row_of=lambda kb: kb * block_N % page_size, tiles=lambda n: -(-n // block_N))
+        model.update({k: v(page_size, block_N) for k, v in bug.items()})
+        return same_outputs(got, _paged_model(case, **model))
+    return Suspect(message, test)
+
+
+_PAGED_SUSPECTS = [
+    _paged_suspect("the last, partial tile is skipped: a sequence of n keys needs ⌈n / block_N⌉ tiles "
+                   "(T.ceildiv), not n // block_N. The mask inside the tile hides the keys past the end.",
+                   tiles=lambda page_size, block_N: lambda n: n // block_N),
+    _paged_suspect("tile kb is looked up as block-table entry kb, but the table lists pages, and a page holds "
+                   "page_size // block_N tiles: the entry is kb · block_N // page_size.",
+                   page_of=lambda page_size, block_N: lambda flat, b, kb, width: int(flat[b * width + kb])),
+    _paged_suspect("the logical page number is used as the physical one: look it up in the block table, "
+                   "BlockTable[b, kb · block_N // page_size].",
+                   page_of=lambda page_size, block_N: lambda flat, b, kb, width: kb * block_N // page_size),
+    _paged_suspect("every tile is read from the first row of its page: tile kb starts at row "
+                   "kb · block_N % page_size of the page.", row_of=lambda page_size, block_N: lambda kb: 0),
+]
+
+
+def check_paged_scores(paged_scores):
+    """Run the learner's ``paged_scores(batch, max_pages, num_pages, page_size, dim, block_N, target=...)``
+    on the C backend: the scores q · k of each sequence's keys read through the block table, −∞ past
+    its length, against the float64 reference."""
+    surfacing_warnings(lambda: check_kernel(
+        "paged-cache lookup", paged_scores, _paged_cases, suspects=_PAGED_SUSPECTS,
+        hint="Hint: key p of sequence b is row p % page_size of page BlockTable[b, p // page_size]; a sequence of "
+             "n keys has ⌈n / block_N⌉ tiles.",
+        summary="partial and full last pages, an empty sequence, two tiles per page"),
+        c_lowering(paged_scores, 5, 4, 10, 8, 8, 4))

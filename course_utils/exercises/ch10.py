@@ -1,10 +1,32 @@
-"""Checkers for chapter 10 (ring attention): the zigzag split's chunk pairs, and the bytes on the ring."""
+"""Checkers for chapter 10 (ring attention): the zigzag split's chunk pairs, the bytes on the ring, and
+one ring step written by the learner (the LSE merge of a partial result), checked on its own against the
+float64 merge and then inside the real ring on two gloo processes.
+"""
+
+import math
 
 import torch
 
-from .common import ExerciseWrong, check_exercise, not_written
+from .common import ExerciseFailed, ExerciseWrong, check_exercise, not_written
+from .kernels import describe_rows, same_outputs
 
-__all__ = ["check_zigzag_pairs", "check_ring_bytes"]
+__all__ = ["check_zigzag_pairs", "check_ring_bytes", "check_merge_partial", "HINTS"]
+
+HINTS = {
+    "a": ["Rank r holds chunks r and 2·world − 1 − r. Query chunk a sees all of key chunk b when a comes "
+          "after b, the causal triangle when a == b, and nothing when a comes before b.",
+          "A small helper chunks(r) returning the two chunk numbers, then a dict comprehension over "
+          "a in chunks(rank), b in chunks(source)."],
+    "b": ["Only K and V travel in the forward, with H_kv heads. The backward also sends the running dK "
+          "and dV sums, which stay in float32 (4 bytes) on the way.",
+          "shard = batch · heads_kv · seq_local · dim elements; forward 2 · shard · bytes_per_element, "
+          "backward 2 · shard · (bytes_per_element + 4)."],
+    "c": ["The new LSE is log(e^{LSE} + e^{LSE_b}); each part keeps the share e^{LSE_part − LSE_new} of "
+          "the new denominator. Compute it without overflowing (subtract the larger LSE) and without "
+          "NaN when both parts saw no key (LSE = −∞ on both sides: the result is O = 0, LSE = −∞).",
+          "torch.logaddexp(lse, lse_b) gives the new LSE safely; torch.where(new == float('-inf'), 0, new) "
+          "as the shift; torch.exp(lse − shift)[..., None] * out + the same for the partial."],
+}
 
 _KINDS = ("full", "diagonal", "empty")
 
@@ -96,3 +118,144 @@ def check_ring_bytes(fn):
         return None if got is None else torch.as_tensor([float(x) for x in got], dtype=torch.float64)
 
     check_exercise(name, learner, _ring_bytes, _BYTES_CASES, atol=0, rtol=0, hint=hint)
+
+
+# --- Exercise (c): one ring step, the LSE merge of a partial result ---------------------------------
+
+def _merge_reference(out, lse, out_b, lse_b):
+    """Float64 merge of two attention results over disjoint keys (O = 0, LSE = −∞ where neither saw a key)."""
+    total = torch.logaddexp(lse.double(), lse_b.double())
+    shift = torch.where(total == -math.inf, 0.0, total)
+    return (torch.exp(lse.double() - shift)[..., None] * out.double()
+            + torch.exp(lse_b.double() - shift)[..., None] * out_b.double()), total
+
+
+def _merge_inputs():
+    """Running state and partial [1, 2, 8, 4] in float32. Rows 0–1: the running state has seen no key
+    yet (the first step); row 2: the partial saw none (a causal block); row 3: neither did; rows 4–5:
+    LSEs of 100 and 95, past float32's e^88; rows 6–7: ordinary."""
+    g = torch.Generator().manual_seed(10)
+    out, out_b = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(2))
+    lse, lse_b = (torch.randn(1, 2, 8, generator=g) * 3 for _ in range(2))
+    lse[..., 0:2] = -math.inf
+    out[..., 0:2, :] = 0
+    lse_b[..., 2:4] = -math.inf
+    out_b[..., 2:4, :] = 0
+    lse[..., 3] = -math.inf
+    out[..., 3, :] = 0
+    lse[..., 4:6], lse_b[..., 4:6] = 100.0, 95.0
+    lse_b[..., 5] = 105.0
+    return out, lse, out_b, lse_b
+
+
+def _merge_models(out, lse, out_b, lse_b):
+    """The learner's (O, LSE) as the usual mistakes compute them, in float32."""
+    total = torch.logaddexp(lse, lse_b)
+    shift = torch.where(total == -math.inf, 0.0, total)
+
+    def merged(new_lse, shift, weights_swapped=False, exp=torch.exp):
+        w, w_b = exp(lse - shift)[..., None], exp(lse_b - shift)[..., None]
+        if weights_swapped:
+            w, w_b = w_b, w
+        return {"O": w * out + w_b * out_b, "LSE": new_lse}
+
+    naive = torch.log(torch.exp(lse) + torch.exp(lse_b))
+    total2 = torch.log2(torch.exp2(lse) + torch.exp2(lse_b))
+    return [
+        ("the partial is averaged with the running result: the two parts weigh e^{LSE_part − LSE_new}, by how "
+         "much of the denominator each holds, not ½ each.",
+         {"O": (out + out_b) / 2, "LSE": total}),
+        ("O is right but the LSE returned is the old one: return the merged log(e^{LSE} + e^{LSE_b}), or the "
+         "next step weighs this one wrongly.", merged(lse, shift)),
+        ("the LSE returned is the larger of the two, not log(e^{LSE} + e^{LSE_b}).",
+         merged(torch.maximum(lse, lse_b), shift)),
+        ("e^{LSE} is taken without subtracting the larger LSE first: it overflows float32 past 88 (LSE = 100 "
+         "here). torch.logaddexp does the subtraction for you.", merged(naive, naive)),
+        ("no guard for a row neither part saw: the new LSE is −∞ and e^{−∞ − (−∞)} = NaN. Shift by 0 there "
+         "(O = 0, LSE = −∞).", merged(total, total)),
+        ("the weights are swapped: the running result weighs e^{LSE − LSE_new} (its own LSE), the partial "
+         "e^{LSE_b − LSE_new}.", merged(total, shift, weights_swapped=True)),
+        ("the LSEs are natural logarithms: use exp and log (or logaddexp), not exp2 and log2.",
+         merged(total2, torch.where(total2 == -math.inf, 0.0, total2), exp=torch.exp2)),
+    ]
+
+
+def _call(name, fn, *args):
+    try:
+        got = fn(*(a.clone() for a in args))
+    except NotImplementedError as exc:
+        raise not_written(name, exc) from None
+    except ExerciseFailed:
+        raise
+    except Exception as exc:
+        raise ExerciseWrong(f"✗ {name}: your function raised {type(exc).__name__}: {exc}") from None
+    if not (isinstance(got, tuple | list) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
+        raise ExerciseWrong(f"✗ {name}: return the pair (O, LSE) of tensors; got {type(got).__name__}")
+    out, lse = got
+    if out.shape != args[0].shape or lse.shape != args[1].shape:
+        raise ExerciseWrong(f"✗ {name}: O has shape {tuple(out.shape)} and LSE {tuple(lse.shape)}; expected "
+                            f"{tuple(args[0].shape)} and {tuple(args[1].shape)}")
+    return {"O": out, "LSE": lse}
+
+
+def _bad_rows(got, expected):
+    for what in ("O", "LSE"):
+        have, want = got[what].double(), expected[what]
+        finite = torch.isfinite(want)
+        bad = (torch.isnan(have) | (~finite & (have != want))
+               | (finite & ~torch.isclose(have, want, atol=1e-4, rtol=1e-4)))
+        if bad.any():
+            nan = " (NaN)" if torch.isnan(have[bad]).any() else ""
+            return f"{what} is wrong{nan} in {describe_rows(bad, 'row')}"
+    return None
+
+
+def _ring_worker(merge_pickled, q, k, v, causal, layout):
+    """One rank of the ring with the learner's merge in place of ``merge_attention`` (in this process only)."""
+    import cloudpickle
+
+    from .. import ring
+
+    ring.merge_attention = cloudpickle.loads(merge_pickled)
+    comm = ring.RingComm()
+    shard = [ring.shard_sequence(x, comm.world, comm.rank, layout).contiguous() for x in (q, k, v)]
+    return ring.ring_forward(*shard, comm, causal=causal, layout=layout)
+
+
+def check_merge_partial(merge_partial):
+    """``merge_partial(out, lse, out_b, lse_b) -> (out, lse)``: the running result of one ring step merged
+    with the partial result of the step (float32 [B, H, S, D] and [B, H, S]). Checked on rows chosen to
+    expose the usual mistakes against the float64 merge, then inside ``ring_forward`` on two gloo
+    processes against the float64 attention reference."""
+    import cloudpickle
+
+    from .. import ring
+    from ..checks import CheckFailed
+    from ..gloo import run_on_ranks
+    from ..validation import check_forward
+
+    name = "merge_partial"
+    args = _merge_inputs()
+    got = _call(name, merge_partial, *args)
+    out, lse = _merge_reference(*args)
+    symptom = _bad_rows(got, {"O": out, "LSE": lse})
+    if symptom:
+        cause = next((message for message, model in _merge_models(*args) if same_outputs(got, model)), None)
+        advice = f"Likely cause: {cause}" if cause else ("Hint: LSE_new = log(e^{LSE} + e^{LSE_b}); O_new = "
+                                                         "e^{LSE − LSE_new} · O + e^{LSE_b − LSE_new} · O_b.")
+        raise ExerciseWrong(f"✗ {name}, rows chosen to break it (0–1: nothing seen yet, 2: an empty partial, 3: "
+                            f"both empty, 4–5: LSE 100): {symptom}. {advice}")
+    g = torch.Generator().manual_seed(11)
+    batch, heads, heads_kv, seq, dim = 2, 4, 2, 64, 16  # the shapes of section 4: the same compiled kernels
+    q = torch.randn(batch, heads, seq, dim, generator=g)
+    k, v = (torch.randn(batch, heads_kv, seq, dim, generator=g) for _ in range(2))
+    # Non-causal and contiguous: one kernel shape for every step (the rows above cover the masked cases).
+    per_rank = run_on_ranks(_ring_worker, 2, cloudpickle.dumps(merge_partial), q, k, v, False, "contiguous")
+    ring_out = ring.unshard_sequence([o for o, _ in per_rank], "contiguous")
+    ring_lse = ring.unshard_sequence([lse for _, lse in per_rank], "contiguous")
+    try:
+        check_forward(q, k, v, ring_out, ring_lse, quiet=True)
+    except CheckFailed as exc:
+        raise ExerciseWrong(f"✗ {name} in the ring (2 gloo processes): {str(exc).splitlines()[0]}") from None
+    print(f"✓ {name}: right on rows that saw nothing, empty partials and LSE past e^88, and inside the ring: "
+          "on 2 gloo processes O and LSE match the float64 reference")

@@ -1,0 +1,90 @@
+"""Surface TileLang's own warnings in a checker's verdict (chapters 04, 07, 09).
+
+TileLang's C++ passes print warnings such as "`S` is read before anything writes it" straight to
+the process's stderr (file descriptor 2), where a notebook shows them far from the checker's
+one-line verdict, or not at all. ``surfacing_warnings(run)`` runs a check with descriptor 2
+captured; if the check fails, the warnings TileLang printed are added to the verdict as the likely
+cause; whatever was captured is written back to stderr either way. TileLang prints them only when
+it compiles, not when it loads a kernel from its cache, so a failed check with nothing captured
+lowers the learner's kernel again (``relower``, e.g. ``c_lowering(...)``) to hear them.
+"""
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+
+from .common import ExerciseWrong
+
+__all__ = ["surfacing_warnings", "c_lowering"]
+
+
+@contextlib.contextmanager
+def _captured_stderr():
+    """Capture file descriptor 2 (C++ output included); yields a list that holds the text at exit."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    text = []
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield text
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text.append(sink.read().decode(errors="replace"))
+
+
+def _warnings(text):
+    """TileLang's warnings in ``text``, one short line each (the numbered '[n] ...' detail lines)."""
+    details = [m.strip() for m in re.findall(r"^\s*\[\d+\]\s*(.+)$", text, re.M)]
+    heads = [m.strip() for m in re.findall(r"Warning:\s*(.+)$", text, re.M)]
+    return details or heads
+
+
+def c_lowering(factory, *args, **kwargs):
+    """A ``relower`` for ``surfacing_warnings``: build ``factory(*args, **kwargs, target="c")`` and lower it
+    for the C backend (TileLang's passes run again; nothing is compiled)."""
+    def relower():
+        import tilelang
+        from tilelang import tvm
+
+        from .kernels import build
+
+        prim_func = build("relower", factory, *args, **kwargs, target="c")
+        with tvm.target.Target("c"):
+            tilelang.lower(prim_func, target="c")
+    return relower
+
+
+def surfacing_warnings(run, relower=None):
+    """Call ``run()``; a failure gets TileLang's warnings, printed meanwhile (or by ``relower()``, called
+    when nothing was printed), added as the likely cause."""
+    failure = None
+    captured = []
+    try:
+        with _captured_stderr() as captured:
+            try:
+                run()
+            except ExerciseWrong as exc:
+                failure = exc
+    finally:
+        if captured and captured[0]:
+            sys.stderr.write(captured[0])
+    if failure is None:
+        return
+    found = _warnings(captured[0] if captured else "")
+    if not found and relower is not None:
+        with _captured_stderr() as again:
+            try:
+                relower()
+            except Exception:  # noqa: BLE001  (a kernel that does not lower has no warnings to add)
+                pass
+        found = _warnings(again[0] if again else "")
+    if found and "TileLang warned" not in str(failure):
+        shown = "; ".join(dict.fromkeys(found))[:300]
+        raise ExerciseWrong(f"{str(failure).rstrip()} TileLang warned: {shown} — a likely cause.") from None
+    raise failure

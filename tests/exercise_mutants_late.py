@@ -1,0 +1,179 @@
+"""The exercises of chapters 04, 07, 08, 09 and 10 that run the learner's code, and their mutants.
+
+Same format as ``exercise_mutants.py``: an exercise names the notebook, the functions its cells define
+(read from the notebook's .py), the checker and the function passed to it; a mutant is a list of
+(find, replace) edits applied to that source (each find text must occur) and a piece of the diagnosis
+the checker must give. ``prelude`` is what the chapter's earlier cells provide. Run by
+``tests/test_exercises_late.py``.
+"""
+
+from dataclasses import dataclass
+
+from exercise_mutants import Mutant
+
+TILE_PRELUDE = """
+import math
+import torch
+import tilelang.language as T
+from course_utils.tiles import TileBackend
+NEG_INF = -T.infinity("float32")
+"""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    notebook: str  # stem of notebooks/<stem>.py
+    defines: tuple  # functions whose cells make up the exercise (skeleton and solution)
+    checker: str  # "module:function" in course_utils.exercises
+    factory: str  # the name passed to the checker
+    prelude: str = TILE_PRELUDE
+
+
+EXERCISES = {
+    "ch09_merge_kernel": Exercise("09_varlen_decoding", ("merge_kernel", "merge_macros"), "ch09:check_merge_kernel",
+                                  "merge_kernel"),
+    "ch09_paged_lookup": Exercise("09_varlen_decoding", ("paged_scores", "paged_macros"), "ch09:check_paged_scores",
+                                  "paged_scores"),
+}
+
+MUTANTS = [
+    # --- chapter 09 (c): the split-KV merge kernel ---
+    Mutant("ch09_merge_kernel", "LSE not rescaled: weights e^(LSE_s − m), not divided by the total",
+           (("T.exp(LSE_part[r, s] - LSE[r])", "T.exp(LSE_part[r, s] - shift[0])"),), "not divided by the total"),
+    Mutant("ch09_merge_kernel", "no maximum subtracted",
+           (("l[0] += T.exp(LSE_part[r, s] - shift[0])", "l[0] += T.exp(LSE_part[r, s])"),
+            ("shift[0] + T.log(l[0])", "T.log(l[0])")),
+           "no maximum is subtracted"),
+    Mutant("ch09_merge_kernel", "max not carried",
+           (("shift[0] = T.max(shift[0], LSE_part[r, s])", "shift[0] = LSE_part[r, s]"),), "not carried"),
+    Mutant("ch09_merge_kernel", "no guard for a row no split saw",
+           (("T.if_then_else(l[0] > 0, T.exp(LSE_part[r, s] - LSE[r]), 0)", "T.exp(LSE_part[r, s] - LSE[r])"),),
+           "no guard"),
+
+    # --- chapter 09 (d): the paged-cache lookup ---
+    Mutant("ch09_paged_lookup", "wrong page index: table entry kb",
+           (("BlockTable[b, kb * block_N // page_size]", "BlockTable[b, kb]"),), "looked up as block-table entry kb"),
+    Mutant("ch09_paged_lookup", "block table skipped",
+           (("page = BlockTable[b, kb * block_N // page_size]", "page = kb * block_N // page_size"),),
+           "logical page number is used as the physical one"),
+    Mutant("ch09_paged_lookup", "off by one in the last page: floor instead of ceil",
+           (("T.ceildiv(length, block_N)", "length // block_N"),), "last, partial tile is skipped"),
+    Mutant("ch09_paged_lookup", "every tile from its page's start",
+           (("first = kb * block_N % page_size", "first = 0"),), "first row of its page"),
+]
+
+# Correct solutions written differently: the checker must pass them.
+VARIANTS = [
+    Mutant("ch09_merge_kernel", "no −∞ guard on the max (the ℓ > 0 guards cover that row)",
+           (("        shift[0] = T.if_then_else(shift[0] == NEG_INF, 0, shift[0])  # no split saw the row: "
+             "no −∞ − (−∞)\n", ""),), ""),
+    Mutant("ch09_paged_lookup", "tile count written with integer arithmetic",
+           (("T.ceildiv(length, block_N)", "(length + block_N - 1) // block_N"),), ""),
+]
+
+PLAIN_PRELUDE = """
+import math
+import torch
+"""
+
+EXERCISES["ch10_ring_step"] = Exercise("10_ring_attention", ("merge_partial",), "ch10:check_merge_partial",
+                                       "merge_partial", PLAIN_PRELUDE)
+MUTANTS += [
+    # --- chapter 10 (c): one ring step, the LSE merge of a partial result ---
+    Mutant("ch10_ring_step", "plain average",
+           (("new_out = torch.exp(lse - shift)[..., None] * out + torch.exp(lse_b - shift)[..., None] * out_b",
+             "new_out = (out + out_b) / 2"),), "averaged"),
+    Mutant("ch10_ring_step", "LSE not updated",
+           (("return new_out, new_lse", "return new_out, lse"),), "the LSE returned is the old one"),
+    Mutant("ch10_ring_step", "no maximum subtracted",
+           (("new_lse = torch.logaddexp(lse, lse_b)", "new_lse = torch.log(torch.exp(lse) + torch.exp(lse_b))"),
+            ("shift = torch.where(new_lse == float(\"-inf\"), 0.0, new_lse)", "shift = new_lse")),
+           "without subtracting the larger LSE"),
+    Mutant("ch10_ring_step", "no guard for rows neither part saw",
+           (("shift = torch.where(new_lse == float(\"-inf\"), 0.0, new_lse)", "shift = new_lse"),), "no guard"),
+    Mutant("ch10_ring_step", "weights swapped",
+           (("torch.exp(lse - shift)[..., None] * out + torch.exp(lse_b - shift)[..., None] * out_b",
+             "torch.exp(lse_b - shift)[..., None] * out + torch.exp(lse - shift)[..., None] * out_b"),),
+           "weights are swapped"),
+]
+VARIANTS += [
+    Mutant("ch10_ring_step", "max-shift written out instead of logaddexp",
+           (("new_lse = torch.logaddexp(lse, lse_b)\n",
+             "m = torch.maximum(lse, lse_b)\n    m0 = torch.where(m == float('-inf'), 0.0, m)\n"
+             "    new_lse = m0 + torch.log(torch.exp(lse - m0) + torch.exp(lse_b - m0))\n"),), ""),
+]
+
+LAYOUT_PRELUDE = TILE_PRELUDE + """
+from tilelang.layout import make_linear_layout, make_swizzled_layout
+"""
+
+EXERCISES["ch04_pipelined_gemm"] = Exercise("04_pipelining_swizzle_tuning", ("pipelined_gemm", "k_loop_macro"),
+                                            "ch04:check_pipelined_gemm", "pipelined_gemm", LAYOUT_PRELUDE)
+MUTANTS += [
+    # --- chapter 04 (c): the pipelined, swizzled K loop ---
+    Mutant("ch04_pipelined_gemm", "one stage",
+           (("num_stages=2", "num_stages=1"),), "cp_async_wait<0> right after each copy"),
+    Mutant("ch04_pipelined_gemm", "three stages",
+           (("num_stages=2", "num_stages=3"),), "3 buffer(s) per shared tile"),
+    Mutant("ch04_pipelined_gemm", "not pipelined (T.serial)",
+           (("for ko in T.Pipelined(T.ceildiv(K, block_K), num_stages=2):",
+             "for ko in T.serial(T.ceildiv(K, block_K)):"),),
+           "has no cp.async"),
+    Mutant("ch04_pipelined_gemm", "B tile row-major",
+           (("B_s: make_swizzled_layout(B_s)", "B_s: make_linear_layout(B_s)"),), "in B_s, one ldmatrix.x4 needs 32"),
+    Mutant("ch04_pipelined_gemm", "both tiles row-major",
+           (("make_swizzled_layout(A_s)", "make_linear_layout(A_s)"),
+            ("make_swizzled_layout(B_s)", "make_linear_layout(B_s)")),
+           "8-way bank conflicts"),
+    Mutant("ch04_pipelined_gemm", "B not transposed",
+           (("T.gemm(A_s, B_s, C_frag, transpose_B=True)", "T.gemm(A_s, B_s, C_frag)"),), "pipelined GEMM loop"),
+]
+VARIANTS += [
+    Mutant("ch04_pipelined_gemm", "no annotation: TileLang's own choice is the swizzle",
+           (("        if tb.on_gpu:  # layouts exist only on the GPU: the C backend's tiles are plain arrays\n"
+             "            T.annotate_layout({A_s: make_swizzled_layout(A_s), B_s: make_swizzled_layout(B_s)})\n", ""),),
+           ""),
+]
+
+HOPPER_PRELUDE = TILE_PRELUDE + """
+from course_utils.flash_pieces import LOG2E
+"""
+
+EXERCISES["ch07_rotated_loop"] = Exercise("07_hopper_overlap", ("async_matmuls", "weighted_sum", "rotated_loop_macro"),
+                                          "ch07:check_rotated_loop", "weighted_sum", HOPPER_PRELUDE)
+MUTANTS += [
+    # --- chapter 07 (c): the rotated loop (all but the first three fail only when lowered for sm_90a) ---
+    Mutant("ch07_rotated_loop", "no extra iteration",
+           (("T.Pipelined(num_blocks + 1, num_stages=2)", "T.Pipelined(num_blocks, num_stages=2)"),),
+           "one extra iteration"),
+    Mutant("ch07_rotated_loop", "V of the same block as K",
+           (("v_blk = T.max(kb - 1, 0)", "v_blk = k_blk"),), "one behind K"),
+    Mutant("ch07_rotated_loop", "P copied before the exponentials",
+           (("            T.copy(S, P)\n", ""),
+            ("            wait(1)\n", "            wait(1)\n            T.copy(S, P)\n")),
+           "before the exponentials"),
+    Mutant("ch07_rotated_loop", "wait between the issues (serialised)",
+           (("            issue_scores(Q_s, K_s, S)\n",
+             "            issue_scores(Q_s, K_s, S)\n            wait(0)\n"),),
+           "a wait sits between the two issues"),
+    Mutant("ch07_rotated_loop", "wait(0) for the scores (no overlap)",
+           (("            wait(1)\n", "            wait(0)\n"),), "the first wait is wait(0)"),
+    Mutant("ch07_rotated_loop", "no wait for the scores (race on S)",
+           (("            wait(1)\n", ""),), "the exponentials come before any wait"),
+    Mutant("ch07_rotated_loop", "no wait(0) before P is overwritten (race on P)",
+           (("            wait(0)\n", ""),), "no wait(0) after the exponentials"),
+    Mutant("ch07_rotated_loop", "stage released at the issue",
+           (("            stage_in_use[0] = K_s[0, 0] + V_s[0, 0]\n", ""),), "released before the last wait"),
+]
+MUTANTS += [
+    Mutant("ch07_rotated_loop", "scores never issued (TileLang's warning names S)",
+           (("            issue_scores(Q_s, K_s, S)\n", ""),),
+           "TileLang warned: `S` is read before anything writes it"),
+    Mutant("ch07_rotated_loop", "P·V issued before QKᵀ (wait(1) then leaves the scores running)",
+           (("            issue_scores(Q_s, K_s, S)\n            issue_update(P, V_s, acc)\n",
+             "            issue_update(P, V_s, acc)\n            issue_scores(Q_s, K_s, S)\n"),), "Issue QKᵀ first"),
+]
+VARIANTS += [
+    Mutant("ch07_rotated_loop", "block indices clamped with if_then_else",
+           (("k_blk = T.min(kb, num_blocks - 1)", "k_blk = T.if_then_else(kb < num_blocks, kb, num_blocks - 1)"),), ""),
+]

@@ -1,0 +1,140 @@
+"""The exercises of chapters 04 and 07–10 that run the learner's code: each solution passes its checker,
+each mutant fails with its diagnosis in one line, each correct variant passes, and the learner's edition
+(solutions stripped) says "not written yet" in one line. The solutions are read from the notebooks' .py
+sources; the mutants are checked two at a time in worker processes.
+"""
+
+import importlib
+import linecache
+import os
+import re
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import jupytext
+import pytest
+from exercise_mutants_late import EXERCISES, MUTANTS, VARIANTS
+
+from course_utils.exercises.common import ExerciseIncomplete
+from course_utils.workspace import strip_solutions
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def exercise_source(exercise):
+    """The source of the notebook cells that define the exercise's functions, in notebook order."""
+    cells = [c.source for c in jupytext.read(NOTEBOOKS / f"{exercise.notebook}.py").cells if c.cell_type == "code"]
+    chosen = [src for src in cells if any(re.search(rf"^def {name}\(", src, re.M) for name in exercise.defines)]
+    defined = {name for name in exercise.defines if any(re.search(rf"^def {name}\(", src, re.M) for src in chosen)}
+    assert defined == set(exercise.defines), f"{exercise.notebook}: no cell defines {set(exercise.defines) - defined}"
+    return "\n\n".join(chosen)
+
+
+def load(exercise, source, label):
+    """Execute ``source`` like a notebook cell (TileLang reads a function's source through linecache)."""
+    filename = f"<{exercise.notebook} {label}>"
+    text = exercise.prelude + "\n" + source
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    namespace = {"__name__": f"exercise_{abs(hash(filename))}"}
+    exec(compile(text, filename, "exec"), namespace)
+    return namespace[exercise.factory]
+
+
+def checker(exercise):
+    module, function = exercise.checker.split(":")
+    return getattr(importlib.import_module(f"course_utils.exercises.{module}"), function)
+
+
+def mutate(source, mutant):
+    for find, replace in mutant.edits:
+        assert find in source, f"mutant {mutant.name!r}: {find!r} is no longer in the solution"
+        source = source.replace(find, replace)
+    return source
+
+
+def mutant_verdict(index):
+    """Run the checker on mutant ``index``: (exception class name or "passed", message)."""
+    import course_utils  # noqa: F401  (quiets TileLang's logging, as in the notebooks)
+
+    mutant = MUTANTS[index]
+    exercise = EXERCISES[mutant.exercise]
+    try:
+        checker(exercise)(load(exercise, mutate(exercise_source(exercise), mutant), mutant.name))
+    except Exception as exc:  # the verdict is the point; AssertionError from mutate included
+        return type(exc).__name__, str(exc)
+    return "passed", ""
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    workers = max(1, min(2, os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(mutant_verdict, range(len(MUTANTS))))
+
+
+@pytest.mark.parametrize("key", EXERCISES)
+def test_solution_passes(key, capsys):
+    exercise = EXERCISES[key]
+    checker(exercise)(load(exercise, exercise_source(exercise), "solution"))
+    assert "✓" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key", EXERCISES)
+def test_blank_says_not_written_yet(key):
+    exercise = EXERCISES[key]
+    source = strip_solutions(exercise_source(exercise))
+    assert "raise NotImplementedError" in source
+    with pytest.raises(ExerciseIncomplete, match="not written yet") as info:
+        checker(exercise)(load(exercise, source, "learner edition"))
+    assert "\n" not in str(info.value) and info.value._render_traceback_() == [str(info.value)]
+
+
+@pytest.mark.parametrize("index", range(len(MUTANTS)), ids=[f"{m.exercise}: {m.name}" for m in MUTANTS])
+def test_mutant_gets_its_diagnosis(index, verdicts):
+    kind, message = verdicts[index]
+    assert kind == "ExerciseWrong", f"{MUTANTS[index].name}: {kind}: {message}"
+    assert MUTANTS[index].diagnosis in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v.exercise}: {v.name}")
+def test_correct_variant_passes(variant, capsys):
+    exercise = EXERCISES[variant.exercise]
+    checker(exercise)(load(exercise, mutate(exercise_source(exercise), variant), variant.name))
+    assert "✓" in capsys.readouterr().out
+
+
+def test_every_exercise_has_mutants():
+    assert {m.exercise for m in MUTANTS} == set(EXERCISES)
+
+
+@pytest.mark.parametrize("chapter", ["04", "07", "08", "09", "10"])
+def test_every_exercise_has_hints(chapter):
+    """Every solution cell is tagged ex-<letter> (the tiered help reads it) and its chapter's HINTS has two tiers."""
+    module = importlib.import_module(f"course_utils.exercises.ch{chapter}")
+    (notebook,) = NOTEBOOKS.glob(f"{chapter}_*.py")
+    text = notebook.read_text()
+    tags = re.findall(r'tags=\["solution", "ex-(\w)"\]', text)
+    assert tags and len(tags) == text.count('tags=["solution"') and len(set(tags)) == len(tags)
+    assert set(module.HINTS) == set(tags) and all(len(module.HINTS[tag]) == 2 for tag in tags)
+
+
+# A GPU-sized configuration of each TileLang skeleton: it must lower for the H100 and the A100 too (no GPU needed).
+_GPU_CONFIGS = {
+    "ch09_merge_kernel": ((64, 4, 128), {}),
+    "ch09_paged_lookup": ((4, 16, 64, 256, 128, 64), {}),
+}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("key", _GPU_CONFIGS)
+def test_solution_lowers_for_the_gpu(key, arch):
+    import tilelang
+    from tilelang import tvm
+
+    exercise = EXERCISES[key]
+    args, kwargs = _GPU_CONFIGS[key]
+    prim_func = load(exercise, exercise_source(exercise), "cuda")(*args, **kwargs, target="cuda")
+    with tvm.target.Target({"kind": "cuda", "arch": arch}):
+        assert "__global__" in tilelang.lower(prim_func).kernel_source
