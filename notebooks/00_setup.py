@@ -36,6 +36,7 @@
 # | 08 | Hopper backward: five async matmuls per step, a deterministic mode |
 # | 09 | packed variable-length batches and decoding with a paged KV cache |
 # | 10 | ring attention: one sequence across several GPUs |
+# | 11 | your own attention: score and mask modifiers compiled into the kernels |
 
 # %%
 # %config InlineBackend.figure_format = "png"
@@ -175,4 +176,4 @@ def expected_axpy(n, alpha):
 check_exercise("axpy", run_axpy, expected_axpy, [(300, 2.0), (77, -0.5)], solutions=[axpy],
                hint="C should be alpha * A + B, element by element.")
 lower_for_gpus("axpy", axpy, (4096, 2.0), {})  # the same kernel, lowered for the A100 and the H100 (no GPU needed)
-print("✓ axpy also lowers for sm_90a and sm_80")
+print("axpy also lowers for sm_90a and sm_80 (lower_for_gpus raises with the compiler's message otherwise)")

@@ -133,6 +133,8 @@ ALLOWED = {
     ("09", "1%"): "the size of a planted bug (LSE × 1.01)",
     ("09", "0.9×"): "a target; the claims cell checks it against the record (not met)",
     ("09", "989 TFLOP/s"): "H100 SXM datasheet",
+    ("11", "2.5×"): "the FLOP convention: five matmuls against the forward's two",
+    ("11", "10%"): "a target; the claims cell after it checks it against the record",
     ("09", "3.35 TB/s"): "H100 SXM datasheet",
     ("09", "3 TB/s"): "an order of magnitude in an estimate (about the datasheet bandwidth)",
     ("09", "85%"): "a target; the claims cell checks it against the record",
