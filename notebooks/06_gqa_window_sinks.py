@@ -333,18 +333,15 @@ W = cu.pick(cpu=23, gpu=300)
 compare_with_reference(f"GQA, window {W}", q, k, v, d_out, window_size=W)
 out_w1, _, _ = compare_with_reference("GQA, window 1", q, k, v, d_out, window_size=1)
 cu.check_close(out_w1, v.repeat_interleave(group, dim=1), "window 1: O = own value row")
-switched = cu.backward_kernels(q, k, window_size=1).dq is not None  # only the deterministic kernels have a dQ kernel
-print("the W = 1 backward above ran", "chapter 08's deterministic kernels, not the default atomic ones (see below)"
-      if switched else "the default backward kernels of this device");
 
 # %% [markdown]
-# **A known bug, worked around.** On an H100 the W = 1 backward checked above is *not* the default
-# kernel. With a one-key window, chapter 08's default Hopper backward (float32 atomics for dQ) gave
-# wrong dQ and dK in some runs and right ones in others: a race that is not found yet
-# (`notes/hopper_backward.md`). Until it is fixed, `backward_kernels` switches to chapter 08's
-# deterministic kernels for W = 1 on Hopper, which were right in every run; the line above says
-# which kernels this run used. So on the GPU this cell checks the workaround, not the default
-# kernel; other windows run the default.
+# **A race, found and fixed.** Until 2026-11-24, on an H100 the W = 1 backward gave wrong dQ and dK
+# in some runs and right ones in others. The cause: with one query block per key block the
+# backward's loop runs once, TileLang unrolls it, and its memory planner then placed dSᵀ over LSE/Δ
+# and dQ's staging tile over K and V, while our own barriers (chapter 08) no longer protected the
+# reuse. Chapter 08's kernel now forbids shared-memory reuse (`TL_DISABLE_SHARED_MEMORY_REUSE`), the
+# cell above runs the default kernel on every device, and a GPU stress test repeats the one-step
+# shapes 20 times each (`tests/test_gpu.py`, `notes/hopper_backward.md`).
 
 # %% [markdown]
 # ## 3 · Attention sinks

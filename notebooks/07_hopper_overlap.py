@@ -400,8 +400,12 @@ print("(" + plots.record_caption(versus) + ")")
 #   order: a head of 2k queries has an odd number of 192-row tiles (11), so the tile left in the
 #   middle of one head is paired with the heaviest tile of the next, and those pairs cost about a
 #   third more than the others (the same happens at S = 8k, with 43 tiles). With 128-row
-#   tiles the count is even. Pairing the middle tiles with each other would fix it; that is the
-#   next change to measure.
+#   tiles the count is even. Since this record, the default with a causal mask uses three
+#   warpgroups only from `THREE_WARPGROUPS_MIN_SEQ_MASKED` queries on (two below): a sweep on the
+#   H100 on 2026-11-24 (`notes/hopper_backward.md`, issue 26) measured the D = 64 causal S = 2k
+#   forward there at about cuDNN's speed instead of three quarters of it. This record and the
+#   40-case comparison below predate that change and were not re-measured yet. Pairing the middle
+#   tiles with each other is the other fix, not yet measured.
 
 # %% [markdown]
 # ## 5 · What each technique is worth (H100)
@@ -566,12 +570,13 @@ for dim, causal in cases:
 # %% [markdown]
 # At D = 128 that is the persistent kernel with ping-pong and 128 × 128 tiles; wider key blocks
 # (FlashAttention-3's 128 × 176 without a mask) do not fit next to O's staging tile. At D = 64 it
-# is three consumer warpgroups with ping-pong, from `THREE_WARPGROUPS_MIN_SEQ` queries on; section
-# 4b's record shows where that threshold is right and where it is not.
+# is three consumer warpgroups with ping-pong, from `THREE_WARPGROUPS_MIN_SEQ` queries on
+# (`THREE_WARPGROUPS_MIN_SEQ_MASKED` with a causal mask); section 4b's record shows where the old,
+# single threshold was right and where it was not.
 #
 # `cu.flash_attention` uses the persistent kernel by default on Hopper GPUs with the tiling chosen
 # per head dimension and mask (`HOPPER_FORWARD_CONFIGS` and `hopper_forward_config` in
-# `course_utils/attention.py`; two consumer warpgroups below `THREE_WARPGROUPS_MIN_SEQ` queries). The usual
+# `course_utils/attention.py`; two consumer warpgroups below the thresholds above). The usual
 # shapes (B·S = 16k tokens, H·D = 2048), D = 64 and 128, fp16 and bf16, causal and not, timed side by
 # side with SDPA's FlashAttention-2 and cuDNN backends in one process:
 

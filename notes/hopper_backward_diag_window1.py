@@ -1,6 +1,10 @@
 """Run on the H100 from the repository root (PYTHONPATH=.): the one-key-window race of the atomic Hopper
 backward. Each case three times: O/LSE from the default and the rotated forward, then the atomic kernel
-from the reference's O/LSE (twice); every gradient's error / its allowed bound ("!!" when over)."""
+from the reference's O/LSE (twice); every gradient's error / its allowed bound ("!!" when over).
+
+Historical (2026-11-23): written while `backward_kernels` routed window 1 to the deterministic kernels. That
+routing is gone since the race was found (shared-memory reuse in the unrolled one-step loop, fixed with
+TL_DISABLE_SHARED_MEMORY_REUSE; notes/hopper_backward.md); the atomic kernel is now the default for every window."""
 import time
 
 import torch
