@@ -38,14 +38,13 @@ from torch.autograd.function import once_differentiable
 
 from .attention import (
     _check_supported,
-    attention_backward,
     backward_kernels,
     check_sm_scale,
     forward_kernel,
     sink_logits,
 )
 from .reference import validate_attention_inputs
-from .softmax import merge_attention
+from .softmax import safe_shift
 
 __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
            "sequence_positions", "Block", "step_blocks", "step_work", "kernel_shapes", "compile_ring_kernels",
@@ -203,11 +202,12 @@ class RingComm:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def start(self, tensors, tag=0):
-        """Start sending ``tensors`` on and receiving the previous rank's into new buffers; returns
-        at once. ``.wait()`` on the result gives the received tensors."""
+    def start(self, tensors, tag=0, into=None):
+        """Start sending ``tensors`` on and receiving the previous rank's into ``into`` (buffers shaped
+        like them, reused by the laps; new ones if None); returns at once. ``.wait()`` on the result
+        gives the received tensors (once ours have left too, so their buffers may then be reused)."""
         # region: exchange
-        received = [torch.empty_like(t) for t in tensors]
+        received = list(into) if into is not None else [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in received]
         return _Transfer(dist.batch_isend_irecv(ops), received)
@@ -215,62 +215,111 @@ class RingComm:
 
 
 class NoComm:
-    """A ring that does not communicate: every "received" shard is the one sent. Runs the same
-    kernels as ``RingComm`` would (for measuring the compute alone), with wrong results."""
+    """A ring that does not communicate: the "received" shards are the receive buffers as they are
+    (or the shards sent, without buffers). Runs the same kernels on the same buffers as ``RingComm``
+    would (for measuring the compute alone), with wrong results."""
 
     def __init__(self, rank, world):
         self.rank, self.world = rank, world
 
-    def start(self, tensors, tag=0):
-        return _Arrived(list(tensors))
+    def start(self, tensors, tag=0, into=None):
+        return _Arrived(list(into) if into is not None else list(tensors))
 
 
 # --- The forward and backward laps -------------------------------------------------------------
+#
+# Memory (notes/ring_memory.md has the accounting): besides its inputs and outputs a rank holds one
+# K/V receive buffer (two for world > 2, reused in turn), the running O in the input dtype (merged in
+# float32 a few heads at a time), one float32 dQ accumulator that the backward kernel adds into
+# directly, and two dK/dV buffers in the input dtype (the sum arriving and the buffer the kernel
+# writes, which becomes the next receive buffer). No other buffer of a whole shard is float32.
+
+MERGE_PIECES = 8  # the forward merges O in float32 in this many pieces (of whole heads): ≤ 1/8 of a shard
+
 
 def _rows(t, rows):
     return t[:, :, rows].contiguous()
 
 
-def _accumulator(shape, device, compute, fill=0.0):
-    """A float32 running sum starting at ``fill``; left uninitialised when nothing will be computed
-    (``compute=False`` times the transfers alone, so it launches no other kernel)."""
-    if not compute:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    return torch.full(shape, fill, dtype=torch.float32, device=device)
+def _empty_like_all(tensors):
+    return [torch.empty_like(t) for t in tensors]
 
 
-def _finished(t, dtype, compute):
-    """A float32 sum cast to ``dtype`` (with ``compute=False``, a buffer of that dtype, no cast)."""
-    return t.to(dtype) if compute else torch.empty(t.shape, dtype=dtype, device=t.device)
+def _merge_into(out, lse, out_b, lse_b, rows):
+    """Fold a block's (out_b, lse_b) into rows ``rows`` of the running (out, lse), in place: the
+    log-sum-exp merge of ``softmax.merge_attention``, in float32, a few heads at a time (so no float32
+    copy of a whole shard exists); ``out`` stays in its own dtype."""
+    lse_rows = lse[:, :, rows]
+    total = torch.logaddexp(lse_rows, lse_b)
+    shift = safe_shift(total)
+    w_old, w_new = torch.exp(lse_rows - shift), torch.exp(lse_b - shift)
+    lse[:, :, rows] = total
+    batch, heads, _, dim = out.shape
+    flat_out = out.view(batch * heads, out.shape[2], dim)[:, rows]
+    flat_b = out_b.reshape(batch * heads, -1, dim)
+    w_old, w_new = w_old.reshape(batch * heads, -1, 1), w_new.reshape(batch * heads, -1, 1)
+    step = max(1, -(-batch * heads // MERGE_PIECES))
+    for i in range(0, batch * heads, step):
+        piece = slice(i, i + step)
+        merged = flat_out[piece].float() * w_old[piece]
+        merged += flat_b[piece].float() * w_new[piece]
+        flat_out[piece] = merged
 
 
 def ring_forward(q, k, v, comm, *, causal=False, sm_scale=None, layout="contiguous", compute=True):
     """This rank's shard of O (input dtype) and its LSE (float32) after one lap of the ring.
 
     ``comm``: a ``RingComm`` (or ``NoComm``). ``compute=False`` passes the shards around without
-    computing anything, not even the float32 accumulators' fills and casts (for measuring the
-    communication alone; the results are garbage).
+    computing anything (for measuring the communication alone; the results are garbage).
     """
     heads, seq_local = q.shape[1], q.shape[2]
     no_sinks = sink_logits(None, heads, q.device)
-    out = _accumulator(q.shape, q.device, compute)
-    lse = _accumulator(q.shape[:3], q.device, compute, float("-inf"))
-    kv = (k, v)
+    out = lse = None
+    kv, spare = (k, v), None  # the K/V shard held, and the buffers free to receive the next one into
     # region: forward lap
     for step in range(comm.world):
         source = (comm.rank - step) % comm.world  # whose K/V shard we hold
-        in_flight = comm.start(kv) if step + 1 < comm.world else None  # the next shard travels meanwhile
+        in_flight = None
+        if step + 1 < comm.world:  # the next shard travels meanwhile, into a buffer of an earlier lap step
+            spare = spare or _empty_like_all(kv)
+            in_flight = comm.start(kv, into=spare)
         blocks = step_blocks(comm.rank, source, comm.world, seq_local, causal=causal, layout=layout)
         for block in blocks if compute else ():
             q_b, k_b, v_b = _rows(q, block.q), _rows(kv[0], block.k), _rows(kv[1], block.k)
             kernel = forward_kernel(q_b, k_b, causal=block.causal, sm_scale=sm_scale)
             out_b, lse_b = kernel(q_b, k_b, v_b, no_sinks)
-            rows = (slice(None), slice(None), block.q)
-            out[rows], lse[rows] = merge_attention(out[rows], lse[rows], out_b, lse_b)
+            if out is None:  # the first step (our own shard, every row): its result is the running one
+                out, lse = out_b, lse_b
+            else:
+                _merge_into(out, lse, out_b, lse_b, block.q)
+            del out_b, lse_b, q_b, k_b, v_b
         if in_flight is not None:
-            kv = in_flight.wait()
+            held, kv = kv, in_flight.wait()
+            spare = None if held[0] is k else held  # the shard just used receives the one after next
     # endregion
-    return _finished(out, q.dtype, compute), lse
+    if out is None:  # compute=False
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, dkv_into):
+    """One block's dQ (added into the float32 ``dq_acc``) and its dK, dV (returned, in the input dtype;
+    written into ``dkv_into`` when the block covers every key)."""
+    if block.q == _ALL:
+        q_b, d_out_b, lse_b, delta_b, dq_b = q, d_out, lse, delta, dq_acc
+    else:  # rows of a [B, H, S, D] tensor are not contiguous: copies of the block's rows
+        q_b, d_out_b, lse_b, delta_b = (_rows(t, block.q) for t in (q, d_out, lse, delta))
+        dq_b = torch.zeros(q_b.shape, dtype=torch.float32, device=q.device)
+    if kernels.postprocess_dkv is None:  # the kernel writes dK, dV in the input dtype
+        dk_b, dv_b = dkv_into if block.k == _ALL else _empty_like_all((k_b, v_b))
+        kernels.main(q_b, k_b, v_b, d_out_b, lse_b, delta_b, dq_b, dk_b, dv_b)
+    else:  # GQA: the kernel sums the heads of a group into float32 (a K/V shard's size), then casts
+        dk_b, dv_b = (torch.zeros(k_b.shape, dtype=torch.float32, device=k_b.device) for _ in range(2))
+        kernels.main(q_b, k_b, v_b, d_out_b, lse_b, delta_b, dq_b, dk_b, dv_b)
+        dk_b, dv_b = kernels.postprocess_dkv(dk_b), kernels.postprocess_dkv(dv_b)
+    if dq_b is not dq_acc:
+        dq_acc[:, :, block.q] += dq_b
+    return dk_b, dv_b
 
 
 def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None, layout="contiguous",
@@ -280,36 +329,55 @@ def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None
     ``compute=False`` makes the same transfers without computing anything (garbage results).
     """
     seq_local = q.shape[2]
-    dq = _accumulator(q.shape, q.device, compute)
-    kv, dkv_in_flight = (k, v), None
+    own = backward_kernels(q, k, causal=causal, sm_scale=sm_scale)  # step 0's block: every row, every key
+    if own.dq is not None:
+        raise ValueError("ring_backward runs the atomic backward kernels (BackwardKernels.dq must be None)")
+    # One float32 dQ sum that every block's kernel adds into (no per-call accumulator and cast), and
+    # Δ = rowsum(O ∘ dO) once for the lap.
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if compute else None
+    delta = own.preprocess(out, d_out) if compute else None
+    kv, kv_spare = (k, v), None
+    dkv_in_flight = dkv_sent = None
+    free = None  # dK/dV buffers (input dtype) the kernel may write into: the sum we sent last step
     # region: backward lap
     for step in range(comm.world):
         source = (comm.rank - step) % comm.world
-        kv_in_flight = comm.start(kv) if step + 1 < comm.world else None
-        # This step's share of the source's dK and dV, in float32 (the sums travel and grow).
-        dk, dv = (_accumulator(k.shape, k.device, compute) for _ in range(2))
-        blocks = step_blocks(comm.rank, source, comm.world, seq_local, causal=causal, layout=layout)
-        for block in blocks if compute else ():
-            q_b, out_b, d_out_b, lse_b = (_rows(t, block.q) for t in (q, out, d_out, lse))
-            k_b, v_b = _rows(kv[0], block.k), _rows(kv[1], block.k)
-            dq_b, dk_b, dv_b, _ = attention_backward(q_b, k_b, v_b, out_b, lse_b, d_out_b, causal=block.causal,
-                                                     sm_scale=sm_scale)
-            dq[:, :, block.q] += dq_b
-            dk[:, :, block.k] += dk_b
-            dv[:, :, block.k] += dv_b
+        kv_in_flight = None
+        if step + 1 < comm.world:
+            kv_spare = kv_spare or _empty_like_all(kv)
+            kv_in_flight = comm.start(kv, into=kv_spare)
+        arrived = None
         if dkv_in_flight is not None:
-            dk_before, dv_before = dkv_in_flight.wait()  # what the ranks before us added for this source
-            if compute:
-                dk += dk_before
-                dv += dv_before
-        if step + 1 == comm.world:  # the sums are complete: they go home in the output dtype (fewer bytes)
-            dk, dv = _finished(dk, k.dtype, compute), _finished(dv, v.dtype, compute)
-        dkv_in_flight = comm.start((dk, dv), tag=1)  # the sums follow the K/V they belong to
+            # The dK/dV sum for this source from the ranks before us; ours has left, so its buffers
+            # are free for this step's kernel. (Waiting here, before the kernel, keeps two dK/dV
+            # buffers instead of three; the transfer is the previous step's.)
+            arrived, free = dkv_in_flight.wait(), dkv_sent
+        free = free or _empty_like_all((k, v))
+        blocks = step_blocks(comm.rank, source, comm.world, seq_local, causal=causal, layout=layout)
+        total = arrived if arrived is not None else free
+        for block in blocks if compute else ():
+            k_b, v_b = _rows(kv[0], block.k), _rows(kv[1], block.k)
+            kernels = own if step == 0 else backward_kernels(q[:, :, block.q], k_b, causal=block.causal,
+                                                             sm_scale=sm_scale)
+            dk_b, dv_b = _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, free)
+            if arrived is None:  # step 0: our own shard's block, every key: the sum starts as its dK/dV
+                total = [dk_b, dv_b]
+            else:  # the sum travels in the input dtype (notes/ring_memory.md: the error this costs)
+                arrived[0][:, :, block.k] += dk_b
+                arrived[1][:, :, block.k] += dv_b
+            del k_b, v_b, dk_b, dv_b
+        # Send the sum on (it follows the K/V it belongs to); receive into whichever buffer is not it.
+        receive_into = free if total[0] is not free[0] else _empty_like_all((k, v))
+        dkv_in_flight, dkv_sent, free = comm.start(total, tag=1, into=receive_into), total, None
         if kv_in_flight is not None:
-            kv = kv_in_flight.wait()
+            held, kv = kv, kv_in_flight.wait()
+            kv_spare = None if held[0] is k else held
+    del kv, kv_spare, free
     dk, dv = dkv_in_flight.wait()  # after a full lap, our own shard's dK and dV are home
+    del dkv_sent
     # endregion
-    return _finished(dq, q.dtype, compute), dk, dv
+    dq = own.postprocess_dq(dq_acc) if compute else torch.empty_like(q)
+    return dq, dk, dv
 
 
 class _RingAttention(torch.autograd.Function):
