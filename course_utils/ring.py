@@ -30,6 +30,7 @@ Llama 3 Herd of Models", 2024). Our code is written from those descriptions.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -49,7 +50,7 @@ from .softmax import safe_shift
 __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
            "sequence_positions", "Block", "step_blocks", "step_work", "kernel_shapes", "compile_ring_kernels",
            "RingComm", "NoComm", "ring_forward", "ring_backward",
-           "RingCase", "run_ring_attention", "BAD_INPUTS"]
+           "RingCase", "run_ring_attention", "BAD_INPUTS", "lap_memory", "lap_memory_model", "check_lap_memory"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -304,14 +305,14 @@ def ring_forward(q, k, v, comm, *, causal=False, sm_scale=None, layout="contiguo
 
 def _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, dkv_into):
     """One block's dQ (added into the float32 ``dq_acc``) and its dK, dV (returned, in the input dtype;
-    written into ``dkv_into`` when the block covers every key)."""
+    written into ``dkv_into``, if given, when the block covers every key)."""
     if block.q == _ALL:
         q_b, d_out_b, lse_b, delta_b, dq_b = q, d_out, lse, delta, dq_acc
     else:  # rows of a [B, H, S, D] tensor are not contiguous: copies of the block's rows
         q_b, d_out_b, lse_b, delta_b = (_rows(t, block.q) for t in (q, d_out, lse, delta))
         dq_b = torch.zeros(q_b.shape, dtype=torch.float32, device=q.device)
     if kernels.postprocess_dkv is None:  # the kernel writes dK, dV in the input dtype
-        dk_b, dv_b = dkv_into if block.k == _ALL else _empty_like_all((k_b, v_b))
+        dk_b, dv_b = dkv_into if dkv_into is not None and block.k == _ALL else _empty_like_all((k_b, v_b))
         kernels.main(q_b, k_b, v_b, d_out_b, lse_b, delta_b, dq_b, dk_b, dv_b)
     else:  # GQA: the kernel sums the heads of a group into float32 (a K/V shard's size), then casts
         dk_b, dv_b = (torch.zeros(k_b.shape, dtype=torch.float32, device=k_b.device) for _ in range(2))
@@ -336,14 +337,20 @@ def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None
     # Δ = rowsum(O ∘ dO) once for the lap.
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if compute else None
     delta = own.preprocess(out, d_out) if compute else None
+    # The dK/dV sums travel in the input dtype on a ring of two: there each sum is one addition of two
+    # kernel outputs, rounded once, as a float32 sum would be (bit for bit). On longer rings every
+    # addition rounds again, which broke the FlashAttention criterion for dK at 8 ranks (bfloat16,
+    # causal; notes/ring_memory.md), so there they travel in float32 until the last step.
+    sum_dtype = k.dtype if comm.world <= 2 else torch.promote_types(k.dtype, torch.float32)
     kv, kv_spare = (k, v), None
     dkv_in_flight = dkv_sent = None
-    free = None  # dK/dV buffers (input dtype) the kernel may write into: the sum we sent last step
+    free = None  # dK/dV buffers the kernel may write into / we may receive into: the sum we sent last step
     # region: backward lap
     for step in range(comm.world):
         source = (comm.rank - step) % comm.world
+        last = step + 1 == comm.world
         kv_in_flight = None
-        if step + 1 < comm.world:
+        if not last:
             kv_spare = kv_spare or _empty_like_all(kv)
             kv_in_flight = comm.start(kv, into=kv_spare)
         arrived = None
@@ -352,22 +359,27 @@ def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None
             # are free for this step's kernel. (Waiting here, before the kernel, keeps two dK/dV
             # buffers instead of three; the transfer is the previous step's.)
             arrived, free = dkv_in_flight.wait(), dkv_sent
-        free = free or _empty_like_all((k, v))
+        if free is None:
+            free = [torch.empty(k.shape, dtype=sum_dtype, device=k.device) for _ in range(2)]
         blocks = step_blocks(comm.rank, source, comm.world, seq_local, causal=causal, layout=layout)
         total = arrived if arrived is not None else free
         for block in blocks if compute else ():
             k_b, v_b = _rows(kv[0], block.k), _rows(kv[1], block.k)
             kernels = own if step == 0 else backward_kernels(q[:, :, block.q], k_b, causal=block.causal,
                                                              sm_scale=sm_scale)
-            dk_b, dv_b = _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, free)
+            into = free if free[0].dtype == k.dtype else None
+            dk_b, dv_b = _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, into)
             if arrived is None:  # step 0: our own shard's block, every key: the sum starts as its dK/dV
-                total = [dk_b, dv_b]
-            else:  # the sum travels in the input dtype (notes/ring_memory.md: the error this costs)
+                total = [dk_b.to(sum_dtype), dv_b.to(sum_dtype)]
+            else:
                 arrived[0][:, :, block.k] += dk_b
                 arrived[1][:, :, block.k] += dv_b
             del k_b, v_b, dk_b, dv_b
-        # Send the sum on (it follows the K/V it belongs to); receive into whichever buffer is not it.
-        receive_into = free if total[0] is not free[0] else _empty_like_all((k, v))
+        if last and total[0].dtype != k.dtype:  # complete: the sums go home in the input dtype
+            total = [t.to(k.dtype) for t in total]
+        # Send the sum on (it follows the K/V it belongs to); receive into the free buffers if they fit.
+        fits = total[0] is not free[0] and free[0].dtype == total[0].dtype
+        receive_into = free if fits else [torch.empty_like(t) for t in total]
         dkv_in_flight, dkv_sent, free = comm.start(total, tag=1, into=receive_into), total, None
         if kv_in_flight is not None:
             held, kv = kv, kv_in_flight.wait()
@@ -589,6 +601,84 @@ def run_ring_attention(cases, world=2, *, bad_inputs=False):
         out, dq, dk, dv = (unshard_sequence([s[i] for s in shards], case.layout) for i in range(4))
         results.append((out, (dq, dk, dv)))
     return results, ([errors for _, errors in per_rank] if bad_inputs else None)
+
+
+def _allocations(fn):
+    """Run ``fn`` under torch's CPU memory profiler; returns (its result, the byte sizes of the
+    allocations it made, in order, and the peak of the bytes it held at once)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    sizes, held, peak = [], 0, 0
+    for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+        if event.name() != "[memory]" or event.device_type() != torch.autograd.DeviceType.CPU:
+            continue
+        nbytes = event.nbytes()
+        if nbytes > 0:
+            sizes.append(nbytes)
+        held += nbytes
+        peak = max(peak, held)
+    return result, sizes, peak
+
+
+def _memory_worker(shapes, dtype, causal, layout):
+    """On every rank (CPU, gloo): the allocations of ring_forward and of ring_backward, measured apart
+    (the inputs and the forward's results are made outside the measured windows)."""
+    comm = RingComm()
+    g = torch.Generator().manual_seed(comm.rank)
+    q, k, v, d_out = (torch.randn(shape, generator=g).to(dtype) for shape in shapes)
+    compile_ring_kernels(q, k, comm.world, causal=causal, layout=layout)
+    options = dict(causal=causal, layout=layout)
+    ring_forward(q, k, v, comm, **options)  # warm: TileLang's and the allocator's first-call costs
+    (out, lse), forward_sizes, forward_peak = _allocations(lambda: ring_forward(q, k, v, comm, **options))
+    ring_backward(q, k, v, out, lse, d_out, comm, **options)
+    _, backward_sizes, backward_peak = _allocations(
+        lambda: ring_backward(q, k, v, out, lse, d_out, comm, **options))
+    return dict(forward=dict(sizes=forward_sizes, peak=forward_peak),
+                backward=dict(sizes=backward_sizes, peak=backward_peak))
+
+
+def lap_memory(q_shape, kv_shape, world=2, *, dtype=torch.float16, causal=False, layout="contiguous"):
+    """Measured on ``world`` CPU processes (gloo): per rank, {"forward"|"backward": {"peak": the most
+    bytes the lap held at once, above its inputs, "sizes": every allocation's bytes}} for shards of
+    ``q_shape`` and ``kv_shape`` (q, dO and k, v)."""
+    from .gloo import run_on_ranks
+
+    return run_on_ranks(_memory_worker, world, (q_shape, kv_shape, kv_shape, q_shape), dtype, causal, layout)
+
+
+def lap_memory_model(q_shape, kv_shape, world=2, *, dtype=torch.float16):
+    """The accounting of notes/ring_memory.md for a contiguous non-causal lap (every block whole):
+    {"forward"|"backward": (bytes of the whole-shard buffers the lap holds at its peak, what small
+    buffers may add: LSE-sized ones and the merge's float32 pieces)}, per rank, above the inputs."""
+    size = torch.empty((), dtype=dtype).element_size()
+    n_q, n_kv = math.prod(q_shape), math.prod(kv_shape)
+    row = math.prod(q_shape[:3]) * 4  # one float32 per query row: LSE, Δ, the merge's weights
+    kv_held = 2 * n_kv * size  # the receive buffer of K and V (one set on a ring of two)
+    sums = 2 * 2 * n_kv * (size if world <= 2 else max(size, 4))  # two sets of dK/dV buffers
+    piece = 4 * n_q // min(MERGE_PIECES, q_shape[0] * q_shape[1])  # one float32 piece of the merge
+    return {"forward": (kv_held + 2 * n_q * size, 8 * row + 2 * piece),  # running O, this step's O
+            "backward": (4 * n_q + kv_held + sums, 4 * row)}  # the float32 dQ sum
+
+
+def check_lap_memory(measured, q_shape, kv_shape, world=2, *, dtype=torch.float16):
+    """Raise AssertionError unless one rank's ``lap_memory`` result matches ``lap_memory_model``: each
+    peak within [model, model + small buffers], and no float32 buffer of a whole Q shard other than
+    the backward's dQ sum (none in the forward)."""
+    model = lap_memory_model(q_shape, kv_shape, world, dtype=dtype)
+    whole_f32 = 4 * math.prod(q_shape)
+    for phase, (big, small) in model.items():
+        peak = measured[phase]["peak"]
+        if not big <= peak <= big + small:
+            raise AssertionError(f"{phase}: peak {peak} bytes above the inputs; the accounting says {big} "
+                                 f"(+ up to {small} in small buffers)")
+        count = sum(n == whole_f32 for n in measured[phase]["sizes"])
+        allowed = 1 if phase == "backward" and dtype != torch.float32 else 0
+        if dtype != torch.float32 and count != allowed:
+            raise AssertionError(f"{phase}: {count} float32 buffers of a whole Q shard ({whole_f32} bytes); "
+                                 f"the accounting has {allowed}")
+    return model
 
 
 def self_check(world=2):
