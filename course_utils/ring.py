@@ -168,6 +168,8 @@ def compile_ring_kernels(q, k, world, *, causal=False, sm_scale=None, layout="co
         k_b = k.new_empty(k.shape[0], k.shape[1], rows_k, k.shape[3])
         forward_kernel(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
         backward_kernels(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
+        if rows_q < q.shape[2] and q.shape[1] == k.shape[1]:  # the backward's per-head calls (_per_head)
+            backward_kernels(q_b[:1, :1], k_b[:1, :1], causal=block_causal, sm_scale=sm_scale)
 
 
 # --- Passing shards around the ring ------------------------------------------------------------
@@ -303,16 +305,34 @@ def ring_forward(q, k, v, comm, *, causal=False, sm_scale=None, layout="contiguo
     return out, lse
 
 
+def _per_head(block, q, k):
+    """Whether the backward runs a block of some query rows as one kernel call per (batch, head): MHA
+    only, where every tensor of such a call is a contiguous view (no copy of Q's or dO's rows, no
+    float32 dQ of the block) and the kernel writes its heads' dK/dV without summing a group."""
+    return block.q != _ALL and q.shape[1] == k.shape[1]
+
+
 def _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, dkv_into):
     """One block's dQ (added into the float32 ``dq_acc``) and its dK, dV (returned, in the input dtype;
-    written into ``dkv_into``, if given, when the block covers every key)."""
+    written into ``dkv_into`` when given and shaped like ``k_b``). ``kernels``: the block's, or for a
+    ``_per_head`` block those of one (batch, head) of it."""
+    mha = kernels.postprocess_dkv is None
+    if mha:  # the kernel writes dK, dV in the input dtype
+        fits = dkv_into is not None and dkv_into[0].shape == k_b.shape
+        dk_b, dv_b = dkv_into if fits else _empty_like_all((k_b, v_b))
+    if _per_head(block, q, k_b):
+        for b in range(q.shape[0]):
+            for h in range(q.shape[1]):
+                one = (slice(b, b + 1), slice(h, h + 1))
+                kernels.main(q[one + (block.q,)], k_b[one], v_b[one], d_out[one + (block.q,)], lse[one + (block.q,)],
+                             delta[one + (block.q,)], dq_acc[one + (block.q,)], dk_b[one], dv_b[one])
+        return dk_b, dv_b
     if block.q == _ALL:
         q_b, d_out_b, lse_b, delta_b, dq_b = q, d_out, lse, delta, dq_acc
-    else:  # rows of a [B, H, S, D] tensor are not contiguous: copies of the block's rows
+    else:  # rows of a [B, H, S, D] tensor are not contiguous: copies of the block's rows (GQA)
         q_b, d_out_b, lse_b, delta_b = (_rows(t, block.q) for t in (q, d_out, lse, delta))
         dq_b = torch.zeros(q_b.shape, dtype=torch.float32, device=q.device)
-    if kernels.postprocess_dkv is None:  # the kernel writes dK, dV in the input dtype
-        dk_b, dv_b = dkv_into if dkv_into is not None and block.k == _ALL else _empty_like_all((k_b, v_b))
+    if mha:
         kernels.main(q_b, k_b, v_b, d_out_b, lse_b, delta_b, dq_b, dk_b, dv_b)
     else:  # GQA: the kernel sums the heads of a group into float32 (a K/V shard's size), then casts
         dk_b, dv_b = (torch.zeros(k_b.shape, dtype=torch.float32, device=k_b.device) for _ in range(2))
@@ -321,6 +341,20 @@ def _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, dkv_
     if dq_b is not dq_acc:
         dq_acc[:, :, block.q] += dq_b
     return dk_b, dv_b
+
+
+def _block_kernels(q, k_b, block, sm_scale):
+    """The compiled backward a block runs (for a ``_per_head`` block: one (batch, head)'s)."""
+    q_b = q[:, :, block.q]
+    if _per_head(block, q, k_b):
+        q_b, k_b = q_b[:1, :1], k_b[:1, :1]
+    return backward_kernels(q_b, k_b, causal=block.causal, sm_scale=sm_scale)
+
+
+def _carve(buffers, like):
+    """Two tensors shaped like ``like`` in each of ``buffers`` (views of its first elements)."""
+    n = like.numel()
+    return [[buf.view(-1)[i * n:(i + 1) * n].view(like.shape) for i in range(2)] for buf in buffers]
 
 
 def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None, layout="contiguous",
@@ -364,17 +398,24 @@ def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None
         blocks = step_blocks(comm.rank, source, comm.world, seq_local, causal=causal, layout=layout)
         total = arrived if arrived is not None else free
         for block in blocks if compute else ():
-            k_b, v_b = _rows(kv[0], block.k), _rows(kv[1], block.k)
-            kernels = own if step == 0 else backward_kernels(q[:, :, block.q], k_b, causal=block.causal,
-                                                             sm_scale=sm_scale)
             into = free if free[0].dtype == k.dtype else None
+            if block.k != _ALL and into is not None and 2 * len(range(seq_local)[block.k]) <= seq_local:
+                # Some of the keys: the free dK/dV buffers are idle during this block, so they hold
+                # its copy of those K/V rows and its dK/dV (no other buffer).
+                (k_b, dk_into), (v_b, dv_into) = _carve(free, kv[0][:, :, block.k])
+                k_b.copy_(kv[0][:, :, block.k])
+                v_b.copy_(kv[1][:, :, block.k])
+                into = (dk_into, dv_into)
+            else:
+                k_b, v_b = _rows(kv[0], block.k), _rows(kv[1], block.k)
+            kernels = own if step == 0 else _block_kernels(q, k_b, block, sm_scale)
             dk_b, dv_b = _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, into)
             if arrived is None:  # step 0: our own shard's block, every key: the sum starts as its dK/dV
                 total = [dk_b.to(sum_dtype), dv_b.to(sum_dtype)]
             else:
                 arrived[0][:, :, block.k] += dk_b
                 arrived[1][:, :, block.k] += dv_b
-            del k_b, v_b, dk_b, dv_b
+            del k_b, v_b, dk_b, dv_b, into
         if last and total[0].dtype != k.dtype:  # complete: the sums go home in the input dtype
             total = [t.to(k.dtype) for t in total]
         # Send the sum on (it follows the K/V it belongs to); receive into the free buffers if they fit.

@@ -19,6 +19,8 @@ CASES = [(layout, causal, "float32") for layout in ring.LAYOUTS for causal in (F
 # The GPUs run 16-bit, where the finished dK/dV sums go home in the input dtype and results are judged by
 # the FlashAttention criterion: one 16-bit case (one kernel shape: 16-bit kernels compile slowly on the CPU).
 CASES_16 = [("contiguous", False, "float16")]
+# MHA, causal zigzag: the backward's per-head calls for the blocks of half the query rows.
+CASES_MHA = [("zigzag", True, "float32", "mha")]
 
 
 # Ranks 3 and 1 of the 4 processes (in that order) as a group of their own: the ring must map group
@@ -29,20 +31,20 @@ SUBGROUP = [("zigzag", True, "float32", (3, 1))]
 def _run(world, seed, cases, bad_inputs):
     g = torch.Generator().manual_seed(seed)
     problems = {}
-    for layout, causal, dtype, *ranks in cases:
-        ranks = ranks[0] if ranks else None
+    for layout, causal, dtype, *extra in cases:
+        ranks = next((e for e in extra if isinstance(e, tuple)), None)
+        heads_kv = H if "mha" in extra else H_KV
         seq = (world if ranks is None else len(ranks)) * S_LOCAL
         q, d_out = (torch.randn(B, H, seq, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
-        k, v = (torch.randn(B, H_KV, seq, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
-        problems[(layout, causal, dtype, *([ranks] if ranks else []))] = ring.RingCase(q, k, v, d_out, causal, layout,
-                                                                                     ranks=ranks)
+        k, v = (torch.randn(B, heads_kv, seq, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
+        problems[(layout, causal, dtype, *extra)] = ring.RingCase(q, k, v, d_out, causal, layout, ranks=ranks)
     results, errors = ring.run_ring_attention(list(problems.values()), world, bad_inputs=bad_inputs)
     return problems, dict(zip(problems, results)), errors
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return _run(2, 1, CASES + CASES_16, bad_inputs=True)
+    return _run(2, 1, CASES + CASES_16 + CASES_MHA, bad_inputs=True)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,7 @@ def _check(run, case_key):
                           causal=causal, refs=refs, quiet=True)
 
 
-@pytest.mark.parametrize("case_key", CASES + CASES_16, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case_key", CASES + CASES_16 + CASES_MHA, ids=lambda c: "-".join(map(str, c)))
 def test_two_ranks_match_float64(two_ranks, case_key):
     _check(two_ranks, case_key)
 
@@ -146,7 +148,7 @@ def _peak_per_token(which, seq, heads, heads_kv, rank=0, dim=128):
 def test_ring_peak_per_token_against_one_gpu():
     """notes/ring_memory.md's accounting at the GPU record's shape (H = 16, D = 128, 16-bit, causal
     zigzag, 2 ranks), per token of the sequence: one GPU 10u + 2-3 LSE rows, the ring's worst rank
-    15u + 3 LSE rows over 2 (u = H·D·2 bytes). The first version held 51264 B/token, as the H200
+    13u + 2-3 LSE rows over 2 (u = H·D·2 bytes). The first version held 51264 B/token, as the H200
     record measured; one GPU's 41152 B/token are the record's too."""
     from course_utils.benchmarks.ch10_ring import _StubKernels
 
@@ -157,8 +159,8 @@ def test_ring_peak_per_token_against_one_gpu():
         gqa_one = _peak_per_token("one", 1024, 64, 8)
         gqa_ring = max(_peak_per_token("ring", 1024, 64, 8, rank) for rank in (0, 1))
     assert 10 * u + 2 * row <= one <= 10 * u + 3 * row + 1
-    assert (15 * u + 2 * row) / 2 <= worst <= (15 * u + 3 * row) / 2
-    assert worst / one < 0.75 and gqa_ring / gqa_one < 0.63
+    assert (13 * u + 2 * row) / 2 <= worst <= (13 * u + 3 * row) / 2
+    assert worst / one < 0.65 and gqa_ring / gqa_one < 0.63
 
 
 def test_outside_a_process_group():
