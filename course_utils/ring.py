@@ -168,7 +168,7 @@ def compile_ring_kernels(q, k, world, *, causal=False, sm_scale=None, layout="co
         k_b = k.new_empty(k.shape[0], k.shape[1], rows_k, k.shape[3])
         forward_kernel(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
         backward_kernels(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
-        if rows_q < q.shape[2] and q.shape[1] == k.shape[1]:  # the backward's per-head calls (_per_head)
+        if rows_q < q.shape[2]:  # the backward's per-head calls (_per_head)
             backward_kernels(q_b[:1, :1], k_b[:1, :1], causal=block_causal, sm_scale=sm_scale)
 
 
@@ -306,10 +306,10 @@ def ring_forward(q, k, v, comm, *, causal=False, sm_scale=None, layout="contiguo
 
 
 def _per_head(block, q, k):
-    """Whether the backward runs a block of some query rows as one kernel call per (batch, head): MHA
-    only, where every tensor of such a call is a contiguous view (no copy of Q's or dO's rows, no
-    float32 dQ of the block) and the kernel writes its heads' dK/dV without summing a group."""
-    return block.q != _ALL and q.shape[1] == k.shape[1]
+    """Whether the backward runs a block of some query rows as one kernel call per (batch, head):
+    every tensor of such a call is a contiguous view (no copy of Q's or dO's rows, no float32 dQ of
+    the block). GQA: each head's dK/dV (input dtype) is summed over its group in float32."""
+    return block.q != _ALL
 
 
 def _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, dkv_into):
@@ -317,15 +317,28 @@ def _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, dkv_
     written into ``dkv_into`` when given and shaped like ``k_b``). ``kernels``: the block's, or for a
     ``_per_head`` block those of one (batch, head) of it."""
     mha = kernels.postprocess_dkv is None
-    if mha:  # the kernel writes dK, dV in the input dtype
+    if mha or _per_head(block, q, k_b):  # dK, dV in the input dtype
         fits = dkv_into is not None and dkv_into[0].shape == k_b.shape
         dk_b, dv_b = dkv_into if fits else _empty_like_all((k_b, v_b))
     if _per_head(block, q, k_b):
+        group = q.shape[1] // k_b.shape[1]
+        if group > 1:  # one head's dK, dV, and their float32 sums over its group (one K/V head each)
+            head_dkv = _empty_like_all((k_b[:1, :1], v_b[:1, :1]))
+            sums = [torch.empty(k_b[:1, :1].shape, dtype=torch.float32, device=k_b.device) for _ in range(2)]
         for b in range(q.shape[0]):
-            for h in range(q.shape[1]):
-                one = (slice(b, b + 1), slice(h, h + 1))
-                kernels.main(q[one + (block.q,)], k_b[one], v_b[one], d_out[one + (block.q,)], lse[one + (block.q,)],
-                             delta[one + (block.q,)], dq_acc[one + (block.q,)], dk_b[one], dv_b[one])
+            for h_kv in range(k_b.shape[1]):
+                kv_one = (slice(b, b + 1), slice(h_kv, h_kv + 1))
+                for h in range(h_kv * group, (h_kv + 1) * group):
+                    one, rows = (slice(b, b + 1), slice(h, h + 1)), block.q
+                    out_dkv = (dk_b[kv_one], dv_b[kv_one]) if group == 1 else head_dkv
+                    kernels.main(q[one + (rows,)], k_b[kv_one], v_b[kv_one], d_out[one + (rows,)], lse[one + (rows,)],
+                                 delta[one + (rows,)], dq_acc[one + (rows,)], *out_dkv)
+                    if group > 1:
+                        for total, part in zip(sums, head_dkv):
+                            total.copy_(part) if h == h_kv * group else total.add_(part)
+                if group > 1:
+                    dk_b[kv_one].copy_(sums[0])
+                    dv_b[kv_one].copy_(sums[1])
         return dk_b, dv_b
     if block.q == _ALL:
         q_b, d_out_b, lse_b, delta_b, dq_b = q, d_out, lse, delta, dq_acc

@@ -160,7 +160,7 @@ def test_ring_peak_per_token_against_one_gpu():
         gqa_ring = max(_peak_per_token("ring", 1024, 64, 8, rank) for rank in (0, 1))
     assert 10 * u + 2 * row <= one <= 10 * u + 3 * row + 1
     assert (13 * u + 2 * row) / 2 <= worst <= (13 * u + 3 * row) / 2
-    assert worst / one < 0.65 and gqa_ring / gqa_one < 0.63
+    assert worst / one < 0.65 and gqa_ring / gqa_one < 0.49
 
 
 def test_outside_a_process_group():
