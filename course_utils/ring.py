@@ -30,6 +30,7 @@ Llama 3 Herd of Models", 2024). Our code is written from those descriptions.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -38,19 +39,18 @@ from torch.autograd.function import once_differentiable
 
 from .attention import (
     _check_supported,
-    attention_backward,
     backward_kernels,
     check_sm_scale,
     forward_kernel,
     sink_logits,
 )
 from .reference import validate_attention_inputs
-from .softmax import merge_attention
+from .softmax import safe_shift
 
 __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
            "sequence_positions", "Block", "step_blocks", "step_work", "kernel_shapes", "compile_ring_kernels",
            "RingComm", "NoComm", "ring_forward", "ring_backward",
-           "RingCase", "run_ring_attention", "BAD_INPUTS"]
+           "RingCase", "run_ring_attention", "BAD_INPUTS", "lap_memory", "lap_memory_model", "check_lap_memory"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -168,6 +168,8 @@ def compile_ring_kernels(q, k, world, *, causal=False, sm_scale=None, layout="co
         k_b = k.new_empty(k.shape[0], k.shape[1], rows_k, k.shape[3])
         forward_kernel(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
         backward_kernels(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
+        if rows_q < q.shape[2]:  # the backward's per-head calls (_per_head)
+            backward_kernels(q_b[:1, :1], k_b[:1, :1], causal=block_causal, sm_scale=sm_scale)
 
 
 # --- Passing shards around the ring ------------------------------------------------------------
@@ -203,11 +205,12 @@ class RingComm:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def start(self, tensors, tag=0):
-        """Start sending ``tensors`` on and receiving the previous rank's into new buffers; returns
-        at once. ``.wait()`` on the result gives the received tensors."""
+    def start(self, tensors, tag=0, into=None):
+        """Start sending ``tensors`` on and receiving the previous rank's into ``into`` (buffers shaped
+        like them, reused by the laps; new ones if None); returns at once. ``.wait()`` on the result
+        gives the received tensors (once ours have left too, so their buffers may then be reused)."""
         # region: exchange
-        received = [torch.empty_like(t) for t in tensors]
+        received = list(into) if into is not None else [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in received]
         return _Transfer(dist.batch_isend_irecv(ops), received)
@@ -215,62 +218,156 @@ class RingComm:
 
 
 class NoComm:
-    """A ring that does not communicate: every "received" shard is the one sent. Runs the same
-    kernels as ``RingComm`` would (for measuring the compute alone), with wrong results."""
+    """A ring that does not communicate: the "received" shards are the receive buffers as they are
+    (or the shards sent, without buffers). Runs the same kernels on the same buffers as ``RingComm``
+    would (for measuring the compute alone), with wrong results."""
 
     def __init__(self, rank, world):
         self.rank, self.world = rank, world
 
-    def start(self, tensors, tag=0):
-        return _Arrived(list(tensors))
+    def start(self, tensors, tag=0, into=None):
+        return _Arrived(list(into) if into is not None else list(tensors))
 
 
 # --- The forward and backward laps -------------------------------------------------------------
+#
+# Memory (notes/ring_memory.md has the accounting): besides its inputs and outputs a rank holds one
+# K/V receive buffer (two for world > 2, reused in turn), the running O in the input dtype (merged in
+# float32 a few heads at a time), one float32 dQ accumulator that the backward kernel adds into
+# directly, and two dK/dV buffers in the input dtype (the sum arriving and the buffer the kernel
+# writes, which becomes the next receive buffer). No other buffer of a whole shard is float32.
+
+MERGE_PIECES = 8  # the forward merges O in float32 in this many pieces (of whole heads): ≤ 1/8 of a shard
+
 
 def _rows(t, rows):
     return t[:, :, rows].contiguous()
 
 
-def _accumulator(shape, device, compute, fill=0.0):
-    """A float32 running sum starting at ``fill``; left uninitialised when nothing will be computed
-    (``compute=False`` times the transfers alone, so it launches no other kernel)."""
-    if not compute:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    return torch.full(shape, fill, dtype=torch.float32, device=device)
+def _empty_like_all(tensors):
+    return [torch.empty_like(t) for t in tensors]
 
 
-def _finished(t, dtype, compute):
-    """A float32 sum cast to ``dtype`` (with ``compute=False``, a buffer of that dtype, no cast)."""
-    return t.to(dtype) if compute else torch.empty(t.shape, dtype=dtype, device=t.device)
+def _merge_into(out, lse, out_b, lse_b, rows):
+    """Fold a block's (out_b, lse_b) into rows ``rows`` of the running (out, lse), in place: the
+    log-sum-exp merge of ``softmax.merge_attention``, in float32, a few heads at a time (so no float32
+    copy of a whole shard exists); ``out`` stays in its own dtype."""
+    lse_rows = lse[:, :, rows]
+    total = torch.logaddexp(lse_rows, lse_b)
+    shift = safe_shift(total)
+    w_old, w_new = torch.exp(lse_rows - shift), torch.exp(lse_b - shift)
+    lse[:, :, rows] = total
+    batch, heads, _, dim = out.shape
+    flat_out = out.view(batch * heads, out.shape[2], dim)[:, rows]
+    flat_b = out_b.reshape(batch * heads, -1, dim)
+    w_old, w_new = w_old.reshape(batch * heads, -1, 1), w_new.reshape(batch * heads, -1, 1)
+    step = max(1, -(-batch * heads // MERGE_PIECES))
+    for i in range(0, batch * heads, step):
+        piece = slice(i, i + step)
+        merged = flat_out[piece].float() * w_old[piece]
+        merged += flat_b[piece].float() * w_new[piece]
+        flat_out[piece] = merged
 
 
 def ring_forward(q, k, v, comm, *, causal=False, sm_scale=None, layout="contiguous", compute=True):
     """This rank's shard of O (input dtype) and its LSE (float32) after one lap of the ring.
 
     ``comm``: a ``RingComm`` (or ``NoComm``). ``compute=False`` passes the shards around without
-    computing anything, not even the float32 accumulators' fills and casts (for measuring the
-    communication alone; the results are garbage).
+    computing anything (for measuring the communication alone; the results are garbage).
     """
     heads, seq_local = q.shape[1], q.shape[2]
     no_sinks = sink_logits(None, heads, q.device)
-    out = _accumulator(q.shape, q.device, compute)
-    lse = _accumulator(q.shape[:3], q.device, compute, float("-inf"))
-    kv = (k, v)
+    out = lse = None
+    kv, spare = (k, v), None  # the K/V shard held, and the buffers free to receive the next one into
     # region: forward lap
     for step in range(comm.world):
         source = (comm.rank - step) % comm.world  # whose K/V shard we hold
-        in_flight = comm.start(kv) if step + 1 < comm.world else None  # the next shard travels meanwhile
+        in_flight = None
+        if step + 1 < comm.world:  # the next shard travels meanwhile, into a buffer of an earlier lap step
+            spare = spare or _empty_like_all(kv)
+            in_flight = comm.start(kv, into=spare)
         blocks = step_blocks(comm.rank, source, comm.world, seq_local, causal=causal, layout=layout)
         for block in blocks if compute else ():
             q_b, k_b, v_b = _rows(q, block.q), _rows(kv[0], block.k), _rows(kv[1], block.k)
             kernel = forward_kernel(q_b, k_b, causal=block.causal, sm_scale=sm_scale)
             out_b, lse_b = kernel(q_b, k_b, v_b, no_sinks)
-            rows = (slice(None), slice(None), block.q)
-            out[rows], lse[rows] = merge_attention(out[rows], lse[rows], out_b, lse_b)
+            if out is None:  # the first step (our own shard, every row): its result is the running one
+                out, lse = out_b, lse_b
+            else:
+                _merge_into(out, lse, out_b, lse_b, block.q)
+            del out_b, lse_b, q_b, k_b, v_b
         if in_flight is not None:
-            kv = in_flight.wait()
+            held, kv = kv, in_flight.wait()
+            spare = None if held[0] is k else held  # the shard just used receives the one after next
     # endregion
-    return _finished(out, q.dtype, compute), lse
+    if out is None:  # compute=False
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _per_head(block, q, k):
+    """Whether the backward runs a block of some query rows as one kernel call per (batch, head):
+    every tensor of such a call is a contiguous view (no copy of Q's or dO's rows, no float32 dQ of
+    the block). GQA: each head's dK/dV (input dtype) is summed over its group in float32."""
+    return block.q != _ALL
+
+
+def _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, dkv_into):
+    """One block's dQ (added into the float32 ``dq_acc``) and its dK, dV (returned, in the input dtype;
+    written into ``dkv_into`` when given and shaped like ``k_b``). ``kernels``: the block's, or for a
+    ``_per_head`` block those of one (batch, head) of it."""
+    mha = kernels.postprocess_dkv is None
+    if mha or _per_head(block, q, k_b):  # dK, dV in the input dtype
+        fits = dkv_into is not None and dkv_into[0].shape == k_b.shape
+        dk_b, dv_b = dkv_into if fits else _empty_like_all((k_b, v_b))
+    if _per_head(block, q, k_b):
+        group = q.shape[1] // k_b.shape[1]
+        if group > 1:  # one head's dK, dV, and their float32 sums over its group (one K/V head each)
+            head_dkv = _empty_like_all((k_b[:1, :1], v_b[:1, :1]))
+            sums = [torch.empty(k_b[:1, :1].shape, dtype=torch.float32, device=k_b.device) for _ in range(2)]
+        for b in range(q.shape[0]):
+            for h_kv in range(k_b.shape[1]):
+                kv_one = (slice(b, b + 1), slice(h_kv, h_kv + 1))
+                for h in range(h_kv * group, (h_kv + 1) * group):
+                    one, rows = (slice(b, b + 1), slice(h, h + 1)), block.q
+                    out_dkv = (dk_b[kv_one], dv_b[kv_one]) if group == 1 else head_dkv
+                    kernels.main(q[one + (rows,)], k_b[kv_one], v_b[kv_one], d_out[one + (rows,)], lse[one + (rows,)],
+                                 delta[one + (rows,)], dq_acc[one + (rows,)], *out_dkv)
+                    if group > 1:
+                        for total, part in zip(sums, head_dkv):
+                            total.copy_(part) if h == h_kv * group else total.add_(part)
+                if group > 1:
+                    dk_b[kv_one].copy_(sums[0])
+                    dv_b[kv_one].copy_(sums[1])
+        return dk_b, dv_b
+    if block.q == _ALL:
+        q_b, d_out_b, lse_b, delta_b, dq_b = q, d_out, lse, delta, dq_acc
+    else:  # rows of a [B, H, S, D] tensor are not contiguous: copies of the block's rows (GQA)
+        q_b, d_out_b, lse_b, delta_b = (_rows(t, block.q) for t in (q, d_out, lse, delta))
+        dq_b = torch.zeros(q_b.shape, dtype=torch.float32, device=q.device)
+    if mha:
+        kernels.main(q_b, k_b, v_b, d_out_b, lse_b, delta_b, dq_b, dk_b, dv_b)
+    else:  # GQA: the kernel sums the heads of a group into float32 (a K/V shard's size), then casts
+        dk_b, dv_b = (torch.zeros(k_b.shape, dtype=torch.float32, device=k_b.device) for _ in range(2))
+        kernels.main(q_b, k_b, v_b, d_out_b, lse_b, delta_b, dq_b, dk_b, dv_b)
+        dk_b, dv_b = kernels.postprocess_dkv(dk_b), kernels.postprocess_dkv(dv_b)
+    if dq_b is not dq_acc:
+        dq_acc[:, :, block.q] += dq_b
+    return dk_b, dv_b
+
+
+def _block_kernels(q, k_b, block, sm_scale):
+    """The compiled backward a block runs (for a ``_per_head`` block: one (batch, head)'s)."""
+    q_b = q[:, :, block.q]
+    if _per_head(block, q, k_b):
+        q_b, k_b = q_b[:1, :1], k_b[:1, :1]
+    return backward_kernels(q_b, k_b, causal=block.causal, sm_scale=sm_scale)
+
+
+def _carve(buffers, like):
+    """Two tensors shaped like ``like`` in each of ``buffers`` (views of its first elements)."""
+    n = like.numel()
+    return [[buf.view(-1)[i * n:(i + 1) * n].view(like.shape) for i in range(2)] for buf in buffers]
 
 
 def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None, layout="contiguous",
@@ -280,36 +377,73 @@ def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None
     ``compute=False`` makes the same transfers without computing anything (garbage results).
     """
     seq_local = q.shape[2]
-    dq = _accumulator(q.shape, q.device, compute)
-    kv, dkv_in_flight = (k, v), None
+    own = backward_kernels(q, k, causal=causal, sm_scale=sm_scale)  # step 0's block: every row, every key
+    if own.dq is not None:
+        raise ValueError("ring_backward runs the atomic backward kernels (BackwardKernels.dq must be None)")
+    # One float32 dQ sum that every block's kernel adds into (no per-call accumulator and cast), and
+    # Δ = rowsum(O ∘ dO) once for the lap.
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if compute else None
+    delta = own.preprocess(out, d_out) if compute else None
+    # The dK/dV sums travel in the input dtype on a ring of two: there each sum is one addition of two
+    # kernel outputs, rounded once, as a float32 sum would be (bit for bit). On longer rings every
+    # addition rounds again, which broke the FlashAttention criterion for dK at 8 ranks (bfloat16,
+    # causal; notes/ring_memory.md), so there they travel in float32 until the last step.
+    sum_dtype = k.dtype if comm.world <= 2 else torch.promote_types(k.dtype, torch.float32)
+    kv, kv_spare = (k, v), None
+    dkv_in_flight = dkv_sent = None
+    free = None  # dK/dV buffers the kernel may write into / we may receive into: the sum we sent last step
     # region: backward lap
     for step in range(comm.world):
         source = (comm.rank - step) % comm.world
-        kv_in_flight = comm.start(kv) if step + 1 < comm.world else None
-        # This step's share of the source's dK and dV, in float32 (the sums travel and grow).
-        dk, dv = (_accumulator(k.shape, k.device, compute) for _ in range(2))
-        blocks = step_blocks(comm.rank, source, comm.world, seq_local, causal=causal, layout=layout)
-        for block in blocks if compute else ():
-            q_b, out_b, d_out_b, lse_b = (_rows(t, block.q) for t in (q, out, d_out, lse))
-            k_b, v_b = _rows(kv[0], block.k), _rows(kv[1], block.k)
-            dq_b, dk_b, dv_b, _ = attention_backward(q_b, k_b, v_b, out_b, lse_b, d_out_b, causal=block.causal,
-                                                     sm_scale=sm_scale)
-            dq[:, :, block.q] += dq_b
-            dk[:, :, block.k] += dk_b
-            dv[:, :, block.k] += dv_b
+        last = step + 1 == comm.world
+        kv_in_flight = None
+        if not last:
+            kv_spare = kv_spare or _empty_like_all(kv)
+            kv_in_flight = comm.start(kv, into=kv_spare)
+        arrived = None
         if dkv_in_flight is not None:
-            dk_before, dv_before = dkv_in_flight.wait()  # what the ranks before us added for this source
-            if compute:
-                dk += dk_before
-                dv += dv_before
-        if step + 1 == comm.world:  # the sums are complete: they go home in the output dtype (fewer bytes)
-            dk, dv = _finished(dk, k.dtype, compute), _finished(dv, v.dtype, compute)
-        dkv_in_flight = comm.start((dk, dv), tag=1)  # the sums follow the K/V they belong to
+            # The dK/dV sum for this source from the ranks before us; ours has left, so its buffers
+            # are free for this step's kernel. (Waiting here, before the kernel, keeps two dK/dV
+            # buffers instead of three; the transfer is the previous step's.)
+            arrived, free = dkv_in_flight.wait(), dkv_sent
+        if free is None:
+            free = [torch.empty(k.shape, dtype=sum_dtype, device=k.device) for _ in range(2)]
+        blocks = step_blocks(comm.rank, source, comm.world, seq_local, causal=causal, layout=layout)
+        total = arrived if arrived is not None else free
+        for block in blocks if compute else ():
+            into = free if free[0].dtype == k.dtype else None
+            if block.k != _ALL and into is not None and 2 * len(range(seq_local)[block.k]) <= seq_local:
+                # Some of the keys: the free dK/dV buffers are idle during this block, so they hold
+                # its copy of those K/V rows and its dK/dV (no other buffer).
+                (k_b, dk_into), (v_b, dv_into) = _carve(free, kv[0][:, :, block.k])
+                k_b.copy_(kv[0][:, :, block.k])
+                v_b.copy_(kv[1][:, :, block.k])
+                into = (dk_into, dv_into)
+            else:
+                k_b, v_b = _rows(kv[0], block.k), _rows(kv[1], block.k)
+            kernels = own if step == 0 else _block_kernels(q, k_b, block, sm_scale)
+            dk_b, dv_b = _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, into)
+            if arrived is None:  # step 0: our own shard's block, every key: the sum starts as its dK/dV
+                total = [dk_b.to(sum_dtype), dv_b.to(sum_dtype)]
+            else:
+                arrived[0][:, :, block.k] += dk_b
+                arrived[1][:, :, block.k] += dv_b
+            del k_b, v_b, dk_b, dv_b, into
+        if last and total[0].dtype != k.dtype:  # complete: the sums go home in the input dtype
+            total = [t.to(k.dtype) for t in total]
+        # Send the sum on (it follows the K/V it belongs to); receive into the free buffers if they fit.
+        fits = total[0] is not free[0] and free[0].dtype == total[0].dtype
+        receive_into = free if fits else [torch.empty_like(t) for t in total]
+        dkv_in_flight, dkv_sent, free = comm.start(total, tag=1, into=receive_into), total, None
         if kv_in_flight is not None:
-            kv = kv_in_flight.wait()
+            held, kv = kv, kv_in_flight.wait()
+            kv_spare = None if held[0] is k else held
+    del kv, kv_spare, free
     dk, dv = dkv_in_flight.wait()  # after a full lap, our own shard's dK and dV are home
+    del dkv_sent
     # endregion
-    return _finished(dq, q.dtype, compute), dk, dv
+    dq = own.postprocess_dq(dq_acc) if compute else torch.empty_like(q)
+    return dq, dk, dv
 
 
 class _RingAttention(torch.autograd.Function):
@@ -521,6 +655,84 @@ def run_ring_attention(cases, world=2, *, bad_inputs=False):
         out, dq, dk, dv = (unshard_sequence([s[i] for s in shards], case.layout) for i in range(4))
         results.append((out, (dq, dk, dv)))
     return results, ([errors for _, errors in per_rank] if bad_inputs else None)
+
+
+def _allocations(fn):
+    """Run ``fn`` under torch's CPU memory profiler; returns (its result, the byte sizes of the
+    allocations it made, in order, and the peak of the bytes it held at once)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    sizes, held, peak = [], 0, 0
+    for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+        if event.name() != "[memory]" or event.device_type() != torch.autograd.DeviceType.CPU:
+            continue
+        nbytes = event.nbytes()
+        if nbytes > 0:
+            sizes.append(nbytes)
+        held += nbytes
+        peak = max(peak, held)
+    return result, sizes, peak
+
+
+def _memory_worker(shapes, dtype, causal, layout):
+    """On every rank (CPU, gloo): the allocations of ring_forward and of ring_backward, measured apart
+    (the inputs and the forward's results are made outside the measured windows)."""
+    comm = RingComm()
+    g = torch.Generator().manual_seed(comm.rank)
+    q, k, v, d_out = (torch.randn(shape, generator=g).to(dtype) for shape in shapes)
+    compile_ring_kernels(q, k, comm.world, causal=causal, layout=layout)
+    options = dict(causal=causal, layout=layout)
+    ring_forward(q, k, v, comm, **options)  # warm: TileLang's and the allocator's first-call costs
+    (out, lse), forward_sizes, forward_peak = _allocations(lambda: ring_forward(q, k, v, comm, **options))
+    ring_backward(q, k, v, out, lse, d_out, comm, **options)
+    _, backward_sizes, backward_peak = _allocations(
+        lambda: ring_backward(q, k, v, out, lse, d_out, comm, **options))
+    return dict(forward=dict(sizes=forward_sizes, peak=forward_peak),
+                backward=dict(sizes=backward_sizes, peak=backward_peak))
+
+
+def lap_memory(q_shape, kv_shape, world=2, *, dtype=torch.float16, causal=False, layout="contiguous"):
+    """Measured on ``world`` CPU processes (gloo): per rank, {"forward"|"backward": {"peak": the most
+    bytes the lap held at once, above its inputs, "sizes": every allocation's bytes}} for shards of
+    ``q_shape`` and ``kv_shape`` (q, dO and k, v)."""
+    from .gloo import run_on_ranks
+
+    return run_on_ranks(_memory_worker, world, (q_shape, kv_shape, kv_shape, q_shape), dtype, causal, layout)
+
+
+def lap_memory_model(q_shape, kv_shape, world=2, *, dtype=torch.float16):
+    """The accounting of notes/ring_memory.md for a contiguous non-causal lap (every block whole):
+    {"forward"|"backward": (bytes of the whole-shard buffers the lap holds at its peak, what small
+    buffers may add: LSE-sized ones and the merge's float32 pieces)}, per rank, above the inputs."""
+    size = torch.empty((), dtype=dtype).element_size()
+    n_q, n_kv = math.prod(q_shape), math.prod(kv_shape)
+    row = math.prod(q_shape[:3]) * 4  # one float32 per query row: LSE, Δ, the merge's weights
+    kv_held = 2 * n_kv * size  # the receive buffer of K and V (one set on a ring of two)
+    sums = 2 * 2 * n_kv * (size if world <= 2 else max(size, 4))  # two sets of dK/dV buffers
+    piece = 4 * n_q // min(MERGE_PIECES, q_shape[0] * q_shape[1])  # one float32 piece of the merge
+    return {"forward": (kv_held + 2 * n_q * size, 8 * row + 2 * piece),  # running O, this step's O
+            "backward": (4 * n_q + kv_held + sums, 4 * row)}  # the float32 dQ sum
+
+
+def check_lap_memory(measured, q_shape, kv_shape, world=2, *, dtype=torch.float16):
+    """Raise AssertionError unless one rank's ``lap_memory`` result matches ``lap_memory_model``: each
+    peak within [model, model + small buffers], and no float32 buffer of a whole Q shard other than
+    the backward's dQ sum (none in the forward)."""
+    model = lap_memory_model(q_shape, kv_shape, world, dtype=dtype)
+    whole_f32 = 4 * math.prod(q_shape)
+    for phase, (big, small) in model.items():
+        peak = measured[phase]["peak"]
+        if not big <= peak <= big + small:
+            raise AssertionError(f"{phase}: peak {peak} bytes above the inputs; the accounting says {big} "
+                                 f"(+ up to {small} in small buffers)")
+        count = sum(n == whole_f32 for n in measured[phase]["sizes"])
+        allowed = 1 if phase == "backward" and dtype != torch.float32 else 0
+        if dtype != torch.float32 and count != allowed:
+            raise AssertionError(f"{phase}: {count} float32 buffers of a whole Q shard ({whole_f32} bytes); "
+                                 f"the accounting has {allowed}")
+    return model
 
 
 def self_check(world=2):

@@ -22,8 +22,20 @@ failure or the time limit loses only the case in progress. In order:
    communication = (comm + compute − total) / comm. Peak memory per token gives the largest S that
    would fit (an estimate: memory grows linearly with S in every configuration here). The ring's O
    and gradients at each timed size are compared with the single-GPU kernel's.
-3. **Profile** one lap (forward + backward) at S = 32k, causal zigzag, bfloat16, with
-   torch.profiler, and keep the kernels' start and end times on rank 0 (the timeline picture).
+3. **Profile** one steady-state lap (forward + backward, after two unprofiled ones) at S = 64k,
+   causal zigzag, bfloat16, with torch.profiler; keep the kernels' start and end times on rank 0
+   (the timeline picture) and the hidden fraction of the communication: the NCCL kernels' time
+   during which a compute kernel ran on the other stream, over the NCCL kernels' time.
+
+Before all that (it needs no compiled kernel and an empty GPU), **memory**: the longest S whose
+forward + backward fits one GPU, and each rank's part of the ring, causal zigzag, D = 128,
+bfloat16, MHA 16:16 and GQA 64:8: doubling from 256k, then bisecting to 1/64. Each try runs the
+real forward and backward with stub kernels that only allocate their outputs (the same allocations,
+no compute, no kernel compiled per S), and the ring's part with NoComm (the same buffers as RingComm,
+so a rank that runs out of memory leaves no partner waiting); the peaks per GPU at one common S
+(one GPU's longest) give the ratio the issue targets (≤ 0.55). The method's check: the stub peaks
+at the longest timed S (128k) next to the real kernels' peaks of the timed rows ("peak_bytes"). A
+real run at the longest S is not made: forward + backward there takes minutes (quadratic in S).
 """
 
 from __future__ import annotations
@@ -67,14 +79,15 @@ CASES = ((True, "zigzag"), (False, "contiguous"))  # (causal, layout)
 # Measured for the first dtype only, without SDPA's backends: the imbalance of the contiguous split.
 EXTRA_CASES = ((True, "contiguous"),)
 DTYPES = ("bfloat16", "float16")
-PROFILE_CASE = dict(dtype="bfloat16", causal=True, layout="zigzag", seq=32768)
+PROFILE_CASE = dict(dtype="bfloat16", causal=True, layout="zigzag", seq=65536)
 # The launcher's own limit: start no new case after this many seconds, stop the processes after
 # HARD_LIMIT_S (the device call has 600 s, including unpacking the packages and importing).
 TIME_BUDGET_S = 380
 HARD_LIMIT_S = 470
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DRY = dict(seqs=(64, 128), check_seq=64, shape=dict(batch=1, heads=4, dim=16), dtypes=("float32",),
-           profile=dict(dtype="float32", causal=True, layout="zigzag", seq=64))
+           profile=dict(dtype="float32", causal=True, layout="zigzag", seq=64),
+           memory_cases=(("MHA 4:4", 4, 4), ("GQA 8:2", 8, 2)), memory_start=2048)
 
 __all__ = ["RECORD", "SEQS", "SHAPE", "LABELS", "ring_vs_one_gpu", "timeline_spans", "main"]
 
@@ -253,6 +266,10 @@ def _problems(options):
     def add_ring(dtype, causal, layout, seq, heads_kv=None):
         for rows_q, rows_k, block_causal in kernel_shapes(WORLD, seq // WORLD, causal=causal, layout=layout):
             add(dtype, block_causal, rows_q, rows_k, heads_kv)
+            if rows_q < seq // WORLD:  # the backward's per-head calls
+                problem = (1, 1, 1, rows_q, rows_k, d, dtype, block_causal)
+                if problem not in problems:
+                    problems.append(problem)
 
     check_dtype, seq = options["dtypes"][0], options["check_seq"]
     for causal, layout, heads_kv in _check_cases(h):
@@ -366,7 +383,10 @@ def _case(me, dtype_name, causal, layout, seq, peers=True):
         # Peak above what was allocated before the call, plus the inputs q, k, v, dO (a shard of them for the ring).
         mem = {name: peaks[name] + (4 if name == "one_gpu" else 4 / WORLD) * q.numel() * q.element_size()
                for name in ("one_gpu", "ring") if peaks.get(name) is not None}
+        row["peak_bytes"] = mem
         row["bytes_per_token"] = {name: m / seq for name, m in mem.items()}  # per GPU, per token of the sequence
+        if len(mem) == 2:  # the issue's target: ≤ 0.55
+            row["ring_over_one_gpu_peak"] = mem["ring"] / mem["one_gpu"]
         capacity = min(free_all)
         row["largest_seq_estimate"] = {name: int(capacity / (m / seq)) // 4096 * 4096 for name, m in mem.items()}
         row["gpu_memory_bytes"] = capacity
@@ -383,7 +403,8 @@ def _profile(me):
     q, k, v, d_out = _inputs(me.options, p["seq"], getattr(torch, p["dtype"]), me.device)
     local = _shards(WORLD, me.rank, p["layout"], (q, k, v, d_out))
     lap = _lap(*local, RingComm(), causal=p["causal"], layout=p["layout"])
-    lap()
+    for _ in range(2):  # steady state: kernels loaded, allocator warm, NCCL's channels set up
+        lap()
     me.sync()
     activities = [ProfilerActivity.CPU] + ([] if me.dry else [ProfilerActivity.CUDA])
     with profile(activities=activities) as prof:
@@ -394,7 +415,10 @@ def _profile(me):
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-        me.results["timeline"] = dict(p, **timeline_spans(events))
+        spans = timeline_spans(events)
+        # The share of the NCCL kernels' time during which a compute kernel ran on another stream.
+        spans["hidden_fraction"] = spans["overlap_ms"] / spans["comm_ms"] if spans["comm_ms"] else None
+        me.results["timeline"] = dict(p, **spans)
         me.save()
         os.remove(path)
 
@@ -443,6 +467,158 @@ def timeline_spans(events, *, gap_us=20.0):
             "comm_ms": round(sum(e - s for _, s, e in comm) / 1e3, 4)}
 
 
+# --- the longest sequence that fits (memory) ---------------------------------------------------
+
+# (name, heads, heads_kv) of the memory search: causal zigzag, D = 128, bfloat16.
+MEMORY_CASES = (("MHA 16:16", 16, 16), ("GQA 64:8", 64, 8))
+MEMORY_START = 262144  # the search's first S (doubled until it does not fit, then bisected)
+DRY_MEMORY_BUDGET = 24 << 20  # dry run: a CPU "device" of this many bytes (the measured allocations)
+
+
+class _StubKernels:
+    """While active, every attention kernel of the course is replaced by one that only allocates its
+    outputs (same shapes and dtypes, nothing computed): the allocations of a forward + backward are
+    those of the real kernels (TileLang's kernels allocate nothing else), without compiling a kernel
+    for every S the search tries."""
+
+    def __enter__(self):
+        from .. import attention
+
+        self.module, self.saved = attention, (attention._compiled_forward, attention._compiled_backward)
+
+        def forward(problem, has_sinks, config):
+            return lambda q, k, v, sinks: (torch.empty_like(q),
+                                           torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
+
+        def backward(problem, config, deterministic=False):
+            def post(acc):
+                return torch.empty(acc.shape, dtype=getattr(torch, problem.dtype), device=acc.device)
+
+            return attention.BackwardKernels(
+                preprocess=lambda o, d_o: torch.empty(o.shape[:3], dtype=torch.float32, device=o.device),
+                main=lambda *tensors: None, postprocess_dq=post,
+                postprocess_dkv=post if problem.heads_kv != problem.heads else None)
+
+        attention._compiled_forward, attention._compiled_backward = forward, backward
+        return self
+
+    def __exit__(self, *exc):
+        self.module._compiled_forward, self.module._compiled_backward = self.saved
+
+
+def _trial(me, which, seq, heads, heads_kv, dtype):
+    """Forward + backward of one GPU's attention (``which`` = "one_gpu", the whole sequence) or of this
+    rank's part of the ring (``"ring"``: its zigzag shard, NoComm: the same buffers as RingComm, no
+    partner needed, so a rank that runs out of memory leaves no other rank waiting) at ``seq``.
+    Returns the peak bytes it held (inputs included), or None if it did not fit."""
+    from ..ring import _RingAttention
+
+    shape = dict(me.options["memory_shape"], heads=heads)
+    length = seq if which == "one_gpu" else seq // WORLD
+    b, d = shape["batch"], shape["dim"]
+
+    def run():
+        q, d_out = (torch.empty(b, heads, length, d, device=me.device, dtype=dtype) for _ in range(2))
+        k, v = (torch.empty(b, heads_kv, length, d, device=me.device, dtype=dtype) for _ in range(2))
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        if which == "one_gpu":
+            out = flash_attention(*leaves, causal=True)
+        else:
+            out = _RingAttention.apply(*leaves, NoComm(me.rank, WORLD), True, None, "zigzag")
+        torch.autograd.grad(out, leaves, d_out)
+
+    if me.dry:
+        from ..ring import _allocations
+
+        _, _, peak = _allocations(run)
+        return peak if peak <= DRY_MEMORY_BUDGET else None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    try:
+        run()
+        torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        torch.cuda.empty_cache()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def longest_fitting(fits, start, granule, *, rel_step=1 / 64):
+    """The longest S (a multiple of ``granule``) with ``fits(S)`` true: double from ``start`` until it
+    fails, then bisect until the gap is below ``rel_step`` of S (or one granule). ``fits(S)`` returns
+    a value (kept) or None. Returns (S, its value, the S tried in order)."""
+    tried, lo, lo_value, hi = [], None, None, None
+    seq = start
+    while hi is None:
+        value = fits(seq)
+        tried.append(seq)
+        if value is None:
+            hi = seq
+        else:
+            lo, lo_value, seq = seq, value, seq * 2
+    if lo is None:  # even the start does not fit: halve
+        while lo is None and hi > granule:
+            seq = max(granule, hi // 2 // granule * granule)
+            value = fits(seq)
+            tried.append(seq)
+            lo, lo_value, hi = (seq, value, hi) if value is not None else (None, None, seq)
+        if lo is None:
+            return None, None, tried
+    while hi - lo > max(granule, int(lo * rel_step)):
+        seq = (lo + hi) // 2 // granule * granule
+        if seq <= lo:
+            break
+        value = fits(seq)
+        tried.append(seq)
+        lo, lo_value, hi = (seq, value, hi) if value is not None else (lo, lo_value, seq)
+    return lo, lo_value, tried
+
+
+def _memory_search(me):
+    """The longest S that runs forward + backward on one GPU and on the ring (each rank its own part,
+    the smaller of the two ranks' answers), causal zigzag, D = 128, bfloat16, MHA and GQA; the peaks
+    per GPU at the ring's and one GPU's S; the ratio of peaks at one common S."""
+    dtype = getattr(torch, me.options["memory_dtype"])
+    granule = 2 * WORLD * 256  # zigzag halves of whole kernel tiles
+    found = []
+    for name, heads, heads_kv in me.options["memory_cases"]:
+        row = dict(name=name, heads=heads, heads_kv=heads_kv, dtype=me.options["memory_dtype"], causal=True,
+                   layout="zigzag", method="allocations of the real forward + backward with stub kernels "
+                   "(no compute), each rank alone (NoComm, the RingComm buffers)")
+        with _StubKernels():
+            for which in ("one_gpu", "ring"):
+                seq, peak, tried = longest_fitting(lambda s, w=which: _trial(me, w, s, heads, heads_kv, dtype),
+                                                   me.options["memory_start"], granule)
+                everyone = me.gather((seq, peak))
+                row[f"{which}_longest_seq"] = min(s for s, _ in everyone) if all(s for s, _ in everyone) else None
+                row[f"{which}_peak_bytes_per_rank"] = [p for _, p in everyone]
+                row[f"{which}_tried"] = tried
+            # The method's check: at the longest timed S the stub peaks are compared (by the reader, in
+            # the record) with the real kernels' peaks that the timed rows store ("peak_bytes").
+            timed = max(me.options["seqs"])
+            row["stub_peak_at_timed_seq"] = dict(seq=timed, **{
+                w: me.gather(_trial(me, w, timed, heads, heads_kv, dtype)) for w in ("one_gpu", "ring")})
+            common = row["one_gpu_longest_seq"]
+            if common:
+                common = common // granule * granule
+                peaks = me.gather({w: _trial(me, w, common, heads, heads_kv, dtype) for w in ("one_gpu", "ring")})
+                ring_peak = max(p["ring"] or 0 for p in peaks)
+                row["common_seq"], row["peak_at_common_seq"] = common, peaks
+                if peaks[0]["one_gpu"]:
+                    row["ring_over_one_gpu_peak"] = ring_peak / peaks[0]["one_gpu"]
+        if row["one_gpu_longest_seq"] and row["ring_longest_seq"]:
+            row["ring_over_one_gpu_longest"] = row["ring_longest_seq"] / row["one_gpu_longest_seq"]
+        me.log(f"memory {name}: one GPU {row['one_gpu_longest_seq']}, ring {row['ring_longest_seq']} "
+               f"(×{row.get('ring_over_one_gpu_longest', float('nan')):.2f}); peak ratio at S={row.get('common_seq')}: "
+               f"{row.get('ring_over_one_gpu_peak', float('nan')):.3f}")
+        found.append(row)
+        me.results["memory"] = found
+        me.save()
+    return found
+
+
 def _rank_main(rank, folder, options):
     os.environ.update(NCCL_ENV)
     me = _Rank(rank, folder, options)
@@ -458,6 +634,11 @@ def _rank_main(rank, folder, options):
     try:
         me.results["devices"] = me.gather("cpu" if me.dry else torch.cuda.get_device_name(rank))
         me.log(f"joined: {me.results['devices']}")
+        try:  # first: it needs no compiled kernel, and an empty GPU
+            _memory_search(me)
+        except Exception:  # noqa: BLE001
+            me.failed("memory search")
+        me.sync()
         _load_kernels(me)
         _check(me)
         me.log("checked")
@@ -501,10 +682,12 @@ def ring_vs_one_gpu(*, dry_run=False, budget_s=TIME_BUDGET_S, hard_limit_s=HARD_
         raise RuntimeError(f"{RECORD} needs {WORLD} GPUs; this machine has {torch.cuda.device_count()}")
     started = time.time()
     options = dict(dry_run=dry_run, stop_at=started + budget_s, seqs=SEQS, check_seq=CHECK_SEQ, shape=SHAPE,
-                   dtypes=DTYPES, profile=PROFILE_CASE)
+                   dtypes=DTYPES, profile=PROFILE_CASE, memory_cases=MEMORY_CASES, memory_start=MEMORY_START,
+                   memory_dtype="bfloat16", memory_shape=dict(batch=1, dim=128))
     if dry_run:
         options.update(seqs=DRY["seqs"], check_seq=DRY["check_seq"], shape=DRY["shape"], dtypes=DRY["dtypes"],
-                       profile=DRY["profile"])
+                       profile=DRY["profile"], memory_cases=DRY["memory_cases"], memory_start=DRY["memory_start"],
+                       memory_dtype="float32", memory_shape=dict(batch=1, dim=16))
     os.environ.update(NCCL_ENV)
     try:
         compile_report = _precompile(options)
@@ -555,6 +738,14 @@ def _summary(results):
         print(f"{row['dtype']:>9} {mask:>18} {row['seq']:>7} {'–' if one is None else f'{one:.1f}':>9} "
               f"{row['ms']['ring']:>8.1f} {'–' if speedup is None else f'{speedup:.2f}':>8} "
               f"{'–' if hidden is None else f'{hidden:.0%}':>7}")
+    for row in results.get("memory") or []:
+        print(f"memory {row['name']}: longest S one GPU {row['one_gpu_longest_seq']}, ring {row['ring_longest_seq']} "
+              f"(×{row.get('ring_over_one_gpu_longest', float('nan')):.2f}); ring/one-GPU peak at "
+              f"S={row.get('common_seq')}: {row.get('ring_over_one_gpu_peak', float('nan')):.3f}")
+    timeline = results.get("timeline") or {}
+    if timeline.get("hidden_fraction") is not None:
+        print(f"profiled lap (S={timeline['seq']}): {timeline['overlap_ms']:.2f} of {timeline['comm_ms']:.2f} ms of "
+              f"NCCL kernels under compute: hidden {timeline['hidden_fraction']:.0%}")
     for error in results.get("errors", []):
         print("error:", error.splitlines()[0])
 
