@@ -214,7 +214,7 @@ for world in (2, 4, 8):
 # ### Passing shards: point-to-point messages of `torch.distributed`
 #
 # One step around the ring is one batch of non-blocking sends and receives: our tensors go to the
-# next rank, the previous rank's arrive in new buffers. `start` returns at once; `wait()` on what
+# next rank, the previous rank's arrive in buffers reused from step to step. `start` returns at once; `wait()` on what
 # it returns gives the received tensors. With NCCL the transfers run on NCCL's own CUDA stream,
 # with gloo on gloo's threads, so the kernels we launch meanwhile run at the same time.
 
@@ -227,7 +227,9 @@ show_source(ring.RingComm.start, "exchange")
 # The next shard is put in flight *before* the kernels of this step are launched, and waited for
 # after them: communication overlaps computation. The kernel is the single-device forward
 # (`cu.forward_kernel`, the one `cu.flash_attention` runs), called once per block of
-# `step_blocks`; its O and LSE are merged into a float32 running result.
+# `step_blocks`; its O and LSE are merged into the running result, which is kept in the input dtype
+# and merged in float32 a few heads at a time (a whole-shard float32 O would cost more memory than
+# the layer's inputs; `notes/ring_memory.md` has the accounting).
 
 # %%
 show_source(ring.ring_forward, "forward lap")
@@ -239,7 +241,9 @@ show_source(ring.ring_forward, "forward lap")
 # row, `cu.attention_backward` on one block returns exactly that block's share of dQ, dK and dV.
 # So the backward makes the same lap as the forward. dQ stays at home and sums over the steps. The
 # dK and dV of a shard are summed by every rank it visits, so the running sums travel along with
-# the shard (in float32, so that the sums are not rounded at each hop) and, after a full lap,
+# the shard (in float32 on rings of more than two ranks, so that the sums are not rounded at each
+# hop; on a ring of two they travel in the input dtype, which the CPU check found gives the same
+# result: `notes/ring_memory.md`) and, after a full lap,
 # arrive back at the rank that owns the shard. That last hop carries finished sums, so it sends them
 # already cast to the input dtype: half the bytes of float32, for the one transfer that no later
 # computation can hide.
@@ -404,7 +408,10 @@ elif rec is not None:
 # Every buffer here grows linearly with S (FlashAttention never forms the S × S matrix), so the
 # peak memory of one step divided by S, measured, gives the longest sequence that would fit on a
 # GPU. These are estimates from the measured bytes per token, for this attention layer alone (a
-# model's other layers need their own activations).
+# model's other layers need their own activations). The record was measured before the ring's
+# buffers were made lean (issue 28: K/V received into reused buffers, running O and, on two ranks,
+# the dK/dV sums in the input dtype, one float32 dQ sum); the new accounting is a prediction in
+# `notes/ring_memory.md` (`ring.lap_memory_model`), to be measured on two GPUs.
 
 # %%
 if rec is not None:
@@ -462,7 +469,8 @@ check_zigzag_pairs(zigzag_pairs)
 # Write `ring_bytes(batch, heads, heads_kv, seq_local, dim, bytes_per_element)`, returning
 # `(forward, backward)`: the bytes one rank sends to the next at one step of the forward lap, and
 # at one step of the backward lap that sends both the K/V shard and the running dK/dV sums (every
-# step but the last; read `ring_backward` above: what travels, and in which dtype?).
+# step but the last, on a ring of more than two ranks; read `ring_backward` above: what travels,
+# and in which dtype?).
 
 # %% tags=["solution", "ex-b"]
 def ring_bytes(batch, heads, heads_kv, seq_local, dim, bytes_per_element):
