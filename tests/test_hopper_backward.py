@@ -10,18 +10,18 @@ import torch
 from tilelang import tvm
 
 from course_utils import flash_attention
-from course_utils.attention import HOPPER_BACKWARD_CONFIGS, BackwardConfig, default_backward_config
-from course_utils.diagrams import MASKED, SKIPPED, tile_classes
-from course_utils.flash_bwd_hopper import (
+from course_utils.api.attention import HOPPER_BACKWARD_CONFIGS, BackwardConfig, default_backward_config
+from course_utils.core.source import cuda_source, ptxas_report
+from course_utils.kernels.flash_bwd_hopper import (
     PASS_CONFIGS,
     flash_bwd_hopper_dq_kernel,
     flash_bwd_hopper_kernel,
     needs_mask,
     query_steps,
 )
-from course_utils.flash_bwd_hopper_versions import SHIPPED_VERSION, VERSIONS, flash_bwd_hopper_variant
-from course_utils.flash_pieces import prelude
-from course_utils.source import cuda_source, ptxas_report
+from course_utils.kernels.flash_pieces import prelude
+from course_utils.kernels.versions.flash_bwd_hopper_versions import SHIPPED_VERSION, VERSIONS, flash_bwd_hopper_variant
+from course_utils.pictures.diagrams import MASKED, SKIPPED, tile_classes
 
 SHAPE = dict(batch=2, heads=4, seq_q=2048, seq_k=2048)
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 import course_utils as cu
-from course_utils import ring
-from course_utils.benchmarks.ch10_ring import timeline_spans
+from course_utils.api import ring
+from course_utils.core.reference import attention_reference, visibility_mask
 from course_utils.exercises import ch10
 from course_utils.exercises.common import ExerciseWrong
-from course_utils.reference import attention_reference, visibility_mask
-from course_utils.softmax import merge_attention
+from course_utils.kernels.softmax import merge_attention
+from course_utils.measure.benchmarks.ch10_ring import timeline_spans
 
 # The shards of every case have the same shape on 2 and 4 ranks, so both runs use the same few
 # compiled kernels (TileLang compiles per shape).

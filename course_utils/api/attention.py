@@ -15,14 +15,14 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from .flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
-from .flash_bwd_hopper import flash_bwd_hopper_dq_kernel, flash_bwd_hopper_kernel
-from .flash_fwd import flash_fwd_kernel
-from .flash_fwd_hopper import flash_fwd_hopper_kernel
-from .flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
-from .reference import validate_attention_inputs
-from .tiles import compile_kernel
+from ..core.reference import validate_attention_inputs
+from ..kernels.flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
+from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
+from ..kernels.flash_bwd_hopper import flash_bwd_hopper_dq_kernel, flash_bwd_hopper_kernel
+from ..kernels.flash_fwd import flash_fwd_kernel
+from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
+from ..kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
+from ..kernels.tiles import compile_kernel
 
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
            "ForwardConfig", "BackwardConfig", "sink_logits", "check_sm_scale", "default_forward_config",
@@ -395,7 +395,7 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, s
     q: [B, H, S_q, D]; k, v: [B, H_kv, S_k, D] with H a multiple of H_kv (GQA). ``window_size``
     W lets a query see its last W keys (implies causal); ``sinks`` is a float tensor [H] of
     per-head sink logits (gpt-oss). Returns O (and the natural-log LSE [B, H, S_q] in float32 with
-    ``return_lse``). Masking conventions are those of ``course_utils.reference``. Differentiable
+    ``return_lse``). Masking conventions are those of ``course_utils.core.reference``. Differentiable
     (once) with respect to q, k, v and sinks, through O and the LSE: ``out.backward(d_out)`` runs the
     backward kernels. ``sm_scale`` must be positive. ``deterministic=True`` makes the gradients
     bitwise reproducible from run to run (Hopper backward only; see ``attention_backward``).

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from ..core.reference import validate_attention_inputs
+from ..kernels.softmax import merge_attention
 from .attention import (
     _check_supported,
     attention_backward,
@@ -44,8 +46,6 @@ from .attention import (
     forward_kernel,
     sink_logits,
 )
-from .reference import validate_attention_inputs
-from .softmax import merge_attention
 
 __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
            "sequence_positions", "Block", "step_blocks", "step_work", "kernel_shapes", "compile_ring_kernels",
@@ -524,9 +524,9 @@ def run_ring_attention(cases, world=2, *, bad_inputs=False):
 
 
 def self_check(world=2):
-    """``python -m course_utils.ring``: ring attention on ``world`` CPU processes (gloo), contiguous
+    """``python -m course_utils.api.ring``: ring attention on ``world`` CPU processes (gloo), contiguous
     and zigzag, causal or not, GQA; O and every gradient vs the float64 reference; the bad inputs."""
-    from .validation import check_backward, check_forward, references
+    from ..checking.validation import check_backward, check_forward, references
 
     torch.manual_seed(0)
     batch, heads, heads_kv, seq_local, dim = 2, 4, 2, 32, 16
@@ -551,6 +551,6 @@ def self_check(world=2):
 
 
 if __name__ == "__main__":
-    from course_utils import ring as _this_module  # pickled functions must name the module, not __main__
+    from course_utils.api import ring as _this_module  # pickled functions must name the module, not __main__
 
     _this_module.self_check()

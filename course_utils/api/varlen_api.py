@@ -21,6 +21,25 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..core.reference import check_qkv_agree, check_window_and_sinks
+from ..kernels.flash_decode import (
+    choose_num_splits,
+    decode_config,
+    decode_rows,
+    flash_decode_kernel,
+    flash_decode_merge_kernel,
+)
+from ..kernels.flash_varlen import (
+    OWN_BARRIERS_PASS_CONFIGS,
+    SCHEDULES,
+    flash_varlen_bwd_kernel,
+    flash_varlen_fwd_kernel,
+    lse_row_layout,
+    scale_cast_kernel,
+    varlen_delta_kernel,
+    varlen_work_list,
+)
+from ..kernels.tiles import compile_kernel
 from .attention import (
     _DTYPE_NAMES,
     BackwardConfig,
@@ -32,19 +51,6 @@ from .attention import (
     default_forward_config,
     is_hopper,
 )
-from .flash_decode import choose_num_splits, decode_config, decode_rows, flash_decode_kernel, flash_decode_merge_kernel
-from .flash_varlen import (
-    OWN_BARRIERS_PASS_CONFIGS,
-    SCHEDULES,
-    flash_varlen_bwd_kernel,
-    flash_varlen_fwd_kernel,
-    lse_row_layout,
-    scale_cast_kernel,
-    varlen_delta_kernel,
-    varlen_work_list,
-)
-from .reference import check_qkv_agree, check_window_and_sinks
-from .tiles import compile_kernel
 
 __all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_num_splits",
            "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG"]
@@ -241,9 +247,9 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
 
 
 def _self_check_decode():
-    """``python -m course_utils.flash_decode``: contiguous and paged decoding against the float64 reference."""
-    from .device import DEVICE, HAS_GPU
-    from .reference import attention_reference
+    """``python -m course_utils.kernels.flash_decode``: contiguous and paged decoding against the float64 reference."""
+    from ..core.device import DEVICE, HAS_GPU
+    from ..core.reference import attention_reference
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if HAS_GPU else torch.float32
@@ -270,7 +276,7 @@ def _self_check_decode():
         print(f"flash_decode, {name} cache: max abs error vs float64 {worst:.2e}")
         assert worst < (2e-2 if HAS_GPU else 1e-5), name
     if HAS_GPU:  # a quick look at the speed; chapter 09's records are the measurements
-        from .bench import time_side_by_side
+        from ..measure.bench import time_side_by_side
 
         full = torch.full_like(lengths, seq_max)
         ms = time_side_by_side({"ours": lambda: flash_decode(q, k, v, full, sinks=sinks, check_indices=False),
@@ -459,7 +465,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``window_size`` implies causal; ``sinks`` float [H]). Returns O [total_q, H, D] (and the
     natural-log LSE [H, total_q], float32, with ``return_lse``). Differentiable once with respect to
     q, k, v and sinks, through O and the LSE. ``schedule`` ("list" or "grid", see
-    ``course_utils.flash_varlen``), ``config`` (a ``ForwardConfig``) and ``backward_config`` choose
+    ``course_utils.kernels.flash_varlen``), ``config`` (a ``ForwardConfig``) and ``backward_config`` choose
     the kernels; the defaults are the fastest measured.
     """
     _check_tensor("q", q, 3, "[total_q, heads, head_dim]")
@@ -510,9 +516,9 @@ def varlen_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, sched
 
 
 def _self_check_varlen():
-    """``python -m course_utils.flash_varlen``: a packed batch against the float64 reference, per sequence."""
-    from .device import DEVICE, HAS_GPU
-    from .reference import attention_reference
+    """``python -m course_utils.kernels.flash_varlen``: a packed batch against the float64 reference, per sequence."""
+    from ..core.device import DEVICE, HAS_GPU
+    from ..core.reference import attention_reference
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if HAS_GPU else torch.float32
@@ -540,7 +546,7 @@ def _self_check_varlen():
           ", ".join(f"{n} {e:.2e}" for n, e in worst.items()))
     assert all(e < (5e-2 if HAS_GPU else 1e-4) for e in worst.values()), worst
     if HAS_GPU:  # a quick look at the speed; chapter 09's records are the measurements
-        from .bench import attention_flops, tflops, time_cuda
+        from ..measure.bench import attention_flops, tflops, time_cuda
 
         ms = time_cuda(lambda: flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True))
         flops = sum(attention_flops(1, heads, n, n, dim, causal=True) for n in lengths)

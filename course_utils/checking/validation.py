@@ -12,6 +12,8 @@ runs the same checks on each and passes only if every one of them fails.
 
 import torch
 
+from ..core.labels import NAIVE, PEERS
+from ..core.reference import attention_reference
 from .checks import (
     ERROR_FACTOR,
     ERROR_SLACK,
@@ -21,8 +23,6 @@ from .checks import (
     expect_failure,
     tolerance_for,
 )
-from .labels import NAIVE, PEERS
-from .reference import attention_reference
 
 __all__ = ["references", "check_forward", "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught",
            "backward_without_delta", "check_stored_errors", "varlen_references", "decode_references",
@@ -181,7 +181,7 @@ def check_stored_errors(rows, what="record", *, unchecked=PEERS + (NAIVE,), lega
                               f"{legacy_tolerance:.0e}")
         print(f"⚠ {what} was measured before whole-tensor validation: each of its {len(ours)} rows of ours was "
               f"checked on one (batch, head) only, with a fixed tolerance of {legacy_tolerance:.0e} (worst error "
-              f"{worst:.1e}). Re-measure it on a GPU: python -m course_utils.benchmarks <record name>")
+              f"{worst:.1e}). Re-measure it on a GPU: python -m course_utils.measure.benchmarks <record name>")
         return
     missing = [r for r in ours if not r.get("errors")]
     if missing:
@@ -210,7 +210,7 @@ def backward_bugs(grads, *, grads_without_delta=None):
     """Wrong gradients a kernel could produce, by label (each a full (dQ, dK, dV[, dsinks]) tuple).
 
     ``grads_without_delta``: the gradients the same kernel gives when Δ is dropped from
-    dS = P ∘ (dP − Δ) (see ``course_utils.attention.backward_kernels``).
+    dS = P ∘ (dP − Δ) (see ``course_utils.api.attention.backward_kernels``).
     """
     dq, dk, dv = grads[:3]
     rest = tuple(grads[3:])
@@ -226,7 +226,7 @@ def backward_bugs(grads, *, grads_without_delta=None):
 def backward_without_delta(q, k, v, out, lse, d_out, *, causal=False, window_size=None, sinks=None, sm_scale=None,
                            config=None):
     """The gradients the course's backward kernels give when Δ is dropped (a planted bug)."""
-    from .attention import backward_kernels
+    from ..api.attention import backward_kernels
 
     kernels = backward_kernels(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale, config=config)
     delta = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)

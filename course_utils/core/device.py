@@ -12,7 +12,7 @@ __all__ = ["HAS_GPU", "DEVICE", "TILE_TARGET", "pick", "machine_info", "describe
 
 HAS_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
-# TileLang's C backend runs the same tile programs on the CPU (see course_utils.tiles).
+# TileLang's C backend runs the same tile programs on the CPU (see course_utils.kernels.tiles).
 TILE_TARGET = "cuda" if HAS_GPU else "c"
 
 

@@ -5,9 +5,9 @@ import math
 
 import torch
 
-from ..diagrams import SKIPPED, tile_classes
-from ..flash_pieces import LOG2E
-from ..reference import attention_reference
+from ..core.reference import attention_reference
+from ..kernels.flash_pieces import LOG2E
+from ..pictures.diagrams import SKIPPED, tile_classes
 from .common import ExerciseWrong, check_exercise, needs
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 
@@ -176,7 +176,7 @@ _FORWARD_SUSPECTS = [
     Suspect("the causal mask is off by one: query q sees key k when k <= q + (S_k − S_q), its own "
             "position included (you used <).", _like("causal strict")),
     Suspect("the causal diagonal is aligned top-left: with S_q ≠ S_k, query q sees key k iff "
-            "k <= q + (S_k − S_q) (bottom-right, as course_utils.reference does).", _like("top-left")),
+            "k <= q + (S_k − S_q) (bottom-right, as course_utils.core.reference does).", _like("top-left")),
     Suspect("keys past the end of K are not masked: the last key tile holds zero-padded positions "
             "k >= S_k, which every row must skip (k < seq_k), causal or not.", _like("no bounds")),
     Suspect("masked scores were set to 0, not −∞: exp2(0 − shift) still gives those keys weight. "

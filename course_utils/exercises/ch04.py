@@ -2,7 +2,7 @@
 
 import torch
 
-from .. import banks, layouts
+from ..pictures import banks, layouts
 from .common import ExerciseWrong, check_exercise
 
 __all__ = ["check_bank_of", "check_swizzle"]

@@ -8,7 +8,7 @@ looks like.
 
 import torch
 
-from ..softmax import merge_attention_states
+from ..kernels.softmax import merge_attention_states
 from .common import ExerciseWrong, check_exercise, with_diagnosis
 
 __all__ = ["check_pack", "check_merge_with_sink"]

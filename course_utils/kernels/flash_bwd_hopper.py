@@ -20,7 +20,7 @@ sums dK and dV over every query head of its GQA group, so nothing is added atomi
 ``flash_bwd_hopper_dq_kernel`` is the other half: dQ with one block per query block, in a fixed
 order. The variations chapter 08 measures and does not keep are in ``flash_bwd_hopper_versions``.
 
-    python -m course_utils.flash_bwd_hopper     # on an H100: check, then time against the peers
+    python -m course_utils.kernels.flash_bwd_hopper     # on an H100: check, then time against the peers
 """
 
 import tilelang
@@ -304,6 +304,6 @@ def flash_bwd_hopper_dq_kernel(
 
 
 if __name__ == "__main__":
-    from .benchmarks.ch08_hopper_backward import self_check
+    from ..measure.benchmarks.ch08_hopper_backward import self_check
 
     self_check()

@@ -21,7 +21,7 @@ divides ``page_size``), so a paged load is a contiguous load from a looked-up pa
 Lengths come from ``cache_seqlens`` at run time, and the number of splits is the size of the
 partial buffers, so one compiled kernel serves every batch size, cache size and split count.
 
-    python -m course_utils.flash_decode     # check against the reference (and time it, on a GPU)
+    python -m course_utils.kernels.flash_decode     # check against the reference (and time it, on a GPU)
 """
 
 import math
@@ -291,6 +291,6 @@ def choose_num_splits(batch, heads_kv, capacity, *, num_sms, config, dim, row_ti
 
 
 if __name__ == "__main__":
-    from .varlen_api import _self_check_decode
+    from ..api.varlen_api import _self_check_decode
 
     _self_check_decode()

@@ -14,7 +14,7 @@ natural-log LSE), for sm_90 GPUs only. What changes is the schedule of one threa
 TileLang still adds the producer warpgroup that streams K and V with TMA (warp specialisation).
 The variations chapter 07 measures and does not keep are in ``flash_fwd_hopper_versions``.
 
-    python -m course_utils.flash_fwd_hopper     # on an H100: check, then time against the peers
+    python -m course_utils.kernels.flash_fwd_hopper     # on an H100: check, then time against the peers
 """
 
 import tilelang.language as T
@@ -138,8 +138,8 @@ def flash_fwd_hopper_kernel(
 
 
 if __name__ == "__main__":
-    from .attention import is_hopper
-    from .selfcheck import check_and_time_forward, report_lowering
+    from ..api.attention import is_hopper
+    from ..tooling.selfcheck import check_and_time_forward, report_lowering
 
     if is_hopper():
         check_and_time_forward()  # flash_attention's default on sm_90 is this kernel

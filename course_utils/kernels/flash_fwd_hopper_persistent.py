@@ -24,7 +24,7 @@ The protocol: for each shared buffer, a *full* mbarrier (the producer's TMA has 
 and count the key blocks they have passed (``it``): a block's stage is ``it % stages`` and the
 parity to wait for flips each time the stages wrap around.
 
-    python -m course_utils.flash_fwd_hopper_persistent   # on an H100: check, then time against the peers
+    python -m course_utils.kernels.flash_fwd_hopper_persistent   # on an H100: check, then time against the peers
 """
 
 import tilelang.language as T
@@ -262,10 +262,10 @@ def flash_fwd_hopper_persistent_kernel(
 if __name__ == "__main__":
     import torch
 
-    from .attention import ForwardConfig, flash_attention
-    from .bench import attention_flops, tflops, time_side_by_side
-    from .benchmarks.common import SDPA_PEERS, comparison_shapes, random_inputs, sdpa
-    from .validation import check_forward
+    from ..api.attention import ForwardConfig, flash_attention
+    from ..checking.validation import check_forward
+    from ..measure.bench import attention_flops, tflops, time_side_by_side
+    from ..measure.benchmarks.common import SDPA_PEERS, comparison_shapes, random_inputs, sdpa
 
     for dim in (128, 64):
         shape = comparison_shapes(seq_lens=(4096,), dim=dim)[0]

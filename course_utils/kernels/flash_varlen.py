@@ -21,7 +21,7 @@ Rows of a tile that run past the end of their sequence hold the *next* sequence'
 hides those keys, and stores are guarded row by row so a block never writes another sequence's
 rows.
 
-    python -m course_utils.flash_varlen     # check against the reference (and time it, on a GPU)
+    python -m course_utils.kernels.flash_varlen     # check against the reference (and time it, on a GPU)
 """
 
 import tilelang
@@ -405,6 +405,6 @@ def scale_cast_kernel(dim, *, dtype="float16", block=64, threads=128, target=Non
 
 
 if __name__ == "__main__":
-    from .varlen_api import _self_check_varlen
+    from ..api.varlen_api import _self_check_varlen
 
     _self_check_varlen()

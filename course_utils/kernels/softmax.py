@@ -21,8 +21,8 @@ import math
 import tilelang.language as T
 import torch
 
+from ..core.reference import visibility_mask
 from .flash_pieces import LOG2E
-from .reference import visibility_mask
 from .tiles import TileBackend
 
 __all__ = ["LOG2E", "naive_softmax", "safe_softmax", "safe_shift", "online_softmax_update",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import tilelang
 import tilelang.language as T
 
-from .device import TILE_TARGET
+from ..core.device import TILE_TARGET
 
 __all__ = ["TileBackend", "compile_kernel"]
 

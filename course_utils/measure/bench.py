@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .device import HAS_GPU, machine_info
-from .reference import visibility_mask
+from ..core.device import HAS_GPU, machine_info
+from ..core.reference import visibility_mask
 
 __all__ = [
     "FIGURES", "attention_flops", "time_cuda", "time_side_by_side", "tflops", "save_record", "load_record",
@@ -151,7 +151,7 @@ def stored_record(name):
         record = load_record(name)
     except FileNotFoundError:
         print(f"[no stored record: {name}] it has not been measured yet; on the GPU it needs: "
-              f"python -m course_utils.benchmarks {name}")
+              f"python -m course_utils.measure.benchmarks {name}")
         return None
     _announce(name, record, "stored record")
     return record

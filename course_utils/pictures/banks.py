@@ -4,7 +4,7 @@ Shared memory has 32 banks of 4 bytes; a wavefront carries at most 128 bytes, an
 one 4-byte word per wavefront (threads reading the *same* word share it). ``wavefronts`` counts
 how many wavefronts a warp's request needs under this model, ``ideal_wavefronts`` the fewest it
 could need, and ``conflict_table`` compares layouts (element offsets from
-``course_utils.layouts.layout_offsets``) on a few typical warp accesses. ``bank_map`` and
+``course_utils.pictures.layouts.layout_offsets``) on a few typical warp accesses. ``bank_map`` and
 ``bank_hits_chart`` draw which banks a tile's chunks fall in and which thread reads which bank.
 """
 

@@ -11,7 +11,7 @@
 - ``gqa_heads``: which K/V head each query head reads under grouped-query attention;
 - ``ring_circle``, ``ring_schedule``, ``ring_block_map``, ``ring_work_map``: ring attention (chapter
   10): the ring, who holds which K/V shard when, which rank computes which blocks at which step.
-Visibility follows ``course_utils.reference.visibility_mask`` (causal bottom-right aligned).
+Visibility follows ``course_utils.core.reference.visibility_mask`` (causal bottom-right aligned).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import matplotlib
 import matplotlib.patches as mpatches
 import numpy as np
 
+from ..core.reference import visibility_mask
 from . import plots  # noqa: F401  (importing it applies the course style)
-from .reference import visibility_mask
 
 __all__ = ["SKIPPED", "FULL", "MASKED", "TILE_COLORS", "online_softmax_diagram", "tile_classes", "visit_table",
            "grid_mapping", "tile_visits", "gqa_heads", "backward_grid", "dq_layout_map", "ring_circle", "ring_schedule",
@@ -338,7 +338,7 @@ def ring_block_map(ax, world, layout, *, causal=True, chunk=4):
     pair coloured by the rank that computes it (the owner of the query), each chunk pair labelled
     with the ring step at which that rank holds the key's shard. Drawn from the token positions of
     ``ring.sequence_positions`` and the causal mask alone, not from ``ring.step_blocks``."""
-    from .ring import sequence_positions
+    from ..api.ring import sequence_positions
 
     seq_local = 2 * chunk
     seq = world * seq_local

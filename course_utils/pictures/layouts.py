@@ -2,7 +2,7 @@
 
 - **Shared tiles.** ``layout_offsets`` evaluates a TileLang ``Layout`` (e.g. ``make_swizzled_layout``
   or ``make_linear_layout`` of a ``shared_tile``) at every element, giving the element offset where
-  the element is stored (``course_utils.banks`` counts the bank conflicts of such offsets).
+  the element is stored (``course_utils.pictures.banks`` counts the bank conflicts of such offsets).
 - **Registers.** ``fragment_tables`` evaluates a TileLang ``Fragment`` into two tables: which thread
   holds each element, and in which of its registers; ``fragment_map`` draws them.
   ``lower_with_layouts`` lowers a kernel for a CUDA architecture and also returns the layouts

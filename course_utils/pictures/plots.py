@@ -13,8 +13,8 @@ import os
 import matplotlib.pyplot as plt
 import numpy as np
 
-from .bench import FIGURES
-from .labels import CUDNN, FA2, NAIVE, OURS
+from ..core.labels import CUDNN, FA2, NAIVE, OURS
+from ..measure.bench import FIGURES
 
 __all__ = ["COLORS", "IMPL_COLORS", "style", "save", "heatmap", "line_chart", "speedup_bars", "roofline",
            "record_caption", "seq_label", "roofline_series", "text_table", "forward_comparison_panels",

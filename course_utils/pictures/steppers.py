@@ -17,8 +17,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from ..kernels.softmax import online_softmax_update
 from . import diagrams
-from .softmax import online_softmax_update
 
 __all__ = ["widgets_enabled", "online_softmax_steps", "online_softmax_stepper", "tile_walk_steps",
            "tile_walk_stepper"]

@@ -46,7 +46,7 @@ def _module(name):
 
 
 def _benchmarks():
-    for name in ("course_utils.measure.benchmarks", "course_utils.benchmarks"):
+    for name in ("course_utils.measure.benchmarks", "course_utils.measure.benchmarks"):
         with contextlib.suppress(ModuleNotFoundError):
             return importlib.import_module(name)
     raise ModuleNotFoundError("course_utils' benchmarks package")

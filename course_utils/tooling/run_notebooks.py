@@ -1,11 +1,11 @@
 """Execute the course notebooks headlessly and report the time each took.
 
-    python -m course_utils.run_notebooks              # every chapter, executed copies in workspace/executed/
-    python -m course_utils.run_notebooks 03 05        # the ones whose names start with these
-    python -m course_utils.run_notebooks --jobs 4     # several notebooks at once
-    python -m course_utils.run_notebooks --in-place   # on a GPU: rewrite the committed notebooks and figures
-    python -m course_utils.run_notebooks --refresh    # on a GPU: also re-measure the records (implies --in-place)
-    python -m course_utils.run_notebooks --normalise  # only normalise the committed notebooks (no execution)
+    python -m course_utils.tooling.run_notebooks              # every chapter, executed copies in workspace/executed/
+    python -m course_utils.tooling.run_notebooks 03 05        # the ones whose names start with these
+    python -m course_utils.tooling.run_notebooks --jobs 4     # several notebooks at once
+    python -m course_utils.tooling.run_notebooks --in-place   # on a GPU: rewrite the committed notebooks and figures
+    python -m course_utils.tooling.run_notebooks --refresh    # on a GPU: --in-place, and re-measure the records
+    python -m course_utils.tooling.run_notebooks --normalise  # only normalise the committed notebooks (no execution)
 
 By default nothing tracked is touched: each chapter is made from its ``.py`` source and its
 executed copy goes to ``workspace/executed/`` (git-ignored), so a CPU run never replaces the
@@ -176,7 +176,7 @@ def main(argv=None):
 
     in_place = args.in_place or args.refresh
     if in_place:
-        from course_utils.device import HAS_GPU
+        from course_utils.core.device import HAS_GPU
 
         if not HAS_GPU:
             sys.exit("--in-place and --refresh rewrite the committed notebooks, whose outputs come from the H100: "

@@ -8,11 +8,8 @@ backends at the usual benchmark shape (B·S = 16k tokens, H·D = 2048, S = 4k, f
 
 import torch
 
-from .attention import flash_attention
-from .bench import attention_flops, tflops, time_side_by_side
-from .device import DEVICE, HAS_GPU
-from .labels import OURS, SHORT
-from .validation import (
+from ..api.attention import flash_attention
+from ..checking.validation import (
     backward_bugs,
     backward_without_delta,
     check_backward,
@@ -21,6 +18,9 @@ from .validation import (
     references,
     show_bugs_caught,
 )
+from ..core.device import DEVICE, HAS_GPU
+from ..core.labels import OURS, SHORT
+from ..measure.bench import attention_flops, tflops, time_side_by_side
 
 __all__ = ["check_and_time_forward", "check_and_time_backward", "report_lowering"]
 
@@ -49,7 +49,7 @@ def check_and_time_forward(config=None):
         show_bugs_caught(lambda o, l: check_forward(q, k, v, o, l, causal=causal, refs=refs, quiet=True),
                          forward_bugs(out, lse))
         if HAS_GPU:
-            from .benchmarks.common import SDPA_PEERS, sdpa
+            from ..measure.benchmarks.common import SDPA_PEERS, sdpa
 
             impls = {OURS: lambda: flash_attention(q, k, v, causal=causal, config=config)}
             impls.update({name: (lambda b=b: sdpa(q, k, v, causal, b)) for name, b in SDPA_PEERS.items()})
@@ -72,7 +72,7 @@ def check_and_time_backward(config=None):
         show_bugs_caught(lambda *g: check_backward(q, k, v, d_out, g, causal=causal, refs=refs, quiet=True),
                          backward_bugs(grads, grads_without_delta=without_delta))
         if HAS_GPU:
-            from .benchmarks.common import SDPA_PEERS, backward_timer, sdpa
+            from ..measure.benchmarks.common import SDPA_PEERS, backward_timer, sdpa
 
             attns = {OURS: lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=causal, backward_config=config)}
             attns.update({name: (lambda q_, k_, v_, b=b: sdpa(q_, k_, v_, causal, b))
@@ -84,7 +84,7 @@ def check_and_time_backward(config=None):
 
 def report_lowering(prim_func, arch="sm_90a"):
     """Without the GPU a kernel needs: lower it for ``arch`` and print what ptxas says (registers, spills)."""
-    from .source import cuda_source, ptxas_report
+    from ..core.source import cuda_source, ptxas_report
 
     source = cuda_source(prim_func, arch)
     print(f"lowered for {arch}: {len(source.splitlines())} lines of CUDA")

@@ -1,13 +1,13 @@
 """The headline table of the README, generated from the stored H100 records.
 
-    python -m course_utils.summary      # prints the markdown table
+    python -m course_utils.tooling.summary      # prints the markdown table
 
 tests/test_readme.py checks that the README shows exactly this table, so the README's numbers
 can only come from the records.
 """
 
-from .bench import load_record
-from .labels import OURS, PEERS
+from ..core.labels import OURS, PEERS
+from ..measure.bench import load_record
 
 
 def _pick(rows, impl, causal, seq=4096, dim=128, dtype="float16"):

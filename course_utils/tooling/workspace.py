@@ -1,8 +1,8 @@
 """The learner's workspace: git-ignored copies of the chapters that Lab opens instead of the tracked ones.
 
-    python -m course_utils.workspace              # refresh workspace/learner/ (what `./course lab` does)
-    python -m course_utils.workspace --teacher    # refresh workspace/teacher/ (`./course lab --teacher`)
-    python -m course_utils.workspace --reset 03   # move your copy of chapter 03 to workspace/backup/, write a fresh one
+    python -m course_utils.tooling.workspace              # refresh workspace/learner/ (what `./course lab` does)
+    python -m course_utils.tooling.workspace --teacher    # refresh workspace/teacher/ (`./course lab --teacher`)
+    python -m course_utils.tooling.workspace --reset 03   # move your chapter 03 to workspace/backup/, write a fresh one
 
 Two editions are made from the committed notebooks in ``notebooks/``:
 
@@ -196,7 +196,7 @@ def describe(report, edition, workspace=WORKSPACE):
         lines.append(f"  kept {folder / name}: the chapter changed, but you edited your copy, so it was left "
                      "as it is.\n"
                      f"    For the new version (yours is moved to {_relative(Path(workspace) / 'backup' / edition)}/): "
-                     f".venv/bin/python -m course_utils.workspace{flag} --reset {name[:2]}")
+                     f".venv/bin/python -m course_utils.tooling.workspace{flag} --reset {name[:2]}")
     return "\n".join(lines)
 
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import tilelang.language as T
 import torch
 
-from .flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from .flash_bwd_hopper import PASS_CONFIGS, consumer_barrier, needs_mask, padded_rows, query_steps
-from .flash_fwd_hopper import keep_stages_until_read
-from .flash_pieces import LOG2E, prelude, visible
-from .tiles import TileBackend, compile_kernel
+from ..flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
+from ..flash_bwd_hopper import PASS_CONFIGS, consumer_barrier, needs_mask, padded_rows, query_steps
+from ..flash_fwd_hopper import keep_stages_until_read
+from ..flash_pieces import LOG2E, prelude, visible
+from ..tiles import TileBackend, compile_kernel
 
 __all__ = ["Version", "VERSIONS", "SHIPPED_VERSION", "shipped_version", "versions_for", "flash_bwd_hopper_variant",
            "fused_preprocess_kernel", "MANUAL_SYNC_PASS_CONFIGS"]

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import tilelang
 import tilelang.language as T
 
-from .flash_fwd import flash_fwd_kernel
-from .flash_fwd_hopper import flash_fwd_hopper_kernel, issue_matmuls, keep_stages_until_read, pass_turn, wait_for_turn
-from .flash_fwd_hopper_persistent import (
+from ..flash_fwd import flash_fwd_kernel
+from ..flash_fwd_hopper import flash_fwd_hopper_kernel, issue_matmuls, keep_stages_until_read, pass_turn, wait_for_turn
+from ..flash_fwd_hopper_persistent import (
     H100_SMS,
     first_turn,
     flash_fwd_hopper_persistent_kernel,
@@ -25,9 +25,9 @@ from .flash_fwd_hopper_persistent import (
     tile_order,
     tiles_per_block,
 )
-from .flash_fwd_hopper_persistent import pass_turn as pass_turn_n
-from .flash_fwd_hopper_persistent import wait_for_turn as wait_for_turn_n
-from .flash_pieces import (
+from ..flash_fwd_hopper_persistent import pass_turn as pass_turn_n
+from ..flash_fwd_hopper_persistent import wait_for_turn as wait_for_turn_n
+from ..flash_pieces import (
     ACCUM,
     NEG_INF,
     forward_epilogue,
@@ -38,7 +38,7 @@ from .flash_pieces import (
     online_softmax,
     prelude,
 )
-from .tiles import TileBackend, compile_kernel
+from ..tiles import TileBackend, compile_kernel
 
 __all__ = ["Version", "VERSIONS", "versions_for", "flash_fwd_hopper_variant", "flash_fwd_hopper_persistent_variant",
            "exp2_on_fma"]

@@ -5,12 +5,12 @@ process, on the same inputs, after checking our results on every head against th
 reference. ``RECORDS`` maps a record's name to the function that measures it; a notebook shows a
 record with ``cu.measured(name, RECORDS[name])``, and on a GPU machine
 
-    python -m course_utils.benchmarks NAME ...      # (no NAME: every record of one GPU)
+    python -m course_utils.measure.benchmarks NAME ...      # (no NAME: every record of one GPU)
 
 re-measures records in one go and writes ``figures/NAME.json``.
 """
 
-from ..attention import TUNED_FORWARD_CONFIG, BackwardConfig, ForwardConfig
+from ...api.attention import TUNED_FORWARD_CONFIG, BackwardConfig, ForwardConfig
 from .ch01_naive import naive_attention, naive_vs_sdpa
 from .ch03_forward import forward_config_sweep, forward_vs_peers
 from .ch05_backward import backward_config_sweep, backward_vs_peers

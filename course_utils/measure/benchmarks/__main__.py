@@ -1,4 +1,4 @@
-"""``python -m course_utils.benchmarks [NAME ...]``: re-measure records on a GPU machine."""
+"""``python -m course_utils.measure.benchmarks [NAME ...]``: re-measure records on a GPU machine."""
 
 import sys
 

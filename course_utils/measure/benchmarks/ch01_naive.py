@@ -5,9 +5,9 @@ import math
 import torch
 from torch.nn.attention import SDPBackend
 
+from ...checking.validation import check_forward, references
+from ...core.labels import FA2, NAIVE
 from ..bench import attention_flops, tflops, time_cuda
-from ..labels import FA2, NAIVE
-from ..validation import check_forward, references
 from .common import random_inputs, sdpa
 
 __all__ = ["naive_attention", "naive_vs_sdpa"]

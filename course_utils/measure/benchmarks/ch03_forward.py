@@ -5,10 +5,10 @@ import itertools
 
 import torch
 
-from ..attention import ForwardConfig, default_forward_config, flash_attention, forward_kernel
+from ...api.attention import ForwardConfig, default_forward_config, flash_attention, forward_kernel
+from ...checking.validation import check_forward, references
+from ...core.labels import NAIVE, OURS
 from ..bench import attention_flops, tflops, time_cuda, time_side_by_side
-from ..labels import NAIVE, OURS
-from ..validation import check_forward, references
 from .ch01_naive import naive_attention
 from .common import SDPA_PEERS, comparison_shapes, empty_query, in_parallel, random_inputs, sdpa, sweep
 

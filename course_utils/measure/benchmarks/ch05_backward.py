@@ -9,10 +9,10 @@ import itertools
 
 import torch
 
-from ..attention import BackwardConfig, backward_kernels, default_backward_config, flash_attention
+from ...api.attention import BackwardConfig, backward_kernels, default_backward_config, flash_attention
+from ...checking.validation import check_backward, references
+from ...core.labels import OURS
 from ..bench import attention_flops, tflops, time_cuda, time_side_by_side
-from ..labels import OURS
-from ..validation import check_backward, references
 from .common import SDPA_PEERS, backward_timer, comparison_shapes, empty_query, in_parallel, random_inputs, sdpa, sweep
 
 __all__ = ["backward_config_sweep", "backward_vs_peers"]

@@ -4,11 +4,11 @@ import itertools
 
 import torch
 
-from ..attention import default_forward_config, flash_attention
+from ...api.attention import default_forward_config, flash_attention
+from ...checking.validation import check_backward, check_forward, references
+from ...core.labels import NAIVE, OURS
+from ...core.reference import attention_reference
 from ..bench import attention_flops, tflops, time_cuda, time_side_by_side
-from ..labels import NAIVE, OURS
-from ..reference import attention_reference
-from ..validation import check_backward, check_forward, references
 from .common import SDPA_PEERS, backward_timer, sdpa
 
 __all__ = ["GPT_OSS_SHAPE", "gpt_oss_inputs", "gpt_oss_vs_peers", "gqa_backward_strategies"]

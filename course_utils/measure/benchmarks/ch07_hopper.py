@@ -5,11 +5,11 @@ import itertools
 
 import torch
 
-from ..attention import ForwardConfig, flash_attention, forward_kernel, hopper_forward_config
+from ...api.attention import ForwardConfig, flash_attention, forward_kernel, hopper_forward_config
+from ...checking.validation import check_forward, references
+from ...core.labels import OURS
+from ...kernels.versions.flash_fwd_hopper_versions import versions_for
 from ..bench import attention_flops, tflops, time_side_by_side
-from ..flash_fwd_hopper_versions import versions_for
-from ..labels import OURS
-from ..validation import check_forward, references
 from .ch03_forward import forward_config_sweep
 from .common import SDPA_PEERS, comparison_shapes, in_parallel, random_inputs, sdpa
 

@@ -8,10 +8,10 @@ import itertools
 
 import torch
 
-from ..attention import backward_kernels, flash_attention, forward_kernel
+from ...api.attention import backward_kernels, flash_attention, forward_kernel
+from ...checking.validation import check_backward, references
+from ...kernels.versions.flash_bwd_hopper_versions import SHIPPED_VERSION, versions_for
 from ..bench import attention_flops, tflops, time_side_by_side
-from ..flash_bwd_hopper_versions import SHIPPED_VERSION, versions_for
-from ..validation import check_backward, references
 from .common import SDPA_PEERS, backward_timer, comparison_shapes, in_parallel, random_inputs, sdpa
 
 __all__ = ["backward_ablation", "deterministic_cost", "FEATURE_CASES", "feature_checks"]
@@ -165,13 +165,13 @@ def feature_checks(cases=None, deterministic_options=(False, True)):
 
 
 def self_check():
-    """``python -m course_utils.flash_bwd_hopper``: on an H100 every feature in both modes, then the backward
+    """``python -m course_utils.kernels.flash_bwd_hopper``: on an H100 every feature in both modes, then the backward
     against the peers at S = 4k; elsewhere what needs no GPU: the shipped kernel's ptxas report."""
-    from ..attention import HOPPER_BACKWARD_CONFIGS, is_hopper
+    from ...api.attention import HOPPER_BACKWARD_CONFIGS, is_hopper
 
     if not is_hopper():
-        from ..flash_bwd_hopper import PASS_CONFIGS, flash_bwd_hopper_kernel
-        from ..source import cuda_source, ptxas_report
+        from ...core.source import cuda_source, ptxas_report
+        from ...kernels.flash_bwd_hopper import PASS_CONFIGS, flash_bwd_hopper_kernel
 
         for (dim, masked), config in HOPPER_BACKWARD_CONFIGS.items():
             func = flash_bwd_hopper_kernel(4, 2048 // dim, 4096, 4096, dim, causal=masked, block_M=config.block_M,

@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..attention import flash_attention
+from ...api.attention import flash_attention
+from ...api.varlen_api import decode_num_splits, flash_attention_varlen, flash_decode
+from ...checking.validation import check_backward, check_forward, decode_references, varlen_references
+from ...core.labels import CUDNN, FA2, OURS
 from ..bench import attention_flops, tflops, time_side_by_side
-from ..labels import CUDNN, FA2, OURS
-from ..validation import check_backward, check_forward, decode_references, varlen_references
-from ..varlen_api import decode_num_splits, flash_attention_varlen, flash_decode
 from .common import backward_timer, in_parallel
 
 __all__ = ["DECODE_SHAPE", "DECODE_BATCHES", "DECODE_CONTEXTS", "PAGE_SIZE", "SUM", "PAGED", "PACKED_LIST",
@@ -299,8 +299,8 @@ def precompile_ch09():
                                           dtype=torch.float16), causal, None))
 
     def build(job):
-        from ..attention import backward_kernels, forward_kernel
-        from ..varlen_api import _varlen_small_kernels, decode_kernels, varlen_kernels
+        from ...api.attention import backward_kernels, forward_kernel
+        from ...api.varlen_api import _varlen_small_kernels, decode_kernels, varlen_kernels
 
         kind = job[0]
         if kind == "decode":

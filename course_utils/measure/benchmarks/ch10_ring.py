@@ -2,8 +2,8 @@
 
 On a machine with two GPUs (``nvidia-h200-x2``)::
 
-    python -m course_utils.benchmarks.ch10_ring             # writes figures/ch10_ring_attention_h200x2.json
-    python -m course_utils.benchmarks.ch10_ring --dry-run   # the same code path on 2 CPU processes (gloo), tiny
+    python -m course_utils.measure.benchmarks.ch10_ring             # writes figures/ch10_ring_attention_h200x2.json
+    python -m course_utils.measure.benchmarks.ch10_ring --dry-run   # the same code path on 2 CPU processes (gloo), tiny
 
 First every kernel of the run is compiled in worker processes (TileLang's lowering holds the GIL,
 so threads would take turns); then two processes, one per GPU, joined by NCCL, load them from
@@ -42,10 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from ..attention import backward_kernels, flash_attention, forward_kernel
-from ..bench import attention_flops, save_record, tflops, time_side_by_side
-from ..labels import CUDNN, FA2, OURS
-from ..ring import (
+from ...api.attention import backward_kernels, flash_attention, forward_kernel
+from ...api.ring import (
     NoComm,
     RingComm,
     kernel_shapes,
@@ -55,7 +53,9 @@ from ..ring import (
     shard_sequence,
     unshard_sequence,
 )
-from ..validation import check_backward, check_forward, references
+from ...checking.validation import check_backward, check_forward, references
+from ...core.labels import CUDNN, FA2, OURS
+from ..bench import attention_flops, save_record, tflops, time_side_by_side
 from .common import SDPA_PEERS, sdpa
 
 RECORD = "ch10_ring_attention_h200x2"
@@ -570,7 +570,7 @@ def main(argv=None):
         print(json.dumps(results)[:2000])
         return results
     record = save_record(RECORD, results, notes=f"{WORLD} GPUs of one host, NCCL ({NCCL_ENV}); see "
-                         "course_utils/benchmarks/ch10_ring.py")
+                         "course_utils/measure/benchmarks/ch10_ring.py")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"{RECORD}.json"), "w") as f:
@@ -580,6 +580,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     # Through the package, so that the functions sent to the worker processes name this module, not __main__.
-    from course_utils.benchmarks import ch10_ring
+    from course_utils.measure.benchmarks import ch10_ring
 
     ch10_ring.main(sys.argv[1:])

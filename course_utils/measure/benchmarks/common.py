@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..labels import CUDNN, FA2
+from ...core.labels import CUDNN, FA2
 
 __all__ = ["SDPA_PEERS", "sdpa", "comparison_shapes", "random_inputs", "empty_query", "in_parallel", "sweep",
            "backward_timer"]
