@@ -6,7 +6,7 @@ import warnings
 # Keep notebook outputs about the course, not about the tools: tqdm warns about a missing widget
 # library inside Jupyter, and TileLang logs every compilation at INFO.
 warnings.filterwarnings("ignore", message="IProgress not found")
-# `python -m course_utils.kernels.flash_fwd` runs a module the package has already imported; that is intended.
+# `python -m course_utils.<module>` runs a module the package has already imported; that is intended.
 warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
 
 import tilelang  # noqa: E402

@@ -48,7 +48,8 @@ from course_utils.api.attention import FORWARD_KERNELS, hopper_forward_config, i
 from course_utils.measure.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS, load_record
 from course_utils.measure.benchmarks import RECORDS
 from course_utils.measure.benchmarks.ch07_hopper import ROTATED
-from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel, issue_matmuls, keep_stages_until_read
+from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
+from course_utils.kernels.hopper_pieces import issue_matmuls, keep_stages_until_read
 from course_utils.kernels.versions.flash_fwd_hopper_versions import VERSIONS, flash_fwd_hopper_variant
 from course_utils.core.labels import CUDNN, FA2, OURS, PEERS, SHORT
 from course_utils.core.source import cuda_source, grep, loop_skeleton, ptxas_report, show_source

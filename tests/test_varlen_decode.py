@@ -7,10 +7,9 @@ import re
 import pytest
 import torch
 
-from course_utils import CheckFailed, check_close, flash_attention_varlen
+from course_utils import CheckFailed, check_close, flash_attention_varlen, flash_decode
 from course_utils.api.attention import ForwardConfig
 from course_utils.checking.validation import check_backward, check_forward, decode_references, varlen_references
-from course_utils.kernels import flash_decode
 from course_utils.kernels.flash_varlen import lse_row_layout, varlen_work_list
 
 H, H_KV, D = 4, 2, 16  # GQA 4/2; the CPU tile is 16 × 16

@@ -4,9 +4,8 @@ sequence is checked against the float64 reference with FlashAttention's criterio
 import pytest
 import torch
 
-from course_utils import flash_attention_varlen
+from course_utils import flash_attention_varlen, flash_decode
 from course_utils.checking.validation import check_backward, check_forward, decode_references, varlen_references
-from course_utils.kernels import flash_decode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -521,36 +521,3 @@ def run_ring_attention(cases, world=2, *, bad_inputs=False):
         out, dq, dk, dv = (unshard_sequence([s[i] for s in shards], case.layout) for i in range(4))
         results.append((out, (dq, dk, dv)))
     return results, ([errors for _, errors in per_rank] if bad_inputs else None)
-
-
-def self_check(world=2):
-    """``python -m course_utils.api.ring``: ring attention on ``world`` CPU processes (gloo), contiguous
-    and zigzag, causal or not, GQA; O and every gradient vs the float64 reference; the bad inputs."""
-    from ..checking.validation import check_backward, check_forward, references
-
-    torch.manual_seed(0)
-    batch, heads, heads_kv, seq_local, dim = 2, 4, 2, 32, 16
-    seq = world * seq_local
-    cases = []
-    for layout in LAYOUTS:
-        for causal in (False, True):
-            q, d_out = (torch.randn(batch, heads, seq, dim) for _ in range(2))
-            k, v = (torch.randn(batch, heads_kv, seq, dim) for _ in range(2))
-            cases.append(RingCase(q, k, v, d_out, causal, layout))
-    results, errors = run_ring_attention(cases, world, bad_inputs=True)
-    for case, (out, grads) in zip(cases, results):
-        name = f"{world} ranks, {case.layout}, {'causal' if case.causal else 'non-causal'}"
-        refs = references(case.q, case.k, case.v, d_out=case.d_out, causal=case.causal)
-        check_forward(case.q, case.k, case.v, out, causal=case.causal, refs=refs, name=name)
-        check_backward(case.q, case.k, case.v, case.d_out, grads, causal=case.causal, refs=refs, name=name)
-    for name in BAD_INPUTS:
-        answers = [rank_errors[name] for rank_errors in errors]
-        if not all(answer.startswith("ValueError") for answer in answers):
-            raise AssertionError(f"bad input {name!r} did not raise a ValueError on every rank: {answers}")
-        print(f"✓ bad input, {name}: {min(answers, key=len)[:110]}")
-
-
-if __name__ == "__main__":
-    from course_utils.api import ring as _this_module  # pickled functions must name the module, not __main__
-
-    _this_module.self_check()

@@ -246,45 +246,6 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
     return (out, lse) if return_lse else out
 
 
-def _self_check_decode():
-    """``python -m course_utils.kernels.flash_decode``: contiguous and paged decoding against the float64 reference."""
-    from ..core.device import DEVICE, HAS_GPU
-    from ..core.reference import attention_reference
-
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if HAS_GPU else torch.float32
-    batch, seq_new, heads, heads_kv, dim = (4, 1, 64, 8, 64) if HAS_GPU else (3, 2, 4, 2, 16)
-    seq_max, page_size = (4096, 256) if HAS_GPU else (48, 16)
-    q = torch.randn(batch, seq_new, heads, dim, device=DEVICE, dtype=dtype)
-    k, v = (torch.randn(batch, seq_max, heads_kv, dim, device=DEVICE, dtype=dtype) for _ in range(2))
-    lengths = torch.randint(seq_new, seq_max + 1, (batch,), device=DEVICE, dtype=torch.int32)
-    sinks = torch.randn(heads, device=DEVICE)
-    pages = seq_max // page_size
-    table = torch.randperm(batch * pages, device=DEVICE).view(batch, pages).to(torch.int32)
-    k_pages, v_pages = (torch.empty(batch * pages, page_size, heads_kv, dim, device=DEVICE, dtype=dtype)
-                        for _ in range(2))
-    k_pages[table.long()] = k.view(batch, pages, page_size, heads_kv, dim)
-    v_pages[table.long()] = v.view(batch, pages, page_size, heads_kv, dim)
-    for name, caches, extra in (("contiguous", (k, v), {}), ("paged", (k_pages, v_pages), dict(block_table=table))):
-        out = flash_decode(q, *caches, lengths, causal=True, sinks=sinks, **extra)
-        worst = 0.0
-        for b in range(batch):
-            n = int(lengths[b])
-            ref = attention_reference(q[b:b + 1].transpose(1, 2), k[b:b + 1, :n].transpose(1, 2),
-                                      v[b:b + 1, :n].transpose(1, 2), causal=True, sinks=sinks)
-            worst = max(worst, float((out[b:b + 1].transpose(1, 2).double() - ref.double()).abs().max()))
-        print(f"flash_decode, {name} cache: max abs error vs float64 {worst:.2e}")
-        assert worst < (2e-2 if HAS_GPU else 1e-5), name
-    if HAS_GPU:  # a quick look at the speed; chapter 09's records are the measurements
-        from ..measure.bench import time_side_by_side
-
-        full = torch.full_like(lengths, seq_max)
-        ms = time_side_by_side({"ours": lambda: flash_decode(q, k, v, full, sinks=sinks, check_indices=False),
-                                "torch.sum": lambda: torch.sum(k) + torch.sum(v)})
-        nbytes = 2 * k.numel() * k.element_size()
-        print(f"B={batch}, context {seq_max}: ours {nbytes / ms['ours'] / 1e6:.0f} GB/s, "
-              f"torch.sum over the same bytes {nbytes / ms['torch.sum'] / 1e6:.0f} GB/s")
-
 
 # ---------------------------------------------------------------------------------------------- varlen
 
@@ -513,41 +474,3 @@ def varlen_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, sched
                              target)
     schedule = VARLEN_SCHEDULE if schedule is None else schedule
     return _varlen_forward(problem, fwd_config, schedule), _varlen_backward(problem, bwd_config, schedule)
-
-
-def _self_check_varlen():
-    """``python -m course_utils.kernels.flash_varlen``: a packed batch against the float64 reference, per sequence."""
-    from ..core.device import DEVICE, HAS_GPU
-    from ..core.reference import attention_reference
-
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if HAS_GPU else torch.float32
-    heads, heads_kv, dim = (16, 4, 128) if HAS_GPU else (4, 2, 16)
-    lengths = [1000, 1, 4096, 0, 129] if HAS_GPU else [20, 1, 16, 0, 17]
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    total = int(cu[-1])
-    q = torch.randn(total, heads, dim, device=DEVICE, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(total, heads_kv, dim, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
-    out = flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
-    d_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), d_out)
-    worst = {}
-    for b, n in enumerate(lengths):
-        if n == 0:
-            continue
-        rows = slice(int(cu[b]), int(cu[b + 1]))
-        leaves = [t[rows].detach().double().transpose(0, 1)[None].requires_grad_() for t in (q, k, v)]
-        ref = attention_reference(*leaves, causal=True)
-        ref_grads = torch.autograd.grad(ref, leaves, d_out[rows].double().transpose(0, 1)[None])
-        for name, mine, theirs in zip(("O", "dQ", "dK", "dV"), (out,) + grads, (ref,) + ref_grads):
-            err = float((mine[rows].detach().double() - theirs[0].detach().transpose(0, 1)).abs().max())
-            worst[name] = max(worst.get(name, 0.0), err)
-    print("flash_attention_varlen, causal, lengths", lengths, "max abs error vs float64:",
-          ", ".join(f"{n} {e:.2e}" for n, e in worst.items()))
-    assert all(e < (5e-2 if HAS_GPU else 1e-4) for e in worst.values()), worst
-    if HAS_GPU:  # a quick look at the speed; chapter 09's records are the measurements
-        from ..measure.bench import attention_flops, tflops, time_cuda
-
-        ms = time_cuda(lambda: flash_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True))
-        flops = sum(attention_flops(1, heads, n, n, dim, causal=True) for n in lengths)
-        print(f"forward: {ms:.3f} ms, {tflops(flops, ms):.0f} TFLOP/s")

@@ -9,7 +9,7 @@ registers, and the block walks over the query blocks that can see its keys. dQ g
 contributions from every key block, so it is accumulated in float32 with atomic adds and
 cast by a last, small kernel.
 
-    python -m course_utils.kernels.flash_bwd     # check against the reference (and time it, on a GPU)
+    python -m course_utils.check flash_bwd  # check against the reference (and time it, on a GPU)
 """
 
 import tilelang.language as T
@@ -178,11 +178,3 @@ def flash_bwd_kernel(
             # endregion
 
     return flash_bwd
-
-
-if __name__ == "__main__":
-    from ..core.device import HAS_GPU
-    from ..measure.benchmarks import CH05_BACKWARD_CONFIG
-    from ..tooling.selfcheck import check_and_time_backward
-
-    check_and_time_backward(CH05_BACKWARD_CONFIG if HAS_GPU else None)  # this chapter's kernel, also on Hopper

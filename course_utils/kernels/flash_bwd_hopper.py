@@ -20,13 +20,12 @@ sums dK and dV over every query head of its GQA group, so nothing is added atomi
 ``flash_bwd_hopper_dq_kernel`` is the other half: dQ with one block per query block, in a fixed
 order. The variations chapter 08 measures and does not keep are in ``flash_bwd_hopper_versions``.
 
-    python -m course_utils.kernels.flash_bwd_hopper     # on an H100: check, then time against the peers
+    python -m course_utils.check flash_bwd_hopper  # on an H100: check, then time against the peers
 """
 
 import tilelang
 import tilelang.language as T
 
-from .flash_fwd_hopper import keep_stages_until_read
 from .flash_pieces import (
     LOG2E,
     block_needs_mask,
@@ -36,6 +35,7 @@ from .flash_pieces import (
     query_block_range,
     visible,
 )
+from .hopper_pieces import keep_stages_until_read
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "needs_mask",
            "query_steps", "key_steps", "padded_rows", "consumer_barrier", "PASS_CONFIGS"]
@@ -301,9 +301,3 @@ def flash_bwd_hopper_dq_kernel(
             T.copy(dq, dQ[bz, by, qb * block_M:(qb + 1) * block_M, :])
 
     return flash_bwd_hopper_dq
-
-
-if __name__ == "__main__":
-    from ..measure.benchmarks.ch08_hopper_backward import self_check
-
-    self_check()

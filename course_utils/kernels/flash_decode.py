@@ -21,7 +21,7 @@ divides ``page_size``), so a paged load is a contiguous load from a looked-up pa
 Lengths come from ``cache_seqlens`` at run time, and the number of splits is the size of the
 partial buffers, so one compiled kernel serves every batch size, cache size and split count.
 
-    python -m course_utils.kernels.flash_decode     # check against the reference (and time it, on a GPU)
+    python -m course_utils.check flash_decode  # check against the reference (and time it, on a GPU)
 """
 
 import math
@@ -288,9 +288,3 @@ def choose_num_splits(batch, heads_kv, capacity, *, num_sms, config, dim, row_ti
     key_blocks = math.ceil(capacity / config.block_N)
     splits = wave // blocks
     return int(max(1, min(splits, max_splits, key_blocks // min_blocks_per_split)))
-
-
-if __name__ == "__main__":
-    from ..api.varlen_api import _self_check_decode
-
-    _self_check_decode()

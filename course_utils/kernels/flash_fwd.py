@@ -5,7 +5,7 @@ streams K/V through shared memory ``block_N`` keys at a time, and keeps the runn
 ``m``, the running denominator ``l`` and the output accumulator in registers. Scores are scaled
 by ``sm_scale · log2(e)`` so the exponentials are ``exp2``; the LSE written out is in natural log.
 
-    python -m course_utils.kernels.flash_fwd     # check against the reference (and time it, on a GPU)
+    python -m course_utils.check flash_fwd  # check against the reference (and time it, on a GPU)
 """
 
 import tilelang.language as T
@@ -94,11 +94,3 @@ def flash_fwd_kernel(
                              has_sinks)
 
     return flash_fwd
-
-
-if __name__ == "__main__":
-    from ..api.attention import TUNED_FORWARD_CONFIG
-    from ..core.device import HAS_GPU
-    from ..tooling.selfcheck import check_and_time_forward
-
-    check_and_time_forward(TUNED_FORWARD_CONFIG if HAS_GPU else None)  # chapter 04's tiling on a GPU

@@ -14,7 +14,7 @@ natural-log LSE), for sm_90 GPUs only. What changes is the schedule of one threa
 TileLang still adds the producer warpgroup that streams K and V with TMA (warp specialisation).
 The variations chapter 07 measures and does not keep are in ``flash_fwd_hopper_versions``.
 
-    python -m course_utils.kernels.flash_fwd_hopper     # on an H100: check, then time against the peers
+    python -m course_utils.check flash_fwd_hopper  # on an H100: check, then time against the peers
 """
 
 import tilelang.language as T
@@ -28,41 +28,10 @@ from .flash_pieces import (
     online_softmax,
     prelude,
 )
+from .hopper_pieces import issue_matmuls, keep_stages_until_read, pass_turn, wait_for_turn
 from .tiles import TileBackend
 
-__all__ = ["flash_fwd_hopper_kernel", "issue_matmuls", "wait_for_turn", "pass_turn", "keep_stages_until_read"]
-
-
-@T.macro
-def issue_matmuls(Q_s, K_s, V_s, S, P, acc_o):
-    """Issue S = Q Kᵀ of this key block and acc_o += P V of the previous one, without waiting."""
-    T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-    T.wgmma_gemm(P, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
-
-
-# Ping-pong passes the turn to issue matmuls between the two consumer warpgroups with named
-# barriers 8 and 9. They are plain extern calls: TileLang's warp specialisation would move a
-# T.sync_threads into the producer's branch.
-@T.macro
-def wait_for_turn(kb, k_start):
-    """Block this warpgroup until the other one has issued its matmuls (warpgroup 0 goes first)."""
-    warpgroup = T.get_thread_binding() // 128
-    if kb == k_start and warpgroup == 1:
-        T.call_extern("handle", "tl::__named_barrier_arrive", 8, 256)
-    T.call_extern("handle", "tl::__sync_thread_partial", 8 + warpgroup, 256)
-
-
-@T.macro
-def pass_turn():
-    """Let the other consumer warpgroup issue its matmuls."""
-    T.call_extern("handle", "tl::__named_barrier_arrive", 9 - T.get_thread_binding() // 128, 256)
-
-
-@T.macro
-def keep_stages_until_read(stage_in_use, K_s, V_s):
-    """Read both stage buffers after the last wait, so warp specialisation releases them only once
-    the wgmmas that read them are done (it would release them when the wgmma is *issued*)."""
-    stage_in_use[0] = K_s[0, 0] + V_s[0, 0]
+__all__ = ["flash_fwd_hopper_kernel"]
 
 
 def flash_fwd_hopper_kernel(
@@ -135,14 +104,3 @@ def flash_fwd_hopper_kernel(
                              has_sinks)
 
     return flash_fwd_hopper
-
-
-if __name__ == "__main__":
-    from ..api.attention import is_hopper
-    from ..tooling.selfcheck import check_and_time_forward, report_lowering
-
-    if is_hopper():
-        check_and_time_forward()  # flash_attention's default on sm_90 is this kernel
-    else:
-        print("No sm_90 GPU here: wgmma exists only on Hopper. The kernel at D=128, S=4k, lowered:")
-        report_lowering(flash_fwd_hopper_kernel(4, 16, 4096, 4096, 128, causal=True))

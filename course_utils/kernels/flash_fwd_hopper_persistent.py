@@ -24,7 +24,7 @@ The protocol: for each shared buffer, a *full* mbarrier (the producer's TMA has 
 and count the key blocks they have passed (``it``): a block's stage is ``it % stages`` and the
 parity to wait for flips each time the stages wrap around.
 
-    python -m course_utils.kernels.flash_fwd_hopper_persistent   # on an H100: check, then time against the peers
+    python -m course_utils.check flash_fwd_hopper_persistent# on an H100: check, then time against the peers
 """
 
 import tilelang.language as T
@@ -257,25 +257,3 @@ def flash_fwd_hopper_persistent_kernel(
                 T.tma_store_wait()  # the last O store must have read shared memory before the block exits
 
     return flash_fwd_hopper_persistent
-
-
-if __name__ == "__main__":
-    import torch
-
-    from ..api.attention import ForwardConfig, flash_attention
-    from ..checking.validation import check_forward
-    from ..measure.bench import attention_flops, tflops, time_side_by_side
-    from ..measure.benchmarks.common import SDPA_PEERS, comparison_shapes, random_inputs, sdpa
-
-    for dim in (128, 64):
-        shape = comparison_shapes(seq_lens=(4096,), dim=dim)[0]
-        q, k, v = random_inputs(shape, torch.float16)
-        for causal in (False, True):
-            config = ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent")
-            out, lse = flash_attention(q, k, v, causal=causal, config=config, return_lse=True)
-            check_forward(q, k, v, out, lse, causal=causal, name=f"D={dim} causal={causal}")
-            impls = {"persistent": lambda: flash_attention(q, k, v, causal=causal, config=config)}
-            impls.update({n: (lambda b=b: sdpa(q, k, v, causal, b)) for n, b in SDPA_PEERS.items()})
-            flops = attention_flops(q.shape[0], q.shape[1], q.shape[2], k.shape[2], dim, causal=causal)
-            for name, ms in time_side_by_side(impls).items():
-                print(f"D={dim} causal={causal}: {name:32} {tflops(flops, ms):6.0f} TFLOP/s")

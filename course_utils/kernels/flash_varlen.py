@@ -21,14 +21,13 @@ Rows of a tile that run past the end of their sequence hold the *next* sequence'
 hides those keys, and stores are guarded row by row so a block never writes another sequence's
 rows.
 
-    python -m course_utils.kernels.flash_varlen     # check against the reference (and time it, on a GPU)
+    python -m course_utils.check flash_varlen  # check against the reference (and time it, on a GPU)
 """
 
 import tilelang
 import tilelang.language as T
 import torch
 
-from .flash_fwd_hopper import issue_matmuls, keep_stages_until_read
 from .flash_pieces import (
     ACCUM,
     LOG2E,
@@ -46,6 +45,7 @@ from .flash_pieces import (
     with_lengths,
     zero_rows_past_end,
 )
+from .hopper_pieces import issue_matmuls, keep_stages_until_read
 from .tiles import TileBackend
 
 __all__ = ["SCHEDULES", "OWN_BARRIERS_PASS_CONFIGS", "varlen_work_list", "flash_varlen_fwd_kernel",
@@ -402,9 +402,3 @@ def scale_cast_kernel(dim, *, dtype="float16", block=64, threads=128, target=Non
             T.copy(acc, Out[bx * block:(bx + 1) * block, :])
 
     return scale_cast
-
-
-if __name__ == "__main__":
-    from ..api.varlen_api import _self_check_varlen
-
-    _self_check_varlen()

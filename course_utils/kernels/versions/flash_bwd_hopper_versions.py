@@ -20,8 +20,8 @@ import torch
 
 from ..flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
 from ..flash_bwd_hopper import PASS_CONFIGS, consumer_barrier, needs_mask, padded_rows, query_steps
-from ..flash_fwd_hopper import keep_stages_until_read
 from ..flash_pieces import LOG2E, prelude, visible
+from ..hopper_pieces import keep_stages_until_read
 from ..tiles import TileBackend, compile_kernel
 
 __all__ = ["Version", "VERSIONS", "SHIPPED_VERSION", "shipped_version", "versions_for", "flash_bwd_hopper_variant",

@@ -15,7 +15,7 @@ import tilelang
 import tilelang.language as T
 
 from ..flash_fwd import flash_fwd_kernel
-from ..flash_fwd_hopper import flash_fwd_hopper_kernel, issue_matmuls, keep_stages_until_read, pass_turn, wait_for_turn
+from ..flash_fwd_hopper import flash_fwd_hopper_kernel
 from ..flash_fwd_hopper_persistent import (
     H100_SMS,
     first_turn,
@@ -38,6 +38,7 @@ from ..flash_pieces import (
     online_softmax,
     prelude,
 )
+from ..hopper_pieces import issue_matmuls, keep_stages_until_read, pass_turn, wait_for_turn
 from ..tiles import TileBackend, compile_kernel
 
 __all__ = ["Version", "VERSIONS", "versions_for", "flash_fwd_hopper_variant", "flash_fwd_hopper_persistent_variant",
