@@ -16,6 +16,11 @@ tilelang.set_log_level("WARNING")
 # instead (printed when two variants share a helper kernel) is noise here.
 logging.getLogger("tilelang.cache.kernel_cache").addFilter(lambda record: "in memory cache" not in record.getMessage())
 
+# The modules this file imported before the layers were folders were attributes of the package, and
+# the chapters read them so (`cu.attention.sink_logits`, `cu.validation.references`): they still are.
+from .api import attention as attention
+from .api import ring as ring
+from .api import varlen_api as varlen_api
 from .api.attention import (
                         SUPPORTED,
                         BackwardConfig,
@@ -27,11 +32,17 @@ from .api.attention import (
 )
 from .api.ring import ring_attention, shard_sequence, shard_zigzag, unshard_sequence, unshard_zigzag
 from .api.varlen_api import flash_attention_varlen, flash_decode
+from .checking import checks as checks
+from .checking import validation as validation
 from .checking.checks import CheckFailed, check_attention_error, check_close, check_true, expect_failure
 from .checking.validation import backward_bugs, check_backward, check_forward, forward_bugs, show_bugs_caught
+from .core import device as device
+from .core import reference as reference
 from .core.device import DEVICE, HAS_GPU, TILE_TARGET, describe_machine, pick
 from .core.reference import attention_reference
+from .kernels import tiles as tiles
 from .kernels.tiles import TileBackend, compile_kernel
+from .measure import bench as bench
 from .measure.bench import attention_flops, measured, tflops, time_cuda
 
 __all__ = [

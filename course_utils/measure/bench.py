@@ -27,7 +27,7 @@ __all__ = [
     "measured", "stored_record", "refreshing", "TIMING_METHOD", "H100_MATMUL_TFLOPS", "H100_SFU_TFLOPS",
 ]
 
-FIGURES = Path(__file__).resolve().parent.parent / "figures"
+FIGURES = Path(__file__).resolve().parents[2] / "figures"  # the repository's (this file is course_utils/measure/…)
 
 # H100 SXM5 throughputs as quoted by FlashAttention-3 (Shah et al., 2024): dense fp16 matmul on the
 # tensor cores, and special functions (exp2) on the SFUs.

@@ -32,7 +32,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is course_utils/tooling/…)
 NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = ROOT / "workspace" / "executed"
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import nbformat
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is course_utils/tooling/…)
 NOTEBOOKS = ROOT / "notebooks"
 WORKSPACE = ROOT / "workspace"
 EDITIONS = ("learner", "teacher")
