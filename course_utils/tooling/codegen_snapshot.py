@@ -46,7 +46,7 @@ def _module(name):
 
 
 def _benchmarks():
-    for name in ("course_utils.measure.benchmarks", "course_utils.measure.benchmarks"):
+    for name in ("course_utils.measure.benchmarks", "course_utils" + ".benchmarks"):  # after, before the layers
         with contextlib.suppress(ModuleNotFoundError):
             return importlib.import_module(name)
     raise ModuleNotFoundError("course_utils' benchmarks package")
@@ -246,8 +246,9 @@ def _write(out, name, source, cap):
     (out / f"{name}.meta").write_text(json.dumps(meta, sort_keys=True) + "\n")
 
 
-def snapshot(out, only=None):
-    """Write the snapshot into directory ``out``; ``only``: a substring the job names must contain."""
+def snapshot(out, only=None, resume=False):
+    """Write the snapshot into directory ``out``; ``only``: a substring the job names must contain;
+    ``resume``: skip the files ``out`` already has (a snapshot that was interrupted)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     failures = []
@@ -257,7 +258,7 @@ def snapshot(out, only=None):
                 continue
             cap = _Captured(thunk(), None, "cuda", _fast_math(pass_configs))
             for arch in archs:
-                _run(failures, out, f"{name}.{arch}.cu", cap, arch)
+                _run(failures, out, f"{name}.{arch}.cu", cap, arch, resume)
         for name, thunk in _cpu_jobs() + _version_jobs():
             if only and only not in name:
                 continue
@@ -267,7 +268,8 @@ def snapshot(out, only=None):
                 del captured[1:]  # the main kernel; the shared helpers are snapshotted above
             for i, cap in enumerate(captured):
                 on_cpu = cap.target == "c"
-                _run(failures, out, f"{name}.{i}.{'c' if on_cpu else 'sm_90a.cu'}", cap, "c" if on_cpu else "sm_90a")
+                _run(failures, out, f"{name}.{i}.{'c' if on_cpu else 'sm_90a.cu'}", cap, "c" if on_cpu else "sm_90a",
+                     resume)
     files = sorted(p for p in out.iterdir() if p.name != "MANIFEST.sha256")
     (out / "MANIFEST.sha256").write_text("".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n"
                                                  for p in files))
@@ -277,7 +279,9 @@ def snapshot(out, only=None):
     return not failures
 
 
-def _run(failures, out, name, cap, arch):
+def _run(failures, out, name, cap, arch, resume=False):
+    if resume and ((out / name).exists() or (out / f"{name}.error").exists()):
+        return
     print(name, flush=True)
     try:
         _write(out, name, _lower(cap, arch), cap)
@@ -307,13 +311,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?")
     parser.add_argument("--only", help="only the jobs whose name contains this")
+    parser.add_argument("--resume", action="store_true", help="skip the files the output directory already has")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"))
     args = parser.parse_args(argv)
     if args.compare:
         return 0 if compare(*args.compare) else 1
     if not args.out:
         parser.error("give an output directory or --compare A B")
-    return 0 if snapshot(args.out, args.only) else 1
+    return 0 if snapshot(args.out, args.only, args.resume) else 1
 
 
 if __name__ == "__main__":
