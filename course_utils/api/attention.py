@@ -9,20 +9,18 @@ would run on given inputs, and ``attention_backward`` is its backward pass as a 
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..core.reference import validate_attention_inputs
-from ..kernels.flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
-from ..kernels.flash_bwd_hopper import flash_bwd_hopper_dq_kernel, flash_bwd_hopper_kernel
-from ..kernels.flash_fwd import flash_fwd_kernel
-from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
-from ..kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
+from ..core.device import is_hopper
+from ..core.problem import AttentionProblem
+from ..kernels.flash_bwd import flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
+from ..kernels.flash_bwd_hopper import flash_bwd_hopper_dq_kernel
 from ..kernels.tiles import compile_kernel
+from .inputs import SUPPORTED, check_attention_inputs, check_sm_scale, sink_logits
+from .registry import BACKWARD, FORWARD, backward_row, forward_row
 
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
            "ForwardConfig", "BackwardConfig", "sink_logits", "check_sm_scale", "default_forward_config",
@@ -30,19 +28,10 @@ __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_
            "THREE_WARPGROUPS_MIN_SEQ", "hopper_forward_config", "FORWARD_KERNELS", "BACKWARD_KERNELS",
            "TUNED_BACKWARD_CONFIG", "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
 
-# What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
-SUPPORTED = {
-    "cuda": {"dtypes": (torch.float16, torch.bfloat16), "head_dims": (64, 128)},
-    "cpu": {"dtypes": (torch.float32, torch.float16), "head_dims": (16, 32, 64, 128)},
-}
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# The kernels a ForwardConfig or BackwardConfig can select: chapter 03/04's forward, chapter 07's two
-# Hopper forwards (the rotated loop, and its persistent version); chapter 05's and chapter 08's
-# Hopper backward.
-FORWARD_KERNELS = {"flash_fwd": flash_fwd_kernel, "flash_fwd_hopper": flash_fwd_hopper_kernel,
-                   "flash_fwd_hopper_persistent": flash_fwd_hopper_persistent_kernel}
-_HOPPER_KERNELS = ("flash_fwd_hopper", "flash_fwd_hopper_persistent")
-BACKWARD_KERNELS = {"flash_bwd": flash_bwd_kernel, "flash_bwd_hopper": flash_bwd_hopper_kernel}
+# The kernels a ForwardConfig or BackwardConfig can select, by name: their factories (the rows of
+# ``registry``, which also say where each runs and how it is compiled).
+FORWARD_KERNELS = {name: row.factory for name, row in FORWARD.items()}
+BACKWARD_KERNELS = {name: row.factory for name, row in BACKWARD.items()}
 
 
 class ForwardConfig(NamedTuple):
@@ -58,11 +47,6 @@ class ForwardConfig(NamedTuple):
     def tiling(self):
         """The tiling as keyword arguments of a kernel factory."""
         return dict(block_M=self.block_M, block_N=self.block_N, num_stages=self.num_stages, threads=self.threads)
-
-
-def is_hopper():
-    """Whether the current CUDA GPU is sm_90 (H100/H200), where wgmma and TMA exist."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 # Best of the chapter 04 sweep on the H100 (figures/ch04_forward_sweep_h100.json), causal and not.
@@ -144,68 +128,15 @@ def default_backward_config(device_type, dim=None, masked=False):
     return TUNED_BACKWARD_CONFIG
 
 
-class _Problem(NamedTuple):
-    """Everything a compiled kernel is specialised for (the key of the kernel caches)."""
-
-    batch: int
-    heads: int
-    heads_kv: int
-    seq_q: int
-    seq_k: int
-    dim: int
-    dtype: str
-    masked: bool
-    window_size: int | None
-    sm_scale: float
-    target: str
-
-
-def _problem(q, k, *, causal, window_size, sm_scale):
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    return _Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPE_NAMES[q.dtype],
-                    bool(causal or window_size is not None), window_size, sm_scale,
-                    "cuda" if q.device.type == "cuda" else "c")
-
-
 # Bounded: a loop over many sequence lengths must not keep every compiled kernel alive.
 _CACHE_SIZE = 64
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _compiled_forward(problem, has_sinks, config):
-    pr = problem
-    if config.kernel not in FORWARD_KERNELS:
-        raise ValueError(f"ForwardConfig.kernel must be one of {sorted(FORWARD_KERNELS)}; got {config.kernel!r}")
-    tiling = config.tiling()
-    variant = dict(heads_kv=pr.heads_kv, causal=pr.masked, window_size=pr.window_size, has_sinks=has_sinks,
-                   sm_scale=pr.sm_scale, dtype=pr.dtype)
-    if config.kernel in _HOPPER_KERNELS:
-        if pr.target != "cuda" or not is_hopper():
-            raise ValueError(f"ForwardConfig(kernel={config.kernel!r}) is one of chapter 07's Hopper kernels: "
-                             "it needs an sm_90 GPU")
-        if config.kernel == "flash_fwd_hopper_persistent":  # one persistent block per SM
-            variant["num_ctas"] = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        func = FORWARD_KERNELS[config.kernel](pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, **variant, **tiling,
-                                              pingpong=config.pingpong)
-    elif config.pingpong:
-        raise ValueError("ForwardConfig(pingpong=True) needs one of chapter 07's Hopper kernels "
-                         f"{_HOPPER_KERNELS}")
-    else:
-        func = flash_fwd_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, target=pr.target, **variant, **tiling)
-    return compile_kernel(func, out_idx=[4, 5], target=pr.target, dtype=pr.dtype)
-
-
-def _check_backward_options(config, target, deterministic):
-    """A clear error for a backward that cannot run here (raised when the forward is called)."""
-    if config.kernel not in BACKWARD_KERNELS:
-        raise ValueError(f"BackwardConfig.kernel must be one of {sorted(BACKWARD_KERNELS)}; got {config.kernel!r}")
-    hopper = config.kernel == "flash_bwd_hopper"
-    if hopper and (target != "cuda" or not is_hopper()):
-        raise ValueError("BackwardConfig(kernel='flash_bwd_hopper') is chapter 08's Hopper kernel: "
-                         "it needs an sm_90 GPU")
-    if deterministic and not hopper:
-        raise ValueError("deterministic=True needs chapter 08's Hopper backward (kernel='flash_bwd_hopper', sm_90 "
-                         "GPU); chapter 05's kernel adds dQ with atomics in whatever order blocks finish")
+def _compiled_forward(problem, config):
+    row = forward_row(config)
+    row.check(problem, config)
+    return row.compile(problem, config)
 
 
 class BackwardKernels(NamedTuple):
@@ -229,26 +160,18 @@ def _compiled_backward(problem, config, deterministic=False):
     small = 16 if pr.target == "c" else 64
     threads = 1 if pr.target == "c" else 128
 
-    def build(func, out_idx, pass_configs=None):
-        return compile_kernel(func, out_idx=out_idx, target=pr.target, dtype=pr.dtype, pass_configs=pass_configs)
+    def build(func, out_idx):
+        return compile_kernel(func, out_idx=out_idx, target=pr.target, dtype=pr.dtype)
 
     common = dict(dtype=pr.dtype, target=pr.target)
     pre = build(flash_bwd_preprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, block=small, threads=threads,
                                             **common), [2])
-    _check_backward_options(config, pr.target, deterministic)
-    hopper = config.kernel == "flash_bwd_hopper"
-    tiling = config.tiling()
-    variant = dict(heads_kv=pr.heads_kv, causal=pr.masked, window_size=pr.window_size, sm_scale=pr.sm_scale)
-    shape = (pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim)
-    if hopper:
-        main = build(flash_bwd_hopper_kernel(*shape, **variant, dtype=pr.dtype, **tiling, deterministic=deterministic),
-                     [], HOPPER_BACKWARD_PASS_CONFIGS)
-    else:
-        main = build(flash_bwd_kernel(*shape, **variant, **common, **tiling), [])
+    row = backward_row(config)
+    row.check(pr, config, deterministic)
+    main = row.compile(pr, config, **(dict(deterministic=deterministic) if row.deterministic else {}))
     if deterministic:
         block_M, block_N = HOPPER_DQ_TILES[pr.dim]
-        dq = build(flash_bwd_hopper_dq_kernel(*shape, **variant, dtype=pr.dtype, block_M=block_M, block_N=block_N),
-                   [6])
+        dq = build(flash_bwd_hopper_dq_kernel(*pr.shape, **pr.kernel_options(), block_M=block_M, block_N=block_N), [6])
         return BackwardKernels(pre, main, None, None, dq)
     post_q = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, scale=pr.sm_scale, block=small,
                                                 threads=threads, **common), [1])
@@ -265,38 +188,25 @@ def forward_kernel(q, k, *, causal=False, window_size=None, has_sinks=False, sm_
     Call it as ``kernel(q, k, v, sink_logits) -> (out, lse)``, with float32 sink logits of shape [H]
     (all -inf for no sinks). ``config`` defaults to ``default_forward_config``.
     """
-    problem = _problem(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
+    problem = AttentionProblem.dense(q, k, causal=causal, window_size=window_size, has_sinks=has_sinks,
+                                     sm_scale=sm_scale)
     if config is None:
-        config = default_forward_config(q.device.type, q.shape[-1], problem.masked, seq_len=q.shape[2],
+        config = default_forward_config(q.device.type, q.shape[-1], problem.causal, seq_len=q.shape[2],
                                         window=window_size is not None)
-    return _compiled_forward(problem, bool(has_sinks), ForwardConfig(*config))
+    return _compiled_forward(problem, ForwardConfig(*config))
 
 
 def backward_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, config=None, deterministic=False):
     """The compiled ``BackwardKernels`` ``flash_attention``'s backward runs for these shapes."""
-    problem = _problem(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
+    problem = AttentionProblem.dense(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
     config = (BackwardConfig(*config) if config is not None
-              else default_backward_config(q.device.type, q.shape[-1], problem.masked))
+              else default_backward_config(q.device.type, q.shape[-1], problem.causal))
     if config.kernel == "flash_bwd_hopper" and problem.window_size == 1:
         # With a one-key window and GQA, the atomic (default) Hopper kernel gave wrong dQ and dK in
         # some runs on the H100 (notes/hopper_backward.md, 2026-11-23); its deterministic kernels did
         # not, in any run. They are used for this case until that race is found.
         deterministic = True
     return _compiled_backward(problem, config, bool(deterministic))
-
-
-@functools.lru_cache(maxsize=16)
-def _no_sinks(heads, device):
-    """Sink logits of -inf for every head (cached: one fewer allocation and kernel launch per call)."""
-    return torch.full((heads,), float("-inf"), device=device)
-
-
-def sink_logits(sinks, heads, device):
-    """The kernels' ``Sinks`` argument: float32 logits [H], or -inf for every head when there are none.
-
-    "No sink" is a sink of logit -inf: its exp() is 0, so one kernel signature serves both.
-    """
-    return sinks.detach().float().contiguous() if sinks is not None else _no_sinks(heads, device)
 
 
 def attention_backward(q, k, v, out, lse, d_out, *, d_lse=None, causal=False, window_size=None, sinks=None,
@@ -368,26 +278,6 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, d_sinks, None, None, None, None, None, None
 
 
-def _check_supported(q, fn="flash_attention"):
-    """Raise ``ValueError`` unless ``fn``'s kernels run on q's device type, dtype and head dim."""
-    device_type = q.device.type
-    if device_type not in SUPPORTED:
-        raise ValueError(f"{fn} runs on CUDA or the CPU; got device {q.device}")
-    support = SUPPORTED[device_type]
-    if q.dtype not in support["dtypes"]:
-        names = ", ".join(str(d) for d in support["dtypes"])
-        raise ValueError(f"on {device_type}, {fn} supports dtypes {names}; got {q.dtype}")
-    if q.shape[-1] not in support["head_dims"]:
-        raise ValueError(f"on {device_type}, head_dim must be one of {support['head_dims']}; got {q.shape[-1]}")
-
-
-def check_sm_scale(sm_scale):
-    """Raise ``ValueError`` unless ``sm_scale`` is None (1/√D) or a positive finite number."""
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
-                             or not math.isfinite(sm_scale) or sm_scale <= 0):
-        raise ValueError(f"sm_scale must be a positive finite number (the kernels fold it into exp2); got {sm_scale!r}")
-
-
 def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, sinks=None,
                     return_lse=False, config=None, backward_config=None, deterministic=False):
     """Attention with the course's TileLang FlashAttention kernel.
@@ -400,16 +290,15 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, s
     backward kernels. ``sm_scale`` must be positive. ``deterministic=True`` makes the gradients
     bitwise reproducible from run to run (Hopper backward only; see ``attention_backward``).
     """
-    validate_attention_inputs(q, k, v, window_size=window_size, sinks=sinks)
-    _check_supported(q)
-    check_sm_scale(sm_scale)
+    check_attention_inputs("flash_attention", q, k, v, window_size=window_size, sinks=sinks, sm_scale=sm_scale)
     if window_size is not None and window_size >= k.shape[2]:
         window_size = None  # a window as long as the keys hides nothing that causal masking does not
         causal = True
     masked = bool(causal or window_size is not None)
     bwd = (BackwardConfig(*backward_config) if backward_config is not None
            else default_backward_config(q.device.type, q.shape[-1], masked))
-    _check_backward_options(bwd, "cuda" if q.device.type == "cuda" else "c", deterministic)
+    backward_row(bwd).check(AttentionProblem.dense(q, k, causal=masked, window_size=window_size, sm_scale=sm_scale),
+                            bwd, deterministic)  # raised now, not at the backward
     out, lse = _FlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks,
                                      bool(causal or window_size is not None), window_size, sm_scale, config,
                                      backward_config, bool(deterministic))

@@ -36,16 +36,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..core.reference import validate_attention_inputs
 from ..kernels.softmax import merge_attention
-from .attention import (
-    _check_supported,
-    attention_backward,
-    backward_kernels,
-    check_sm_scale,
-    forward_kernel,
-    sink_logits,
-)
+from .attention import attention_backward, backward_kernels, forward_kernel
+from .inputs import check_attention_inputs, sink_logits
 
 __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
            "sequence_positions", "Block", "step_blocks", "step_work", "kernel_shapes", "compile_ring_kernels",
@@ -334,9 +327,7 @@ class _RingAttention(torch.autograd.Function):
 def _local_problem(q, k, v, *, sm_scale, layout):
     """What is wrong with this rank's own inputs (a ValueError/TypeError), or None."""
     try:
-        validate_attention_inputs(q, k, v)
-        _check_supported(q)
-        check_sm_scale(sm_scale)
+        check_attention_inputs("ring_attention", q, k, v, sm_scale=sm_scale)
         _check_layout(layout)
         if k.shape[2] != q.shape[2]:
             raise ValueError(f"the K/V shard must be as long as the query shard (one sequence, split once); "

@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..core.reference import check_qkv_agree, check_window_and_sinks
+from ..core.device import is_hopper
+from ..core.problem import AttentionProblem
 from ..kernels.flash_decode import (
     choose_num_splits,
     decode_config,
@@ -40,17 +41,8 @@ from ..kernels.flash_varlen import (
     varlen_work_list,
 )
 from ..kernels.tiles import compile_kernel
-from .attention import (
-    _DTYPE_NAMES,
-    BackwardConfig,
-    ForwardConfig,
-    _check_supported,
-    _no_sinks,
-    check_sm_scale,
-    default_backward_config,
-    default_forward_config,
-    is_hopper,
-)
+from .attention import BackwardConfig, ForwardConfig, default_backward_config, default_forward_config
+from .inputs import check_attention_inputs, sink_logits
 
 __all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_num_splits",
            "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG"]
@@ -79,37 +71,14 @@ def _check_index_tensor(name, t, shape, device):
         raise ValueError(f"{name} must be on {device} (with q); got {t.device}")
 
 
-def _check_common(fn, q, k, v, heads_dim, *, sinks, window_size, sm_scale):
-    """Checks both functions share: dtypes, devices, head counts and dims, sinks, window, scale."""
-    check_qkv_agree(q, k, v)
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"head dims differ: q has {q.shape[-1]}, k/v have {k.shape[-1]}")
-    hq, hkv = q.shape[heads_dim], k.shape[-2]
-    if hq == 0 or hkv == 0 or hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv}) for GQA")
-    _check_supported(q, fn)
-    check_window_and_sinks(window_size, sinks, hq, q.device)
-    check_sm_scale(sm_scale)
-    return 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-
-
-def _target(t):
-    return "cuda" if t.device.type == "cuda" else "c"
-
-
-def _sink_logits(sinks, heads, device):
-    """Sink logits as float32 [H]; "no sink" is a sink of logit -inf (its exp() is 0)."""
-    return sinks.detach().float().contiguous() if sinks is not None else _no_sinks(heads, device)
-
-
 # ---------------------------------------------------------------------------------------------- decode
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _decode_split(heads, heads_kv, dim, seq_new, page_size, causal, window_size, sm_scale, dtype, target, config):
-    func = flash_decode_kernel(heads, heads_kv, dim, seq_new, page_size=page_size, causal=causal,
-                               window_size=window_size, sm_scale=sm_scale, dtype=dtype, target=target,
+def _decode_split(pr, config):
+    func = flash_decode_kernel(pr.heads, pr.heads_kv, pr.dim, pr.seq_new, page_size=pr.page_size, causal=pr.causal,
+                               window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype, target=pr.target,
                                **config._asdict())
-    return compile_kernel(func, out_idx=[], target=target, dtype=dtype, pass_configs=config.pass_configs())
+    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype, pass_configs=config.pass_configs())
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
@@ -144,16 +113,10 @@ def _cache_layout(q, k_cache, block_table):
 
 def decode_kernels(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None):
     """The compiled (split, merge) kernels and their ``DecodeConfig`` that ``flash_decode`` runs here."""
-    page_size = None if block_table is None else k_cache.shape[1]
-    target = _target(q)
-    batch, seq_new, heads, dim = q.shape
-    heads_kv = k_cache.shape[2]
-    config = decode_config(target, heads, heads_kv, dim, seq_new, page_size)
-    scale = 1.0 / math.sqrt(dim) if sm_scale is None else float(sm_scale)
-    causal = bool(causal or window_size is not None)
-    split = _decode_split(heads, heads_kv, dim, seq_new, page_size, causal, window_size, scale,
-                          _DTYPE_NAMES[q.dtype], target, config)
-    return split, _decode_merge(heads, dim, seq_new, _DTYPE_NAMES[q.dtype], target), config
+    pr = AttentionProblem.decode(q, k_cache, page_size=None if block_table is None else k_cache.shape[1],
+                                 causal=causal, window_size=window_size, sm_scale=sm_scale)
+    config = decode_config(pr.target, pr.heads, pr.heads_kv, pr.dim, pr.seq_new, pr.page_size)
+    return _decode_split(pr, config), _decode_merge(pr.heads, pr.dim, pr.seq_new, pr.dtype, pr.target), config
 
 
 @functools.lru_cache(maxsize=8)
@@ -216,8 +179,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
         layout = "[batch, new_tokens, heads, head_dim]" if name == "q" else \
             "[batch, seq_max, heads_kv, head_dim] or [num_pages, page_size, heads_kv, head_dim]"
         _check_tensor(name, t, 4, layout)
-    scale = _check_common("flash_decode", q, k_cache, v_cache, 2, sinks=sinks, window_size=window_size,
-                          sm_scale=sm_scale)
+    check_attention_inputs("flash_decode", q, k_cache, v_cache, layout="decode", sinks=sinks, window_size=window_size,
+                           sm_scale=sm_scale)
     batch, seq_new = q.shape[:2]
     if batch == 0 or seq_new == 0:
         raise ValueError(f"q must hold at least one sequence and one new token; got {tuple(q.shape)}")
@@ -235,14 +198,14 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
         window_size, causal = None, True  # a window as long as the cache hides only what causal hides
 
     split, merge, _ = decode_kernels(q, k_cache, block_table=block_table, causal=causal, window_size=window_size,
-                                     sm_scale=scale)
+                                     sm_scale=sm_scale)
     splits = decode_num_splits(q, k_cache, block_table=block_table) if num_splits is None else num_splits
     heads, dim = q.shape[2], q.shape[3]
     o_part = torch.empty(batch, seq_new, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(batch, seq_new, heads, splits, dtype=torch.float32, device=q.device)
     table = _no_block_table(batch, q.device) if block_table is None else block_table
     split(q.contiguous(), k_cache, v_cache, table, cache_seqlens, o_part, lse_part)
-    out, lse = merge(o_part, lse_part, _sink_logits(sinks, heads, q.device))
+    out, lse = merge(o_part, lse_part, sink_logits(sinks, heads, q.device))
     return (out, lse) if return_lse else out
 
 
@@ -322,17 +285,6 @@ def _varlen_configs(target, dim, masked, config, backward_config):
     return fwd, bwd
 
 
-class _VarlenProblem(NamedTuple):
-    heads: int
-    heads_kv: int
-    dim: int
-    causal: bool
-    window_size: "int | None"
-    sm_scale: float
-    dtype: str
-    target: str
-
-
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _varlen_forward(pr, config, schedule):
     hopper = config.kernel == "flash_fwd_hopper"
@@ -373,9 +325,9 @@ class _FlashAttentionVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_q, cu_k, plan, problem, config, backward_config, schedule):
         fwd = _varlen_forward(problem, config, schedule)
-        sink_logits = _sink_logits(sinks, problem.heads, q.device)
-        out, lse = fwd(q, k, v, cu_q, cu_k, _schedule_arg(schedule, plan, True), sink_logits)
-        ctx.save_for_backward(q, k, v, out, lse, sink_logits, cu_q, cu_k)
+        logits = sink_logits(sinks, problem.heads, q.device)
+        out, lse = fwd(q, k, v, cu_q, cu_k, _schedule_arg(schedule, plan, True), logits)
+        ctx.save_for_backward(q, k, v, out, lse, logits, cu_q, cu_k)
         ctx.args = (plan, problem, backward_config, schedule)
         ctx.has_sinks = sinks is not None
         return out, lse
@@ -383,7 +335,7 @@ class _FlashAttentionVarlen(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the backward is kernels, not PyTorch ops
     def backward(ctx, d_out, d_lse):
-        q, k, v, out, lse, sink_logits, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, out, lse, logits, cu_q, cu_k = ctx.saved_tensors
         plan, pr, config, schedule = ctx.args
         delta_kernel, scale_cast = _varlen_small_kernels(pr.dim, pr.dtype, pr.target)
         d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
@@ -409,7 +361,7 @@ class _FlashAttentionVarlen(torch.autograd.Function):
         d_sinks = None
         if ctx.has_sinks and ctx.needs_input_grad[3]:
             # d(loss)/d(sink_h) = −Σ_t P_sink[h, t] · (Δ − dLSE)[h, t], with P_sink = exp(sink_h − LSE).
-            d_sinks = -(torch.exp(sink_logits[:, None] - lse) * delta).sum(dim=1)
+            d_sinks = -(torch.exp(logits[:, None] - lse) * delta).sum(dim=1)
         return dq, dk, dv, d_sinks, None, None, None, None, None, None, None
 
 
@@ -432,8 +384,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_tensor("q", q, 3, "[total_q, heads, head_dim]")
     _check_tensor("k", k, 3, "[total_k, heads_kv, head_dim]")
     _check_tensor("v", v, 3, "[total_k, heads_kv, head_dim]")
-    scale = _check_common("flash_attention_varlen", q, k, v, 1, sinks=sinks, window_size=window_size,
-                          sm_scale=sm_scale)
+    check_attention_inputs("flash_attention_varlen", q, k, v, layout="packed", sinks=sinks, window_size=window_size,
+                           sm_scale=sm_scale)
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if isinstance(t, torch.Tensor) and t.dim() != 1:
             raise ValueError(f"{name} must be 1-D ([batch + 1]); got shape {list(t.shape)}")
@@ -452,12 +404,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     schedule = VARLEN_SCHEDULE if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
-    target = _target(q)
-    fwd_config, bwd_config = _varlen_configs(target, q.shape[-1], causal, config, backward_config)
+    problem = AttentionProblem.packed(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
+    fwd_config, bwd_config = _varlen_configs(problem.target, problem.dim, causal, config, backward_config)
     plan = _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_config.block_M, bwd_config, causal, schedule,
                  q.device)
-    problem = _VarlenProblem(q.shape[1], k.shape[1], q.shape[2], causal, window_size, scale, _DTYPE_NAMES[q.dtype],
-                             target)
     out, lse = _FlashAttentionVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, cu_seqlens_q,
                                            cu_seqlens_k, plan, problem, fwd_config, bwd_config, schedule)
     return (out, lse) if return_lse else out
@@ -466,11 +416,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def varlen_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, schedule=None, config=None,
                    backward_config=None):
     """The compiled (forward, backward main) kernels ``flash_attention_varlen`` runs for q and k like these."""
-    target = _target(q)
-    causal = bool(causal or window_size is not None)
-    fwd_config, bwd_config = _varlen_configs(target, q.shape[-1], causal, config, backward_config)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    problem = _VarlenProblem(q.shape[1], k.shape[1], q.shape[2], causal, window_size, scale, _DTYPE_NAMES[q.dtype],
-                             target)
+    problem = AttentionProblem.packed(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
+    fwd_config, bwd_config = _varlen_configs(problem.target, problem.dim, problem.causal, config, backward_config)
     schedule = VARLEN_SCHEDULE if schedule is None else schedule
     return _varlen_forward(problem, fwd_config, schedule), _varlen_backward(problem, bwd_config, schedule)

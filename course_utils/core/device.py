@@ -8,7 +8,7 @@ import subprocess
 
 import torch
 
-__all__ = ["HAS_GPU", "DEVICE", "TILE_TARGET", "pick", "machine_info", "describe_machine"]
+__all__ = ["HAS_GPU", "DEVICE", "TILE_TARGET", "pick", "is_hopper", "machine_info", "describe_machine"]
 
 HAS_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
@@ -19,6 +19,11 @@ TILE_TARGET = "cuda" if HAS_GPU else "c"
 def pick(*, cpu, gpu):
     """Return ``gpu`` on a CUDA machine and ``cpu`` otherwise (problem sizes, dtypes, …)."""
     return gpu if HAS_GPU else cpu
+
+
+def is_hopper():
+    """Whether the current CUDA GPU is sm_90 (H100/H200), where wgmma and TMA exist."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def _nvidia_smi(query):
