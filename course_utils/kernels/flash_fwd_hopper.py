@@ -38,12 +38,20 @@ def flash_fwd_hopper_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
     dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, pingpong=False,
+    order=None, issue=None, new_max=None, rescale_step=None,
 ):
     """Return a ``@T.prim_func`` computing O and LSE; parameters as in ``flash_fwd_kernel``.
 
     ``threads`` counts the consumer threads (two warpgroups); TileLang adds a producer warpgroup.
     ``pingpong`` makes the two consumer warpgroups take turns issuing their matmuls
     (FlashAttention-3's inter-warpgroup schedule).
+
+    The steps chapter 07's ablation swaps (``kernels/versions``) are arguments; None is the shipped
+    step. ``order(p, bx, block_M)``: the query block of launch index ``bx`` (shipped: heaviest first
+    when masked); ``issue(Q_s, K_s, V_s, S, P, acc_o, kb, k_start, k_end)``: the two matmuls (shipped:
+    ``issue_matmuls``, both every iteration); ``new_max``: ``online_softmax``'s running-max step;
+    ``rescale_step``: the output accumulator's rescale (a piece with ``tiles()`` and ``apply(acc_o, alpha,
+    tiles, block_M, dim)``; shipped: every element, every block).
     """
     tb = TileBackend("cuda")
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
@@ -63,8 +71,12 @@ def flash_fwd_hopper_kernel(
             Q_s, K_s, V_s, O_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_tiles(
                 tb, block_M, block_N, dim, dtype)
             stage_in_use = T.alloc_local([1], dtype)
+            rescale = rescale_step.tiles() if rescale_step is not None else None
 
-            qb = (p.blocks(seq_q, block_M) - 1 - bx) if p.masked else bx  # heaviest query blocks first
+            if order is None:
+                qb = (p.blocks(seq_q, block_M) - 1 - bx) if p.masked else bx  # heaviest query blocks first
+            else:
+                qb = order(p, bx, block_M)
             kv_head = by // p.group
             T.copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s)
             T.fill(acc_o, 0)
@@ -84,16 +96,23 @@ def flash_fwd_hopper_kernel(
                 # unused): ptxas serialises wgmma batches whose issue is conditional (chapter 07 shows it).
                 if pingpong:
                     wait_for_turn(kb, k_start)
-                issue_matmuls(Q_s, K_s, V_s, S, P, acc_o)
+                if issue is None:
+                    issue_matmuls(Q_s, K_s, V_s, S, P, acc_o)
+                else:
+                    issue(Q_s, K_s, V_s, S, P, acc_o, kb, k_start, k_end)
                 if pingpong:
                     pass_turn()
                 T.wait_wgmma(1)  # the scores are ready; P·V may still be running
                 if kb < k_end:
                     mask_scores(tb, p, S, qb, kb, block_M, block_N)
-                    online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
+                    online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
+                                   new_max=new_max)
                     T.wait_wgmma(0)
-                    for i, j in T.Parallel(block_M, dim):
-                        acc_o[i, j] *= alpha[i]
+                    if rescale_step is None:
+                        for i, j in T.Parallel(block_M, dim):
+                            acc_o[i, j] *= alpha[i]
+                    else:
+                        rescale_step.apply(acc_o, alpha, rescale, block_M, dim)
                     T.copy(S, P)
                 else:
                     T.wait_wgmma(0)

@@ -118,12 +118,19 @@ def flash_fwd_hopper_persistent_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
     dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, pingpong=False, num_ctas=H100_SMS,
+    order=tile_order, exp2=None, row_sums=None,
 ):
     """Return a ``@T.prim_func`` computing O and LSE; parameters as in ``flash_fwd_hopper_kernel``.
 
     ``threads`` counts the consumer threads: one warpgroup of 128 per 64 query rows, so
     ``threads = 2 * block_M``; a producer warpgroup is added. ``num_ctas`` is how many persistent
     blocks to launch (one per SM).
+
+    The steps chapter 07's ablation swaps (``kernels/versions``) are arguments: ``order(p, index,
+    block_M)`` -> (batch, head, query block) of a tile (``tile_order``: the causal triangle folded);
+    ``exp2`` and ``row_sums`` are ``online_softmax``'s exponential and its fold of the row sums into
+    the denominator (``row_sums``: a ``RowSums`` of ``kernels.versions``, with tiles of its own, zeroed
+    per tile and finished before the epilogue).
     """
     if threads != 2 * block_M or block_M % 64:
         raise ValueError(f"the persistent kernel runs one consumer warpgroup per 64 query rows: block_M must be "
@@ -135,6 +142,7 @@ def flash_fwd_hopper_persistent_kernel(
     n_kb = p.blocks(seq_k, block_N)
     total = tile_count(p, batch, block_M)
     num_ctas = max(1, min(num_ctas, (total + 1) // 2))
+    add_row_sums = None if row_sums is None else row_sums.add
 
     @T.prim_func
     def flash_fwd_hopper_persistent(
@@ -159,6 +167,7 @@ def flash_fwd_hopper_persistent_kernel(
             alpha = T.alloc_fragment([block_M], ACCUM)
             row_sum = T.alloc_fragment([block_M], ACCUM)
             l = T.alloc_fragment([block_M], ACCUM)  # noqa: E741
+            l_part = row_sums.tiles(block_M) if row_sums is not None else None
             # Full: the 128 producer threads arrive and the TMA bytes land. Empty: every consumer thread arrives.
             q_full = T.alloc_barrier(128)
             q_empty = T.alloc_barrier(threads)
@@ -172,7 +181,7 @@ def flash_fwd_hopper_persistent_kernel(
                 # region: producer
                 T.set_max_nreg(24, 0)
                 for w in T.serial(tiles_per_block(total, num_ctas, cta)):
-                    bz, by, qb = tile_order(p, tile_index(num_ctas, cta, w), block_M)
+                    bz, by, qb = order(p, tile_index(num_ctas, cta, w), block_M)
                     kv_head = by // p.group
                     k_start, k_end = key_block_range(p, qb, block_M, block_N)
                     T.mbarrier_wait_parity(q_empty[0], (w & 1) ^ 1)  # the previous tile's last QKᵀ is done
@@ -197,10 +206,12 @@ def flash_fwd_hopper_persistent_kernel(
                 if pingpong:
                     first_turn(consumers)
                 for w in T.serial(tiles_per_block(total, num_ctas, cta)):
-                    bz, by, qb = tile_order(p, tile_index(num_ctas, cta, w), block_M)
+                    bz, by, qb = order(p, tile_index(num_ctas, cta, w), block_M)
                     k_start, k_end = key_block_range(p, qb, block_M, block_N)
                     T.fill(acc_o, 0)
                     T.fill(l, 0)
+                    if row_sums is not None:
+                        row_sums.start(l_part)
                     init_running_max(tb, p, m, Sinks, by, block_M, has_sinks)
                     T.mbarrier_wait_parity(q_full[0], w & 1)
 
@@ -217,7 +228,8 @@ def flash_fwd_hopper_persistent_kernel(
                     T.wait_wgmma(0)
                     T.mbarrier_arrive(k_empty[stage])
                     mask_scores(tb, p, S, qb, T.max(T.min(k_start, n_kb - 1), 0), block_M, block_N)
-                    online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
+                    online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
+                                   exp2=exp2, add_row_sums=add_row_sums, row_parts=l_part)
                     T.copy(S, P)
                     # Each step: QKᵀ of block j and P·V of block j - 1 in flight, softmax of block j under P·V.
                     for j in T.serial(1, T.max(k_end - k_start, 1)):
@@ -234,7 +246,8 @@ def flash_fwd_hopper_persistent_kernel(
                         T.wait_wgmma(1)  # the scores are ready; P·V may still be running
                         T.mbarrier_arrive(k_empty[k_stage])
                         mask_scores(tb, p, S, qb, k_start + j, block_M, block_N)
-                        online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
+                        online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
+                                       exp2=exp2, add_row_sums=add_row_sums, row_parts=l_part)
                         T.wait_wgmma(0)
                         T.mbarrier_arrive(v_empty[v_stage])
                         for i, d in T.Parallel(block_M, dim):
@@ -250,6 +263,8 @@ def flash_fwd_hopper_persistent_kernel(
                     T.mbarrier_arrive(v_empty[v_stage])
                     it = it + 1
                     # endregion
+                    if row_sums is not None:
+                        row_sums.finish(l_part, l)
 
                     T.tma_store_wait()
                     forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by, qb, block_M, dim,

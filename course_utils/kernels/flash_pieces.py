@@ -205,23 +205,41 @@ def forward_tiles(tb, block_M, block_N, dim, dtype):
 
 
 @T.macro
-def online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, scale_log2):
+def online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, scale_log2, new_max=None, exp2=None,
+                   add_row_sums=None, row_parts=None):
     """Fold one tile of raw scores ``S`` into the running max ``m`` and denominator ``l``.
 
     Leaves the unnormalised probabilities in ``S`` and the factor ``alpha`` by which the caller
     must rescale its output accumulator (the old terms were exponentiated against a smaller max).
+
+    The ablation versions (``kernels/versions``) swap three of its steps; None is the shipped step.
+    ``new_max(tb, S, m, m_prev, row_sum, block_M, scale_log2)`` sets ``m`` from the tile (shipped:
+    max(m_prev, the tile's row max)); ``exp2(x, column)`` is the exponential of score column ``column``
+    (shipped: ``T.exp2``); ``add_row_sums(tb, S, alpha, row_parts, l, block_M, block_N)`` folds the
+    tile's row sums into the denominator, keeping partial sums in the version's own tiles ``row_parts``
+    (shipped: reduce across the row's threads into ``row_sum``, then into ``l``).
     """
     T.copy(m, m_prev)
-    T.reduce_max(S, m, dim=1, clear=False)  # m = max(m_prev, this block's row max)
+    if new_max is None:
+        T.reduce_max(S, m, dim=1, clear=False)  # m = max(m_prev, this block's row max)
+    else:
+        new_max(tb, S, m, m_prev, row_sum, block_M, scale_log2)
     for i in tb.parallel(block_M):
         # A row whose keys so far were all masked has m = -inf; -inf - -inf would be NaN.
         shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] * scale_log2)
         alpha[i] = T.exp2(m_prev[i] * scale_log2 - shift[i])
-    for i, j in tb.parallel(block_M, block_N):
-        S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
-    T.reduce_sum(S, row_sum, dim=1)
-    for i in tb.parallel(block_M):
-        l[i] = l[i] * alpha[i] + row_sum[i]
+    if exp2 is None:
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = T.exp2(S[i, j] * scale_log2 - shift[i])
+    else:
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = exp2(S[i, j] * scale_log2 - shift[i], j)
+    if add_row_sums is None:
+        T.reduce_sum(S, row_sum, dim=1)
+        for i in tb.parallel(block_M):
+            l[i] = l[i] * alpha[i] + row_sum[i]
+    else:
+        add_row_sums(tb, S, alpha, row_parts, l, block_M, block_N)
 
 
 def natural_lse(l_i, shift_i):

@@ -13,7 +13,6 @@ Every version runs the whole backward (preprocess, main kernel, postprocess) thr
 
 import functools
 import threading
-from dataclasses import dataclass, field
 
 import tilelang.language as T
 import torch
@@ -23,6 +22,8 @@ from ..flash_bwd_hopper import PASS_CONFIGS, consumer_barrier, needs_mask, padde
 from ..flash_pieces import LOG2E, prelude, visible
 from ..hopper_pieces import keep_stages_until_read
 from ..tiles import TileBackend, compile_kernel
+from .version import Version
+from .version import versions_for as _versions_for
 
 __all__ = ["Version", "VERSIONS", "SHIPPED_VERSION", "shipped_version", "versions_for", "flash_bwd_hopper_variant",
            "fused_preprocess_kernel", "MANUAL_SYNC_PASS_CONFIGS"]
@@ -239,73 +240,52 @@ def fused_preprocess_kernel(batch, heads, seq_q, dim, *, dtype="float16", block=
     return fused_preprocess
 
 
-@dataclass(frozen=True)
-class Version:
-    """One row of the ablation: a main-kernel factory and its knobs, and why it exists."""
+def _build(version, batch, heads, seq, dim, *, causal, dtype="float16", heads_kv=None, window_size=None, seq_k=None):
+    """Compile the three kernels of ``version``; returns a function (q, k, v, out, lse, dO) -> grads."""
+    seq_k = seq if seq_k is None else seq_k
+    heads_kv = heads if heads_kv is None else heads_kv
+    knobs = version.knobs_for(dim, causal)
+    variant = dict(heads_kv=heads_kv, causal=causal, window_size=window_size, dtype=dtype)
+    if version.factory is flash_bwd_kernel:  # version 1: chapter 05's kernel, synchronous T.gemm
+        func = flash_bwd_kernel(batch, heads, seq, seq_k, dim, target="cuda", **variant,
+                                **{k: knobs[k] for k in ("block_M", "block_N", "num_stages", "threads")})
+    else:
+        func = version.factory(batch, heads, seq, seq_k, dim, **variant, **knobs)
+    options = dict(pass_configs=MANUAL_SYNC_PASS_CONFIGS) if knobs.get("manual_sync") else {}
+    main = compile_kernel(func, out_idx=[], target="cuda", dtype=dtype, **options)
+    fused = knobs.get("lse_log2", False)  # FlashAttention-3's preprocess
+    key = (batch, heads, heads_kv, seq, seq_k, dim, dtype, fused)
+    with _HELPER_LOCK:  # versions built in parallel threads share one compile of each helper
+        lock = _HELPER_LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        pre, post_q, post_kv = _helper_kernels(*key)
 
-    number: int
-    label: str
-    why: str
-    knobs: dict = field(default_factory=dict)
-    kept: bool = True
-    causal_only: bool = False
-    dims: tuple = (64, 128)
-    chapter05: bool = False  # version 1: chapter 05's kernel, synchronous T.gemm, as flash_attention ran it
-    shipped_code: bool = False  # the shipped kernel's code (at this version's tiling)
-    fused_preprocess: bool = False
-
-    def tiling(self, dim, causal):
-        """The (block_M, block_N) this version uses at head dim ``dim``."""
-        knobs = self.knobs_for(dim, causal)
-        return knobs["block_M"], knobs["block_N"]
-
-    def knobs_for(self, dim, causal):
-        knobs = dict(block_M=64, block_N=128, num_stages=2, threads=256)
-        knobs.update(self.knobs.get("all", {}))
-        knobs.update(self.knobs.get(dim, {}))
-        knobs.update(self.knobs.get((dim, causal), {}))
-        return knobs
-
-    def build(self, batch, heads, seq, dim, *, causal, dtype="float16", heads_kv=None, window_size=None,
-              seq_k=None):
-        """Compile the three kernels of this version; returns a function (q, k, v, out, lse, dO) -> grads."""
-        seq_k = seq if seq_k is None else seq_k
-        heads_kv = heads if heads_kv is None else heads_kv
-        knobs = self.knobs_for(dim, causal)
-        variant = dict(heads_kv=heads_kv, causal=causal, window_size=window_size, dtype=dtype)
-        if self.chapter05:
-            func = flash_bwd_kernel(batch, heads, seq, seq_k, dim, target="cuda", **variant,
-                                    **{k: knobs[k] for k in ("block_M", "block_N", "num_stages", "threads")})
-            options = {}
+    def backward(q, k, v, out, lse, d_out):
+        if fused:
+            delta, lse_arg, dq_acc = pre(out, d_out, lse)
         else:
-            func = flash_bwd_hopper_variant(batch, heads, seq, seq_k, dim, **variant, **knobs,
-                                            lse_log2=self.fused_preprocess)
-            options = dict(pass_configs=MANUAL_SYNC_PASS_CONFIGS) if knobs.get("manual_sync") else {}
-        main = compile_kernel(func, out_idx=[], target="cuda", dtype=dtype, **options)
-        key = (batch, heads, heads_kv, seq, seq_k, dim, dtype, self.fused_preprocess)
-        with _HELPER_LOCK:  # versions built in parallel threads share one compile of each helper
-            lock = _HELPER_LOCKS.setdefault(key, threading.Lock())
-        with lock:
-            pre, post_q, post_kv = _helper_kernels(*key)
-        fused = self.fused_preprocess
+            delta, lse_arg = pre(out, d_out), lse
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        if post_kv is None:
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+        else:
+            dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+        main(q, k, v, d_out, lse_arg, delta, dq_acc, dk, dv)
+        dq = post_q(dq_acc)
+        if post_kv is not None:
+            dk, dv = post_kv(dk), post_kv(dv)
+        return dq, dk, dv
 
-        def backward(q, k, v, out, lse, d_out):
-            if fused:
-                delta, lse_arg, dq_acc = pre(out, d_out, lse)
-            else:
-                delta, lse_arg = pre(out, d_out), lse
-                dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            if post_kv is None:
-                dk, dv = torch.empty_like(k), torch.empty_like(v)
-            else:
-                dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
-            main(q, k, v, d_out, lse_arg, delta, dq_acc, dk, dv)
-            dq = post_q(dq_acc)
-            if post_kv is not None:
-                dk, dv = post_kv(dk), post_kv(dv)
-            return dq, dk, dv
+    return backward
 
-        return backward
+
+def _backward(number, label, why, knobs=None, *, chapter05=False, **fields):
+    """A backward version: chapter 08's variant skeleton (or chapter 05's kernel), the backward's default
+    tiling and builder. ``knobs``: "all", a head dim, or (head dim, causal) -> keywords."""
+    knobs = dict(knobs or {})
+    return Version(number, label, why, flash_bwd_kernel if chapter05 else flash_bwd_hopper_variant,
+                   knobs=knobs.pop("all", {}), when=knobs, builder=_build,
+                   defaults=dict(block_M=64, block_N=128, num_stages=2, threads=256), **fields)
 
 
 _HELPER_LOCK, _HELPER_LOCKS = threading.Lock(), {}
@@ -335,47 +315,47 @@ _FA3_TILES = {(128, False): dict(block_M=80), 64: dict(block_M=128)}
 _SHIPPED = dict(dv_during_ds=False, ds_buffers=2, manual_sync=True)
 
 VERSIONS = [
-    Version(1, "chapter 05's kernel (synchronous T.gemm)", "every matmul waits; dQ by per-element atomics",
-            chapter05=True, knobs={"all": dict(num_stages=1)}),
-    Version(2, "+ FlashAttention-3's order with async wgmma",
-            "Sᵀ and dPᵀ issued together, exponentials under dPᵀ, dSᵀ under dV",
-            knobs={"all": dict(_ATOMIC_1, mask_all_tiles=True)}),
-    Version(3, "+ mask only on boundary tiles", "interior tiles skip the visibility test", knobs={"all": _ATOMIC_1}),
-    Version(4, "+ two stages for Q and dO", "the next query block loads during this one",
-            knobs={"all": dict(_ATOMIC_1, num_stages=2)}),
-    Version(5, "+ dQ by one bulk reduce-add from shared memory", "the copy engine adds the whole tile",
-            knobs={"all": dict(dq_before_dk=False)}),
-    Version(6, "+ dQ issued before dK", "dQ's trip through shared memory runs while dK is on the tensor cores",
-            knobs={"all": dict()}),
-    Version(7, "+ dSᵀ formed before dV is issued", "fewer live registers: P and dP die before dV starts",
-            knobs={"all": dict(dv_during_ds=False)}),
-    Version(8, "+ two dSᵀ buffers, our own two barriers", "TileLang's four barriers per step become two",
-            knobs={"all": _SHIPPED}, shipped_code=True),
-    Version(9, "+ FlashAttention-3's tiles (80 × 128 at D=128, 128 × 128 at D=64)",
-            "more queries per step; dQᵀ = Kᵀ dSᵀ where 80 rows cannot be split in 64s",
-            knobs={"all": _SHIPPED, **_FA3_TILES}, shipped_code=True),
-    Version(10, "  (TileLang's four barriers)", "two dSᵀ buffers, barriers left to TileLang",
-            knobs={"all": dict(_SHIPPED, manual_sync=False), **_FA3_TILES}, kept=False),
-    Version(11, "  (FlashAttention-3's preprocess)", "Δ, LSE·log2(e) and dQ_acc = 0 in one kernel",
-            knobs={"all": _SHIPPED, **_FA3_TILES}, kept=False, fused_preprocess=True),
-    Version(12, "  (one stage)", "one Q/dO stage", knobs={"all": dict(_SHIPPED, num_stages=1), **_FA3_TILES},
-            kept=False),
-    Version(13, "  (per-element dQ atomics)", "dQ added from registers",
-            knobs={"all": dict(_SHIPPED, dq_reduce="atomic"), **_FA3_TILES}, kept=False),
-    Version(14, "  (dV under dSᵀ, dSᵀ from the 16-bit P)", "overlap kept, registers saved by rounding P first",
-            knobs={"all": dict(_SHIPPED, dv_during_ds=True, ds_from_rounded_p=True), **_FA3_TILES}, kept=False),
-    Version(15, "  (80 × 128 tiles with the causal mask)", "FlashAttention-3 keeps 64 × 128 when masked",
-            knobs={"all": _SHIPPED, (128, True): dict(block_M=80)}, kept=False, causal_only=True, dims=(128,),
-            shipped_code=True),
-    Version(16, "  (light key blocks first)", "the launch order the causal kernel does not use",
-            knobs={"all": dict(_SHIPPED, light_first=True), **_FA3_TILES}, kept=False, causal_only=True),
+    _backward(1, "chapter 05's kernel (synchronous T.gemm)", "every matmul waits; dQ by per-element atomics",
+              chapter05=True, knobs={"all": dict(num_stages=1)}),
+    _backward(2, "+ FlashAttention-3's order with async wgmma",
+              "Sᵀ and dPᵀ issued together, exponentials under dPᵀ, dSᵀ under dV",
+              knobs={"all": dict(_ATOMIC_1, mask_all_tiles=True)}),
+    _backward(3, "+ mask only on boundary tiles", "interior tiles skip the visibility test", knobs={"all": _ATOMIC_1}),
+    _backward(4, "+ two stages for Q and dO", "the next query block loads during this one",
+              knobs={"all": dict(_ATOMIC_1, num_stages=2)}),
+    _backward(5, "+ dQ by one bulk reduce-add from shared memory", "the copy engine adds the whole tile",
+              knobs={"all": dict(dq_before_dk=False)}),
+    _backward(6, "+ dQ issued before dK", "dQ's trip through shared memory runs while dK is on the tensor cores",
+              knobs={"all": dict()}),
+    _backward(7, "+ dSᵀ formed before dV is issued", "fewer live registers: P and dP die before dV starts",
+              knobs={"all": dict(dv_during_ds=False)}),
+    _backward(8, "+ two dSᵀ buffers, our own two barriers", "TileLang's four barriers per step become two",
+              knobs={"all": _SHIPPED}, shipped_code=True),
+    _backward(9, "+ FlashAttention-3's tiles (80 × 128 at D=128, 128 × 128 at D=64)",
+              "more queries per step; dQᵀ = Kᵀ dSᵀ where 80 rows cannot be split in 64s",
+              knobs={"all": _SHIPPED, **_FA3_TILES}, shipped_code=True),
+    _backward(10, "  (TileLang's four barriers)", "two dSᵀ buffers, barriers left to TileLang",
+              knobs={"all": dict(_SHIPPED, manual_sync=False), **_FA3_TILES}, kept=False),
+    _backward(11, "  (FlashAttention-3's preprocess)", "Δ, LSE·log2(e) and dQ_acc = 0 in one kernel",
+              knobs={"all": dict(_SHIPPED, lse_log2=True), **_FA3_TILES}, kept=False),
+    _backward(12, "  (one stage)", "one Q/dO stage", knobs={"all": dict(_SHIPPED, num_stages=1), **_FA3_TILES},
+              kept=False),
+    _backward(13, "  (per-element dQ atomics)", "dQ added from registers",
+              knobs={"all": dict(_SHIPPED, dq_reduce="atomic"), **_FA3_TILES}, kept=False),
+    _backward(14, "  (dV under dSᵀ, dSᵀ from the 16-bit P)", "overlap kept, registers saved by rounding P first",
+              knobs={"all": dict(_SHIPPED, dv_during_ds=True, ds_from_rounded_p=True), **_FA3_TILES}, kept=False),
+    _backward(15, "  (80 × 128 tiles with the causal mask)", "FlashAttention-3 keeps 64 × 128 when masked",
+              knobs={"all": _SHIPPED, (128, True): dict(block_M=80)}, kept=False, causal_only=True, dims=(128,),
+              shipped_code=True),
+    _backward(16, "  (light key blocks first)", "the launch order the causal kernel does not use",
+              knobs={"all": dict(_SHIPPED, light_first=True), **_FA3_TILES}, kept=False, causal_only=True),
 ]
 SHIPPED_VERSION = 9
 
 
 def versions_for(causal, dim=None):
     """The versions the ablation times for a causal or non-causal problem."""
-    return [v for v in VERSIONS if (causal or not v.causal_only) and (dim is None or dim in v.dims)]
+    return _versions_for(VERSIONS, causal, dim)
 
 
 def shipped_version(dim, causal, tiling):
