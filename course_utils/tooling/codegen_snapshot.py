@@ -246,21 +246,25 @@ def _write(out, name, source, cap):
     (out / f"{name}.meta").write_text(json.dumps(meta, sort_keys=True) + "\n")
 
 
-def snapshot(out, only=None, resume=False):
-    """Write the snapshot into directory ``out``; ``only``: a substring the job names must contain;
-    ``resume``: skip the files ``out`` already has (a snapshot that was interrupted)."""
+def snapshot(out, only=None, resume=False, skip=None):
+    """Write the snapshot into directory ``out``; ``only``: a substring the job names must contain, ``skip``
+    one they must not; ``resume``: skip the files ``out`` already has (a snapshot that was interrupted)."""
+
+    def wanted(name):
+        return (not only or only in name) and not (skip and skip in name)
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     failures = []
     with _capturing() as captured:
         for name, archs, thunk, pass_configs in _cuda_jobs():
-            if only and only not in name:
+            if not wanted(name):
                 continue
             cap = _Captured(thunk(), None, "cuda", _fast_math(pass_configs))
             for arch in archs:
                 _run(failures, out, f"{name}.{arch}.cu", cap, arch, resume)
         for name, thunk in _cpu_jobs() + _version_jobs():
-            if only and only not in name:
+            if not wanted(name):
                 continue
             del captured[:]
             thunk()
@@ -311,6 +315,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?")
     parser.add_argument("--only", help="only the jobs whose name contains this")
+    parser.add_argument("--skip", help="leave out the jobs whose name contains this")
     parser.add_argument("--resume", action="store_true", help="skip the files the output directory already has")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"))
     args = parser.parse_args(argv)
@@ -318,7 +323,7 @@ def main(argv=None):
         return 0 if compare(*args.compare) else 1
     if not args.out:
         parser.error("give an output directory or --compare A B")
-    return 0 if snapshot(args.out, args.only, args.resume) else 1
+    return 0 if snapshot(args.out, args.only, args.resume, args.skip) else 1
 
 
 if __name__ == "__main__":
