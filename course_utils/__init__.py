@@ -6,7 +6,7 @@ import warnings
 # Keep notebook outputs about the course, not about the tools: tqdm warns about a missing widget
 # library inside Jupyter, and TileLang logs every compilation at INFO.
 warnings.filterwarnings("ignore", message="IProgress not found")
-# `python -m course_utils.flash_fwd` runs a module the package has already imported; that is intended.
+# `python -m course_utils.<module>` runs a module the package has already imported; that is intended.
 warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
 
 import tilelang  # noqa: E402
@@ -16,7 +16,12 @@ tilelang.set_log_level("WARNING")
 # instead (printed when two variants share a helper kernel) is noise here.
 logging.getLogger("tilelang.cache.kernel_cache").addFilter(lambda record: "in memory cache" not in record.getMessage())
 
-from .attention import (
+# The modules this file imported before the layers were folders were attributes of the package, and
+# the chapters read them so (`cu.attention.sink_logits`, `cu.validation.references`): they still are.
+from .api import attention as attention
+from .api import ring as ring
+from .api import varlen_api as varlen_api
+from .api.attention import (
                         SUPPORTED,
                         BackwardConfig,
                         ForwardConfig,
@@ -25,16 +30,22 @@ from .attention import (
                         flash_attention,
                         forward_kernel,
 )
-from .bench import attention_flops, measured, tflops, time_cuda
-from .checks import CheckFailed, check_attention_error, check_close, check_true, expect_failure
-from .claims import claim_change, claim_count, claim_order, claim_ratio
-from .device import DEVICE, HAS_GPU, TILE_TARGET, describe_machine, pick
-from .flex import create_block_mask, flex_attention
-from .reference import attention_reference
-from .ring import ring_attention, shard_sequence, shard_zigzag, unshard_sequence, unshard_zigzag
-from .tiles import TileBackend, compile_kernel
-from .validation import backward_bugs, check_backward, check_forward, forward_bugs, show_bugs_caught
-from .varlen_api import flash_attention_varlen, flash_decode
+from .api.flex import create_block_mask, flex_attention
+from .api.ring import ring_attention, shard_sequence, shard_zigzag, unshard_sequence, unshard_zigzag
+from .api.varlen_api import flash_attention_varlen, flash_decode
+from .checking import checks as checks
+from .checking import validation as validation
+from .checking.checks import CheckFailed, check_attention_error, check_close, check_true, expect_failure
+from .checking.validation import backward_bugs, check_backward, check_forward, forward_bugs, show_bugs_caught
+from .core import device as device
+from .core import reference as reference
+from .core.device import DEVICE, HAS_GPU, TILE_TARGET, describe_machine, pick
+from .core.reference import attention_reference
+from .kernels import tiles as tiles
+from .kernels.tiles import TileBackend, compile_kernel
+from .measure import bench as bench
+from .measure.bench import attention_flops, measured, tflops, time_cuda
+from .measure.claims import claim_change, claim_count, claim_order, claim_ratio
 
 __all__ = [
     "SUPPORTED", "ForwardConfig", "BackwardConfig", "flash_attention", "attention_backward", "forward_kernel",

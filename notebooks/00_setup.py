@@ -44,7 +44,7 @@ import torch
 import tilelang.language as T
 
 import course_utils as cu
-from course_utils.tiles import TileBackend, compile_kernel
+from course_utils.kernels.tiles import TileBackend, compile_kernel
 
 cu.describe_machine()
 
@@ -57,7 +57,7 @@ cu.describe_machine()
 # tile to the threads. TileLang's C backend runs each block as one CPU thread, so there it takes
 # plain local arrays and ordinary nested loops, and the launch has no thread count.
 # Nothing else changes: copies, matrix products, reductions and pipelined loops are written the same.
-# `course_utils.tiles.TileBackend` holds exactly these four differences, so every kernel in the
+# `course_utils.kernels.tiles.TileBackend` holds exactly these four differences, so every kernel in the
 # course is written once and runs on both:
 
 # %%

@@ -37,10 +37,10 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from course_utils import plots
-from course_utils.benchmarks import RECORDS, naive_attention
-from course_utils.labels import FA2, NAIVE
-from course_utils.validation import check_stored_errors
+from course_utils.pictures import plots
+from course_utils.measure.benchmarks import RECORDS, naive_attention
+from course_utils.core.labels import FA2, NAIVE
+from course_utils.checking.validation import check_stored_errors
 
 # %% [markdown]
 # ## The math
@@ -112,7 +112,7 @@ fig.tight_layout()
 # %% [markdown]
 # ## The PyTorch implementation
 #
-# `course_utils.benchmarks.naive_attention` is the textbook version, and the one timed on the
+# `course_utils.measure.benchmarks.naive_attention` is the textbook version, and the one timed on the
 # H100 later in this chapter. The softmax runs in float32 even for float16 inputs, as mixed
 # precision training usually does, because the exponentials and the row sums lose accuracy in
 # 16 bits.

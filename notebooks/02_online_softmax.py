@@ -35,12 +35,12 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
-from course_utils import diagrams
-from course_utils.softmax import (LOG2E, blockwise_attention, blockwise_softmax, naive_softmax,
+from course_utils.pictures import diagrams
+from course_utils.kernels.softmax import (LOG2E, blockwise_attention, blockwise_softmax, naive_softmax,
                                   online_softmax_trace, safe_softmax, softmax_online_kernel,
                                   softmax_row_kernel)
-from course_utils.source import cuda_source, grep, show_source
-from course_utils.tiles import compile_kernel
+from course_utils.core.source import cuda_source, grep, show_source
+from course_utils.kernels.tiles import compile_kernel
 
 torch.manual_seed(0)
 print("device:", torch.cuda.get_device_name() if cu.HAS_GPU else "CPU (no GPU)", "| tile target:", cu.TILE_TARGET,
@@ -155,11 +155,11 @@ cu.check_close(torch.tensor(m + math.log(l), dtype=torch.float64), torch.logsume
 # $$m_\text{new} = \max\big(m_\text{old}, \max_{x \in B} x\big), \qquad
 #   \ell_\text{new} = \ell_\text{old}\, e^{m_\text{old} - m_\text{new}} + \sum_{x \in B} e^{x - m_\text{new}} .$$
 #
-# `course_utils.softmax` holds this step for every row at once; it also returns the factor
+# `course_utils.kernels.softmax` holds this step for every row at once; it also returns the factor
 # $\alpha = e^{m_\text{old} - m_\text{new}}$ that rescaled the old state:
 
 # %%
-from course_utils.softmax import online_softmax_update, safe_shift
+from course_utils.kernels.softmax import online_softmax_update, safe_shift
 
 show_source(online_softmax_update)
 show_source(safe_shift)
@@ -264,7 +264,7 @@ plt.show()
 #
 # $$e^{\,\text{scale}\cdot(s - m)} = 2^{\,s\cdot c \;-\; m\cdot c}, \qquad c = \text{scale}\cdot\log_2 e ,$$
 #
-# one fused multiply-add and one `exp2` per score. `course_utils.flash_fwd` computes its
+# one fused multiply-add and one `exp2` per score. `course_utils.kernels.flash_fwd` computes its
 # probabilities exactly this way, with `scale_log2 = sm_scale * LOG2E`. The two forms agree:
 
 # %%
@@ -366,7 +366,7 @@ grep(cuda, r"\bm\[i_\d+\] = max\(", max_hits=1);
 # it to replay one block at a time.
 
 # %%
-from course_utils import steppers
+from course_utils.pictures import steppers
 
 g = torch.Generator().manual_seed(2)
 tile_scores = torch.randn(4, 32, generator=g, dtype=torch.float64) * 1.5
@@ -465,7 +465,7 @@ check_combine_partial_attention(combine_partial_attention)
 # %% tags=["solution", "ex-c"]
 import tilelang.language as T
 
-from course_utils.tiles import TileBackend
+from course_utils.kernels.tiles import TileBackend
 
 
 def online_softmax(M, N, *, scale=1.0, block_M=8, block_N=16, target=None):
@@ -518,7 +518,7 @@ check_online_softmax_kernel(online_softmax)
 #
 # The course's own code for what the exercises above asked you to write, kept until after them so that
 # it cannot give the answer away. Compare it with yours: the same steps, sometimes written as shared
-# pieces (`course_utils/flash_pieces.py`) that several kernels use.
+# pieces (`course_utils/kernels/flash_pieces.py`) that several kernels use.
 
 # %% [markdown]
 # From section 7 · A TileLang online softmax: stream the columns:

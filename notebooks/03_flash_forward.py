@@ -41,14 +41,14 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
-from course_utils import diagrams, plots
-from course_utils.benchmarks import CH03_FORWARD_CONFIG, RECORDS
-from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
-from course_utils.validation import check_stored_errors
-from course_utils.flash_fwd import flash_fwd_kernel
-from course_utils.flash_pieces import (LOG2E, Prelude, forward_epilogue, forward_tiles, key_block_range,
+from course_utils.pictures import diagrams, plots
+from course_utils.measure.benchmarks import CH03_FORWARD_CONFIG, RECORDS
+from course_utils.core.labels import CUDNN, FA2, OURS, PEERS, SHORT
+from course_utils.checking.validation import check_stored_errors
+from course_utils.kernels.flash_fwd import flash_fwd_kernel
+from course_utils.kernels.flash_pieces import (LOG2E, Prelude, forward_epilogue, forward_tiles, key_block_range,
                                        mask_scores, natural_lse, normalise_rows, online_softmax)
-from course_utils.source import count, cuda_source, grep, show_source
+from course_utils.core.source import count, cuda_source, grep, show_source
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
 
@@ -119,10 +119,10 @@ diagrams.visit_table(56, 56, 16, 16, causal=True, window_size=20)
 # %% [markdown]
 # ## 3 · The kernel, piece by piece
 #
-# The kernel is `course_utils.flash_fwd.flash_fwd_kernel`, a *factory*: a Python function that
+# The kernel is `course_utils.kernels.flash_fwd.flash_fwd_kernel`, a *factory*: a Python function that
 # takes the shapes and options and returns a `@T.prim_func`. Like Triton's tutorial, which factors
 # the inner loop of its attention kernel out once, the course writes each piece that several
-# kernels need once, in `course_utils/flash_pieces.py`; the forward, the Hopper forward of
+# kernels need once, in `course_utils/kernels/flash_pieces.py`; the forward, the Hopper forward of
 # chapter 07 and the backward of chapter 05 are built from them. We read them in the order the
 # kernel uses them. First the **prelude**: ordinary Python, evaluated when the factory runs, so
 # its numbers reach the generated code as constants.
@@ -135,7 +135,7 @@ diagrams.visit_table(56, 56, 16, 16, causal=True, window_size=20)
 #   with $c = \text{scale}\cdot\log_2 e$: one multiply-add per score, then the GPU's native
 #   base-2 exponential instruction.
 # - **`past`** aligns the causal diagonal to the bottom-right when `S_k > S_q` (new queries
-#   attending to a longer history), the convention of `course_utils.reference`.
+#   attending to a longer history), the convention of `course_utils.core.reference`.
 # - `group` is grouped-query attention (chapter 06); `blocks` counts tiles, the last one partial.
 #
 # `visible` builds the mask condition as a TileLang expression. `k_pos < seq_k` is the guard
@@ -205,7 +205,7 @@ diagrams.visit_table(56, 56, 16, 16, causal=True, window_size=20)
 # %% [markdown]
 # ## 4 · Run it here and check it
 #
-# `cu.flash_attention` (in `course_utils/attention.py`) validates the inputs, compiles the
+# `cu.flash_attention` (in `course_utils/api/attention.py`) validates the inputs, compiles the
 # kernel once per shape and options, and calls it. On this machine it runs through TileLang's C
 # backend in float32 with 16 × 16 tiles; on a GPU we ask for this chapter's kernel and tiling
 # explicitly (`CH03_FORWARD_CONFIG`: 128 × 128 tiles, two stages, 256 threads), because on an H100
@@ -654,7 +654,7 @@ with ch03.needs("kernel_flops", "exercise (b)"):
 # %%
 import tilelang.language as T
 
-from course_utils.tiles import TileBackend
+from course_utils.kernels.tiles import TileBackend
 
 
 def flash_forward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=32, block_N=8, target=None):
@@ -895,7 +895,7 @@ cu.check_true(len(mma) > 0, "the CUDA multiplies on the tensor cores (mma; float
 #
 # The course's own code for what the exercises above asked you to write, kept until after them so that
 # it cannot give the answer away. Compare it with yours: the same steps, sometimes written as shared
-# pieces (`course_utils/flash_pieces.py`) that several kernels use.
+# pieces (`course_utils/kernels/flash_pieces.py`) that several kernels use.
 
 # %% [markdown]
 # From section 3 · The kernel, piece by piece:

@@ -43,13 +43,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tilelang.layout import make_linear_layout, make_swizzled_layout
 
-from course_utils import banks, layouts, plots, schedules
-from course_utils.attention import TUNED_FORWARD_CONFIG, ForwardConfig
-from course_utils.benchmarks import RECORDS
-from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
-from course_utils.validation import check_stored_errors
-from course_utils.flash_fwd import flash_fwd_kernel
-from course_utils.source import grep, loop_skeleton, lowering_error
+from course_utils.pictures import banks, layouts, plots, schedules
+from course_utils.api.attention import TUNED_FORWARD_CONFIG, ForwardConfig
+from course_utils.measure.benchmarks import RECORDS
+from course_utils.core.labels import CUDNN, FA2, OURS, PEERS, SHORT
+from course_utils.checking.validation import check_stored_errors
+from course_utils.kernels.flash_fwd import flash_fwd_kernel
+from course_utils.core.source import grep, loop_skeleton, lowering_error
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
 
@@ -211,7 +211,7 @@ cu.check_true(len(rows_128) == 6, "one row per (num_stages, causal)")
 # The cure is to **swizzle**: store 16-byte chunk *c* of row *r* at chunk position *c* XOR (*r* mod 8)
 # within its 128-byte line. Rows keep their chunks together (copies in stay fast), but the
 # 8 rows of a column now land in 8 different bank groups. We do not draw this by hand: TileLang
-# gives the layouts of a shared tile as `Layout` objects, and `course_utils.layouts` evaluates
+# gives the layouts of a shared tile as `Layout` objects, and `course_utils.pictures.layouts` evaluates
 # them element by element.
 
 # %%
@@ -448,7 +448,7 @@ except Exception as exc:  # TileLang's layout inference raises a TVM InternalErr
 
 # %% [markdown]
 # The winner, per masking mode, and the tiling the course uses for this kernel on the GPU
-# (`TUNED_FORWARD_CONFIG` in `course_utils/attention.py`; on Hopper GPUs `flash_attention` runs
+# (`TUNED_FORWARD_CONFIG` in `course_utils/api/attention.py`; on Hopper GPUs `flash_attention` runs
 # chapter 07's kernel by default):
 
 # %%
@@ -603,7 +603,7 @@ ch04.check_swizzle(swizzled_offset)
 # %%
 import tilelang.language as T
 
-from course_utils.tiles import TileBackend
+from course_utils.kernels.tiles import TileBackend
 
 
 def pipelined_gemm(M, N, K, *, block_M=64, block_N=64, block_K=64, dtype="float16", target=None):

@@ -45,15 +45,15 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from course_utils import diagrams, plots
-from course_utils.attention import BackwardConfig, default_backward_config
-from course_utils.benchmarks import CH05_BACKWARD_CONFIG, RECORDS, comparison_shapes
-from course_utils.flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from course_utils.flash_pieces import query_block_range
-from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
-from course_utils.validation import check_stored_errors
-from course_utils.source import count, cuda_source, grep, show_source
-from course_utils.tiles import compile_kernel
+from course_utils.pictures import diagrams, plots
+from course_utils.api.attention import BackwardConfig, default_backward_config
+from course_utils.measure.benchmarks import CH05_BACKWARD_CONFIG, RECORDS, comparison_shapes
+from course_utils.kernels.flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
+from course_utils.kernels.flash_pieces import query_block_range
+from course_utils.core.labels import CUDNN, FA2, OURS, PEERS, SHORT
+from course_utils.checking.validation import check_stored_errors
+from course_utils.core.source import count, cuda_source, grep, show_source
+from course_utils.kernels.tiles import compile_kernel
 
 torch.manual_seed(0);
 
@@ -243,7 +243,7 @@ print(f"separate dQ pass instead: 7 products instead of 5, {7 / 5:.1f}× the bac
 # %% [markdown]
 # ## 3 · The three kernels
 #
-# All three live in `course_utils/flash_bwd.py` and, like every kernel of the course, are written
+# All three live in `course_utils/kernels/flash_bwd.py` and, like every kernel of the course, are written
 # once through `TileBackend` (chapter 00).
 #
 # ### 3.1 Δ, the pre-pass
@@ -483,12 +483,12 @@ for arch in ("sm_80", "sm_90a"):
 # is held by the 32 lanes of one warp, lane $4\,(l \bmod 8) + (d \bmod 8)/2$ holding two adjacent
 # columns in its registers 0 and 1. So the new offset is just **32 · register + lane**. Checked
 # with TileLang's own layout objects (its `T.Layout`, and the accumulator fragment of its Hopper
-# gemm from `course_utils.layouts`), then drawn:
+# gemm from `course_utils.pictures.layouts`), then drawn:
 
 # %%
 import tilelang.language as T
 
-from course_utils import layouts
+from course_utils.pictures import layouts
 
 tile_layout = T.Layout([8, 8], lambda l, d: [l // 8, d // 8, d % 2, 4 * (l % 8) + (d % 8) // 2])  # one 8 × 8 tile
 offsets = layouts.layout_offsets(tile_layout)
@@ -651,7 +651,7 @@ for c in (False, True):
 both = [r for r in peers["results"] if r.get("mode") == "fwd+bwd"]
 if not both:
     print("This record has no forward+backward rows yet (it was measured before they were added); on a GPU, "
-          "`python -m course_utils.benchmarks ch05_backward_vs_peers_h100` measures them.")
+          "`python -m course_utils.measure.benchmarks ch05_backward_vs_peers_h100` measures them.")
 else:
     fig = plots.forward_comparison_panels(dict(peers, results=both), dims=sorted({r["dim"] for r in both}),
                                           dtypes=("float16",))
@@ -776,8 +776,8 @@ check_dq_query_major(dq_query_major)
 # %%
 import tilelang.language as T
 
-from course_utils.flash_pieces import LOG2E
-from course_utils.tiles import TileBackend
+from course_utils.kernels.flash_pieces import LOG2E
+from course_utils.kernels.tiles import TileBackend
 
 
 def flash_backward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=16, block_N=16, target=None):
@@ -1106,7 +1106,7 @@ ch05.check_my_flash_attention(my_flash_attention)
 #
 # The course's own code for what the exercises above asked you to write, kept until after them so that
 # it cannot give the answer away. Compare it with yours: the same steps, sometimes written as shared
-# pieces (`course_utils/flash_pieces.py`) that several kernels use.
+# pieces (`course_utils/kernels/flash_pieces.py`) that several kernels use.
 
 # %% [markdown]
 # From section 3 · The three kernels:

@@ -25,7 +25,7 @@
 # The [gpt-oss model card](https://arxiv.org/abs/2508.10925) (OpenAI, 2025) describes 64 query
 # heads of dimension 64 sharing 8 key/value heads, layers that alternate between full causal
 # attention and a 128-token sliding window, and one learned sink per head. Our kernels
-# (`course_utils.flash_fwd`, `course_utils.flash_bwd`) already take all three options; this
+# (`course_utils.kernels.flash_fwd`, `course_utils.kernels.flash_bwd`) already take all three options; this
 # chapter reads the lines that implement them, derives the one new gradient, checks everything
 # against the float64 reference, and ends with measurements at the gpt-oss shape on an H100.
 #
@@ -48,18 +48,18 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from course_utils import diagrams, plots
-from course_utils.attention import attention_backward
-from course_utils.benchmarks import GPT_OSS_SHAPE, RECORDS, gqa_backward_strategies
-from course_utils.flash_bwd import flash_bwd_kernel
-from course_utils.flash_fwd import flash_fwd_kernel
-from course_utils.flash_pieces import (init_running_max, key_block_range, normalise_rows, online_softmax,
+from course_utils.pictures import diagrams, plots
+from course_utils.api.attention import attention_backward
+from course_utils.measure.benchmarks import GPT_OSS_SHAPE, RECORDS, gqa_backward_strategies
+from course_utils.kernels.flash_bwd import flash_bwd_kernel
+from course_utils.kernels.flash_fwd import flash_fwd_kernel
+from course_utils.kernels.flash_pieces import (init_running_max, key_block_range, normalise_rows, online_softmax,
                                        query_block_range, visible)
-from course_utils.reference import visibility_mask
-from course_utils.softmax import safe_shift
-from course_utils.labels import CUDNN, FA2, NAIVE, OURS, PEERS
-from course_utils.source import show_source
-from course_utils.validation import check_stored_errors
+from course_utils.core.reference import visibility_mask
+from course_utils.kernels.softmax import safe_shift
+from course_utils.core.labels import CUDNN, FA2, NAIVE, OURS, PEERS
+from course_utils.core.source import show_source
+from course_utils.checking.validation import check_stored_errors
 
 torch.manual_seed(0)
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
@@ -178,7 +178,7 @@ cu.check_close(v_rep.grad.view(B, H_KV, group, S, D).sum(dim=2), ref_grads["v"],
 #
 # With a window of $W$ tokens, query $i$ sees only keys $i - W + 1, \dots, i$: the last $W$ keys,
 # itself included, so a window implies causal masking (the gpt-oss convention; see the top of
-# `course_utils/reference.py`). A window layer does $O(S \cdot W)$ work instead of $O(S^2)$. Stacked
+# `course_utils/core/reference.py`). A window layer does $O(S \cdot W)$ work instead of $O(S^2)$. Stacked
 # layers still pass information further back: each layer reaches $W - 1$ tokens further.
 #
 # For the kernel, a window is one more mask, and it makes many tiles entirely empty. Which tiles
@@ -497,7 +497,7 @@ compare_with_reference(f"GQA {H}/{H_KV} + window {W} + sinks", q, k, v, d_out, s
 
 # %% [markdown]
 # Inputs the kernels cannot take are rejected before anything is compiled, with a message that
-# says what is wrong (`course_utils.reference.validate_attention_inputs`):
+# says what is wrong (`course_utils.core.reference.validate_attention_inputs`):
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -673,7 +673,7 @@ cu.claim_change(f"GQA backward (group {GPT_OSS_SHAPE['heads'] // GPT_OSS_SHAPE['
 # follows: pick a walk and move tile by tile.
 
 # %%
-from course_utils import steppers
+from course_utils.pictures import steppers
 
 walk_configs = {
     "causal": dict(seq_q=56, seq_k=56, block_M=16, block_N=16, causal=True),
@@ -794,8 +794,8 @@ check_visible_pairs(visible_pairs)
 import tilelang.language as T
 
 from course_utils.exercises.kernels import forward_tile_step
-from course_utils.flash_pieces import LOG2E
-from course_utils.tiles import TileBackend
+from course_utils.kernels.flash_pieces import LOG2E
+from course_utils.kernels.tiles import TileBackend
 
 
 def gpt_oss_forward(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_M=16, block_N=8, target=None):

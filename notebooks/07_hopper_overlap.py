@@ -44,16 +44,17 @@ import course_utils as cu
 import matplotlib.pyplot as plt
 import torch
 
-from course_utils import plots, schedules
-from course_utils.attention import FORWARD_KERNELS, hopper_forward_config, is_hopper
-from course_utils.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
-from course_utils.benchmarks import RECORDS
-from course_utils.benchmarks.ch07_hopper import ROTATED
-from course_utils.flash_fwd_hopper import flash_fwd_hopper_kernel, issue_matmuls, keep_stages_until_read
-from course_utils.flash_fwd_hopper_versions import VERSIONS, flash_fwd_hopper_variant
-from course_utils.labels import CUDNN, FA2, OURS, PEERS, SHORT
-from course_utils.source import cuda_source, grep, loop_skeleton, ptxas_report, show_source
-from course_utils.validation import check_stored_errors
+from course_utils.pictures import plots, schedules
+from course_utils.api.attention import FORWARD_KERNELS, hopper_forward_config, is_hopper
+from course_utils.measure.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
+from course_utils.measure.benchmarks import RECORDS
+from course_utils.measure.benchmarks.ch07_hopper import ROTATED
+from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
+from course_utils.kernels.hopper_pieces import issue_matmuls, keep_stages_until_read
+from course_utils.kernels.versions.flash_fwd_hopper_versions import VERSIONS, flash_fwd_hopper_variant
+from course_utils.core.labels import CUDNN, FA2, OURS, PEERS, SHORT
+from course_utils.core.source import cuda_source, grep, loop_skeleton, ptxas_report, show_source
+from course_utils.checking.validation import check_stored_errors
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET, "| Hopper GPU:", is_hopper())
 
@@ -129,7 +130,7 @@ cu.check_true(runs[True][1] < runs[False][1], f"the overlapped loop is shorter: 
 #
 # `T.gemm` is synchronous: on Hopper TileLang emits the wgmma batch *and* the wait. `T.wgmma_gemm`
 # (TileLang's CUDA dialect) emits only the batch; `T.wait_wgmma(n)` is the wait. Here is the loop
-# of `flash_fwd_hopper_kernel` (`course_utils/flash_fwd_hopper.py`); everything around it (the
+# of `flash_fwd_hopper_kernel` (`course_utils/kernels/flash_fwd_hopper.py`); everything around it (the
 # prelude, the tiles, the mask, the online softmax, the epilogue with sinks and LSE) is the same
 # `flash_pieces` as chapters 03 and 06, and the two matmuls and the buffer read are small macros
 # of the Hopper module:
@@ -205,7 +206,7 @@ cu.check_true(order.index("arrive:") > first["wait_wgmma<0>:"], "buffers are rel
 # that no other instruction touches a wgmma's accumulator registers while it runs; across those
 # branches it cannot, and it silently **serialises** the wgmmas — a wait after every batch. Only
 # its report says so. The shipped kernel has no such switch; the ablation's
-# `flash_fwd_hopper_variant` (in `course_utils/flash_fwd_hopper_versions.py`) does. We compile
+# `flash_fwd_hopper_variant` (in `course_utils/kernels/versions/flash_fwd_hopper_versions.py`) does. We compile
 # both with `nvcc` (installed on the course machines; no GPU needed):
 
 # %%
@@ -262,7 +263,7 @@ cu.check_true(loop.index("__sync_thread_partial((") < loop.index("wgmma_ss<")
 # its last one, with the tensor cores idle both times; it also issues section 2's two idle matmuls.
 # At S = 16k a tile has 128 key blocks and these edges are noise; at S = 1k it has 8 (causal: 4.5
 # on average), and they are not. FlashAttention-3 answers with a **persistent** kernel, and
-# `flash_fwd_hopper_persistent_kernel` (`course_utils/flash_fwd_hopper_persistent.py`) does the same:
+# `flash_fwd_hopper_persistent_kernel` (`course_utils/kernels/flash_fwd_hopper_persistent.py`) does the same:
 #
 # - **one block per SM** walks a list of tiles. Its producer warpgroup does not care where a tile
 #   ends: it loads the next tile's Q, K and V while the consumers finish this tile's last P·V and
@@ -283,9 +284,9 @@ cu.check_true(loop.index("__sync_thread_partial((") < loop.index("wgmma_ss<")
 # %%
 import re
 
-from course_utils.flash_fwd_hopper_persistent import (flash_fwd_hopper_persistent_kernel, persistent_schedule,
+from course_utils.kernels.flash_fwd_hopper_persistent import (flash_fwd_hopper_persistent_kernel, persistent_schedule,
                                                       tile_count)
-from course_utils.flash_pieces import prelude
+from course_utils.kernels.flash_pieces import prelude
 
 demo = prelude(2, 1024, 1024, 64, causal=True)  # 2 heads, S = 1k: 8 query blocks of 128 per head
 in_order = prelude(2, 1024, 1024, 64)  # the same tiles without the mask: the kernel takes them in index order
@@ -414,7 +415,7 @@ print("(" + plots.record_caption(versus) + ")")
 # D = 64). Every kernel was checked against the float64 reference on every head before it was
 # timed. Each unindented row adds one technique to the row above; indented rows in parentheses are
 # variations of an earlier row (the rotated loop's, then the persistent kernel's) that are measured
-# and not kept. The rows (`course_utils/flash_fwd_hopper_versions.py`):
+# and not kept. The rows (`course_utils/kernels/versions/flash_fwd_hopper_versions.py`):
 #
 # 1. chapter 03's kernel with TMA and warp specialisation switched off (`cp.async` copies issued
 #    by every thread, as on Ampere) and exact `exp2`;
@@ -576,7 +577,7 @@ for dim, causal in cases:
 #
 # `cu.flash_attention` uses the persistent kernel by default on Hopper GPUs with the tiling chosen
 # per head dimension and mask (`HOPPER_FORWARD_CONFIGS` and `hopper_forward_config` in
-# `course_utils/attention.py`; two consumer warpgroups below the thresholds above). The usual
+# `course_utils/api/attention.py`; two consumer warpgroups below the thresholds above). The usual
 # shapes (B·S = 16k tokens, H·D = 2048), D = 64 and 128, fp16 and bf16, causal and not, timed side by
 # side with SDPA's FlashAttention-2 and cuDNN backends in one process:
 
@@ -736,8 +737,8 @@ ch07.check_wait_count(wait_count)
 # %%
 import tilelang.language as T
 
-from course_utils.flash_pieces import LOG2E
-from course_utils.tiles import TileBackend
+from course_utils.kernels.flash_pieces import LOG2E
+from course_utils.kernels.tiles import TileBackend
 
 
 def async_matmuls(tb):

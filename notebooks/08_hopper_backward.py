@@ -47,16 +47,16 @@ import course_utils as cu
 
 import matplotlib.pyplot as plt
 
-from course_utils import plots, schedules
-from course_utils.attention import HOPPER_BACKWARD_CONFIGS, is_hopper
-from course_utils.backward_diagrams import LANES, dataflow, step_schedule
-from course_utils.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
-from course_utils.benchmarks import RECORDS, comparison_shapes
-from course_utils.flash_bwd_hopper import PASS_CONFIGS, flash_bwd_hopper_kernel
-from course_utils.flash_bwd_hopper_versions import VERSIONS, flash_bwd_hopper_variant, shipped_version
-from course_utils.labels import CUDNN, FA2, OURS
-from course_utils.source import cuda_source, loop_skeleton, ptxas_report, show_source
-from course_utils.validation import check_stored_errors
+from course_utils.pictures import plots, schedules
+from course_utils.api.attention import HOPPER_BACKWARD_CONFIGS, is_hopper
+from course_utils.pictures.backward_diagrams import LANES, dataflow, step_schedule
+from course_utils.measure.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
+from course_utils.measure.benchmarks import RECORDS, comparison_shapes
+from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS, flash_bwd_hopper_kernel
+from course_utils.kernels.versions.flash_bwd_hopper_versions import VERSIONS, flash_bwd_hopper_variant, shipped_version
+from course_utils.core.labels import CUDNN, FA2, OURS
+from course_utils.core.source import cuda_source, loop_skeleton, ptxas_report, show_source
+from course_utils.checking.validation import check_stored_errors
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET, "| Hopper GPU:", is_hopper())
 
@@ -159,7 +159,7 @@ cu.check_true(runs[True][1] < runs[False][1], f"the asynchronous steps are short
 #
 # ## 4 · The kernel in TileLang
 #
-# `flash_bwd_hopper_kernel` (`course_utils/flash_bwd_hopper.py`) has chapter 05's inputs and
+# `flash_bwd_hopper_kernel` (`course_utils/kernels/flash_bwd_hopper.py`) has chapter 05's inputs and
 # outputs and is built from the same pieces (`prelude`, `visible`, `query_block_range`); one step:
 
 # %%

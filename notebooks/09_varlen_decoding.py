@@ -54,20 +54,20 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
-from course_utils import plots, varlen_diagrams
-from course_utils.benchmarks import RECORDS
-from course_utils.benchmarks.ch09_varlen_decode import (DENSE_EQUAL, PACKED_GRID, PACKED_LIST, PAGED, SUM,
+from course_utils.pictures import plots, varlen_diagrams
+from course_utils.measure.benchmarks import RECORDS
+from course_utils.measure.benchmarks.ch09_varlen_decode import (DENSE_EQUAL, PACKED_GRID, PACKED_LIST, PAGED, SUM,
                                                         varlen_lengths)
-from course_utils.flash_decode import blocks_per_sm, choose_num_splits, decode_config, flash_decode_kernel, \
+from course_utils.kernels.flash_decode import blocks_per_sm, choose_num_splits, decode_config, flash_decode_kernel, \
     flash_decode_merge_kernel
-from course_utils.flash_pieces import with_lengths, zero_rows_past_end
-from course_utils.flash_varlen import flash_varlen_fwd_kernel, varlen_work_list
-from course_utils.labels import CUDNN, FA2, OURS
-from course_utils.softmax import merge_attention_states
-from course_utils.source import show_source
-from course_utils.validation import (check_backward, check_forward, check_stored_errors, decode_references,
+from course_utils.kernels.flash_pieces import with_lengths, zero_rows_past_end
+from course_utils.kernels.flash_varlen import flash_varlen_fwd_kernel, varlen_work_list
+from course_utils.core.labels import CUDNN, FA2, OURS
+from course_utils.kernels.softmax import merge_attention_states
+from course_utils.core.source import show_source
+from course_utils.checking.validation import (check_backward, check_forward, check_stored_errors, decode_references,
                                      varlen_references)
-from course_utils.varlen_api import decode_kernels
+from course_utils.api.varlen_api import decode_kernels
 
 torch.manual_seed(0)
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
@@ -386,7 +386,7 @@ varlen_diagrams.split_kv(ax, 2048, 4, 128)
 
 # %% [markdown]
 # Here are the two kernels taken apart. The split kernel writes `O_part [B, S_new, H, splits, D]` and
-# `LSE_part`; we merge them in PyTorch with `merge_attention_states` (`course_utils.softmax`, the
+# `LSE_part`; we merge them in PyTorch with `merge_attention_states` (`course_utils.kernels.softmax`, the
 # chapter 02 exercise generalised to any number of parts), the sink as one more part, and compare
 # with the merge kernel and with the float64 reference.
 
@@ -735,7 +735,7 @@ check_merge_with_sink(merge_with_sink)
 # %%
 import tilelang.language as T
 
-from course_utils.tiles import TileBackend
+from course_utils.kernels.tiles import TileBackend
 
 NEG_INF = -T.infinity("float32")
 

@@ -45,11 +45,13 @@ import course_utils as cu
 import matplotlib.pyplot as plt
 import torch
 
-from course_utils import diagrams, plots, ring
-from course_utils.benchmarks import ch10_ring
-from course_utils.reference import visibility_mask
-from course_utils.softmax import merge_attention
-from course_utils.source import show_source
+from course_utils.pictures import diagrams, plots
+
+from course_utils.api import ring
+from course_utils.measure.benchmarks import ch10_ring
+from course_utils.core.reference import visibility_mask
+from course_utils.kernels.softmax import merge_attention
+from course_utils.core.source import show_source
 
 torch.manual_seed(0)
 print("device:", cu.DEVICE, "| the checks below run on CPU processes (gloo) on every machine")
@@ -89,7 +91,7 @@ fig.tight_layout()
 #
 # The weights are ≤ 1, so nothing overflows; this is the rescaling of the online softmax, applied
 # to finished partial results (chapter 02's exercise (b) wrote it). `merge_attention`
-# (`course_utils.softmax`) is the one the ring uses; exercise (c) has you write it, and shows its
+# (`course_utils.kernels.softmax`) is the one the ring uses; exercise (c) has you write it, and shows its
 # source after.
 
 # %% [markdown]
@@ -309,7 +311,7 @@ for name in ring.BAD_INPUTS:
 # %% [markdown]
 # ## 5 · The measurement: two H200 GPUs
 #
-# `python -m course_utils.benchmarks.ch10_ring` runs on a machine with two GPUs (NCCL, one process
+# `python -m course_utils.measure.benchmarks.ch10_ring` runs on a machine with two GPUs (NCCL, one process
 # per GPU) and writes the record `ch10_ring_attention_h200x2`. It first checks the ring on both
 # GPUs against the float64 reference at S = 8k (every head, O and every gradient). Then it times
 # one training step of attention (forward + backward, B = 1, H = 16, D = 128) at S = 32k, 64k and
@@ -323,7 +325,7 @@ for name in ring.BAD_INPUTS:
 rec = cu.bench.stored_record(ch10_ring.RECORD)
 if rec is None:
     print("No two-GPU measurement has been stored yet, so this section shows no numbers (the cells below "
-          "print nothing). Run `python -m course_utils.benchmarks.ch10_ring` on a "
+          "print nothing). Run `python -m course_utils.measure.benchmarks.ch10_ring` on a "
           "machine with two GPUs to write figures/ch10_ring_attention_h200x2.json, then run this notebook again.")
 else:
     res = rec["results"]
@@ -546,6 +548,6 @@ ch10.check_merge_partial(merge_partial)
 
 # %%
 show_source(merge_attention)
-from course_utils.softmax import merge_attention_states
+from course_utils.kernels.softmax import merge_attention_states
 
 show_source(merge_attention_states)

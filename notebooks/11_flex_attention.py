@@ -27,7 +27,7 @@
 # PyTorch's FlexAttention answered yes: `score_mod(score, b, h, q_idx, kv_idx)` and
 # `mask_mod(b, h, q_idx, kv_idx)` are traced by `torch.compile` into a Triton template, and a
 # `BlockMask` says which tiles to skip. This chapter builds the same thing on the course's TileLang
-# kernels (`course_utils/flex.py` for the API, `course_utils/flash_flex.py` for the kernels): the modifiers
+# kernels (`course_utils/api/flex.py` for the API, `course_utils/kernels/flash_flex.py` for the kernels): the modifiers
 # are applied to the kernel's index and score *expressions* while the kernel is built, so their
 # formulas are inlined into the generated C or CUDA.
 #
@@ -50,14 +50,15 @@ import matplotlib.pyplot as plt
 import torch
 from tilelang import tvm
 
-from course_utils import flex, plots
-from course_utils.benchmarks import RECORDS
-from course_utils.benchmarks.ch11_flex import OURS_CAUSAL, OURS_NO_SKIP, SDPA_MASKED, TORCH_FLEX, UNCHECKED
-from course_utils.flash_flex import flex_backward, flex_bwd_kernel, flex_forward, flex_forward_kernel, flex_fwd_kernel
-from course_utils.flex import Dual, Sym, causal_mask, create_block_mask, flex_attention, prefix_lm, soft_cap
-from course_utils.labels import OURS
-from course_utils.source import cuda_source, grep, show_source
-from course_utils.validation import backward_bugs, check_stored_errors, forward_bugs
+from course_utils.api import flex
+from course_utils.pictures import plots
+from course_utils.measure.benchmarks import RECORDS
+from course_utils.measure.benchmarks.ch11_flex import OURS_CAUSAL, OURS_NO_SKIP, SDPA_MASKED, TORCH_FLEX, UNCHECKED
+from course_utils.kernels.flash_flex import flex_backward, flex_bwd_kernel, flex_forward, flex_forward_kernel, flex_fwd_kernel
+from course_utils.api.flex import Dual, Sym, causal_mask, create_block_mask, flex_attention, prefix_lm, soft_cap
+from course_utils.core.labels import OURS
+from course_utils.core.source import cuda_source, grep, show_source
+from course_utils.checking.validation import backward_bugs, check_stored_errors, forward_bugs
 
 torch.manual_seed(0)
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
@@ -76,7 +77,7 @@ show_source(flex.prefix_lm)
 show_source(flex.window_with_globals)
 
 # %% [markdown]
-# Nothing in them is TileLang, or torch: ordinary operators, and `tanh` from `course_utils.flex`
+# Nothing in them is TileLang, or torch: ordinary operators, and `tanh` from `course_utils.api.flex`
 # (the helpers `where`, `tanh`, `exp`, `log`, `sqrt`, `abs`, `minimum`, `maximum` dispatch on what
 # they receive). On torch tensors of indices, broadcast against each other, they compute the whole
 # score or mask matrix: that is how the float64 reference (`flex.flex_reference`) and

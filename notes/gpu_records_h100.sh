@@ -7,7 +7,7 @@ export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 for spec in ch11_flex_h100:${FLEX_LIMIT:-330} ch09_decode_h100:${DECODE_LIMIT:-250}; do
   rec=${spec%%:*}; limit=${spec##*:}
   echo "[$(date -u +%T)] $rec (limit $limit s)"
-  timeout $limit python -m course_utils.benchmarks $rec > $OUT/$rec.log 2>&1; echo "exit $?" >> $OUT/$rec.log
+  timeout $limit python -m course_utils.measure.benchmarks $rec > $OUT/$rec.log 2>&1; echo "exit $?" >> $OUT/$rec.log
   tail -30 $OUT/$rec.log
   cp figures/$rec.json $OUT/ 2>/dev/null
 done

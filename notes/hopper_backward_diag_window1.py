@@ -10,10 +10,10 @@ import time
 import torch
 
 from course_utils import flash_attention
-from course_utils.attention import ForwardConfig, attention_backward, backward_kernels, forward_kernel
-from course_utils.benchmarks.ch08_hopper_backward import feature_inputs
-from course_utils.benchmarks.common import in_parallel
-from course_utils.validation import references
+from course_utils.api.attention import ForwardConfig, attention_backward, backward_kernels, forward_kernel
+from course_utils.measure.benchmarks.ch08_hopper_backward import feature_inputs
+from course_utils.measure.benchmarks.common import in_parallel
+from course_utils.checking.validation import references
 
 
 def atomic_backward(q, k, v, out, lse, d_out, **opts):
@@ -49,7 +49,7 @@ def build(job):
     elif job[1] == "default":
         forward_kernel(q, k, **opts)
     elif job[1] == "nondet":
-        from course_utils.attention import _compiled_backward, _problem, default_backward_config
+        from course_utils.api.attention import _compiled_backward, _problem, default_backward_config
         _compiled_backward(_problem(q, k, causal=opts.get("causal", False), window_size=opts.get("window_size"),
                                     sm_scale=None), default_backward_config("cuda", q.shape[-1], True), False)
     else:

@@ -5,7 +5,7 @@ poison the others. Run from a folder holding course_utils/ (a copy in the checko
     python3 notes/hopper_backward_gpu_call.py precompile    # every kernel of the parts below, in parallel
     python3 notes/hopper_backward_gpu_call.py features | final | deterministic
 
-``ablation`` rewrites HOPPER_BACKWARD_CONFIGS in this copy's course_utils/attention.py with the fastest
+``ablation`` rewrites HOPPER_BACKWARD_CONFIGS in this copy's course_utils/api/attention.py with the fastest
 validated tiling per (head dim, mask), so every later process (and the notebook) runs the same kernel.
 Records go to figures/ and to $OUT.
 """
@@ -22,14 +22,14 @@ OUT = os.environ.get("OUT", "/tmp/out")
 WORKERS = 14
 
 import course_utils as cu  # noqa: E402
-from course_utils.benchmarks import common  # noqa: E402
+from course_utils.measure.benchmarks import common  # noqa: E402
 
 common.in_parallel.__defaults__ = (WORKERS,)  # compiles are CPU-bound: use the machine's 16 cores
 
 from course_utils import attention  # noqa: E402
-from course_utils.attention import BackwardConfig, backward_kernels, forward_kernel  # noqa: E402
-from course_utils.bench import save_record  # noqa: E402
-from course_utils.benchmarks import CH08_SEQS, RECORDS, backward_ablation, comparison_shapes  # noqa: E402
+from course_utils.api.attention import BackwardConfig, backward_kernels, forward_kernel  # noqa: E402
+from course_utils.measure.bench import save_record  # noqa: E402
+from course_utils.measure.benchmarks import CH08_SEQS, RECORDS, backward_ablation, comparison_shapes  # noqa: E402
 
 
 
@@ -41,7 +41,7 @@ def keep(name, results, notes=None):
 
 def pick_tilings(rows):
     """The fastest validated shipped-form tiling per (D, causal) -> BackwardConfig."""
-    from course_utils.flash_bwd_hopper_versions import VERSIONS
+    from course_utils.kernels.versions.flash_bwd_hopper_versions import VERSIONS
 
     by_number = {v.number: v for v in VERSIONS}
     shipped_form = {v.number for v in VERSIONS if v.shipped_code}
@@ -82,7 +82,7 @@ def final_shapes():
 def precompile():
     import torch
 
-    from course_utils.benchmarks.ch08_hopper_backward import FEATURE_CASES, feature_inputs
+    from course_utils.measure.benchmarks.ch08_hopper_backward import FEATURE_CASES, feature_inputs
 
     jobs = [(shape, torch.float16, causal, None, False, False) for shape in final_shapes() for causal in (False, True)]
     jobs += [(shape, torch.float16, causal, None, True, False) for causal in (False, True)
@@ -123,7 +123,7 @@ elif part == "precompile":
 elif part == "features":
     keep("ch08_feature_checks_h100", RECORDS["ch08_feature_checks_h100"]())
 elif part == "final":  # RECORDS["ch08_backward_vs_peers_h100"], saved after each dtype
-    from course_utils.benchmarks.ch05_backward import backward_vs_peers
+    from course_utils.measure.benchmarks.ch05_backward import backward_vs_peers
 
     rows = []
     for dtype in ("float16", "bfloat16"):

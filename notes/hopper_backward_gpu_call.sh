@@ -14,6 +14,6 @@ step 60 python3 $C features
 step 150 python3 $C final
 step 60 python3 $C deterministic
 step 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k hopper
-step 150 python3 -m course_utils.run_notebooks --no-sync 08
-tar czf $OUT/results.tgz figures notebooks/08_hopper_backward.ipynb course_utils/attention.py 2>&1 | tail -2
+step 150 python3 -m course_utils.tooling.run_notebooks --no-sync 08
+tar czf $OUT/results.tgz figures notebooks/08_hopper_backward.ipynb course_utils/api/attention.py 2>&1 | tail -2
 echo "== [$(( $(date +%s) - S )) s] packed" | tee -a $L

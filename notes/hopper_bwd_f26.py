@@ -25,9 +25,9 @@ except ImportError:  # the CPU machine: lets the module be imported for a check
     triton = None
 
 from course_utils import attention, flash_attention
-from course_utils.attention import ForwardConfig, forward_kernel
-from course_utils.bench import attention_flops, tflops
-from course_utils.benchmarks.common import (
+from course_utils.api.attention import ForwardConfig, forward_kernel
+from course_utils.measure.bench import attention_flops, tflops
+from course_utils.measure.benchmarks.common import (
     SDPA_PEERS,
     backward_timer,
     comparison_shapes,
@@ -35,8 +35,8 @@ from course_utils.benchmarks.common import (
     random_inputs,
     sdpa,
 )
-from course_utils.flash_bwd_hopper import PASS_CONFIGS as FIXED
-from course_utils.validation import check_backward, check_forward, references
+from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS as FIXED
+from course_utils.checking.validation import check_backward, check_forward, references
 
 OUT = os.environ.get("OUT", "/tmp")
 REUSE_ON = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}  # the PASS_CONFIGS before the fix
@@ -115,7 +115,7 @@ def race():
 
 # ------------------------------------------------------------------------------------------ backward
 def backward(seq=4096):
-    from course_utils.flash_bwd_hopper_versions import VERSIONS
+    from course_utils.kernels.versions.flash_bwd_hopper_versions import VERSIONS
 
     v9, v14 = VERSIONS[8], VERSIONS[13]
     assert (v9.number, v14.number) == (9, 14)
@@ -272,9 +272,9 @@ def overhead(seq=4096):
     """Why the public backward measured below version 9's whole backward (same main kernel) when not causal:
     the same problem timed as autograd, as attention_backward, as the main kernel alone (shipped PASS_CONFIGS
     and the reuse-on ones before the fix), and version 9's pieces."""
-    from course_utils.flash_bwd_hopper import flash_bwd_hopper_kernel
-    from course_utils.flash_bwd_hopper_versions import VERSIONS
-    from course_utils.tiles import compile_kernel
+    from course_utils.kernels.flash_bwd_hopper import flash_bwd_hopper_kernel
+    from course_utils.kernels.versions.flash_bwd_hopper_versions import VERSIONS
+    from course_utils.kernels.tiles import compile_kernel
 
     cases = [("float16", 128, False), ("float16", 64, False), ("bfloat16", 64, False), ("float16", 64, True)]
     rows = []
@@ -323,9 +323,9 @@ def compare(seq=4096):
     deterministic kernels and version 9 at once), the kernel PASS_CONFIGS lowers to? Source and time."""
     import re
 
-    from course_utils.flash_bwd_hopper import flash_bwd_hopper_kernel
-    from course_utils.flash_bwd_hopper_versions import VERSIONS
-    from course_utils.source import cuda_source
+    from course_utils.kernels.flash_bwd_hopper import flash_bwd_hopper_kernel
+    from course_utils.kernels.versions.flash_bwd_hopper_versions import VERSIONS
+    from course_utils.core.source import cuda_source
 
     cases = [("float16", 128, False), ("float16", 64, False)]
     jobs = [(*c, w) for c in cases for w in ("default", "deterministic", "v9")]

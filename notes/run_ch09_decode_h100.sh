@@ -17,7 +17,7 @@ import sys, time
 t = time.time()
 sys.path.insert(0, "tests")
 import course_utils  # noqa: F401
-from course_utils.benchmarks.ch09_varlen_decode import precompile_ch09
+from course_utils.measure.benchmarks.ch09_varlen_decode import precompile_ch09
 precompile_ch09()
 if sys.argv[1] == "tests":
     import test_varlen_decode_gpu as gpu_tests
@@ -33,7 +33,7 @@ else
   for rec in $RECS; do
     stamp $rec
     LIMIT=300; [ $rec = ch09_decode_splits_h100 ] && LIMIT=120
-    timeout $LIMIT python -m course_utils.benchmarks $rec 2>&1 | grep -v "^\s*$" | tail -45 | tee -a "$LOG"
+    timeout $LIMIT python -m course_utils.measure.benchmarks $rec 2>&1 | grep -v "^\s*$" | tail -45 | tee -a "$LOG"
     cp figures/$rec.json "$OUT/" 2>/dev/null
   done
 fi

@@ -9,7 +9,7 @@ from pathlib import Path
 import jupytext
 from exercise_mutants import EXERCISES, MUTANTS, PRELUDE
 
-from course_utils.workspace import strip_solutions  # noqa: F401  (the learner's edition of a cell)
+from course_utils.tooling.workspace import strip_solutions  # noqa: F401  (the learner's edition of a cell)
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 

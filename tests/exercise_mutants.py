@@ -13,8 +13,8 @@ PRELUDE = """
 import math
 import torch
 import tilelang.language as T
-from course_utils.flash_pieces import LOG2E
-from course_utils.tiles import TileBackend
+from course_utils.kernels.flash_pieces import LOG2E
+from course_utils.kernels.tiles import TileBackend
 """
 
 

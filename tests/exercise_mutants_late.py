@@ -15,7 +15,7 @@ TILE_PRELUDE = """
 import math
 import torch
 import tilelang.language as T
-from course_utils.tiles import TileBackend
+from course_utils.kernels.tiles import TileBackend
 NEG_INF = -T.infinity("float32")
 """
 
@@ -136,7 +136,7 @@ VARIANTS += [
 ]
 
 HOPPER_PRELUDE = TILE_PRELUDE + """
-from course_utils.flash_pieces import LOG2E
+from course_utils.kernels.flash_pieces import LOG2E
 """
 
 EXERCISES["ch07_rotated_loop"] = Exercise("07_hopper_overlap", ("async_matmuls", "weighted_sum", "rotated_loop_macro"),

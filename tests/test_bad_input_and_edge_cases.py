@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from course_utils import attention_reference, check_close, flash_attention
-from course_utils.attention import _compiled_backward, _compiled_forward
+from course_utils.api.attention import _compiled_backward, _compiled_forward
 
 
 def _qkv(b=1, h=2, s=40, d=16, hkv=None):

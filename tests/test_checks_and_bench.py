@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from course_utils import CheckFailed, attention_flops, check_close
-from course_utils.bench import load_record
 from course_utils.exercises import ExerciseIncomplete, ExerciseWrong, check_exercise
+from course_utils.measure.bench import load_record
 
 
 def test_check_close_passes_and_reports(capsys):

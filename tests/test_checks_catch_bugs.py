@@ -14,7 +14,7 @@ from course_utils import (
     forward_bugs,
     show_bugs_caught,
 )
-from course_utils.validation import backward_without_delta, check_stored_errors, references
+from course_utils.checking.validation import backward_without_delta, check_stored_errors, references
 
 CASES = {  # (batch, heads, heads_kv, seq, dim, dtype, mask)
     "float32, causal": (2, 2, 2, 40, 16, torch.float32, dict(causal=True)),

@@ -2,7 +2,7 @@
 
 A number-like claim in a chapter's markdown (a rate in TFLOP/s or TB/s, a decimal ratio such as
 "1.8×", a count "12 of 12", a percentage) goes stale when its record is re-measured. Such claims
-belong in the code cell that shows the record, computed by ``course_utils.claims`` and checked
+belong in the code cell that shows the record, computed by ``course_utils.measure.claims`` and checked
 against the words the prose uses. ``test_markdown_has_no_unbacked_number`` fails on any such
 pattern in the markdown of ``notebooks/*.py`` (the ``## Exercises`` sections aside: they state
 tasks, not results) unless it is allow-listed below with the reason it is not a measurement.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from course_utils.checks import CheckFailed
-from course_utils.claims import claim_change, claim_count, claim_order, claim_ratio, readme_claims
+from course_utils.checking.checks import CheckFailed
+from course_utils.measure.claims import claim_change, claim_count, claim_order, claim_ratio, readme_claims
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
@@ -97,7 +97,7 @@ def test_readme_claims_are_generated_from_records():
     block = re.search(r"<!-- claims:start.*?-->\n(.*?)\n<!-- claims:end -->", text, re.S)
     assert block, "README lost its claims markers"
     assert block.group(1).strip() == readme_claims().strip(), \
-        "README claims are stale: paste the output of `python -m course_utils.claims`"
+        "README claims are stale: paste the output of `python -m course_utils.measure.claims`"
 
 
 def test_chapter_00_lists_every_chapter():
@@ -169,8 +169,8 @@ def unbacked_claims(chapter, lines):
 
 def test_markdown_has_no_unbacked_number():
     found = [hit for path in NOTEBOOKS for hit in unbacked_claims(path.name[:2], markdown_lines(path))]
-    assert not found, ("numbers typed into markdown: compute them from the record with course_utils.claims in the "
-                       "cell that shows it, or allow-list them in tests/test_claims.py with a reason:\n"
+    assert not found, ("numbers typed into markdown: compute them from the record with course_utils.measure.claims in "
+                       "the cell that shows it, or allow-list them in tests/test_claims.py with a reason:\n"
                        + "\n".join(found))
 
 

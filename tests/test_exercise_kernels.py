@@ -84,7 +84,7 @@ def test_cell_using_a_blank_function_says_not_written_yet():
     cells = [c.source for c in jupytext.read(NOTEBOOKS / "03_flash_forward.py").cells if c.cell_type == "code"]
     solution = next(src for src in cells if src.startswith("def kernel_flops("))
     downstream = next(src for src in cells if 'with ch03.needs("kernel_flops"' in src)
-    from course_utils.labels import OURS
+    from course_utils.core.labels import OURS
 
     record = dict(impl=OURS, causal=True, batch=1, heads=1, seq=256, dim=64)
     namespace = {"cu": cu, "ch03": ch03, "rows": [record], "OURS": OURS}

@@ -17,7 +17,7 @@ import pytest
 from exercise_mutants_late import EXERCISES, MUTANTS, VARIANTS
 
 from course_utils.exercises.common import ExerciseIncomplete
-from course_utils.workspace import strip_solutions
+from course_utils.tooling.workspace import strip_solutions
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from course_utils import CheckFailed, attention_reference, check_close, flash_attention
-from course_utils.flash_bwd import flash_bwd_kernel
-from course_utils.tiles import compile_kernel
+from course_utils.kernels.flash_bwd import flash_bwd_kernel
+from course_utils.kernels.tiles import compile_kernel
 
 
 def _qkv(b, h, s, d, hkv=None, s_k=None, requires_grad=False):

@@ -7,10 +7,8 @@ import pytest
 import torch
 
 import course_utils as cu
-from course_utils import flex
-from course_utils.checks import CheckFailed
-from course_utils.flash_flex import flex_backward, flex_bwd_kernel, flex_forward, flex_fwd_kernel
-from course_utils.flex import (
+from course_utils.api import flex
+from course_utils.api.flex import (
     EMPTY,
     FULL,
     PARTIAL,
@@ -29,7 +27,9 @@ from course_utils.flex import (
     soft_cap,
     window_with_globals,
 )
-from course_utils.validation import backward_bugs, forward_bugs
+from course_utils.checking.checks import CheckFailed
+from course_utils.checking.validation import backward_bugs, forward_bugs
+from course_utils.kernels.flash_flex import flex_backward, flex_bwd_kernel, flex_forward, flex_fwd_kernel
 
 
 def _inputs(batch=1, heads=2, heads_kv=None, seq=40, dim=16, scale=1.0, seq_k=None):
@@ -345,7 +345,7 @@ def test_delta_dropped_is_caught():
 # --- CUDA code without a GPU -----------------------------------------------------------------------------------------
 
 def test_kernels_lower_for_sm90a():
-    from course_utils.source import cuda_source
+    from course_utils.core.source import cuda_source
 
     plan = plan_modifiers(soft_cap(50.0), document_mask(document_ids([100, 300, 112])))
     fwd = cuda_source(flex_fwd_kernel(1, 8, 512, 512, 128, plan, (1, 1, 4, 4), heads_kv=2, sm_scale=0.09,

@@ -1,7 +1,7 @@
 """Full-size checks that run only on a CUDA machine (the lent H100); skipped elsewhere.
 
 Every check compares every batch entry and head with the float64 reference, by FlashAttention's
-criterion for 16-bit results (``course_utils.checks.check_attention_error``), and the planted-bug
+criterion for 16-bit results (``course_utils.checking.checks.check_attention_error``), and the planted-bug
 tests show that those checks fail on wrong kernels at these sizes.
 """
 
@@ -17,8 +17,8 @@ from course_utils import (
     forward_bugs,
     show_bugs_caught,
 )
-from course_utils.attention import TUNED_FORWARD_CONFIG, default_forward_config, is_hopper
-from course_utils.validation import backward_without_delta, references
+from course_utils.api.attention import TUNED_FORWARD_CONFIG, default_forward_config, is_hopper
+from course_utils.checking.validation import backward_without_delta, references
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -153,7 +153,7 @@ _PERSISTENT_PROBLEMS = {
 @pytest.mark.parametrize("problem", _PERSISTENT_PROBLEMS)
 def test_persistent_forward_every_head(problem):
     """flash_attention's default on Hopper (the persistent kernel, 2 or 3 consumer warpgroups) on every head."""
-    from course_utils.validation import check_forward
+    from course_utils.checking.validation import check_forward
 
     if not is_hopper():
         pytest.skip("the persistent kernel needs an sm_90 GPU")
@@ -189,7 +189,7 @@ _HOPPER_ONLY = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.
 
 @_HOPPER_ONLY
 def test_hopper_backward_is_the_default_on_hopper():
-    from course_utils.attention import default_backward_config
+    from course_utils.api.attention import default_backward_config
 
     for dim in (64, 128):
         for masked in (False, True):
@@ -202,7 +202,7 @@ def test_hopper_backward_is_the_default_on_hopper():
                                   "ragged causal S=1000", "S_q=500, S_k=1000 causal", "S_q=1000, S_k=700 causal"])
 def test_hopper_backward_features(case, deterministic):
     """GQA, windows, sinks (dsinks too), ragged lengths, S_q ≠ S_k: dQ, dK, dV on every head, both modes."""
-    from course_utils.benchmarks.ch08_hopper_backward import FEATURE_CASES, feature_checks
+    from course_utils.measure.benchmarks.ch08_hopper_backward import FEATURE_CASES, feature_checks
 
     (row,) = feature_checks({case: FEATURE_CASES[case]}, deterministic_options=(deterministic,))
     assert row["error"] is None, row["error"]
@@ -224,7 +224,7 @@ def test_hopper_backward_stress_single_step_blocks(case):
     Chapter 06's GPU case (GQA 8/2, S = 1000, D = 64, window 1: dQ and dK exactly 0) failed in some runs
     while TileLang reused shared memory under the kernel's own barriers (dSᵀ over LSE/Δ, dQ's tile over K
     and V, in the unrolled one-iteration loop): a race shows only in some runs, so each case runs 20 times."""
-    from course_utils.attention import attention_backward
+    from course_utils.api.attention import attention_backward
 
     b, h, hkv, s, d, causal, window = case
     g = torch.Generator(device="cuda").manual_seed(0)

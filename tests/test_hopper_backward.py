@@ -10,18 +10,18 @@ import torch
 from tilelang import tvm
 
 from course_utils import flash_attention
-from course_utils.attention import HOPPER_BACKWARD_CONFIGS, BackwardConfig, default_backward_config
-from course_utils.diagrams import MASKED, SKIPPED, tile_classes
-from course_utils.flash_bwd_hopper import (
+from course_utils.api.attention import HOPPER_BACKWARD_CONFIGS, BackwardConfig, default_backward_config
+from course_utils.core.source import cuda_source, ptxas_report
+from course_utils.kernels.flash_bwd_hopper import (
     PASS_CONFIGS,
     flash_bwd_hopper_dq_kernel,
     flash_bwd_hopper_kernel,
     needs_mask,
     query_steps,
 )
-from course_utils.flash_bwd_hopper_versions import SHIPPED_VERSION, VERSIONS, flash_bwd_hopper_variant
-from course_utils.flash_pieces import prelude
-from course_utils.source import cuda_source, ptxas_report
+from course_utils.kernels.flash_pieces import prelude
+from course_utils.kernels.versions.flash_bwd_hopper_versions import SHIPPED_VERSION, VERSIONS, flash_bwd_hopper_variant
+from course_utils.pictures.diagrams import MASKED, SKIPPED, tile_classes
 
 SHAPE = dict(batch=2, heads=4, seq_q=2048, seq_k=2048)
 
@@ -161,7 +161,7 @@ def _shared_buffers(source):
 
 def _overlapping_buffers(source, dim, block_M, block_N, stages=2):
     """Pairs of shared buffers whose byte ranges overlap (sizes from the kernel's allocations)."""
-    from course_utils.flash_bwd_hopper import padded_rows
+    from course_utils.kernels.flash_bwd_hopper import padded_rows
 
     size = dict(K_s=block_N * dim * 2, V_s=block_N * dim * 2, Q_s=stages * block_M * dim * 2,
                 dO_s=stages * block_M * dim * 2, lse=stages * padded_rows(block_M) * 4,

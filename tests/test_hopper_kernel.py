@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from course_utils import flash_attention
-from course_utils.attention import HOPPER_FORWARD_CONFIGS, ForwardConfig, default_forward_config, is_hopper
-from course_utils.flash_fwd_hopper import flash_fwd_hopper_kernel
-from course_utils.flash_fwd_hopper_versions import flash_fwd_hopper_variant
-from course_utils.source import cuda_source, ptxas_report
+from course_utils.api.attention import HOPPER_FORWARD_CONFIGS, ForwardConfig, default_forward_config, is_hopper
+from course_utils.core.source import cuda_source, ptxas_report
+from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
+from course_utils.kernels.versions.flash_fwd_hopper_versions import flash_fwd_hopper_variant
 
 VARIANTS = {
     "plain": dict(),
@@ -75,7 +75,7 @@ def _evaluate(expr):
 
 @pytest.mark.parametrize("total, num_ctas", [(96, 10), (95, 10), (7, 132), (2048, 132), (2731, 132)])
 def test_persistent_schedule_covers_every_tile_once(total, num_ctas):
-    from course_utils.flash_fwd_hopper_persistent import tile_index, tiles_per_block
+    from course_utils.kernels.flash_fwd_hopper_persistent import tile_index, tiles_per_block
 
     num_ctas = min(num_ctas, (total + 1) // 2)  # as the kernel launches
     taken = [_evaluate(tile_index(num_ctas, cta, w))
@@ -85,8 +85,8 @@ def test_persistent_schedule_covers_every_tile_once(total, num_ctas):
 
 @pytest.mark.parametrize("seq, block_M", [(1024, 128), (4096, 128), (1024, 192)])
 def test_folded_causal_pairs_cost_about_the_same(seq, block_M):
-    from course_utils.flash_fwd_hopper_persistent import tile_order
-    from course_utils.flash_pieces import prelude
+    from course_utils.kernels.flash_fwd_hopper_persistent import tile_order
+    from course_utils.kernels.flash_pieces import prelude
 
     p = prelude(2, seq, seq, 64, causal=True)
     n_qb = p.blocks(seq, block_M)
@@ -105,7 +105,7 @@ PERSISTENT = {
 
 @functools.cache
 def _persistent_source(name):
-    from course_utils.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
+    from course_utils.kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
 
     return _source(flash_fwd_hopper_persistent_kernel, **PERSISTENT[name])
 
@@ -134,7 +134,7 @@ def test_persistent_ptxas_keeps_wgmma_async_without_spills(name):
 
 
 def test_persistent_kernel_rejects_a_thread_count_that_is_not_one_warpgroup_per_64_rows():
-    from course_utils.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
+    from course_utils.kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
 
     with pytest.raises(ValueError, match="one consumer warpgroup per 64 query rows"):
         flash_fwd_hopper_persistent_kernel(1, 2, 256, 256, 64, block_M=128, threads=384)

@@ -1,11 +1,11 @@
 """The package as pip installs it (not editable) works on its own, and the set-up files say what was run.
 
-``pip install .`` builds a wheel from pyproject.toml; a package it leaves out (``course_utils.benchmarks``
+``pip install .`` builds a wheel from pyproject.toml; a package it leaves out (``course_utils.measure.benchmarks``
 once was) only shows outside the checkout, where the source tree is not on the path. So the test
 installs the package into a temporary folder (``--no-deps``: the dependencies are this venv's),
 then, from another temporary folder, with only that install on ``PYTHONPATH``, imports every
 package of the source tree and runs the forward kernel's self-check (``python -m
-course_utils.flash_fwd``: every head against the float64 reference, planted bugs caught).
+course_utils.kernels.flash_fwd``: every head against the float64 reference, planted bugs caught).
 """
 
 import os
@@ -51,7 +51,7 @@ def run_outside(installed, tmp_path, code_or_module, *, module=False):
 
 def test_non_editable_install_carries_every_package(installed, tmp_path):
     packages = source_packages()
-    assert "course_utils.benchmarks" in packages and "course_utils.exercises" in packages
+    assert "course_utils.measure.benchmarks" in packages and "course_utils.exercises" in packages
     code = ("import importlib, course_utils\n"
             f"print(course_utils.__file__)\n"
             f"for name in {packages!r}:\n"
@@ -64,7 +64,7 @@ def test_non_editable_install_carries_every_package(installed, tmp_path):
 
 
 def test_non_editable_install_runs_a_kernel_self_check(installed, tmp_path):
-    result = run_outside(installed, tmp_path, "course_utils.flash_fwd", module=True)
+    result = run_outside(installed, tmp_path, "course_utils.kernels.flash_fwd", module=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ticks = [line for line in result.stdout.splitlines() if line.startswith("✓")]
     assert any("causal=True" in line for line in ticks) and any("planted bug caught" in line for line in ticks), \

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from course_utils.summary import headline_table
+from course_utils.tooling.summary import headline_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -13,7 +13,7 @@ def test_readme_summary_is_generated_from_records():
     block = re.search(r"<!-- summary:start.*?-->\n(.*?)\n<!-- summary:end -->", text, re.S)
     assert block, "README lost its summary markers"
     assert block.group(1).strip() == headline_table().strip(), \
-        "README summary is stale: paste the output of `python -m course_utils.summary`"
+        "README summary is stale: paste the output of `python -m course_utils.tooling.summary`"
 
 
 def test_readme_links_every_notebook():

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from course_utils import attention_reference, check_close
-from course_utils.reference import visibility_mask
+from course_utils.core.reference import visibility_mask
 
 
 @pytest.mark.parametrize("causal", [False, True])

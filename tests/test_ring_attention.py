@@ -5,12 +5,12 @@ import pytest
 import torch
 
 import course_utils as cu
-from course_utils import ring
-from course_utils.benchmarks.ch10_ring import timeline_spans
+from course_utils.api import ring
+from course_utils.core.reference import attention_reference, visibility_mask
 from course_utils.exercises import ch10
 from course_utils.exercises.common import ExerciseWrong
-from course_utils.reference import attention_reference, visibility_mask
-from course_utils.softmax import merge_attention
+from course_utils.kernels.softmax import merge_attention
+from course_utils.measure.benchmarks.ch10_ring import timeline_spans
 
 # The shards of every case have the same shape on 2 and 4 ranks, so both runs use the same few
 # compiled kernels (TileLang compiles per shape).
@@ -150,7 +150,7 @@ def test_ring_peak_per_token_against_one_gpu():
     zigzag, 2 ranks), per token of the sequence: one GPU 10u + 2-3 LSE rows, the ring's worst rank
     13u + 2-3 LSE rows over 2 (u = H·D·2 bytes). The first version held 51264 B/token, as the H200
     record measured; one GPU's 41152 B/token are the record's too."""
-    from course_utils.benchmarks.ch10_ring import _StubKernels
+    from course_utils.measure.benchmarks.ch10_ring import _StubKernels
 
     u, row = 16 * 128 * 2, 16 * 4
     with _StubKernels():

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_utils import checks, claims, validation
-from course_utils.checks import CheckFailed
+from course_utils.checking import checks, validation
+from course_utils.checking.checks import CheckFailed
+from course_utils.measure import claims
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))

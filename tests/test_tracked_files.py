@@ -12,8 +12,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_utils import run_notebooks, workspace
-from course_utils.device import HAS_GPU
+from course_utils.core.device import HAS_GPU
+from course_utils.tooling import run_notebooks, workspace
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -67,9 +67,9 @@ def test_committed_notebook_is_normalised(notebook):
     assert nb.metadata.get("kernelspec") == run_notebooks.KERNELSPEC
     assert "version" not in nb.metadata.get("language_info", {}), (
         f"{notebook.name} names the Python of the machine that ran it: "
-        "`python -m course_utils.run_notebooks --normalise`")
+        "`python -m course_utils.tooling.run_notebooks --normalise`")
     normalised = run_notebooks.normalise(nbformat.read(notebook, as_version=4))
-    assert normalised == nb, f"run `python -m course_utils.run_notebooks --normalise {notebook.name[:2]}`"
+    assert normalised == nb, f"run `python -m course_utils.tooling.run_notebooks --normalise {notebook.name[:2]}`"
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
@@ -87,17 +87,17 @@ def test_committed_outputs_have_no_machine_paths(notebook):
 
 def test_normalise_makes_paths_relative():
     root = Path("/some/checkout")
-    text = ("  --> /some/checkout/course_utils/flash_fwd.py:67:1\n"
+    text = ("  --> /some/checkout/course_utils/kernels/flash_fwd.py:67:1\n"
             "/opt/venv/lib/python3.12/site-packages/tqdm/auto.py:21: TqdmWarning\n"
             f"{Path.home()}/.tilelang/cache\n")
     assert run_notebooks.scrub_paths(text, root) == (
-        "  --> course_utils/flash_fwd.py:67:1\ntqdm/auto.py:21: TqdmWarning\n~/.tilelang/cache\n")
+        "  --> course_utils/kernels/flash_fwd.py:67:1\ntqdm/auto.py:21: TqdmWarning\n~/.tilelang/cache\n")
 
 
 def test_figures_are_written_only_by_the_run_that_makes_the_committed_notebooks(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    from course_utils import plots
+    from course_utils.pictures import plots
 
     monkeypatch.setattr(plots, "FIGURES", tmp_path / "figures")
     fig, ax = plt.subplots()

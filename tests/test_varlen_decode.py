@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from course_utils import CheckFailed, check_close, flash_attention_varlen, flash_decode
-from course_utils.attention import ForwardConfig
-from course_utils.flash_varlen import lse_row_layout, varlen_work_list
-from course_utils.validation import check_backward, check_forward, decode_references, varlen_references
+from course_utils.api.attention import ForwardConfig
+from course_utils.checking.validation import check_backward, check_forward, decode_references, varlen_references
+from course_utils.kernels.flash_varlen import lse_row_layout, varlen_work_list
 
 H, H_KV, D = 4, 2, 16  # GQA 4/2; the CPU tile is 16 × 16
 BLOCK = 16
@@ -306,8 +306,8 @@ def test_decode_rejects_bad_options(kwargs, message):
 def test_packed_forward_syncs_only_on_the_edge_tile():
     """sm_90a lowering, no GPU: with its own barriers the packed forward's loop has no barrier of its 256
     consumer threads in every iteration (one cost the H100 4–18%), only on a sequence's last tile."""
-    from course_utils.flash_varlen import OWN_BARRIERS_PASS_CONFIGS, flash_varlen_fwd_kernel
-    from course_utils.source import cuda_source
+    from course_utils.core.source import cuda_source
+    from course_utils.kernels.flash_varlen import OWN_BARRIERS_PASS_CONFIGS, flash_varlen_fwd_kernel
 
     kernel = flash_varlen_fwd_kernel(4, 64, causal=True, block_M=128, block_N=128, num_stages=2, threads=256,
                                      schedule="grid", own_barriers=True, target="cuda")

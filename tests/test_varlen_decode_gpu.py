@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from course_utils import flash_attention_varlen, flash_decode
-from course_utils.validation import check_backward, check_forward, decode_references, varlen_references
+from course_utils.checking.validation import check_backward, check_forward, decode_references, varlen_references
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -186,8 +186,8 @@ def test_varlen_gpt_oss_window_sinks():
 
 def precompile():
     """Compile the kernels these tests use that the chapter 09 records do not, in parallel threads."""
-    from course_utils.benchmarks.common import in_parallel
-    from course_utils.varlen_api import _varlen_small_kernels, decode_kernels, decode_single_kernel, varlen_kernels
+    from course_utils.api.varlen_api import _varlen_small_kernels, decode_kernels, decode_single_kernel, varlen_kernels
+    from course_utils.measure.benchmarks.common import in_parallel
 
     def q_cache(heads, heads_kv, dim, seq_new, dtype=torch.bfloat16):
         return (torch.empty(1, seq_new, heads, dim, device="cuda", dtype=dtype),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from course_utils import attention_reference, check_close, flash_attention, flash_attention_varlen, flash_decode
-from course_utils.validation import check_backward, check_forward, decode_references, varlen_references
+from course_utils.checking.validation import check_backward, check_forward, decode_references, varlen_references
 
 H, H_KV, D = 4, 2, 16
 INF = float("inf")
@@ -157,8 +157,8 @@ def test_varlen_dsinks_of_rows_that_see_no_key(lengths_q, lengths_k):
 @pytest.mark.parametrize("block", [16, 64])
 def test_lse_layout_made_on_the_device_matches_the_host_one(lengths, block):
     """The backward's LSE layout, now made from cu_seqlens on the device (no read), is the host's."""
-    from course_utils.flash_varlen import lse_row_layout
-    from course_utils.varlen_api import _lse_index_on_device, _lse_rows
+    from course_utils.api.varlen_api import _lse_index_on_device, _lse_rows
+    from course_utils.kernels.flash_varlen import lse_row_layout
 
     cu = _cu(lengths)
     rows, index = lse_row_layout(tuple(cu.tolist()), block)
@@ -216,7 +216,7 @@ def test_one_split_kernel_matches_split_and_merge_and_the_reference(mask, sinks)
 
 def test_split_count_rule():
     """One split (one kernel) once B·H_kv fills a wave; otherwise at least num_stages + 1 key tiles per split."""
-    from course_utils.flash_decode import choose_num_splits, decode_config
+    from course_utils.kernels.flash_decode import choose_num_splits, decode_config
 
     config = decode_config("cuda", 64, 8, 64, 1)
     for batch in (1, 8, 64):
@@ -232,8 +232,8 @@ def test_split_count_rule():
 def test_one_split_kernel_lowers_for_the_h100(page_size):
     """sm_90a lowering, no GPU: the one-kernel path keeps the split kernel's TMA loads and warp specialisation,
     reads the sinks itself, and clamps the length and (paged) the page number it loads from."""
-    from course_utils.flash_decode import decode_config, flash_decode_kernel
-    from course_utils.source import cuda_source
+    from course_utils.core.source import cuda_source
+    from course_utils.kernels.flash_decode import decode_config, flash_decode_kernel
 
     config = decode_config("cuda", 64, 8, 64, 1, page_size)
     kernel = flash_decode_kernel(64, 8, 64, 1, page_size=page_size, dtype="bfloat16", single=True, target="cuda",

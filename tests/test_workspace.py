@@ -1,4 +1,4 @@
-"""The learner's workspace (course_utils.workspace): solutions out, stored outputs in, edits never lost."""
+"""The learner's workspace (course_utils.tooling.workspace): solutions out, stored outputs in, edits never lost."""
 
 import json
 
@@ -6,7 +6,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from course_utils import workspace as ws
+from course_utils.tooling import workspace as ws
 
 PLACEHOLDER = "raise NotImplementedError  # your code here"
 

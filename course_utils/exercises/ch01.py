@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from ..reference import attention_reference
+from ..core.reference import attention_reference
 from .common import ExerciseIncomplete, ExerciseWrong, check_exercise
 
 __all__ = ["check_max_seq_len", "check_causal_attention"]

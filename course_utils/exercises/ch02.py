@@ -9,8 +9,8 @@ backend and names its bug with ``kernels.check_kernel``.
 
 import torch
 
-from ..reference import attention_reference
-from ..softmax import LOG2E, safe_shift
+from ..core.reference import attention_reference
+from ..kernels.softmax import LOG2E, safe_shift
 from .common import ExerciseWrong, check_exercise
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 

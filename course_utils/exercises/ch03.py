@@ -5,9 +5,9 @@ import math
 
 import torch
 
-from ..diagrams import SKIPPED, tile_classes
-from ..flash_pieces import LOG2E
-from ..reference import attention_reference
+from ..core.reference import attention_reference
+from ..kernels.flash_pieces import LOG2E
+from ..pictures.diagrams import SKIPPED, tile_classes
 from .common import ExerciseWrong, check_exercise, needs
 from .kernels import KernelCase, Suspect, check_kernel, learner_or_course, nearest_variant, same_outputs
 
@@ -184,7 +184,7 @@ _FORWARD_SUSPECTS = [
     Suspect("the causal mask is off by one: query q sees key k when k <= q + (S_k − S_q), its own "
             "position included (you used <).", _like("causal strict")),
     Suspect("the causal diagonal is aligned top-left: with S_q ≠ S_k, query q sees key k iff "
-            "k <= q + (S_k − S_q) (bottom-right, as course_utils.reference does).", _like("top-left")),
+            "k <= q + (S_k − S_q) (bottom-right, as course_utils.core.reference does).", _like("top-left")),
     Suspect("keys past the end of K are not masked: the last key tile holds zero-padded positions "
             "k >= S_k, which every row must skip (k < seq_k), causal or not.", _like("no bounds")),
     Suspect("masked scores were set to 0, not −∞: exp2(0 − shift) still gives those keys weight. "
@@ -227,7 +227,7 @@ def forward_gpu_config(causal=True):
 
 
 def _course_forward(batch, heads, seq_q, seq_k, dim, *, causal=False, block_M=32, block_N=8, target=None):
-    from ..flash_fwd import flash_fwd_kernel
+    from ..kernels.flash_fwd import flash_fwd_kernel
     return flash_fwd_kernel(batch, heads, seq_q, seq_k, dim, causal=causal, block_M=block_M, block_N=block_N,
                             num_stages=1, threads=128, target=target)
 

@@ -4,7 +4,7 @@ The kernel exercise (c) is checked three ways: the learner's pipelined GEMM loop
 backend against the float64 product; it is lowered for sm_80 (no GPU needed) and the generated code
 and TileLang's inferred layouts say how many buffers each tile got, whether the copies are
 asynchronous (cp.async) and how many wavefronts an ``ldmatrix`` needs in each shared tile (the bank
-model of ``course_utils.banks``); and it must lower for sm_90a too, where wgmma accepts only swizzled
+model of ``course_utils.pictures.banks``); and it must lower for sm_90a too, where wgmma accepts only swizzled
 operand tiles.
 """
 
@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from .. import banks, layouts
+from ..pictures import banks, layouts
 from .common import ExerciseWrong, check_exercise
 from .kernels import KernelCase, build, check_kernel
 from .late_tools import c_lowering, surfacing_warnings

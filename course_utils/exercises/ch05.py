@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from ..flash_pieces import LOG2E
-from ..reference import attention_reference, visibility_mask
+from ..core.reference import attention_reference, visibility_mask
+from ..kernels.flash_pieces import LOG2E
 from .common import ExerciseWrong, check_exercise, quiet_builder
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from ..flash_pieces import LOG2E
-from ..reference import attention_reference, visibility_mask
+from ..core.reference import attention_reference, visibility_mask
+from ..kernels.flash_pieces import LOG2E
 from .common import check_exercise, with_diagnosis
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 

@@ -131,7 +131,7 @@ _GPU_SHAPE = (1, 1024, 128)
 
 
 def _consumer_steps(name, factory):
-    from ..source import cuda_source, loop_skeleton
+    from ..core.source import cuda_source, loop_skeleton
 
     prim_func = build(name, factory, *_GPU_SHAPE, target="cuda")
     try:

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..softmax import merge_attention_states
+from ..kernels.softmax import merge_attention_states
 from .common import ExerciseWrong, check_exercise, with_diagnosis
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 from .late_tools import c_lowering, surfacing_warnings

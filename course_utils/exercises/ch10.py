@@ -214,7 +214,7 @@ def _ring_worker(merge_pickled, q, k, v, causal, layout):
     """One rank of the ring with the learner's merge in place of ``merge_attention`` (in this process only)."""
     import cloudpickle
 
-    from .. import ring
+    from ..api import ring
 
     ring.merge_attention = cloudpickle.loads(merge_pickled)
     comm = ring.RingComm()
@@ -229,10 +229,10 @@ def check_merge_partial(merge_partial):
     processes against the float64 attention reference."""
     import cloudpickle
 
-    from .. import ring
-    from ..checks import CheckFailed
-    from ..gloo import run_on_ranks
-    from ..validation import check_forward
+    from ..api import ring
+    from ..api.gloo import run_on_ranks
+    from ..checking.checks import CheckFailed
+    from ..checking.validation import check_forward
 
     name = "merge_partial"
     args = _merge_inputs()

@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from .. import flex
-from ..checks import CheckFailed
-from ..validation import check_backward, check_forward
+from ..api import flex
+from ..checking.checks import CheckFailed
+from ..checking.validation import check_backward, check_forward
 from .common import ExerciseWrong, check_exercise, not_written, with_diagnosis
 
 __all__ = ["HINTS", "check_alibi", "check_document_mask", "check_skipped_fraction"]

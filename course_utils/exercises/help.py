@@ -16,6 +16,8 @@ import importlib
 import re
 from pathlib import Path
 
+from .common import PLACEHOLDER, WORKSPACE
+
 __all__ = ["hint", "solution", "solution_cells", "exercises_of"]
 
 TIERS = (1, 2)
@@ -122,16 +124,14 @@ def solution(chapter, exercise):
 _PRELUDE = """import math
 import torch
 import tilelang.language as T
-from course_utils.flash_pieces import LOG2E
-from course_utils.tiles import TileBackend
+from course_utils.kernels.flash_pieces import LOG2E
+from course_utils.kernels.tiles import TileBackend
 """
 
 
 def _learner_cells(chapter, letter, workspace=None):
     """The learner's solution cells of the exercise, from their copy in workspace/learner/, or None."""
     import nbformat
-
-    from ..workspace import WORKSPACE
 
     folder = Path(workspace or WORKSPACE) / "learner"
     copies = sorted(folder.glob(f"{chapter}_*.ipynb"))
@@ -163,8 +163,6 @@ def your_solution(chapter, exercise, name, *, probe=None, workspace=None):
     """The learner's ``name`` from their workspace copy of chapter ``chapter``, exercise ``exercise`` (its
     solution cells, run afresh), if it is written and ``probe(fn)`` does not raise; else the course's
     (the committed notebook's solution cells), with one printed line saying so."""
-    from ..workspace import PLACEHOLDER
-
     chapter, letter = _chapter(chapter), _letter(exercise)
     cells = _learner_cells(chapter, letter, workspace)
     why = f"no workspace copy of chapter {chapter} with exercise {chapter}{letter}"
@@ -189,8 +187,6 @@ def your_code(chapter, exercise):
     """Print the learner's solution cells of an earlier exercise (from their workspace copy), or the
     course's with one line saying so when theirs is missing or not written: the start of an exercise
     that extends the learner's own code."""
-    from ..workspace import PLACEHOLDER
-
     chapter, letter = _chapter(chapter), _letter(exercise)
     cells = _learner_cells(chapter, letter)
     if cells and not any(PLACEHOLDER in c for c in cells):

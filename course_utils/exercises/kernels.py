@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import tilelang.language as T
 import torch
 
-from ..flash_pieces import LOG2E
-from ..tiles import compile_kernel
+from ..kernels.flash_pieces import LOG2E
+from ..kernels.tiles import compile_kernel
 from .common import ExerciseFailed, ExerciseWrong, not_written, quiet_builder, stale_definition
 
 __all__ = ["KernelCase", "Suspect", "check_kernel", "build", "compile_c", "same_outputs", "describe_rows",

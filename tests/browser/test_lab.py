@@ -32,7 +32,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_utils import workspace as ws
+from course_utils.tooling import workspace as ws
 
 sync_api = pytest.importorskip("playwright.sync_api")
 

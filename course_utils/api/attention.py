@@ -1,0 +1,307 @@
+"""``flash_attention``: the course's kernels behind one PyTorch-style function.
+
+Kernels are compiled once per (shapes, dtype, variant, tiling, target) and cached, so calling
+this in a loop costs one compilation. The compiled kernels are public too, for the chapters that
+take the pieces apart: ``forward_kernel`` and ``backward_kernels`` return what ``flash_attention``
+would run on given inputs, and ``attention_backward`` is its backward pass as a plain function.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..core.device import is_hopper
+from ..core.problem import AttentionProblem
+from ..kernels.flash_bwd import flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
+from ..kernels.flash_bwd_hopper import flash_bwd_hopper_dq_kernel
+from ..kernels.tiles import compile_kernel
+from .inputs import SUPPORTED, check_attention_inputs, check_sm_scale, sink_logits, sink_probability
+from .registry import BACKWARD, FORWARD, backward_row, forward_row
+
+__all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
+           "ForwardConfig", "BackwardConfig", "sink_logits", "check_sm_scale", "default_forward_config",
+           "default_backward_config", "is_hopper", "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS",
+           "THREE_WARPGROUPS_MIN_SEQ", "THREE_WARPGROUPS_MIN_SEQ_MASKED", "hopper_forward_config", "FORWARD_KERNELS",
+           "BACKWARD_KERNELS", "TUNED_BACKWARD_CONFIG", "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
+
+# The kernels a ForwardConfig or BackwardConfig can select, by name: their factories (the rows of
+# ``registry``, which also say where each runs and how it is compiled).
+FORWARD_KERNELS = {name: row.factory for name, row in FORWARD.items()}
+BACKWARD_KERNELS = {name: row.factory for name, row in BACKWARD.items()}
+
+
+class ForwardConfig(NamedTuple):
+    """Which forward kernel (``FORWARD_KERNELS``) and its tiling."""
+
+    block_M: int
+    block_N: int
+    num_stages: int
+    threads: int
+    kernel: str = "flash_fwd"
+    pingpong: bool = False  # Hopper kernels only: the consumer warpgroups take turns issuing their matmuls
+
+    def tiling(self):
+        """The tiling as keyword arguments of a kernel factory."""
+        return dict(block_M=self.block_M, block_N=self.block_N, num_stages=self.num_stages, threads=self.threads)
+
+
+# Best of the chapter 04 sweep on the H100 (figures/ch04_forward_sweep_h100.json), causal and not.
+TUNED_FORWARD_CONFIG = ForwardConfig(128, 128, 1, 256)
+# Chapter 07's persistent kernel, tiled per (head dim, causal or window mask) from its ablation and
+# its persistent-vs-rotated record on the H100 (figures/ch07_forward_ablation_h100.json,
+# ch07_persistent_vs_rotated_h100.json; chapter 07 checks the choice against the first): the
+# consumer warpgroups take turns issuing their matmuls (ping-pong), and at D = 64 three of them share
+# each K/V tile (192 query rows per block, as FlashAttention-3).
+HOPPER_FORWARD_CONFIGS = {
+    (128, False): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True),
+    (128, True): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True),
+    (64, False): ForwardConfig(192, 128, 2, 384, kernel="flash_fwd_hopper_persistent", pingpong=True),
+    (64, True): ForwardConfig(192, 128, 2, 384, kernel="flash_fwd_hopper_persistent", pingpong=True),
+}
+# Below this many queries 192-row tiles waste more than a third warpgroup gains: at S = 1k the last
+# tile is two-thirds padding and a causal tile of 192 rows straddles 1.5 key blocks of its diagonal.
+THREE_WARPGROUPS_MIN_SEQ = 2048
+# With a causal mask, from 3k queries: at 2k a head has 11 tiles of 192 rows, and the folded order pairs
+# the middle one with the next head's heaviest (issue #26 on the H100: two warpgroups 0.96-0.98 × cuDNN,
+# three 0.76-0.79 at S = 2k; three ahead at 3k, 4k and 8k; notes/hopper_backward.md).
+THREE_WARPGROUPS_MIN_SEQ_MASKED = 3072
+
+
+def hopper_forward_config(dim, masked=False, *, seq_len=None, window=False):
+    """The forward ``flash_attention`` runs on a Hopper GPU (whichever device this runs on).
+
+    ``HOPPER_FORWARD_CONFIGS[dim, masked]``, except that three consumer warpgroups (block_M = 192)
+    fall back to two for fewer than ``THREE_WARPGROUPS_MIN_SEQ`` queries (``THREE_WARPGROUPS_MIN_SEQ_MASKED``
+    with a causal mask), and for a sliding window, whose two-sided mask does not fit in the 160
+    registers a thread of three warpgroups gets.
+    """
+    config = HOPPER_FORWARD_CONFIGS[dim, bool(masked)]
+    min_seq = THREE_WARPGROUPS_MIN_SEQ_MASKED if masked else THREE_WARPGROUPS_MIN_SEQ
+    if config.block_M == 192 and (window or (seq_len is not None and seq_len < min_seq)):
+        config = config._replace(block_M=128, threads=256)
+    return config
+
+
+def default_forward_config(device_type, dim, masked=False, *, seq_len=None, window=False):
+    """The kernel and tiling used when none is given: small tiles on the CPU, the fastest on the GPU.
+
+    ``masked``: causal or sliding-window attention; ``seq_len``: the number of queries; ``window``:
+    whether a sliding window is used. On Hopper this is ``hopper_forward_config``.
+    """
+    if device_type == "cpu":
+        return ForwardConfig(16, 16, 1, 1)
+    if is_hopper() and (dim, bool(masked)) in HOPPER_FORWARD_CONFIGS:
+        return hopper_forward_config(dim, masked, seq_len=seq_len, window=window)
+    return TUNED_FORWARD_CONFIG
+
+
+class BackwardConfig(NamedTuple):
+    """Which backward kernel (``BACKWARD_KERNELS``) and its tiling: block_M queries per step, block_N resident keys."""
+
+    block_M: int
+    block_N: int
+    num_stages: int
+    threads: int
+    kernel: str = "flash_bwd"
+
+    tiling = ForwardConfig.tiling
+
+
+# Best of the chapter 05 sweep on the H100 (figures/ch05_backward_sweep_h100.json), causal and not.
+TUNED_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
+# Chapter 08's Hopper backward, tiled per (head dim, causal or window mask) as FlashAttention-3 tiles
+# it (block_M queries per step, block_N resident keys), checked by chapter 08's ablation on the H100.
+HOPPER_BACKWARD_CONFIGS = {
+    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
+}
+# The deterministic backward's dQ kernel: (block_M queries, block_N keys per step) by head dim.
+HOPPER_DQ_TILES = {128: (128, 64), 64: (128, 128)}
+
+
+def default_backward_config(device_type, dim=None, masked=False):
+    """The backward used when none is given: small tiles on the CPU, chapter 08's kernel on Hopper
+    GPUs, chapter 05's tuned tiling on other GPUs. ``masked``: causal or sliding-window attention."""
+    if device_type == "cpu":
+        return BackwardConfig(16, 16, 1, 1)
+    if is_hopper() and (dim, bool(masked)) in HOPPER_BACKWARD_CONFIGS:
+        return HOPPER_BACKWARD_CONFIGS[dim, bool(masked)]
+    return TUNED_BACKWARD_CONFIG
+
+
+# Bounded: a loop over many sequence lengths must not keep every compiled kernel alive.
+_CACHE_SIZE = 64
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _compiled_forward(problem, config):
+    row = forward_row(config)
+    row.check(problem, config)
+    return row.compile(problem, config)
+
+
+class BackwardKernels(NamedTuple):
+    """The compiled backward: Δ, then dK/dV and the float32 dQ accumulator, then the dQ (and GQA dK/dV) casts.
+
+    The deterministic backward (chapter 08) has no accumulators: ``main`` is then
+    (Q, K, V, dO, LSE, Δ, dK, dV) -> None, writing dK and dV once in the input dtype, ``dq`` is
+    (Q, K, V, dO, LSE, Δ) -> dQ, and the two postprocess kernels are None.
+    """
+
+    preprocess: object  # (O, dO) -> Δ
+    main: object  # (Q, K, V, dO, LSE, Δ, dQ_acc, dK, dV) -> None, accumulating in place
+    postprocess_dq: object  # dQ_acc -> sm_scale · dQ_acc in the input dtype
+    postprocess_dkv: object  # GQA only (else None): the float32 dK/dV accumulators -> the input dtype
+    dq: object = None  # deterministic only: dQ in a fixed order, one block per query block
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _compiled_backward(problem, config, deterministic=False):
+    pr = problem
+    small = 16 if pr.target == "c" else 64
+    threads = 1 if pr.target == "c" else 128
+
+    def build(func, out_idx):
+        return compile_kernel(func, out_idx=out_idx, target=pr.target, dtype=pr.dtype)
+
+    common = dict(dtype=pr.dtype, target=pr.target)
+    pre = build(flash_bwd_preprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, block=small, threads=threads,
+                                            **common), [2])
+    row = backward_row(config)
+    row.check(pr, config, deterministic)
+    main = row.compile(pr, config, **(dict(deterministic=deterministic) if row.deterministic else {}))
+    if deterministic:
+        block_M, block_N = HOPPER_DQ_TILES[pr.dim]
+        dq = build(flash_bwd_hopper_dq_kernel(*pr.shape, **pr.kernel_options(), block_M=block_M, block_N=block_N), [6])
+        return BackwardKernels(pre, main, None, None, dq)
+    post_q = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, scale=pr.sm_scale, block=small,
+                                                threads=threads, **common), [1])
+    post_kv = None
+    if pr.heads_kv != pr.heads:
+        post_kv = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads_kv, pr.seq_k, pr.dim, block=small,
+                                                     threads=threads, **common), [1])
+    return BackwardKernels(pre, main, post_q, post_kv)
+
+
+def forward_kernel(q, k, *, causal=False, window_size=None, has_sinks=False, sm_scale=None, config=None):
+    """The compiled forward ``flash_attention`` runs for queries like ``q`` and keys like ``k``.
+
+    Call it as ``kernel(q, k, v, sink_logits) -> (out, lse)``, with float32 sink logits of shape [H]
+    (all -inf for no sinks). ``config`` defaults to ``default_forward_config``.
+    """
+    problem = AttentionProblem.dense(q, k, causal=causal, window_size=window_size, has_sinks=has_sinks,
+                                     sm_scale=sm_scale)
+    if config is None:
+        config = default_forward_config(q.device.type, q.shape[-1], problem.causal, seq_len=q.shape[2],
+                                        window=window_size is not None)
+    return _compiled_forward(problem, ForwardConfig(*config))
+
+
+def backward_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, config=None, deterministic=False):
+    """The compiled ``BackwardKernels`` ``flash_attention``'s backward runs for these shapes."""
+    problem = AttentionProblem.dense(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
+    config = (BackwardConfig(*config) if config is not None
+              else default_backward_config(q.device.type, q.shape[-1], problem.causal))
+    return _compiled_backward(problem, config, bool(deterministic))
+
+
+def attention_backward(q, k, v, out, lse, d_out, *, d_lse=None, causal=False, window_size=None, sinks=None,
+                       sm_scale=None, config=None, deterministic=False):
+    """Gradients of attention from the forward's O and LSE: returns (dQ, dK, dV, dsinks or None).
+
+    The backward half of ``flash_attention``, as a plain function: P is rebuilt from Q, K and the
+    LSE, so it also serves ``out`` and ``lse`` that were merged from several partial forwards.
+    ``d_lse`` is the gradient reaching the LSE (a loss that uses it, such as a z-loss): since
+    ∂LSE_i/∂S_ij = P_ij, it joins dS = P ∘ (dP − Δ) as Δ − dLSE.
+    ``deterministic``: bitwise-reproducible gradients (chapter 08; Hopper only): no float atomics,
+    every gradient summed in a fixed order, at the price of recomputing S and dP for dQ.
+    """
+    kernels = backward_kernels(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale, config=config,
+                               deterministic=deterministic)
+    # region: three kernels
+    d_out = d_out.contiguous()
+    delta = kernels.preprocess(out, d_out)
+    if d_lse is not None:
+        delta = (delta - d_lse.float()).contiguous()
+    if kernels.dq is not None:  # deterministic: each gradient is written once, by one block
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        kernels.main(q, k, v, d_out, lse, delta, dk, dv)
+        dq = kernels.dq(q, k, v, d_out, lse, delta)
+    else:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # atomics add into it: zeroed
+        # region: gqa
+        if kernels.postprocess_dkv is None:
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+        else:
+            dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+        # endregion
+        kernels.main(q, k, v, d_out, lse, delta, dq_acc, dk, dv)
+        dq = kernels.postprocess_dq(dq_acc)
+        if kernels.postprocess_dkv is not None:
+            dk, dv = kernels.postprocess_dkv(dk), kernels.postprocess_dkv(dv)  # GQA: cast the float32 sums
+    # endregion
+    # region: dsinks
+    d_sinks = None
+    if sinks is not None:
+        # d(loss)/d(sink_h) = -Σ_{b,i} P_sink[b,h,i] · (Δ − dLSE)[b,h,i], with P_sink = exp(sink_h - LSE).
+        p_sink = sink_probability(sinks.detach().float()[None, :, None], lse)
+        d_sinks = -(p_sink * delta).sum(dim=(0, 2))
+    # endregion
+    return dq, dk, dv, d_sinks
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, causal, window_size, sm_scale, fwd_config, bwd_config, deterministic):
+        fwd = forward_kernel(q, k, causal=causal, window_size=window_size, has_sinks=sinks is not None,
+                             sm_scale=sm_scale, config=fwd_config)
+        logits = sink_logits(sinks, q.shape[1], q.device)
+        out, lse = fwd(q, k, v, logits)
+        ctx.save_for_backward(q, k, v, out, lse, logits)
+        ctx.options = dict(causal=causal, window_size=window_size, sm_scale=sm_scale, config=bwd_config,
+                           deterministic=deterministic)
+        ctx.has_sinks = sinks is not None
+        return out, lse
+
+    @staticmethod
+    @once_differentiable  # the backward is kernels, not PyTorch ops: a second derivative must raise, not drop terms
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse, logits = ctx.saved_tensors
+        sinks = logits if ctx.has_sinks and ctx.needs_input_grad[3] else None
+        if d_out is None:  # only the LSE was used
+            d_out = torch.zeros_like(out)
+        dq, dk, dv, d_sinks = attention_backward(q, k, v, out, lse, d_out, d_lse=d_lse, sinks=sinks, **ctx.options)
+        return dq, dk, dv, d_sinks, None, None, None, None, None, None
+
+
+def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, sinks=None,
+                    return_lse=False, config=None, backward_config=None, deterministic=False):
+    """Attention with the course's TileLang FlashAttention kernel.
+
+    q: [B, H, S_q, D]; k, v: [B, H_kv, S_k, D] with H a multiple of H_kv (GQA). ``window_size``
+    W lets a query see its last W keys (implies causal); ``sinks`` is a float tensor [H] of
+    per-head sink logits (gpt-oss). Returns O (and the natural-log LSE [B, H, S_q] in float32 with
+    ``return_lse``). Masking conventions are those of ``course_utils.core.reference``. Differentiable
+    (once) with respect to q, k, v and sinks, through O and the LSE: ``out.backward(d_out)`` runs the
+    backward kernels. ``sm_scale`` must be positive. ``deterministic=True`` makes the gradients
+    bitwise reproducible from run to run (Hopper backward only; see ``attention_backward``).
+    """
+    check_attention_inputs("flash_attention", q, k, v, window_size=window_size, sinks=sinks, sm_scale=sm_scale)
+    if window_size is not None and window_size >= k.shape[2]:
+        window_size = None  # a window as long as the keys hides nothing that causal masking does not
+        causal = True
+    masked = bool(causal or window_size is not None)
+    bwd = (BackwardConfig(*backward_config) if backward_config is not None
+           else default_backward_config(q.device.type, q.shape[-1], masked))
+    backward_row(bwd).check(AttentionProblem.dense(q, k, causal=masked, window_size=window_size, sm_scale=sm_scale),
+                            bwd, deterministic)  # raised now, not at the backward
+    out, lse = _FlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks,
+                                     bool(causal or window_size is not None), window_size, sm_scale, config,
+                                     backward_config, bool(deterministic))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,89 @@
+"""The input checks every front door shares, written once: ``flash_attention``, ``flash_attention_varlen``,
+``flash_decode`` and ``ring_attention`` raise the same ``ValueError`` for the same mistake.
+
+Each front door checks its own layout (4-D dense tensors, packed rows, a cache) and then calls
+``check_attention_inputs``; the kernels' ``Sinks`` argument is made by ``sink_logits`` for all of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..core.reference import check_qkv_agree, check_window_and_sinks, validate_attention_inputs
+
+__all__ = ["SUPPORTED", "LAYOUTS", "check_attention_inputs", "check_supported", "check_sm_scale", "sink_logits",
+           "sink_probability"]
+
+# What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
+SUPPORTED = {
+    "cuda": {"dtypes": (torch.float16, torch.bfloat16), "head_dims": (64, 128)},
+    "cpu": {"dtypes": (torch.float32, torch.float16), "head_dims": (16, 32, 64, 128)},
+}
+# Where the heads are in q for each front door's layout: dense [B, H, S, D], packed [total, H, D],
+# decode [B, S_new, H, D].
+LAYOUTS = {"dense": 1, "packed": 1, "decode": 2}
+
+
+def check_supported(q, fn="flash_attention"):
+    """Raise ``ValueError`` unless ``fn``'s kernels run on q's device type, dtype and head dim."""
+    device_type = q.device.type
+    if device_type not in SUPPORTED:
+        raise ValueError(f"{fn} runs on CUDA or the CPU; got device {q.device}")
+    support = SUPPORTED[device_type]
+    if q.dtype not in support["dtypes"]:
+        names = ", ".join(str(d) for d in support["dtypes"])
+        raise ValueError(f"on {device_type}, {fn} supports dtypes {names}; got {q.dtype}")
+    if q.shape[-1] not in support["head_dims"]:
+        raise ValueError(f"on {device_type}, head_dim must be one of {support['head_dims']}; got {q.shape[-1]}")
+
+
+def check_sm_scale(sm_scale):
+    """Raise ``ValueError`` unless ``sm_scale`` is None (1/√D) or a positive finite number."""
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
+                             or not math.isfinite(sm_scale) or sm_scale <= 0):
+        raise ValueError(f"sm_scale must be a positive finite number (the kernels fold it into exp2); got {sm_scale!r}")
+
+
+def check_attention_inputs(fn, q, k, v, *, layout="dense", window_size=None, sinks=None, sm_scale=None):
+    """The checks every front door shares, after its own layout checks: q, k, v agree (dtype, device,
+    k/v shape), head dims match, GQA head counts, what the kernels support here, window, sinks, scale.
+
+    ``layout``: "dense" (q [B, H, S, D]; also checks the 4-D shapes, batch and empty sizes), "packed"
+    (q [total, H, D]) or "decode" (q [B, S_new, H, D]).
+    """
+    if layout == "dense":
+        validate_attention_inputs(q, k, v, window_size=window_size, sinks=sinks)
+        check_supported(q, fn)
+    else:
+        check_qkv_agree(q, k, v)
+        if q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"head dims differ: q has {q.shape[-1]}, k/v have {k.shape[-1]}")
+        hq, hkv = q.shape[LAYOUTS[layout]], k.shape[-2]
+        if hq == 0 or hkv == 0 or hq % hkv:
+            raise ValueError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv}) for GQA")
+        check_supported(q, fn)
+        check_window_and_sinks(window_size, sinks, hq, q.device)
+    check_sm_scale(sm_scale)
+
+
+@functools.lru_cache(maxsize=16)
+def _no_sinks(heads, device):
+    """Sink logits of -inf for every head (cached: one fewer allocation and kernel launch per call)."""
+    return torch.full((heads,), float("-inf"), device=device)
+
+
+def sink_probability(sink, lse):
+    """P_sink = exp(sink − LSE), and 0 where the sink's logit is −∞: a row that saw no key and has no sink
+    has LSE −∞ too, and exp(−∞ − (−∞)) would be NaN (the float64 reference gives 0 there)."""
+    return torch.where(sink == float("-inf"), 0.0, torch.exp(sink - lse))
+
+
+def sink_logits(sinks, heads, device):
+    """The kernels' ``Sinks`` argument: float32 logits [H], or -inf for every head when there are none.
+
+    "No sink" is a sink of logit -inf: its exp() is 0, so one kernel signature serves both.
+    """
+    return sinks.detach().float().contiguous() if sinks is not None else _no_sinks(heads, device)

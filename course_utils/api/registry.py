@@ -1,0 +1,104 @@
+"""Every kernel the front doors can run, one row each: factory, architecture, options and compile options.
+
+``flash_attention`` picks a row by the ``kernel`` field of its ``ForwardConfig``/``BackwardConfig`` and
+calls ``row.compile(problem, config)``; nothing downstream asks for a kernel by name. A new kernel is
+one row here (and, for its default tiling, one entry in ``attention``'s configs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.device import is_hopper
+from ..kernels.flash_bwd import flash_bwd_kernel
+from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
+from ..kernels.flash_bwd_hopper import flash_bwd_hopper_kernel
+from ..kernels.flash_fwd import flash_fwd_kernel
+from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
+from ..kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
+from ..kernels.tiles import compile_kernel
+
+__all__ = ["KernelRow", "FORWARD", "BACKWARD", "forward_row", "backward_row"]
+
+
+def _sm_count():
+    """One persistent block per SM of the current GPU."""
+    return dict(num_ctas=torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """One kernel: how to build it for an ``AttentionProblem`` and a config, and where it runs."""
+
+    name: str
+    factory: object  # (batch, heads, seq_q, seq_k, dim, **options) -> @T.prim_func
+    out_idx: tuple  # the parameters the compiled kernel allocates and returns
+    what: str  # for error messages: "chapter 08's Hopper kernel"
+    hopper_only: bool = False  # wgmma/TMA: needs an sm_90 GPU
+    on_cpu: bool = True  # the factory takes ``target`` (one source for the CPU and the GPU)
+    sinks: bool = False  # the factory takes ``has_sinks`` (the forwards)
+    options: tuple = ()  # config fields passed on beyond the tiling, e.g. ("pingpong",)
+    deterministic: bool = False  # has a deterministic mode (``deterministic=`` and a dQ kernel)
+    pass_configs: dict = field(default_factory=dict)  # TileLang pass options it is compiled with
+    per_device: object = None  # () -> more factory arguments read from the GPU (num_ctas)
+
+    def check(self, problem, config, deterministic=False):
+        """A clear ``ValueError`` for a config this kernel cannot run here."""
+        kind = type(config).__name__
+        if self.hopper_only and (problem.target != "cuda" or not is_hopper()):
+            raise ValueError(f"{kind}(kernel={self.name!r}) is {self.what}: it needs an sm_90 GPU")
+        if getattr(config, "pingpong", False) and "pingpong" not in self.options:
+            hopper = tuple(name for name, row in FORWARD.items() if "pingpong" in row.options)
+            raise ValueError(f"ForwardConfig(pingpong=True) needs one of chapter 07's Hopper kernels {hopper}")
+        if deterministic and not self.deterministic:
+            raise ValueError("deterministic=True needs chapter 08's Hopper backward (kernel='flash_bwd_hopper', sm_90 "
+                             "GPU); chapter 05's kernel adds dQ with atomics in whatever order blocks finish")
+
+    def build(self, problem, config, **extra):
+        """The ``@T.prim_func`` of this kernel for ``problem`` with ``config``'s tiling."""
+        kwargs = dict(problem.kernel_options(), **config.tiling(), **{o: getattr(config, o) for o in self.options})
+        if self.sinks:
+            kwargs["has_sinks"] = problem.has_sinks
+        if self.on_cpu:
+            kwargs["target"] = problem.target
+        if self.per_device is not None:
+            kwargs.update(self.per_device())
+        return self.factory(*problem.shape, **kwargs, **extra)
+
+    def compile(self, problem, config, **extra):
+        """Build and compile for ``problem.target``."""
+        return compile_kernel(self.build(problem, config, **extra), out_idx=list(self.out_idx), target=problem.target,
+                              dtype=problem.dtype, pass_configs=self.pass_configs or None)
+
+
+_HOPPER_FORWARD = "one of chapter 07's Hopper kernels"
+# The kernels a ForwardConfig or BackwardConfig can select: chapter 03/04's forward, chapter 07's two
+# Hopper forwards (the rotated loop, and its persistent version); chapter 05's and chapter 08's backward.
+FORWARD = {row.name: row for row in (
+    KernelRow("flash_fwd", flash_fwd_kernel, (4, 5), "chapter 03/04's kernel", sinks=True),
+    KernelRow("flash_fwd_hopper", flash_fwd_hopper_kernel, (4, 5), _HOPPER_FORWARD, hopper_only=True, on_cpu=False,
+              sinks=True, options=("pingpong",)),
+    KernelRow("flash_fwd_hopper_persistent", flash_fwd_hopper_persistent_kernel, (4, 5), _HOPPER_FORWARD,
+              hopper_only=True, on_cpu=False, sinks=True, options=("pingpong",), per_device=_sm_count),
+)}
+BACKWARD = {row.name: row for row in (
+    KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel"),
+    KernelRow("flash_bwd_hopper", flash_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
+              on_cpu=False, deterministic=True, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
+)}
+
+
+def forward_row(config):
+    """The row of ``config.kernel`` (a ``ValueError`` naming the choices for an unknown one)."""
+    if config.kernel not in FORWARD:
+        raise ValueError(f"ForwardConfig.kernel must be one of {sorted(FORWARD)}; got {config.kernel!r}")
+    return FORWARD[config.kernel]
+
+
+def backward_row(config):
+    """The row of ``config.kernel`` (a ``ValueError`` naming the choices for an unknown one)."""
+    if config.kernel not in BACKWARD:
+        raise ValueError(f"BackwardConfig.kernel must be one of {sorted(BACKWARD)}; got {config.kernel!r}")
+    return BACKWARD[config.kernel]

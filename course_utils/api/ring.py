@@ -1,0 +1,728 @@
+"""Ring attention (chapter 10): attention over one sequence split across the ranks of a process group.
+
+Context parallelism splits the *sequence* of a long-context model across devices: rank r of a
+group of ``world`` ranks holds S_local = S / world tokens of Q, K and V. Its queries must still see
+every (visible) key, so the K/V shards travel around a ring. At step s, rank r holds the K/V shard
+of rank r − s (mod world); it runs the single-device kernel on it with ``return_lse`` and merges the
+partial result into its running one with the log-sum-exp (``softmax.merge_attention``, chapter 02).
+While it computes, the next shard is already in flight. After ``world`` steps every query has seen
+every key, and no device ever held more than two K/V shards.
+
+The backward makes the same lap. The kernel of chapter 05 rebuilds P from the *merged* O and LSE of
+each row, so each step gives that block's exact share of dQ (kept at home) and of the dK/dV of the
+shard it holds. Those dK/dV sums travel with the K/V they belong to; after a full lap they are back
+on the rank that owns the shard.
+
+Causal attention makes the work uneven: with the contiguous split, rank 0's queries see only its own
+keys while the last rank's see everyone's. The zigzag split cuts the sequence into 2·world chunks
+and gives rank r chunks r and 2·world − 1 − r, an early one and a late one, so every rank computes
+the same amount at every step (``step_blocks``).
+
+Communication is torch.distributed's point-to-point ops (``batch_isend_irecv``): gloo between CPU
+processes, NCCL between GPUs. NCCL runs them on its own CUDA stream, so they overlap the kernels of
+the compute stream; gloo runs them on its own threads.
+
+Credits: Liu, Zaharia and Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
+Context" (2023); Brandon et al., "Striped Attention" (2023) on causal load imbalance; the two-chunk
+("zigzag") split as in zhuzilin/ring-flash-attention and Llama 3's context parallelism (Meta, "The
+Llama 3 Herd of Models", 2024). Our code is written from those descriptions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from ..kernels.softmax import safe_shift
+from .attention import backward_kernels, forward_kernel
+from .inputs import check_attention_inputs, sink_logits
+
+__all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
+           "sequence_positions", "Block", "step_blocks", "step_work", "kernel_shapes", "compile_ring_kernels",
+           "RingComm", "NoComm", "ring_forward", "ring_backward",
+           "RingCase", "run_ring_attention", "BAD_INPUTS", "lap_memory", "lap_memory_model", "check_lap_memory"]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+
+
+# --- Splitting a sequence across ranks ---------------------------------------------------------
+
+def _split(x, parts, dim):
+    if x.shape[dim] % parts:
+        raise ValueError(f"a sequence of length {x.shape[dim]} does not split into {parts} equal chunks")
+    return x.split(x.shape[dim] // parts, dim=dim)
+
+
+def shard_zigzag(x, world, rank, *, dim=2):
+    """Rank ``rank``'s zigzag shard of ``x``: chunks ``rank`` and ``2·world − 1 − rank`` of 2·world."""
+    # region: zigzag
+    chunks = _split(x, 2 * world, dim)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=dim)
+    # endregion
+
+
+def unshard_zigzag(shards, *, dim=2):
+    """The sequence back from every rank's zigzag shard (a list in rank order)."""
+    halves = [_split(shard, 2, dim) for shard in shards]
+    early = [first for first, _ in halves]
+    late = [second for _, second in reversed(halves)]
+    return torch.cat(early + late, dim=dim)
+
+
+def shard_sequence(x, world, rank, layout="contiguous", *, dim=2):
+    """Rank ``rank``'s shard of ``x`` [B, H, S, D] (split along ``dim``) in ``layout``."""
+    _check_layout(layout)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}); got {rank}")
+    return _split(x, world, dim)[rank] if layout == "contiguous" else shard_zigzag(x, world, rank, dim=dim)
+
+
+def unshard_sequence(shards, layout="contiguous", *, dim=2):
+    """The sequence back from every rank's shard (a list in rank order)."""
+    _check_layout(layout)
+    return torch.cat(list(shards), dim=dim) if layout == "contiguous" else unshard_zigzag(shards, dim=dim)
+
+
+def sequence_positions(world, rank, seq_local, layout="contiguous"):
+    """The global positions of rank ``rank``'s ``seq_local`` tokens, in its local order."""
+    return shard_sequence(torch.arange(world * seq_local), world, rank, layout, dim=0)
+
+
+# --- Which blocks a rank computes at each step -------------------------------------------------
+
+class Block(NamedTuple):
+    """One kernel call of a ring step: local query rows ``q`` against rows ``k`` of the K/V shard held."""
+
+    q: slice
+    k: slice
+    causal: bool
+
+
+_ALL = slice(0, None)
+
+
+def step_blocks(rank, source, world, seq_local, *, causal, layout="contiguous"):
+    """The kernel calls rank ``rank`` makes while it holds rank ``source``'s K/V shard.
+
+    Empty list: none of those keys is visible to its queries (the step is skipped). ``causal`` in a
+    block means the usual (bottom-right aligned) causal triangle.
+    """
+    # region: blocks
+    if not causal:
+        return [Block(_ALL, _ALL, False)]
+    if source == rank:
+        # Its own shard: local order is global order, in either layout, so the usual triangle.
+        return [Block(_ALL, _ALL, True)]
+    if layout == "contiguous":
+        return [Block(_ALL, _ALL, False)] if source < rank else []
+    half = seq_local // 2  # zigzag: local rows [0, half) are chunk `rank`, the rest chunk 2·world − 1 − rank
+    if source < rank:
+        # Both query chunks come after the source's early chunk, and before its late one.
+        return [Block(_ALL, slice(0, half), False)]
+    # Only our late chunk comes after the source's chunks, and it comes after both.
+    return [Block(slice(half, None), _ALL, False)]
+    # endregion
+
+
+def step_work(world, *, causal, layout="contiguous"):
+    """Work of each rank (rows) at each step (columns) of the lap, in S_local × S_local blocks (the
+    FLOP convention: a causal triangle counts half)."""
+    seq_local = 2  # any even length: the blocks are whole shards or halves
+    work = torch.zeros(world, world)
+    for rank in range(world):
+        for step in range(world):
+            source = (rank - step) % world
+            for b in step_blocks(rank, source, world, seq_local, causal=causal, layout=layout):
+                rows, cols = len(range(seq_local)[b.q]), len(range(seq_local)[b.k])
+                work[rank, step] += rows * cols / seq_local ** 2 * (0.5 if b.causal else 1.0)
+    return work
+
+
+def kernel_shapes(world, seq_local, *, causal, layout="contiguous"):
+    """The distinct (query rows, key rows, causal) of the kernel calls of every rank at every step."""
+    rows = range(seq_local)
+    return sorted({(len(rows[b.q]), len(rows[b.k]), b.causal) for rank in range(world) for source in range(world)
+                   for b in step_blocks(rank, source, world, seq_local, causal=causal, layout=layout)})
+
+
+def compile_ring_kernels(q, k, world, *, causal=False, sm_scale=None, layout="contiguous"):
+    """Compile (or load from TileLang's disk cache) the forward and backward kernels ``ring_attention``
+    runs, on any rank, for shards shaped like ``q`` and ``k``."""
+    for rows_q, rows_k, block_causal in kernel_shapes(world, q.shape[2], causal=causal, layout=layout):
+        q_b = q.new_empty(q.shape[0], q.shape[1], rows_q, q.shape[3])
+        k_b = k.new_empty(k.shape[0], k.shape[1], rows_k, k.shape[3])
+        forward_kernel(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
+        backward_kernels(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
+        if rows_q < q.shape[2]:  # the backward's per-head calls (_per_head)
+            backward_kernels(q_b[:1, :1], k_b[:1, :1], causal=block_causal, sm_scale=sm_scale)
+
+
+# --- Passing shards around the ring ------------------------------------------------------------
+
+class _Transfer:
+    """Tensors in flight: ``wait()`` returns them once they have arrived (and ours have left)."""
+
+    def __init__(self, works, received):
+        self.works, self.received = works, received
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+class _Arrived:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def wait(self):
+        return self.tensors
+
+
+class RingComm:
+    """One step around the ring of ``group``: send to the next rank, receive from the previous one."""
+
+    def __init__(self, group=None):
+        self.group = group if group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        # P2POp wants global ranks.
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
+
+    def start(self, tensors, tag=0, into=None):
+        """Start sending ``tensors`` on and receiving the previous rank's into ``into`` (buffers shaped
+        like them, reused by the laps; new ones if None); returns at once. ``.wait()`` on the result
+        gives the received tensors (once ours have left too, so their buffers may then be reused)."""
+        # region: exchange
+        received = list(into) if into is not None else [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in received]
+        return _Transfer(dist.batch_isend_irecv(ops), received)
+        # endregion
+
+
+class NoComm:
+    """A ring that does not communicate: the "received" shards are the receive buffers as they are
+    (or the shards sent, without buffers). Runs the same kernels on the same buffers as ``RingComm``
+    would (for measuring the compute alone), with wrong results."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    def start(self, tensors, tag=0, into=None):
+        return _Arrived(list(into) if into is not None else list(tensors))
+
+
+# --- The forward and backward laps -------------------------------------------------------------
+#
+# Memory (notes/ring_memory.md has the accounting): besides its inputs and outputs a rank holds one
+# K/V receive buffer (two for world > 2, reused in turn), the running O in the input dtype (merged in
+# float32 a few heads at a time), one float32 dQ accumulator that the backward kernel adds into
+# directly, and two dK/dV buffers in the input dtype (the sum arriving and the buffer the kernel
+# writes, which becomes the next receive buffer). No other buffer of a whole shard is float32.
+
+MERGE_PIECES = 8  # the forward merges O in float32 in this many pieces (of whole heads): ≤ 1/8 of a shard
+
+
+def _rows(t, rows):
+    return t[:, :, rows].contiguous()
+
+
+def _empty_like_all(tensors):
+    return [torch.empty_like(t) for t in tensors]
+
+
+def _merge_into(out, lse, out_b, lse_b, rows):
+    """Fold a block's (out_b, lse_b) into rows ``rows`` of the running (out, lse), in place: the
+    log-sum-exp merge of ``softmax.merge_attention``, in float32, a few heads at a time (so no float32
+    copy of a whole shard exists); ``out`` stays in its own dtype."""
+    lse_rows = lse[:, :, rows]
+    total = torch.logaddexp(lse_rows, lse_b)
+    shift = safe_shift(total)
+    w_old, w_new = torch.exp(lse_rows - shift), torch.exp(lse_b - shift)
+    lse[:, :, rows] = total
+    batch, heads, _, dim = out.shape
+    flat_out = out.view(batch * heads, out.shape[2], dim)[:, rows]
+    flat_b = out_b.reshape(batch * heads, -1, dim)
+    w_old, w_new = w_old.reshape(batch * heads, -1, 1), w_new.reshape(batch * heads, -1, 1)
+    step = max(1, -(-batch * heads // MERGE_PIECES))
+    for i in range(0, batch * heads, step):
+        piece = slice(i, i + step)
+        merged = flat_out[piece].float() * w_old[piece]
+        merged += flat_b[piece].float() * w_new[piece]
+        flat_out[piece] = merged
+
+
+def ring_forward(q, k, v, comm, *, causal=False, sm_scale=None, layout="contiguous", compute=True):
+    """This rank's shard of O (input dtype) and its LSE (float32) after one lap of the ring.
+
+    ``comm``: a ``RingComm`` (or ``NoComm``). ``compute=False`` passes the shards around without
+    computing anything (for measuring the communication alone; the results are garbage).
+    """
+    heads, seq_local = q.shape[1], q.shape[2]
+    no_sinks = sink_logits(None, heads, q.device)
+    out = lse = None
+    kv, spare = (k, v), None  # the K/V shard held, and the buffers free to receive the next one into
+    # region: forward lap
+    for step in range(comm.world):
+        source = (comm.rank - step) % comm.world  # whose K/V shard we hold
+        in_flight = None
+        if step + 1 < comm.world:  # the next shard travels meanwhile, into a buffer of an earlier lap step
+            spare = spare or _empty_like_all(kv)
+            in_flight = comm.start(kv, into=spare)
+        blocks = step_blocks(comm.rank, source, comm.world, seq_local, causal=causal, layout=layout)
+        for block in blocks if compute else ():
+            q_b, k_b, v_b = _rows(q, block.q), _rows(kv[0], block.k), _rows(kv[1], block.k)
+            kernel = forward_kernel(q_b, k_b, causal=block.causal, sm_scale=sm_scale)
+            out_b, lse_b = kernel(q_b, k_b, v_b, no_sinks)
+            if out is None:  # the first step (our own shard, every row): its result is the running one
+                out, lse = out_b, lse_b
+            else:
+                _merge_into(out, lse, out_b, lse_b, block.q)
+            del out_b, lse_b, q_b, k_b, v_b
+        if in_flight is not None:
+            held, kv = kv, in_flight.wait()
+            spare = None if held[0] is k else held  # the shard just used receives the one after next
+    # endregion
+    if out is None:  # compute=False
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _per_head(block, q, k):
+    """Whether the backward runs a block of some query rows as one kernel call per (batch, head):
+    every tensor of such a call is a contiguous view (no copy of Q's or dO's rows, no float32 dQ of
+    the block). GQA: each head's dK/dV (input dtype) is summed over its group in float32."""
+    return block.q != _ALL
+
+
+def _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, dkv_into):
+    """One block's dQ (added into the float32 ``dq_acc``) and its dK, dV (returned, in the input dtype;
+    written into ``dkv_into`` when given and shaped like ``k_b``). ``kernels``: the block's, or for a
+    ``_per_head`` block those of one (batch, head) of it."""
+    mha = kernels.postprocess_dkv is None
+    if mha or _per_head(block, q, k_b):  # dK, dV in the input dtype
+        fits = dkv_into is not None and dkv_into[0].shape == k_b.shape
+        dk_b, dv_b = dkv_into if fits else _empty_like_all((k_b, v_b))
+    if _per_head(block, q, k_b):
+        group = q.shape[1] // k_b.shape[1]
+        if group > 1:  # one head's dK, dV, and their float32 sums over its group (one K/V head each)
+            head_dkv = _empty_like_all((k_b[:1, :1], v_b[:1, :1]))
+            sums = [torch.empty(k_b[:1, :1].shape, dtype=torch.float32, device=k_b.device) for _ in range(2)]
+        for b in range(q.shape[0]):
+            for h_kv in range(k_b.shape[1]):
+                kv_one = (slice(b, b + 1), slice(h_kv, h_kv + 1))
+                for h in range(h_kv * group, (h_kv + 1) * group):
+                    one, rows = (slice(b, b + 1), slice(h, h + 1)), block.q
+                    out_dkv = (dk_b[kv_one], dv_b[kv_one]) if group == 1 else head_dkv
+                    kernels.main(q[one + (rows,)], k_b[kv_one], v_b[kv_one], d_out[one + (rows,)], lse[one + (rows,)],
+                                 delta[one + (rows,)], dq_acc[one + (rows,)], *out_dkv)
+                    if group > 1:
+                        for total, part in zip(sums, head_dkv):
+                            total.copy_(part) if h == h_kv * group else total.add_(part)
+                if group > 1:
+                    dk_b[kv_one].copy_(sums[0])
+                    dv_b[kv_one].copy_(sums[1])
+        return dk_b, dv_b
+    if block.q == _ALL:
+        q_b, d_out_b, lse_b, delta_b, dq_b = q, d_out, lse, delta, dq_acc
+    else:  # rows of a [B, H, S, D] tensor are not contiguous: copies of the block's rows (GQA)
+        q_b, d_out_b, lse_b, delta_b = (_rows(t, block.q) for t in (q, d_out, lse, delta))
+        dq_b = torch.zeros(q_b.shape, dtype=torch.float32, device=q.device)
+    if mha:
+        kernels.main(q_b, k_b, v_b, d_out_b, lse_b, delta_b, dq_b, dk_b, dv_b)
+    else:  # GQA: the kernel sums the heads of a group into float32 (a K/V shard's size), then casts
+        dk_b, dv_b = (torch.zeros(k_b.shape, dtype=torch.float32, device=k_b.device) for _ in range(2))
+        kernels.main(q_b, k_b, v_b, d_out_b, lse_b, delta_b, dq_b, dk_b, dv_b)
+        dk_b, dv_b = kernels.postprocess_dkv(dk_b), kernels.postprocess_dkv(dv_b)
+    if dq_b is not dq_acc:
+        dq_acc[:, :, block.q] += dq_b
+    return dk_b, dv_b
+
+
+def _block_kernels(q, k_b, block, sm_scale):
+    """The compiled backward a block runs (for a ``_per_head`` block: one (batch, head)'s)."""
+    q_b = q[:, :, block.q]
+    if _per_head(block, q, k_b):
+        q_b, k_b = q_b[:1, :1], k_b[:1, :1]
+    return backward_kernels(q_b, k_b, causal=block.causal, sm_scale=sm_scale)
+
+
+def _carve(buffers, like):
+    """Two tensors shaped like ``like`` in each of ``buffers`` (views of its first elements)."""
+    n = like.numel()
+    return [[buf.view(-1)[i * n:(i + 1) * n].view(like.shape) for i in range(2)] for buf in buffers]
+
+
+def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None, layout="contiguous",
+                  compute=True):
+    """dQ, dK, dV of this rank's shards, from the merged ``out`` and ``lse`` of ``ring_forward``.
+
+    ``compute=False`` makes the same transfers without computing anything (garbage results).
+    """
+    seq_local = q.shape[2]
+    own = backward_kernels(q, k, causal=causal, sm_scale=sm_scale)  # step 0's block: every row, every key
+    if own.dq is not None:
+        raise ValueError("ring_backward runs the atomic backward kernels (BackwardKernels.dq must be None)")
+    # One float32 dQ sum that every block's kernel adds into (no per-call accumulator and cast), and
+    # Δ = rowsum(O ∘ dO) once for the lap.
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if compute else None
+    delta = own.preprocess(out, d_out) if compute else None
+    # The dK/dV sums travel in the input dtype on a ring of two: there each sum is one addition of two
+    # kernel outputs, rounded once, as a float32 sum would be (bit for bit). On longer rings every
+    # addition rounds again, which broke the FlashAttention criterion for dK at 8 ranks (bfloat16,
+    # causal; notes/ring_memory.md), so there they travel in float32 until the last step.
+    sum_dtype = k.dtype if comm.world <= 2 else torch.promote_types(k.dtype, torch.float32)
+    kv, kv_spare = (k, v), None
+    dkv_in_flight = dkv_sent = None
+    free = None  # dK/dV buffers the kernel may write into / we may receive into: the sum we sent last step
+    # region: backward lap
+    for step in range(comm.world):
+        source = (comm.rank - step) % comm.world
+        last = step + 1 == comm.world
+        kv_in_flight = None
+        if not last:
+            kv_spare = kv_spare or _empty_like_all(kv)
+            kv_in_flight = comm.start(kv, into=kv_spare)
+        arrived = None
+        if dkv_in_flight is not None:
+            # The dK/dV sum for this source from the ranks before us; ours has left, so its buffers
+            # are free for this step's kernel. (Waiting here, before the kernel, keeps two dK/dV
+            # buffers instead of three; the transfer is the previous step's.)
+            arrived, free = dkv_in_flight.wait(), dkv_sent
+        if free is None:
+            free = [torch.empty(k.shape, dtype=sum_dtype, device=k.device) for _ in range(2)]
+        blocks = step_blocks(comm.rank, source, comm.world, seq_local, causal=causal, layout=layout)
+        total = arrived if arrived is not None else free
+        for block in blocks if compute else ():
+            into = free if free[0].dtype == k.dtype else None
+            if block.k != _ALL and into is not None and 2 * len(range(seq_local)[block.k]) <= seq_local:
+                # Some of the keys: the free dK/dV buffers are idle during this block, so they hold
+                # its copy of those K/V rows and its dK/dV (no other buffer).
+                (k_b, dk_into), (v_b, dv_into) = _carve(free, kv[0][:, :, block.k])
+                k_b.copy_(kv[0][:, :, block.k])
+                v_b.copy_(kv[1][:, :, block.k])
+                into = (dk_into, dv_into)
+            else:
+                k_b, v_b = _rows(kv[0], block.k), _rows(kv[1], block.k)
+            kernels = own if step == 0 else _block_kernels(q, k_b, block, sm_scale)
+            dk_b, dv_b = _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, into)
+            if arrived is None:  # step 0: our own shard's block, every key: the sum starts as its dK/dV
+                total = [dk_b.to(sum_dtype), dv_b.to(sum_dtype)]
+            else:
+                arrived[0][:, :, block.k] += dk_b
+                arrived[1][:, :, block.k] += dv_b
+            del k_b, v_b, dk_b, dv_b, into
+        if last and total[0].dtype != k.dtype:  # complete: the sums go home in the input dtype
+            total = [t.to(k.dtype) for t in total]
+        # Send the sum on (it follows the K/V it belongs to); receive into the free buffers if they fit.
+        fits = total[0] is not free[0] and free[0].dtype == total[0].dtype
+        receive_into = free if fits else [torch.empty_like(t) for t in total]
+        dkv_in_flight, dkv_sent, free = comm.start(total, tag=1, into=receive_into), total, None
+        if kv_in_flight is not None:
+            held, kv = kv, kv_in_flight.wait()
+            kv_spare = None if held[0] is k else held
+    del kv, kv_spare, free
+    dk, dv = dkv_in_flight.wait()  # after a full lap, our own shard's dK and dV are home
+    del dkv_sent
+    # endregion
+    dq = own.postprocess_dq(dq_acc) if compute else torch.empty_like(q)
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, comm, causal, sm_scale, layout):
+        options = dict(causal=causal, sm_scale=sm_scale, layout=layout)
+        out, lse = ring_forward(q, k, v, comm, **options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.options = comm, options
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(q, k, v, out, lse, d_out.contiguous(), ctx.comm, **ctx.options)
+        return dq, dk, dv, None, None, None, None
+
+
+# --- The public function and its input checks --------------------------------------------------
+
+def _local_problem(q, k, v, *, sm_scale, layout):
+    """What is wrong with this rank's own inputs (a ValueError/TypeError), or None."""
+    try:
+        check_attention_inputs("ring_attention", q, k, v, sm_scale=sm_scale)
+        _check_layout(layout)
+        if k.shape[2] != q.shape[2]:
+            raise ValueError(f"the K/V shard must be as long as the query shard (one sequence, split once); "
+                             f"got S_local {q.shape[2]} for q and {k.shape[2]} for k, v")
+        if layout == "zigzag" and q.shape[2] % 2:
+            raise ValueError(f"layout='zigzag' needs an even S_local (two equal chunks per rank); got {q.shape[2]}")
+    except (ValueError, TypeError) as exc:
+        return exc
+    return None
+
+
+def _signature(q, k, causal, sm_scale, layout, problem):
+    if problem is not None:
+        return {"error": f"{type(problem).__name__}: {problem}"}
+    return {"error": None, "q shape [B, H, S_local, D]": tuple(q.shape), "k/v shape": tuple(k.shape),
+            "dtype": str(q.dtype).replace("torch.", ""), "causal": bool(causal), "sm_scale": sm_scale,
+            "layout": layout}
+
+
+def _check_inputs(q, k, v, *, causal, sm_scale, group, layout):
+    """Check every rank's inputs, together: every rank raises the same error, or none does."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("ring_attention runs on the ranks of a torch.distributed process group: call "
+                         "torch.distributed.init_process_group first (or use flash_attention on one device)")
+    comm = RingComm(group)
+    if comm.world < 2:
+        raise ValueError(f"ring_attention needs a group of at least 2 ranks; this group has {comm.world}. "
+                         "On one device, call flash_attention.")
+    problem = _local_problem(q, k, v, sm_scale=sm_scale, layout=layout)
+    everyone = [None] * comm.world
+    dist.all_gather_object(everyone, _signature(q, k, causal, sm_scale, layout, problem), group=comm.group)
+    if problem is not None:
+        raise problem
+    for rank, signature in enumerate(everyone):
+        if signature["error"]:
+            raise ValueError(f"ring_attention: rank {rank} of the group passed bad input ({signature['error']})")
+    for key in everyone[0]:
+        values = [signature[key] for signature in everyone]
+        if any(value != values[0] for value in values):
+            listed = ", ".join(f"rank {r}: {value}" for r, value in enumerate(values))
+            raise ValueError(f"ring_attention: every rank must pass shards of one sequence with the same "
+                             f"{key}; got {listed}")
+    return comm
+
+
+def ring_attention(q, k, v, *, causal=False, sm_scale=None, group=None, layout="contiguous"):
+    """Attention over one sequence split across the ranks of ``group`` (default: the whole world).
+
+    Every rank passes its shard q [B, H, S_local, D], k, v [B, H_kv, S_local, D] (GQA: H a multiple
+    of H_kv) of one sequence of length world · S_local, split in ``layout``: "contiguous" (rank r
+    holds tokens [r·S_local, (r+1)·S_local)) or "zigzag" (rank r holds chunks r and 2·world − 1 − r
+    of 2·world; ``shard_sequence`` makes both). Returns this rank's shard of O. Differentiable
+    (once): the backward passes dK/dV around the ring as the forward passes K/V. Every rank must
+    call it, with shards of the same shape, dtype and options, or every rank gets a ValueError.
+    """
+    comm = _check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, group=group, layout=layout)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), comm, bool(causal), sm_scale,
+                                layout)
+
+
+# --- Checking on CPU processes (gloo) ----------------------------------------------------------
+
+class RingCase(NamedTuple):
+    """One global problem for ``run_ring_attention``: tensors of the whole sequence, and the options.
+
+    ``ranks``: the global ranks of the process group that runs it (None: all of them).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    d_out: torch.Tensor
+    causal: bool = False
+    layout: str = "contiguous"
+    sm_scale: float | None = None
+    ranks: tuple | None = None
+
+
+def _groups(cases):
+    """The process group of each case (new_group is collective: every rank makes them all, in order)."""
+    made = {}
+    for case in cases:
+        if case.ranks is not None and case.ranks not in made:
+            made[case.ranks] = dist.new_group(list(case.ranks))
+    return [made.get(case.ranks) for case in cases]
+
+
+def _run_cases(cases):
+    """On every rank: take this rank's shards of each case, run ring_attention and its backward;
+    returns (rank in the case's group, its shards of O, dQ, dK, dV) for each case (None for a case
+    whose group this rank is not in)."""
+    results = []
+    for case, group in zip(cases, _groups(cases)):
+        if case.ranks is not None and dist.get_rank() not in case.ranks:
+            results.append(None)
+            continue
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        q, k, v, d_out = (shard_sequence(t, world, rank, case.layout) for t in case[:4])
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*leaves, causal=case.causal, sm_scale=case.sm_scale, layout=case.layout, group=group)
+        results.append((rank, (out.detach(), *torch.autograd.grad(out, leaves, d_out))))
+    return results
+
+
+def _bad_calls(rank, world, dtype):
+    """Each bad input, as the call every rank makes (some ranks differ on purpose)."""
+    def shard(seq=32, heads_kv=2, dtypes=(dtype,) * 3, dims=4):
+        q, k, v = (torch.randn((1, 4 if i == 0 else heads_kv, seq, 16)[4 - dims:], dtype=t)
+                   for i, t in enumerate(dtypes))
+        return q, k, v
+
+    rank_dtype = dtype if rank == 0 else torch.float16
+    return {
+        "lengths differ across ranks": lambda: ring_attention(*shard(seq=32 if rank == 0 else 48)),
+        "dtypes differ across ranks": lambda: ring_attention(*shard(dtypes=(rank_dtype,) * 3)),
+        "causal on some ranks only": lambda: ring_attention(*shard(), causal=rank == 0),
+        "a group of one": lambda: ring_attention(*shard(), group=_own_group(rank, world)),
+        "q, k, v dtypes differ": lambda: ring_attention(*shard(dtypes=(dtype, torch.float16, dtype))),
+        "bad shape on rank 1 only": lambda: ring_attention(*shard(dims=3 if rank == 1 else 4)),
+        "K/V shard shorter than Q's": lambda: ring_attention(shard()[0], *shard(seq=16)[1:]),
+        "zigzag with an odd S_local": lambda: ring_attention(*shard(seq=31), layout="zigzag"),
+        "unknown layout": lambda: ring_attention(*shard(), layout="striped"),
+    }
+
+
+_OWN_GROUPS = {}
+
+
+def _own_group(rank, world):
+    # new_group is collective: every rank creates every one-rank group, in the same order.
+    if not _OWN_GROUPS:
+        _OWN_GROUPS.update({r: dist.new_group([r]) for r in range(world)})
+    return _OWN_GROUPS[rank]
+
+
+BAD_INPUTS = tuple(_bad_calls(0, 2, torch.float32))
+
+
+def _run_bad_inputs():
+    """On every rank: make each bad call; returns {name: "ExceptionType: message"} (or "no error")."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    errors = {}
+    for name, call in _bad_calls(rank, world, torch.float32).items():
+        try:
+            call()
+            errors[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 (reported, and checked by the caller)
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return errors
+
+
+def _worker(cases, bad_inputs):
+    # Rank 0 compiles the kernels first; the others then load them from TileLang's disk cache
+    # instead of all compiling the same kernels at once.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        for case in cases:
+            size = world if case.ranks is None else len(case.ranks)
+            q, k = (shard_sequence(t, size, 0, case.layout) for t in case[:2])
+            compile_ring_kernels(q, k, size, causal=case.causal, sm_scale=case.sm_scale, layout=case.layout)
+    dist.barrier()
+    return _run_cases(cases), (_run_bad_inputs() if bad_inputs else None)
+
+
+def run_ring_attention(cases, world=2, *, bad_inputs=False):
+    """Run each ``RingCase`` on ``world`` CPU processes (gloo), in one go.
+
+    Every rank (of the case's ``ranks``, if given) takes its shards of the case's global tensors,
+    runs ``ring_attention`` and its backward, and returns its shards of O, dQ, dK, dV; they are
+    put back in sequence order here.
+    Returns ``[(out, (dq, dk, dv)) for each case]`` and, with ``bad_inputs``, each rank's error
+    for each bad call of ``BAD_INPUTS`` (a list of dicts in rank order, else None).
+    """
+    from .gloo import run_on_ranks
+
+    per_rank = run_on_ranks(_worker, world, list(cases), bad_inputs)
+    results = []
+    for index, case in enumerate(cases):
+        members = range(world) if case.ranks is None else case.ranks
+        # (rank in the group, shards) from each member, put in group order
+        shards = [result for _, result in sorted(per_rank[rank][0][index] for rank in members)]
+        out, dq, dk, dv = (unshard_sequence([s[i] for s in shards], case.layout) for i in range(4))
+        results.append((out, (dq, dk, dv)))
+    return results, ([errors for _, errors in per_rank] if bad_inputs else None)
+
+
+def _allocations(fn):
+    """Run ``fn`` under torch's CPU memory profiler; returns (its result, the byte sizes of the
+    allocations it made, in order, and the peak of the bytes it held at once)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    sizes, held, peak = [], 0, 0
+    for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+        if event.name() != "[memory]" or event.device_type() != torch.autograd.DeviceType.CPU:
+            continue
+        nbytes = event.nbytes()
+        if nbytes > 0:
+            sizes.append(nbytes)
+        held += nbytes
+        peak = max(peak, held)
+    return result, sizes, peak
+
+
+def _memory_worker(shapes, dtype, causal, layout):
+    """On every rank (CPU, gloo): the allocations of ring_forward and of ring_backward, measured apart
+    (the inputs and the forward's results are made outside the measured windows)."""
+    comm = RingComm()
+    g = torch.Generator().manual_seed(comm.rank)
+    q, k, v, d_out = (torch.randn(shape, generator=g).to(dtype) for shape in shapes)
+    compile_ring_kernels(q, k, comm.world, causal=causal, layout=layout)
+    options = dict(causal=causal, layout=layout)
+    ring_forward(q, k, v, comm, **options)  # warm: TileLang's and the allocator's first-call costs
+    (out, lse), forward_sizes, forward_peak = _allocations(lambda: ring_forward(q, k, v, comm, **options))
+    ring_backward(q, k, v, out, lse, d_out, comm, **options)
+    _, backward_sizes, backward_peak = _allocations(
+        lambda: ring_backward(q, k, v, out, lse, d_out, comm, **options))
+    return dict(forward=dict(sizes=forward_sizes, peak=forward_peak),
+                backward=dict(sizes=backward_sizes, peak=backward_peak))
+
+
+def lap_memory(q_shape, kv_shape, world=2, *, dtype=torch.float16, causal=False, layout="contiguous"):
+    """Measured on ``world`` CPU processes (gloo): per rank, {"forward"|"backward": {"peak": the most
+    bytes the lap held at once, above its inputs, "sizes": every allocation's bytes}} for shards of
+    ``q_shape`` and ``kv_shape`` (q, dO and k, v)."""
+    from .gloo import run_on_ranks
+
+    return run_on_ranks(_memory_worker, world, (q_shape, kv_shape, kv_shape, q_shape), dtype, causal, layout)
+
+
+def lap_memory_model(q_shape, kv_shape, world=2, *, dtype=torch.float16):
+    """The accounting of notes/ring_memory.md for a contiguous non-causal lap (every block whole):
+    {"forward"|"backward": (bytes of the whole-shard buffers the lap holds at its peak, what small
+    buffers may add: LSE-sized ones and the merge's float32 pieces)}, per rank, above the inputs."""
+    size = torch.empty((), dtype=dtype).element_size()
+    n_q, n_kv = math.prod(q_shape), math.prod(kv_shape)
+    row = math.prod(q_shape[:3]) * 4  # one float32 per query row: LSE, Δ, the merge's weights
+    kv_held = 2 * n_kv * size  # the receive buffer of K and V (one set on a ring of two)
+    sums = 2 * 2 * n_kv * (size if world <= 2 else max(size, 4))  # two sets of dK/dV buffers
+    piece = 4 * n_q // min(MERGE_PIECES, q_shape[0] * q_shape[1])  # one float32 piece of the merge
+    return {"forward": (kv_held + 2 * n_q * size, 8 * row + 2 * piece),  # running O, this step's O
+            "backward": (4 * n_q + kv_held + sums, 4 * row)}  # the float32 dQ sum
+
+
+def check_lap_memory(measured, q_shape, kv_shape, world=2, *, dtype=torch.float16):
+    """Raise AssertionError unless one rank's ``lap_memory`` result matches ``lap_memory_model``: each
+    peak within [model, model + small buffers], and no float32 buffer of a whole Q shard other than
+    the backward's dQ sum (none in the forward)."""
+    model = lap_memory_model(q_shape, kv_shape, world, dtype=dtype)
+    whole_f32 = 4 * math.prod(q_shape)
+    for phase, (big, small) in model.items():
+        peak = measured[phase]["peak"]
+        if not big <= peak <= big + small:
+            raise AssertionError(f"{phase}: peak {peak} bytes above the inputs; the accounting says {big} "
+                                 f"(+ up to {small} in small buffers)")
+        count = sum(n == whole_f32 for n in measured[phase]["sizes"])
+        allowed = 1 if phase == "backward" and dtype != torch.float32 else 0
+        if dtype != torch.float32 and count != allowed:
+            raise AssertionError(f"{phase}: {count} float32 buffers of a whole Q shard ({whole_f32} bytes); "
+                                 f"the accounting has {allowed}")
+    return model
+

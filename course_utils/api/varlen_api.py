@@ -1,0 +1,528 @@
+"""``flash_attention_varlen`` and ``flash_decode``: chapter 09's kernels behind FlashAttention's conventions.
+
+* ``flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``: a batch
+  of sequences of different lengths, packed without padding (``q`` is ``[total_q, H, D]``; sequence
+  ``b`` is rows ``cu_seqlens_q[b] … cu_seqlens_q[b+1] − 1``), each attended independently.
+  Differentiable with respect to q, k, v and sinks. FlashAttention's ``flash_attn_varlen_func``.
+* ``flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, ...)``: one decoding step
+  against a KV cache, contiguous or paged. FlashAttention's ``flash_attn_with_kvcache``.
+
+Every input is checked here, before anything is compiled or launched: a bad input gets a
+``ValueError`` (or ``TypeError``) that says what is wrong. Shapes, dtypes, devices and the
+``max_seqlen`` arguments are checked from what the host knows, with no wait for the GPU. The *values*
+of the index tensors (``cu_seqlens``, ``cache_seqlens``, ``block_table``) would have to be read back
+for a check, a wait for the GPU on every call (and no CUDA graph): ``check_indices=None`` (default)
+checks them only where they are CPU tensors already, ``True`` everywhere (a debug mode), ``False``
+never. Unchecked on the GPU, the decoding kernel clamps every index into the cache, so a bad one
+gives a wrong answer for its sequence, never a read outside the cache.
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..core.device import is_hopper
+from ..core.problem import AttentionProblem
+from ..kernels.flash_decode import (
+    choose_num_splits,
+    decode_config,
+    decode_rows,
+    flash_decode_kernel,
+    flash_decode_merge_kernel,
+)
+from ..kernels.flash_varlen import (
+    OWN_BARRIERS_PASS_CONFIGS,
+    SCHEDULES,
+    flash_varlen_bwd_kernel,
+    flash_varlen_fwd_kernel,
+    lse_row_layout,
+    scale_cast_kernel,
+    varlen_delta_kernel,
+    varlen_work_list,
+)
+from ..kernels.tiles import compile_kernel
+from .attention import BackwardConfig, ForwardConfig, default_backward_config, default_forward_config
+from .inputs import check_attention_inputs, sink_logits, sink_probability
+
+__all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_single_kernel",
+           "decode_num_splits",
+           "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG"]
+
+_CACHE_SIZE = 32
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+def _check_tensor(name, t, dims, layout):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have shape {layout}; got {tuple(t.shape)}")
+
+
+def _check_index_tensor(name, t, shape, device):
+    """An int32 index tensor of the given shape on ``device`` (FlashAttention's convention)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of dtype int32; got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must have dtype torch.int32; got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}; got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (with q); got {t.device}")
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _decode_split(pr, config):
+    func = flash_decode_kernel(pr.heads, pr.heads_kv, pr.dim, pr.seq_new, page_size=pr.page_size, causal=pr.causal,
+                               window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype, target=pr.target,
+                               **config._asdict())
+    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype, pass_configs=config.pass_configs())
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _decode_single(pr, config):
+    func = flash_decode_kernel(pr.heads, pr.heads_kv, pr.dim, pr.seq_new, page_size=pr.page_size, causal=pr.causal,
+                               window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype, target=pr.target,
+                               single=True, **config._asdict())
+    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype, pass_configs=config.pass_configs())
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _decode_merge(heads, dim, seq_new, dtype, target, allocates=True):
+    """``allocates``: the kernel returns (O, LSE), allocated by TileLang's wrapper; ``False``: the caller passes
+    them (``flash_decode``: the wrapper resolves each output's run-time shape on the host at every call)."""
+    return compile_kernel(flash_decode_merge_kernel(heads, dim, seq_new, dtype=dtype, target=target),
+                          out_idx=[3, 4] if allocates else [], target=target, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _no_block_table(batch, device):
+    """What a contiguous cache passes for the block table (the kernel never reads it)."""
+    return torch.zeros(batch, 1, dtype=torch.int32, device=device)
+
+
+def _cache_layout(q, k_cache, block_table):
+    """(capacity of each sequence's cache, page_size or None) after checking the cache's shape."""
+    batch = q.shape[0]
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"a contiguous cache has one row per sequence: k_cache.shape[0] must be {batch}; "
+                             f"got {k_cache.shape[0]}")
+        return k_cache.shape[1], None
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must have shape [batch, max_pages]; got {list(block_table.shape)}")
+    _check_index_tensor("block_table", block_table, (batch, block_table.shape[1]), q.device)
+    page_size = k_cache.shape[1]
+    if page_size == 0 or page_size % 16:
+        raise ValueError(f"page_size (k_cache.shape[1] = {page_size}) must be a positive multiple of 16 (a key "
+                         "tile never straddles two pages)")
+    return block_table.shape[1] * page_size, page_size
+
+
+def _decode_problem(q, k_cache, block_table, causal, window_size, sm_scale):
+    pr = AttentionProblem.decode(q, k_cache, page_size=None if block_table is None else k_cache.shape[1],
+                                 causal=causal, window_size=window_size, sm_scale=sm_scale)
+    return pr, decode_config(pr.target, pr.heads, pr.heads_kv, pr.dim, pr.seq_new, pr.page_size)
+
+
+def decode_kernels(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None,
+                   merge_allocates=True):
+    """The compiled (split, merge) kernels and their ``DecodeConfig`` that ``flash_decode`` runs here
+    with two splits or more (one split: ``decode_single_kernel``). The merge returns (O, LSE), or with
+    ``merge_allocates=False`` (as ``flash_decode`` calls it) writes them into its last two arguments."""
+    pr, config = _decode_problem(q, k_cache, block_table, causal, window_size, sm_scale)
+    return (_decode_split(pr, config), _decode_merge(pr.heads, pr.dim, pr.seq_new, pr.dtype, pr.target,
+                                                     merge_allocates), config)
+
+
+def decode_single_kernel(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None):
+    """The compiled one-split kernel ``flash_decode`` runs when one split suffices (no merge launch)."""
+    return _decode_single(*_decode_problem(q, k_cache, block_table, causal, window_size, sm_scale))
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_num_splits(q, k_cache, *, block_table=None):
+    """The split count ``flash_decode`` picks when ``num_splits=None`` (``choose_num_splits``).
+
+    It looks at shapes only (the cache's capacity, not ``cache_seqlens``), so choosing costs no wait
+    for the GPU; on the CPU it is 1.
+    """
+    if q.device.type != "cuda":
+        return 1
+    batch, seq_new, heads, dim = q.shape
+    heads_kv = k_cache.shape[2]
+    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    page_size = None if block_table is None else k_cache.shape[1]
+    config = decode_config("cuda", heads, heads_kv, dim, seq_new, page_size)
+    rows = decode_rows(heads, heads_kv, seq_new)
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return choose_num_splits(batch, heads_kv, capacity, num_sms=sms, config=config, dim=dim,
+                             row_tiles=math.ceil(rows / config.block_M))
+
+
+def _wants_index_check(check_indices, *tensors):
+    """``check_indices=None``: check where the index tensors are on the host already (free); on the GPU the
+    check would wait for it (a sync per call), so it runs only when asked for."""
+    if check_indices is None:
+        return all(t.device.type == "cpu" for t in tensors if t is not None)
+    if not isinstance(check_indices, bool):
+        raise ValueError(f"check_indices must be True, False or None; got {check_indices!r}")
+    return check_indices
+
+
+def _check_decode_indices(cache_seqlens, block_table, capacity, page_size, num_pages):
+    lengths = cache_seqlens.cpu()  # on a GPU: one wait for it
+    if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > capacity):
+        where = "the pages given (max_pages × page_size)" if page_size else "the cache (k_cache.shape[1])"
+        raise ValueError(f"cache_seqlens must lie in [0, {capacity}], the capacity of {where}; got values from "
+                         f"{int(lengths.min())} to {int(lengths.max())}")
+    if page_size is None:
+        return
+    table = block_table.cpu()
+    pages_used = (lengths.long() + page_size - 1) // page_size
+    used = torch.arange(table.shape[1])[None, :] < pages_used[:, None]
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the cache "
+                         f"(pages 0 … {num_pages - 1}); sequence {b} uses its first {int(pages_used[b])} entries")
+
+
+def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal=False, sm_scale=None,
+                 window_size=None, sinks=None, num_splits=None, return_lse=False, check_indices=None):
+    """One decoding step against a KV cache (FlashAttention's ``flash_attn_with_kvcache`` layout).
+
+    q: [B, S_new, H, D], the S_new new query tokens of each sequence. The cache is contiguous,
+    k_cache/v_cache [B, S_max, H_kv, D], or paged, [num_pages, page_size, H_kv, D] with an int32
+    ``block_table`` [B, max_pages] listing each sequence's pages in order. ``cache_seqlens`` (int32 [B])
+    counts each sequence's valid keys, the S_new new tokens (already written to the cache, last)
+    included. With ``causal``, new token i of sequence b sits at position ``cache_seqlens[b] − S_new + i``;
+    a ``window_size`` W (implies causal) lets it see its last W keys; ``sinks`` (float [H]) are
+    gpt-oss's per-head sink logits. ``num_splits`` (None: ``decode_num_splits``) is how many thread
+    blocks share one sequence's cache; with one split a single kernel writes the result (no merge
+    launch). Returns O [B, S_new, H, D] (and the natural-log LSE [B, H, S_new], float32, with
+    ``return_lse``). Forward only.
+
+    No wait for the GPU: every check of shapes, dtypes and devices uses what the host knows, and the
+    split count comes from shapes, so a decoding step can be captured in a CUDA graph and replayed with
+    new q, cache contents and ``cache_seqlens``. The *values* of the indices are not read on the host
+    unless they are there already: ``check_indices`` None (default) checks them (``cache_seqlens`` in
+    [0, capacity], the block-table entries a sequence uses naming pages of the cache; ValueError
+    otherwise) when they are CPU tensors, and not when they are on a GPU, where reading them would
+    stall every step (20–45% of a step on the H100, and no CUDA graph). ``True`` checks them anywhere
+    (a debug mode: one sync per call); ``False`` never. Unchecked, the kernel clamps every index into
+    the cache (a length into [0, capacity], a page number into [0, num_pages − 1]): a bad index gives
+    a wrong result for its own sequence, never a read outside the cache or a fault.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        layout = "[batch, new_tokens, heads, head_dim]" if name == "q" else \
+            "[batch, seq_max, heads_kv, head_dim] or [num_pages, page_size, heads_kv, head_dim]"
+        _check_tensor(name, t, 4, layout)
+    check_attention_inputs("flash_decode", q, k_cache, v_cache, layout="decode", sinks=sinks, window_size=window_size,
+                           sm_scale=sm_scale)
+    batch, seq_new = q.shape[:2]
+    if batch == 0 or seq_new == 0:
+        raise ValueError(f"q must hold at least one sequence and one new token; got {tuple(q.shape)}")
+    _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
+    capacity, page_size = _cache_layout(q, k_cache, block_table)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous (decoding reads the cache in place; a copy "
+                         "would cost more than the step)")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
+    if _wants_index_check(check_indices, cache_seqlens, block_table):
+        _check_decode_indices(cache_seqlens, block_table, capacity, page_size, k_cache.shape[0])
+    if window_size is not None and window_size >= capacity:
+        window_size, causal = None, True  # a window as long as the cache hides only what causal hides
+
+    splits = decode_num_splits(q, k_cache, block_table=block_table) if num_splits is None else num_splits
+    heads, dim = q.shape[2], q.shape[3]
+    # The kernels take dense index tensors; a strided view (block_table = wide[:, :n], a cache_seqlens view)
+    # is copied, as FlashAttention accepts it.
+    table = _no_block_table(batch, q.device) if block_table is None else block_table.contiguous()
+    lengths = cache_seqlens.contiguous()
+    kernel_args = dict(block_table=block_table, causal=causal, window_size=window_size, sm_scale=sm_scale)
+    if splits == 1:  # one kernel writes the result: no partials, no merge launch
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(batch, heads, seq_new, dtype=torch.float32, device=q.device)
+        decode_single_kernel(q, k_cache, **kernel_args)(q.contiguous(), k_cache, v_cache, table, lengths,
+                                                        sink_logits(sinks, heads, q.device), out, lse)
+        return (out, lse) if return_lse else out
+    split, merge, _ = decode_kernels(q, k_cache, merge_allocates=False, **kernel_args)
+    o_part = torch.empty(batch, seq_new, heads, splits, dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(batch, seq_new, heads, splits, dtype=torch.float32, device=q.device)
+    split(q.contiguous(), k_cache, v_cache, table, lengths, o_part, lse_part)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, seq_new, dtype=torch.float32, device=q.device)
+    merge(o_part, lse_part, sink_logits(sinks, heads, q.device), out, lse)
+    return (out, lse) if return_lse else out
+
+
+
+
+# ---------------------------------------------------------------------------------------------- varlen
+
+# The schedule both kernels use when none is given. Measured on the H100 (64k tokens in sequences of
+# 128–8192, 2026-11-23, two runs), the two are within 5% of each other once each block reads its
+# sequence's lengths once (before that, up to 1.5× apart): the grid ahead in the backward by 2–5%, the
+# forward within ±2%. The grid needs no work list. (The lists are made on the host from the lengths and
+# cached by them: every layer of a model sees the same batch.)
+VARLEN_SCHEDULE = "grid"
+# The packed forward on CUDA GPUs: chapter 03's loop with chapter 04's pipelining. On the H100 it was the
+# fastest of the loops and tilings tried for packed batches (chapter 07's rotated loop included; notes).
+VARLEN_CUDA_CONFIG = ForwardConfig(128, 128, 2, 256)
+
+
+class _Plan(NamedTuple):
+    """What the kernels need beyond the tensors: the longest lengths, and for the "list" schedule (whose
+    work lists are made on the host from ``cu_seqlens``) the work lists and the backward's LSE layout."""
+
+    max_seqlen_q: int
+    max_seqlen_k: int
+    forward_items: "torch.Tensor | None" = None  # "list" schedule only, on the device: (sequence, query block)
+    backward_items: "torch.Tensor | None" = None  # (sequence, key block), heaviest first
+    lse_index: "torch.Tensor | None" = None  # on the device; None: made on the device from cu_seqlens_q
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_block, bwd_config, causal, device):
+    """The "list" schedule's plan, from cu_seqlens read on the host (cached by them: every layer of a
+    model sees the same batch)."""
+    lengths_q = torch.tensor(bounds_q[1:]) - torch.tensor(bounds_q[:-1])
+    lengths_k = torch.tensor(bounds_k[1:]) - torch.tensor(bounds_k[:-1])
+    fwd = varlen_work_list(lengths_q, lengths_k, fwd_block, causal=causal).to(device)
+    bwd = varlen_work_list(lengths_q, lengths_k, bwd_config.block_N, causal=causal, by_keys=True).to(device)
+    _, index = lse_row_layout(bounds_q, bwd_config.block_M)
+    return _Plan(max_seqlen_q, max_seqlen_k, fwd, bwd, index.to(device))
+
+
+def _lse_rows(total_q, batch, block_M):
+    """The number of columns of ``lse_row_layout`` from host-known sizes (no read of cu_seqlens)."""
+    return (total_q + batch * block_M + block_M - 1) // block_M * block_M
+
+
+def _lse_index_on_device(cu_seqlens_q, total_q, block_M, rows):
+    """``lse_row_layout``'s index computed on the device from cu_seqlens_q (no wait for the GPU): token t
+    of sequence b goes to column t − cu_seqlens_q[b] + (cu_seqlens_q[b] + b·block_M) // block_M · block_M.
+    Clamped into [0, rows): unchecked bad cu_seqlens give wrong gradients, never a write out of bounds."""
+    cu = cu_seqlens_q.long()
+    t = torch.arange(total_q, device=cu.device)
+    b = torch.searchsorted(cu[1:], t, right=True)  # the sequence of each token: ends ≤ t come before it
+    q0 = cu[b.clamp(max=cu.shape[0] - 1)]
+    return (t - q0 + (q0 + b * block_M) // block_M * block_M).clamp(0, rows - 1)
+
+
+INT32_MAX = 2 ** 31 - 1
+
+
+def _check_max_seqlen(name, max_seqlen, total):
+    """An int the kernels' int32 grid can hold, and no longer than the packed tensor (host-known: no wait)."""
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"{name} must be an int; got {type(max_seqlen).__name__}")
+    if not 0 <= max_seqlen <= INT32_MAX:
+        raise ValueError(f"{name} = {max_seqlen} must lie in [0, 2**31 - 1]: the kernels take it as an int32")
+    if max_seqlen > total:
+        raise ValueError(f"{name} = {max_seqlen} is longer than the packed length {total}: no sequence can be")
+
+
+def _check_bounds(name, bounds, total, max_seqlen, max_name):
+    """cu_seqlens read on the host: starts at 0, never decreases, ends at the packed length."""
+    if bounds[0] != 0:
+        raise ValueError(f"{name}[0] must be 0 (prefix sums of the lengths); got {bounds[0]}")
+    for b in range(len(bounds) - 1):
+        if bounds[b + 1] < bounds[b]:
+            raise ValueError(f"{name} must be non-decreasing (prefix sums of the lengths); "
+                             f"{name}[{b + 1}] = {bounds[b + 1]} < {name}[{b}] = {bounds[b]}")
+    if bounds[-1] != total:
+        raise ValueError(f"{name}[-1] = {bounds[-1]} must equal the packed length {total} of the tensor")
+    longest = max(bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1))
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"{max_name} must be an int; got {type(max_seqlen).__name__}")
+    if max_seqlen < longest:
+        b = max(range(len(bounds) - 1), key=lambda i: bounds[i + 1] - bounds[i])
+        raise ValueError(f"{max_name} = {max_seqlen} is smaller than the length {longest} of sequence {b}")
+
+
+def _varlen_configs(target, dim, masked, config, backward_config):
+    if config is not None:
+        fwd = ForwardConfig(*config)
+        if fwd.pingpong:
+            raise ValueError("config.pingpong is not available for packed batches: the packed ping-pong loop never "
+                             "finished on the H100 (2026-11-23); leave it False")
+    elif target == "cuda":
+        fwd = VARLEN_CUDA_CONFIG
+    else:
+        fwd = default_forward_config("cpu", dim, masked)
+    bwd = BackwardConfig(*backward_config) if backward_config is not None else default_backward_config(
+        "cpu" if target == "c" else "cuda")
+    if fwd.kernel not in ("flash_fwd", "flash_fwd_hopper"):
+        raise ValueError(f"config.kernel must be 'flash_fwd' or 'flash_fwd_hopper'; got {fwd.kernel!r}")
+    if fwd.kernel == "flash_fwd_hopper" and not (target == "cuda" and is_hopper()):
+        raise ValueError("config.kernel='flash_fwd_hopper' is chapter 07's Hopper loop: it needs an sm_90 GPU")
+    return fwd, bwd
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _varlen_forward(pr, config, schedule):
+    hopper = config.kernel == "flash_fwd_hopper"
+    own = pr.target == "cuda" and not hopper and is_hopper()  # chapter 03's loop on sm_90: its own barriers
+    func = flash_varlen_fwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
+                                   window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
+                                   block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
+                                   threads=config.threads, schedule=schedule, target=pr.target, hopper=hopper,
+                                   own_barriers=own)
+    return compile_kernel(func, out_idx=[7, 8], target=pr.target, dtype=pr.dtype,
+                          pass_configs=OWN_BARRIERS_PASS_CONFIGS if own else None)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _varlen_backward(pr, config, schedule):
+    func = flash_varlen_bwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
+                                   window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
+                                   block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
+                                   threads=config.threads, schedule=schedule, target=pr.target)
+    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _varlen_small_kernels(dim, dtype, target):
+    """Δ and the scale-and-cast kernel: per-token work, the same for every batch and head count."""
+    small = dict(block=16 if target == "c" else 64, threads=1 if target == "c" else 128, target=target, dtype=dtype)
+    return (compile_kernel(varlen_delta_kernel(dim, **small), out_idx=[], target=target, dtype=dtype),
+            compile_kernel(scale_cast_kernel(dim, **small), out_idx=[2], target=target, dtype=dtype))
+
+
+def _schedule_arg(schedule, plan, forward):
+    if schedule == "grid":
+        return plan.max_seqlen_q if forward else plan.max_seqlen_k
+    return plan.forward_items if forward else plan.backward_items
+
+
+class _FlashAttentionVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_q, cu_k, plan, problem, config, backward_config, schedule):
+        fwd = _varlen_forward(problem, config, schedule)
+        logits = sink_logits(sinks, problem.heads, q.device)
+        out, lse = fwd(q, k, v, cu_q, cu_k, _schedule_arg(schedule, plan, True), logits)
+        ctx.save_for_backward(q, k, v, out, lse, logits, cu_q, cu_k)
+        ctx.args = (plan, problem, backward_config, schedule)
+        ctx.has_sinks = sinks is not None
+        return out, lse
+
+    @staticmethod
+    @once_differentiable  # the backward is kernels, not PyTorch ops
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse, logits, cu_q, cu_k = ctx.saved_tensors
+        plan, pr, config, schedule = ctx.args
+        delta_kernel, scale_cast = _varlen_small_kernels(pr.dim, pr.dtype, pr.target)
+        d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
+        total = q.shape[0]
+        delta = torch.empty(pr.heads, total, dtype=torch.float32, device=q.device)
+        delta_kernel(out, d_out, delta)
+        if d_lse is not None:  # ∂LSE_i/∂S_ij = P_ij: the LSE's gradient joins dS = P ∘ (dP − Δ) as Δ − dLSE
+            delta -= d_lse.float()
+        # Both in the block-aligned layout the copy engine can load (lse_row_layout).
+        rows = _lse_rows(q.shape[0], cu_q.shape[0] - 1, config.block_M)
+        index = plan.lse_index if plan.lse_index is not None else _lse_index_on_device(cu_q, q.shape[0],
+                                                                                       config.block_M, rows)
+        lse_rows, delta_rows = (torch.zeros(pr.heads, rows, dtype=torch.float32, device=q.device) for _ in range(2))
+        lse_rows[:, index] = lse
+        delta_rows[:, index] = delta
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        gqa = pr.heads_kv != pr.heads
+        dk, dv = ((torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)) if gqa
+                  else (torch.empty_like(k), torch.empty_like(v)))
+        _varlen_backward(pr, config, schedule)(q, k, v, d_out, lse_rows, delta_rows, cu_q, cu_k,
+                                               _schedule_arg(schedule, plan, False), dq_acc, dk, dv)
+        dq = scale_cast(dq_acc.view(-1, pr.dim), pr.sm_scale).view(q.shape)
+        if gqa:
+            dk, dv = (scale_cast(t.view(-1, pr.dim), 1.0).view(k.shape) for t in (dk, dv))
+        d_sinks = None
+        if ctx.has_sinks and ctx.needs_input_grad[3]:
+            # d(loss)/d(sink_h) = −Σ_t P_sink[h, t] · (Δ − dLSE)[h, t], with P_sink = exp(sink_h − LSE).
+            d_sinks = -(sink_probability(logits[:, None], lse) * delta).sum(dim=1)
+        return dq, dk, dv, d_sinks, None, None, None, None, None, None, None
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                           sm_scale=None, window_size=None, sinks=None, return_lse=False, schedule=None, config=None,
+                           backward_config=None, check_indices=None):
+    """Attention over a packed batch of variable-length sequences (FlashAttention's ``flash_attn_varlen_func``).
+
+    q: [total_q, H, D]; k, v: [total_k, H_kv, D] (H a multiple of H_kv: GQA). ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` (int32 [B + 1], on q's device) are the prefix sums of the lengths: sequence b is
+    q rows ``cu_seqlens_q[b] … cu_seqlens_q[b+1] − 1`` against k/v rows likewise; a sequence may be
+    empty. ``max_seqlen_*`` must be at least the longest length. Masking as in ``flash_attention``
+    for each sequence on its own (causal aligned bottom-right when its q and k lengths differ; a
+    ``window_size`` implies causal; ``sinks`` float [H]). Returns O [total_q, H, D] (and the
+    natural-log LSE [H, total_q], float32, with ``return_lse``). Differentiable once with respect to
+    q, k, v and sinks, through O and the LSE. ``schedule`` ("list" or "grid", see
+    ``course_utils.kernels.flash_varlen``), ``config`` (a ``ForwardConfig``) and ``backward_config`` choose
+    the kernels; the defaults are the fastest measured.
+
+    No wait for the GPU with the default "grid" schedule: as in FlashAttention's
+    ``flash_attn_varlen_func``, the caller passes ``max_seqlen_q``/``max_seqlen_k`` (known on the host
+    where the batch was packed), and the kernels take them from there instead of reading
+    ``cu_seqlens`` back. Checked without a read: each is an int in [0, 2³¹ − 1] (the kernels' int32)
+    and no longer than the packed q (k). The values of ``cu_seqlens`` (start at 0, non-decreasing, end
+    at the packed length, no sequence longer than ``max_seqlen_*``) are checked (ValueError) when
+    ``check_indices`` is True, or None (default) and they are CPU tensors; on a GPU, by default, they
+    are trusted (an unchecked bad ``cu_seqlens``, or a ``max_seqlen`` shorter than a sequence, gives
+    wrong results, and the backward's writes stay clamped in bounds). The "list" schedule makes its
+    work lists on the host, so it reads ``cu_seqlens`` (and checks them) on every call.
+    """
+    _check_tensor("q", q, 3, "[total_q, heads, head_dim]")
+    _check_tensor("k", k, 3, "[total_k, heads_kv, head_dim]")
+    _check_tensor("v", v, 3, "[total_k, heads_kv, head_dim]")
+    check_attention_inputs("flash_attention_varlen", q, k, v, layout="packed", sinks=sinks, window_size=window_size,
+                           sm_scale=sm_scale)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if isinstance(t, torch.Tensor) and t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D ([batch + 1]); got shape {list(t.shape)}")
+        _check_index_tensor(name, t, (t.shape[0] if isinstance(t, torch.Tensor) else 0,), q.device)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have batch + 1 ≥ 2 entries; got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        raise ValueError(f"the packed q and k must hold at least one token each; got {q.shape[0]} and {k.shape[0]}")
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0])
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0])
+    schedule = VARLEN_SCHEDULE if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
+    bounds_q = bounds_k = None
+    if schedule == "list" or _wants_index_check(check_indices, cu_seqlens_q):
+        bounds_q, bounds_k = tuple(cu_seqlens_q.tolist()), tuple(cu_seqlens_k.tolist())  # on a GPU: a wait for it
+        _check_bounds("cu_seqlens_q", bounds_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+        _check_bounds("cu_seqlens_k", bounds_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    if window_size is not None and window_size >= max_seqlen_k:
+        window_size, causal = None, True  # a window as long as every sequence hides only what causal hides
+    causal = bool(causal or window_size is not None)
+    problem = AttentionProblem.packed(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
+    fwd_config, bwd_config = _varlen_configs(problem.target, problem.dim, causal, config, backward_config)
+    plan = _plan(bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, fwd_config.block_M, bwd_config, causal,
+                 q.device) if schedule == "list" else _Plan(max_seqlen_q, max_seqlen_k)
+    out, lse = _FlashAttentionVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks,
+                                           cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), plan, problem,
+                                           fwd_config, bwd_config, schedule)
+    return (out, lse) if return_lse else out
+
+
+def varlen_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, schedule=None, config=None,
+                   backward_config=None):
+    """The compiled (forward, backward main) kernels ``flash_attention_varlen`` runs for q and k like these."""
+    problem = AttentionProblem.packed(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
+    fwd_config, bwd_config = _varlen_configs(problem.target, problem.dim, problem.causal, config, backward_config)
+    schedule = VARLEN_SCHEDULE if schedule is None else schedule
+    return _varlen_forward(problem, fwd_config, schedule), _varlen_backward(problem, bwd_config, schedule)

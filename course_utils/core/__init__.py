@@ -1,0 +1,1 @@
+"""Layer 1 (bottom): where the course runs, the peers' names, the reference attention, reading source."""

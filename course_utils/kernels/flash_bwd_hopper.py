@@ -1,0 +1,308 @@
+"""The Hopper backward of chapter 08: FlashAttention-3's schedule, with asynchronous wgmma.
+
+Same mathematics, inputs and outputs as chapter 05's ``flash_bwd_kernel`` (GQA, causal, sliding
+window, ragged lengths, S_q ≠ S_k; sinks and the LSE's gradient enter through Δ), for sm_90 GPUs
+only. One thread block owns ``block_N`` keys of one (batch, query head) and walks over the query
+blocks that see them; its two consumer warpgroups each own half of the keys. Per query block:
+
+    Sᵀ = K Qᵀ, dPᵀ = V dOᵀ          issued together; the exponentials start when Sᵀ is done
+    dSᵀ = Pᵀ ∘ (dPᵀ − Δ)            formed in registers, stored to shared memory (dQ needs dS by rows)
+    dV += Pᵀ dO, dQ = dS K, dK += dSᵀ Q    issued together; dQ goes to shared memory while dK runs
+    dQ_acc += dQ                     one bulk reduce-add by the copy engine (cp.reduce.async.bulk)
+
+``T.wgmma_gemm`` issues a batch of wgmmas without waiting; ``T.wait_wgmma(n)`` waits until at
+most ``n`` batches are in flight. TileLang adds the producer warpgroup that streams Q, dO, LSE
+and Δ with TMA, two stages deep. The kernel places its own two barriers per step (compile it
+with ``PASS_CONFIGS``): with two dSᵀ buffers, TileLang's conservative four are not needed.
+
+``deterministic=True`` builds the dK/dV half of the deterministic backward: no dQ, and one block
+sums dK and dV over every query head of its GQA group, so nothing is added atomically.
+``flash_bwd_hopper_dq_kernel`` is the other half: dQ with one block per query block, in a fixed
+order. The variations chapter 08 measures and does not keep are in ``flash_bwd_hopper_versions``.
+
+    python -m course_utils.check flash_bwd_hopper  # on an H100: check, then time against the peers
+"""
+
+import tilelang
+import tilelang.language as T
+
+from .flash_pieces import (
+    LOG2E,
+    block_needs_mask,
+    consumer_barrier,
+    key_block_range,
+    prelude,
+    query_block_range,
+    visible,
+)
+from .hopper_pieces import keep_stages_until_read
+
+__all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "needs_mask",
+           "query_steps", "key_steps", "padded_rows", "consumer_barrier", "PASS_CONFIGS"]
+
+ACCUM = "float32"
+# The main kernel places its own barriers (consumer_barrier); TileLang must not add its conservative ones.
+# Nor may it reuse shared memory: its reuse plan counts on the barriers it would have added. When the
+# loop over query blocks has one iteration (a one-key window, or S_q ≤ block_M), TileLang unrolls it and
+# puts dSᵀ over LSE/Δ and dQ's staging tile over K and V: one warpgroup's stores then overwrite what the
+# other is still reading (wrong dQ and dK in some runs; notes/hopper_backward.md).
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+                tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True}
+_DS_BARRIER, _DQ_BARRIER = 6, 5  # named barrier ids (TileLang's own syncs use 1-3, chapter 07's ping-pong 8-9)
+
+
+def needs_mask(p, qb, kb, block_M, block_N):
+    """Whether tile (query block ``qb``, key block ``kb``) has a hidden pair or a row past the queries' end."""
+    cond = block_needs_mask(p, qb, kb, block_M, block_N)
+    if p.seq_q % block_M:
+        cond = T.Or(cond, (qb + 1) * block_M > p.seq_q)
+    return cond
+
+
+def padded_rows(block_M):
+    """Rows of the LSE and Δ stage buffers: a multiple of 32 floats, so that every stage starts on the
+    128-byte boundary TMA needs (80 rows would put the second stage 320 bytes in)."""
+    return -(-block_M // 32) * 32
+
+
+def key_steps(p, qb, block_M, block_N):
+    """``(first, end, offset)`` over the key blocks query block ``qb`` sees (see ``query_steps``)."""
+    k_start, k_end = key_block_range(p, qb, block_M, block_N)
+    return (0, k_end - k_start, k_start) if p.window_size == 1 else (k_start, k_end, 0)
+
+
+def query_steps(p, kb, block_M, block_N):
+    """``(first, end, offset)``: loop ``step`` over ``[first, end)``; the query block is ``offset + step``.
+
+    A one-key window makes the range a single block, and TVM's bound analysis then rejects the
+    loop (chapter 05); counting from 0 avoids that.
+    """
+    q_start, q_end = query_block_range(p, kb, block_M, block_N)
+    return (0, q_end - q_start, q_start) if p.window_size == 1 else (q_start, q_end, 0)
+
+
+@T.macro
+def probabilities_t(p, PT, lse, qb, kb, block_M, block_N):
+    """Pᵀ = exp2(Sᵀ · scale · log2e − LSE · log2e) in place; hidden pairs are 0 (selection after QKᵀ).
+
+    The row of ``PT`` is a key, the column a query. Only tiles on a boundary pay for the mask.
+    """
+    if needs_mask(p, qb, kb, block_M, block_N):
+        for j, i in T.Parallel(block_N, block_M):
+            PT[j, i] = T.if_then_else(visible(p, qb * block_M + i, kb * block_N + j, guard_q=True),
+                                      T.exp2(PT[j, i] * p.scale_log2 - lse[i] * LOG2E), 0)
+    else:
+        for j, i in T.Parallel(block_N, block_M):
+            PT[j, i] = T.exp2(PT[j, i] * p.scale_log2 - lse[i] * LOG2E)
+
+
+def flash_bwd_hopper_kernel(
+    batch, heads, seq_q, seq_k, dim, *,
+    heads_kv=None, causal=False, window_size=None, sm_scale=None,
+    dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256, deterministic=False,
+):
+    """Return a ``@T.prim_func`` with chapter 05's contract: dK, dV and the float32 dQ accumulator.
+
+    ``(Q, K, V, dO, LSE, Δ, dQ_acc, dK, dV)``: dQ_acc must be zero on entry and receives Σ dS·K
+    (multiply by ``sm_scale`` afterwards); with GQA dK and dV are float32 accumulators, zero on
+    entry. ``block_N`` keys per block, ``block_M`` queries per step: when ``block_M`` is not a
+    multiple of 64 (FlashAttention-3's 80 at D = 128), the dQ product is computed transposed,
+    dQᵀ = Kᵀ dSᵀ, since a warpgroup's wgmma owns 64 rows of its output. ``threads`` counts the
+    consumer threads (two warpgroups); TileLang adds a producer warpgroup.
+
+    ``deterministic=True``: ``(Q, K, V, dO, LSE, Δ, dK, dV)``, no dQ, dK and dV in the input dtype;
+    the grid has one block per K/V head and the loop visits every query head of its group.
+    """
+    p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
+                sm_scale=sm_scale)
+    swap_dq = block_M % 64 != 0
+    stat_rows = padded_rows(block_M)
+    group = p.group if deterministic else 1  # query heads visited by one block
+    dkv_dtype = dtype if p.group == group else ACCUM
+    dq_shape = [dim, block_M] if swap_dq else [block_M, dim]
+
+    @T.macro
+    def main_loop(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, bx, by, bz):
+        K_s = T.alloc_shared([block_N, dim], dtype)
+        V_s = T.alloc_shared([block_N, dim], dtype)
+        Q_s = T.alloc_shared([block_M, dim], dtype)
+        dO_s = T.alloc_shared([block_M, dim], dtype)
+        lse = T.alloc_shared([stat_rows], ACCUM)
+        delta = T.alloc_shared([stat_rows], ACCUM)
+        PT = T.alloc_fragment([block_N, block_M], ACCUM)  # Sᵀ, then Pᵀ: keys are rows
+        dPT = T.alloc_fragment([block_N, block_M], ACCUM)
+        PT_cast = T.alloc_fragment([block_N, block_M], dtype)
+        dST_cast = T.alloc_fragment([block_N, block_M], dtype)
+        dv = T.alloc_fragment([block_N, dim], ACCUM)
+        dk = T.alloc_fragment([block_N, dim], ACCUM)
+        stage_in_use = T.alloc_local([1], dtype)
+        if not deterministic:
+            dST_s = T.alloc_shared([2, block_N, block_M], dtype)  # two buffers: no barrier before the store
+            dq = T.alloc_fragment(dq_shape, ACCUM)
+            dq_s = T.alloc_shared([block_M, dim], ACCUM)
+
+        kb = bx
+        if deterministic:
+            kv_head = by
+        else:
+            kv_head = by // p.group
+        T.copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s)
+        T.copy(V[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s)
+        T.clear(dv)
+        T.clear(dk)
+        first, end, offset = query_steps(p, kb, block_M, block_N)
+        if group > 1:
+            blocks = end - first
+            end = first + group * blocks
+        for step in T.Pipelined(first, end, num_stages=num_stages):
+            if group > 1:  # deterministic GQA: every query head of the group, one after the other
+                qb = offset + first + (step - first) % blocks
+                head = kv_head * group + (step - first) // blocks
+            else:
+                qb = offset + step
+                head = by
+            T.copy(Q[bz, head, qb * block_M:(qb + 1) * block_M, :], Q_s)
+            T.copy(dO[bz, head, qb * block_M:(qb + 1) * block_M, :], dO_s)
+            T.copy(LSE[bz, head, qb * block_M:(qb + 1) * block_M], lse[0:block_M])
+            T.copy(Delta[bz, head, qb * block_M:(qb + 1) * block_M], delta[0:block_M])
+            # region: one step
+            T.wgmma_gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+            T.wgmma_gemm(V_s, dO_s, dPT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+            T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still be running
+            probabilities_t(p, PT, lse, qb, kb, block_M, block_N)
+            T.wait_wgmma(0)
+            for j, i in T.Parallel(block_N, block_M):
+                dST_cast[j, i] = PT[j, i] * (dPT[j, i] - delta[i])  # dSᵀ (the scale comes later)
+            T.copy(PT, PT_cast)
+            if not deterministic:
+                T.copy(dST_cast, dST_s[step % 2, :, :])  # the other buffer may still feed the other warpgroup
+                consumer_barrier(_DS_BARRIER)
+            T.wgmma_gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += Pᵀ dO
+            if not deterministic:
+                if swap_dq:  # dQᵀ = Kᵀ dSᵀ
+                    T.wgmma_gemm(K_s, dST_s[step % 2, :, :], dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
+                                 clear_accum=True)
+                else:  # dQ = dS K
+                    T.wgmma_gemm(dST_s[step % 2, :, :], K_s, dq, transpose_A=True, clear_accum=True)
+            T.wgmma_gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
+            if not deterministic:
+                T.wait_wgmma(1)  # dV and dQ are done; dK may still be running
+                if swap_dq:
+                    for i, d in T.Parallel(block_M, dim):
+                        dq_s[i, d] = dq[d, i]
+                else:
+                    T.copy(dq, dq_s)
+                consumer_barrier(_DQ_BARRIER)
+                T.atomic_add(dQ_acc[bz, head, qb * block_M:(qb + 1) * block_M, :], dq_s, use_tma=True)
+            T.wait_wgmma(0)
+            keep_stages_until_read(stage_in_use, Q_s, dO_s)
+            # endregion
+
+        # region: epilogue
+        for j, d in T.Parallel(block_N, dim):
+            dk[j, d] *= p.sm_scale
+        if dkv_dtype == dtype:  # one block owns these rows of dK and dV
+            T.copy(dv, dV[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
+            T.copy(dk, dK[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
+        else:  # the query heads of a GQA group add into one K/V head
+            for j, d in T.Parallel(block_N, dim):
+                if kb * block_N + j < seq_k:
+                    T.atomic_add(dV[bz, kv_head, kb * block_N + j, d], dv[j, d])
+                    T.atomic_add(dK[bz, kv_head, kb * block_N + j, d], dk[j, d])
+        # endregion
+
+    grid = (p.blocks(seq_k, block_N), p.heads_kv if deterministic else heads, batch)
+    q_shape, kv_shape = [batch, heads, seq_q, dim], [batch, p.heads_kv, seq_k, dim]
+
+    if deterministic:
+        @T.prim_func
+        def flash_bwd_hopper_dkdv(
+            Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype),
+            dO: T.Tensor(q_shape, dtype), LSE: T.Tensor(q_shape[:3], ACCUM), Delta: T.Tensor(q_shape[:3], ACCUM),
+            dK: T.Tensor(kv_shape, dtype), dV: T.Tensor(kv_shape, dtype),
+        ):
+            with T.Kernel(*grid, threads=threads) as (bx, by, bz):
+                main_loop(Q, K, V, dO, LSE, Delta, None, dK, dV, bx, by, bz)
+
+        return flash_bwd_hopper_dkdv
+
+    @T.prim_func
+    def flash_bwd_hopper(
+        Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype),
+        dO: T.Tensor(q_shape, dtype), LSE: T.Tensor(q_shape[:3], ACCUM), Delta: T.Tensor(q_shape[:3], ACCUM),
+        dQ_acc: T.Tensor(q_shape, ACCUM), dK: T.Tensor(kv_shape, dkv_dtype), dV: T.Tensor(kv_shape, dkv_dtype),
+    ):
+        with T.Kernel(*grid, threads=threads) as (bx, by, bz):
+            main_loop(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, bx, by, bz)
+
+    return flash_bwd_hopper
+
+
+def flash_bwd_hopper_dq_kernel(
+    batch, heads, seq_q, seq_k, dim, *,
+    heads_kv=None, causal=False, window_size=None, sm_scale=None,
+    dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256,
+):
+    """Return a ``@T.prim_func`` ``(Q, K, V, dO, LSE, Δ, dQ)``: dQ alone, one block per query block.
+
+    The deterministic backward's other half. A block recomputes S and dP for its queries against
+    every key block they see (as the forward does) and accumulates dQ = scale · Σ dS K in registers,
+    always in the same order: nothing is added atomically, and dQ is written once, in the input dtype.
+    """
+    p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
+                sm_scale=sm_scale)
+    q_shape, kv_shape = [batch, heads, seq_q, dim], [batch, p.heads_kv, seq_k, dim]
+
+    @T.prim_func
+    def flash_bwd_hopper_dq(
+        Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype),
+        dO: T.Tensor(q_shape, dtype), LSE: T.Tensor(q_shape[:3], ACCUM), Delta: T.Tensor(q_shape[:3], ACCUM),
+        dQ: T.Tensor(q_shape, dtype),
+    ):
+        with T.Kernel(p.blocks(seq_q, block_M), heads, batch, threads=threads) as (bx, by, bz):
+            Q_s = T.alloc_shared([block_M, dim], dtype)
+            dO_s = T.alloc_shared([block_M, dim], dtype)
+            K_s = T.alloc_shared([block_N, dim], dtype)
+            V_s = T.alloc_shared([block_N, dim], dtype)
+            S = T.alloc_fragment([block_M, block_N], ACCUM)
+            dP = T.alloc_fragment([block_M, block_N], ACCUM)
+            dS_cast = T.alloc_fragment([block_M, block_N], dtype)
+            dq = T.alloc_fragment([block_M, dim], ACCUM)
+            lse = T.alloc_fragment([block_M], ACCUM)
+            delta = T.alloc_fragment([block_M], ACCUM)
+            stage_in_use = T.alloc_local([1], dtype)
+
+            qb = bx
+            kv_head = by // p.group
+            T.copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s)
+            T.copy(dO[bz, by, qb * block_M:(qb + 1) * block_M, :], dO_s)
+            for i in T.Parallel(block_M):
+                lse[i] = T.if_then_else(qb * block_M + i < seq_q, LSE[bz, by, qb * block_M + i] * LOG2E, 0)
+                delta[i] = T.if_then_else(qb * block_M + i < seq_q, Delta[bz, by, qb * block_M + i], 0)
+            T.clear(dq)
+            first, end, offset = key_steps(p, qb, block_M, block_N)
+            for step in T.Pipelined(first, end, num_stages=num_stages):
+                kb = offset + step
+                T.copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s)
+                T.copy(V[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s)
+                T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                T.wgmma_gemm(dO_s, V_s, dP, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                T.wait_wgmma(1)
+                if needs_mask(p, qb, kb, block_M, block_N):
+                    for i, j in T.Parallel(block_M, block_N):
+                        S[i, j] = T.if_then_else(visible(p, qb * block_M + i, kb * block_N + j, guard_q=True),
+                                                 T.exp2(S[i, j] * p.scale_log2 - lse[i]), 0)
+                else:
+                    for i, j in T.Parallel(block_M, block_N):
+                        S[i, j] = T.exp2(S[i, j] * p.scale_log2 - lse[i])
+                T.wait_wgmma(0)
+                for i, j in T.Parallel(block_M, block_N):
+                    dS_cast[i, j] = S[i, j] * (dP[i, j] - delta[i])
+                T.wgmma_gemm(dS_cast, K_s, dq, policy=T.GemmWarpPolicy.FullRow)  # dQ += dS K
+                T.wait_wgmma(0)
+                keep_stages_until_read(stage_in_use, K_s, V_s)
+            for i, d in T.Parallel(block_M, dim):
+                dq[i, d] *= p.sm_scale
+            T.copy(dq, dQ[bz, by, qb * block_M:(qb + 1) * block_M, :])
+
+    return flash_bwd_hopper_dq

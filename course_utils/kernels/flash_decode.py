@@ -1,0 +1,351 @@
+"""Decoding against a KV cache (chapter 09): split-KV attention with GQA packing, contiguous or paged.
+
+One decoding step brings ``S_new`` new query tokens per sequence (1 in plain generation) and
+attends over a long cache of keys and values. Two kernels do it:
+
+* ``flash_decode_kernel`` (the *split* kernel). One thread block owns one K/V head of one
+  sequence and one *split*, a contiguous range of the cache. Its query tile packs every query
+  head that shares that K/V head (GQA packing: ``group · S_new`` rows), so each K/V tile is read
+  from memory once for the whole group. It runs chapter 03's loop over its key blocks and writes
+  a *partial* result: O normalised over its own keys, and their log-sum-exp.
+* ``flash_decode_merge_kernel``. One thread block per (sequence, token, query head) combines the
+  partial results with chapter 02's merge of softmax states: with LSE = log Σ_s exp(LSE_s),
+  O = Σ_s exp(LSE_s − LSE) · O_s. A sink is one more partial state, with LSE_s = its logit and
+  O_s = 0, so the split kernel never sees it.
+
+The cache is either contiguous, ``[B, S_max, H_kv, D]``, or *paged* as in vLLM:
+``[num_pages, page_size, H_kv, D]`` with a block table ``[B, max_pages]`` that lists the pages of
+each sequence in order. A key tile of ``block_N`` keys then lies inside one page (``block_N``
+divides ``page_size``), so a paged load is a contiguous load from a looked-up page.
+
+Lengths come from ``cache_seqlens`` at run time, and the number of splits is the size of the
+partial buffers, so one compiled kernel serves every batch size, cache size and split count.
+
+    python -m course_utils.check flash_decode  # check against the reference (and time it, on a GPU)
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import tilelang
+import tilelang.language as T
+
+from .flash_pieces import (
+    ACCUM,
+    LOG2E,
+    NEG_INF,
+    key_range_of_queries,
+    natural_lse,
+    normalise_rows,
+    online_softmax,
+    prelude,
+    visible,
+    with_lengths,
+    zero_rows_past_end,
+)
+from .tiles import TileBackend
+
+__all__ = ["DecodeConfig", "DECODE_CONFIGS", "decode_config", "decode_rows", "flash_decode_kernel",
+           "flash_decode_merge_kernel", "choose_num_splits", "blocks_per_sm", "MAX_SPLITS"]
+
+
+class DecodeConfig(NamedTuple):
+    """The split kernel's tiling and schedule.
+
+    ``block_M`` packed query rows (None: fit them), ``block_N`` keys per tile, ``num_stages`` tiles
+    in flight; on the GPU, ``warp_specialize`` lets TileLang dedicate a producer warpgroup to the TMA
+    loads, and ``min_blocks`` > 0 asks the compiler to fit that many blocks on one SM (fewer
+    registers per thread: more blocks, so more loads, in flight).
+    """
+
+    block_N: int
+    num_stages: int
+    threads: int
+    block_M: "int | None" = None
+    warp_specialize: bool = True
+    min_blocks: int = 0
+
+    def pass_configs(self):
+        """TileLang pass options for compiling the split kernel with this config."""
+        return {} if self.warp_specialize else {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+
+
+# The CPU runs one thread per block; on the GPU the rows are padded to a tensor-core tile (16) and the
+# K/V tiles are streamed through shared memory a few stages ahead (decoding is a stream of loads).
+# On the GPU: three stages of K/V in flight per block, and two blocks per SM (ptxas then keeps the
+# registers under 128 per thread); TileLang's warp specialisation gives the TMA loads their own warpgroup.
+DECODE_CONFIGS = {"c": DecodeConfig(block_N=16, num_stages=1, threads=1),
+                  "cuda": DecodeConfig(block_N=128, num_stages=3, threads=128, warp_specialize=True, min_blocks=2)}
+MAX_SPLITS = 128
+
+
+def decode_rows(heads, heads_kv, seq_new):
+    """Rows of one packed query tile: every query head of a K/V group, for every new token."""
+    return heads // heads_kv * seq_new
+
+
+@functools.lru_cache(maxsize=64)  # called at every decoding step: the answer depends on these ints only
+def decode_config(target, heads, heads_kv, dim, seq_new, page_size=None):
+    """The tiling ``flash_decode`` uses: the target's default, with ``block_M`` fitted to the packed
+    rows and ``block_N`` shrunk, if needed, to divide the page size."""
+    config = DECODE_CONFIGS[target]
+    rows = decode_rows(heads, heads_kv, seq_new)
+    block_M = rows if target == "c" else min(64, max(16, 1 << (rows - 1).bit_length()))
+    block_N = config.block_N if target == "c" or dim <= 64 else config.block_N // 2  # same bytes per tile
+    while page_size is not None and page_size % block_N:
+        block_N //= 2
+    return config._replace(block_M=block_M, block_N=block_N)
+
+
+def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal=False, window_size=None,
+                        sm_scale=None, dtype="float16", block_M=None, block_N=128, num_stages=2, threads=128,
+                        warp_specialize=True, min_blocks=0, single=False, target=None):
+    """Return the split kernel: partial O and LSE of each (sequence, new token, query head, split).
+
+    Tensors: Q [B, S_new, H, D]; K, V [B, S_max, H_kv, D], or with ``page_size`` the pages
+    [num_pages, page_size, H_kv, D] and BlockTable [B, max_pages] (int32); CacheSeqlens [B] (int32,
+    the new tokens included); outputs O_part [B, S_new, H, splits, D] and LSE_part [B, S_new, H,
+    splits] in float32. New token ``s`` of sequence ``b`` sits at position
+    ``cache_seqlens[b] − S_new + s`` (``causal``; a ``window_size`` implies causal).
+    ``warp_specialize`` and ``min_blocks``: see ``DecodeConfig`` (compile with its ``pass_configs``).
+
+    ``single=True``: the one-split kernel, with no merge after it. Each block then owns a whole
+    sequence's cache, starts its running max at its rows' sinks (Sinks [H], float32, -inf for none)
+    and writes the final Output [B, S_new, H, D] (``dtype``) and LSE [B, H, S_new] itself: one launch
+    per decoding step instead of two, which is what a small cache costs (a launch, not a read).
+
+    Indices are clamped, never trusted: a length is read as ``min(max(cache_seqlens[b], 0),
+    capacity)`` and a page number as ``min(max(block_table[b, j], 0), num_pages − 1)``, so a bad index
+    (which ``flash_decode`` checks only on request: it would need the host to read the indices) gives
+    a wrong result for its sequence but never a read outside the cache.
+    """
+    tb = TileBackend(target)
+    p_model = prelude(heads, seq_new, 1, dim, heads_kv=heads_kv, causal=causal or window_size is not None,
+                      window_size=window_size, sm_scale=sm_scale)
+    rows = decode_rows(heads, heads_kv, seq_new)
+    group = p_model.group
+    block_M = rows if block_M is None else block_M
+    row_tiles = p_model.blocks(rows, block_M)
+    if page_size is not None and page_size % block_N:
+        raise ValueError(f"block_N ({block_N}) must divide page_size ({page_size})")
+    paged = page_size is not None
+
+    batch, splits = T.dynamic("batch, num_splits")
+    if paged:
+        num_pages, max_pages = T.dynamic("num_pages, max_pages")
+        cache_shape = [num_pages, page_size, heads_kv, dim]
+        capacity = max_pages * page_size
+    else:
+        seq_max = T.dynamic("seq_max")
+        cache_shape = [batch, seq_max, heads_kv, dim]
+        max_pages = 1
+        capacity = seq_max
+
+    @T.macro
+    def load_tile(Cache, BlockTable, tile, b, kv_head, kb):
+        # region: load a key tile
+        if paged:  # the page holding keys kb·block_N …, looked up in the block table (inline: no let
+            # binding, which warp specialisation would leave behind in the consumer's branch); a page
+            # number outside the pool is clamped into it (never a read outside the cache)
+            T.copy(Cache[T.max(T.min(BlockTable[b, kb * block_N // page_size], num_pages - 1), 0),
+                         kb * block_N % page_size:kb * block_N % page_size + block_N, kv_head, :], tile)
+        else:
+            T.copy(Cache[b, kb * block_N:(kb + 1) * block_N, kv_head, :], tile)
+        # endregion
+
+    @T.macro
+    def decode_block(Q, K, V, BlockTable, CacheSeqlens, Sinks, Out, Lse, bx, split, b, num_splits):
+        Q_s = tb.shared([block_M, dim], dtype)
+        K_s = tb.shared([block_N, dim], dtype)
+        V_s = tb.shared([block_N, dim], dtype)
+        S = tb.fragment([block_M, block_N], ACCUM)
+        P_s = tb.shared([block_M, block_N], dtype)  # the few rows' P goes to every warp of the PV gemm
+        acc_o = tb.fragment([block_M, dim], ACCUM)
+        m = tb.fragment([block_M], ACCUM)
+        m_prev = tb.fragment([block_M], ACCUM)
+        shift = tb.fragment([block_M], ACCUM)
+        alpha = tb.fragment([block_M], ACCUM)
+        row_sum = tb.fragment([block_M], ACCUM)
+        l = tb.fragment([block_M], ACCUM)  # noqa: E741
+        if tb.on_gpu and min_blocks:
+            T.annotate_min_blocks_per_sm(min_blocks)
+            if warp_specialize:
+                T.no_set_max_nreg()  # the consumers must not claim the registers the other blocks need
+
+        # region: packed query tile
+        kv_head = bx // row_tiles
+        first_row = bx % row_tiles * block_M  # row r of the group: new token r // group, head r % group
+        p = with_lengths(p_model, seq_new, T.max(T.min(CacheSeqlens[b], capacity), 0))  # clamped: see above
+        for i, d in tb.parallel(block_M, dim):
+            r = T.min(first_row + i, rows - 1)  # padding rows repeat the last row; never stored
+            Q_s[i, d] = Q[b, r // group, kv_head * group + r % group, d]
+        # endregion
+
+        # region: this split's key blocks
+        last_row = T.min(first_row + block_M, rows) - 1
+        start, end = key_range_of_queries(p, first_row // group, last_row // group + 1, block_N)
+        blocks = T.max(end - start, 0)
+        # Splits differ by at most one key block (truncdiv: every term is ≥ 0, so no sign fix-ups).
+        split_start = start + T.truncdiv(split * blocks, num_splits)
+        split_tiles = start + T.truncdiv((split + 1) * blocks, num_splits) - split_start
+        # endregion
+        T.fill(acc_o, 0)
+        T.fill(l, 0)
+        if single:  # the sink counts in the running max from the start (one sink per row: its query head)
+            for i in tb.parallel(block_M):
+                m[i] = Sinks[kv_head * group + T.min(first_row + i, rows - 1) % group] * (1.0 / p.sm_scale)
+        else:
+            T.fill(m, NEG_INF)
+
+        for t in T.Pipelined(split_tiles, num_stages=num_stages):
+            kb = split_start + t
+            load_tile(K, BlockTable, K_s, b, kv_head, kb)
+            T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+            for i, j in tb.parallel(block_M, block_N):  # every tile: a decoding tile is mostly boundary
+                S[i, j] = T.if_then_else(visible(p, (first_row + i) // group, kb * block_N + j), S[i, j], NEG_INF)
+            online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
+            T.copy(S, P_s)
+            for i, d in tb.parallel(block_M, dim):
+                acc_o[i, d] *= alpha[i]
+            load_tile(V, BlockTable, V_s, b, kv_head, kb)
+            zero_rows_past_end(tb, V_s, kb * block_N, p.seq_k, block_N, dim)  # never-written cache slots
+            T.gemm(P_s, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+        if single:
+            # region: final result
+            for i in tb.parallel(block_M):  # add each row's sink (≤ 1 against m, which includes it)
+                shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] * p.scale_log2)
+                l[i] += T.exp2(Sinks[kv_head * group + T.min(first_row + i, rows - 1) % group] * LOG2E - shift[i])
+            for i, d in tb.parallel(block_M, dim):
+                acc_o[i, d] = T.if_then_else(l[i] == 0, 0, acc_o[i, d] / l[i])
+            for i, d in tb.parallel(block_M, dim):
+                if first_row + i < rows:
+                    Out[b, (first_row + i) // group, kv_head * group + (first_row + i) % group, d] = \
+                        T.cast(acc_o[i, d], dtype)
+            for i in tb.parallel(block_M):
+                if first_row + i < rows:
+                    Lse[b, kv_head * group + (first_row + i) % group, (first_row + i) // group] = \
+                        natural_lse(l[i], shift[i])
+            # endregion
+        else:
+            # region: partial result
+            normalise_rows(tb, p, acc_o, l, m, shift, None, 0, block_M, dim, False)  # the sink joins in the merge
+            for i, d in tb.parallel(block_M, dim):  # row r: new token r // group, query head of the group r % group
+                if first_row + i < rows:
+                    Out[b, (first_row + i) // group, kv_head * group + (first_row + i) % group, split, d] = \
+                        acc_o[i, d]
+            for i in tb.parallel(block_M):
+                if first_row + i < rows:
+                    Lse[b, (first_row + i) // group, kv_head * group + (first_row + i) % group, split] = \
+                        natural_lse(l[i], shift[i])
+            # endregion
+
+    if single:
+        @T.prim_func
+        def flash_decode_single(
+            Q: T.Tensor([batch, seq_new, heads, dim], dtype),
+            K: T.Tensor(cache_shape, dtype),
+            V: T.Tensor(cache_shape, dtype),
+            BlockTable: T.Tensor([batch, max_pages], "int32"),
+            CacheSeqlens: T.Tensor([batch], "int32"),
+            Sinks: T.Tensor([heads], ACCUM),
+            Output: T.Tensor([batch, seq_new, heads, dim], dtype),
+            LSE: T.Tensor([batch, heads, seq_new], ACCUM),
+        ):
+            with tb.kernel(heads_kv * row_tiles, batch, threads=threads) as (bx, b):
+                decode_block(Q, K, V, BlockTable, CacheSeqlens, Sinks, Output, LSE, bx, 0, b, 1)
+
+        return flash_decode_single
+
+    @T.prim_func
+    def flash_decode_split(
+        Q: T.Tensor([batch, seq_new, heads, dim], dtype),
+        K: T.Tensor(cache_shape, dtype),
+        V: T.Tensor(cache_shape, dtype),
+        BlockTable: T.Tensor([batch, max_pages], "int32"),
+        CacheSeqlens: T.Tensor([batch], "int32"),
+        O_part: T.Tensor([batch, seq_new, heads, splits, dim], ACCUM),
+        LSE_part: T.Tensor([batch, seq_new, heads, splits], ACCUM),
+    ):
+        # K/V head fastest: the blocks that run together read neighbouring slices of the same cache rows.
+        with tb.kernel(heads_kv * row_tiles, splits, batch, threads=threads) as (bx, split, b):
+            decode_block(Q, K, V, BlockTable, CacheSeqlens, None, O_part, LSE_part, bx, split, b, splits)
+
+    return flash_decode_split
+
+
+def flash_decode_merge_kernel(heads, dim, seq_new, *, dtype="float16", threads=None, target=None):
+    """Return the merge kernel: O [B, S_new, H, D] (``dtype``) and the natural-log LSE [B, H, S_new].
+
+    Combines the partial states of every split, and the sink (logit ``Sinks[h]``; -inf for none):
+    LSE = log(e^{sink} + Σ_s e^{LSE_s}), O = Σ_s e^{LSE_s − LSE} · O_s. A row that saw no key and has
+    no sink gets O = 0 and LSE = -inf.
+    """
+    tb = TileBackend(target)
+    threads = dim if threads is None else threads
+    batch, splits = T.dynamic("batch, num_splits")
+
+    @T.prim_func
+    def flash_decode_merge(
+        O_part: T.Tensor([batch, seq_new, heads, splits, dim], ACCUM),
+        LSE_part: T.Tensor([batch, seq_new, heads, splits], ACCUM),
+        Sinks: T.Tensor([heads], ACCUM),
+        Output: T.Tensor([batch, seq_new, heads, dim], dtype),
+        LSE: T.Tensor([batch, heads, seq_new], ACCUM),
+    ):
+        with tb.kernel(heads, seq_new, batch, threads=threads) as (h, s, b):
+            # Per-row scalars: every thread keeps its own copy (no communication needed).
+            shift = T.alloc_local([1], ACCUM)  # max over the states, in exp2 units (0 while it is -inf)
+            l = T.alloc_local([1], ACCUM)  # noqa: E741
+            lse2 = T.alloc_local([1], ACCUM)
+            weight = T.alloc_local([1], ACCUM)
+            acc = tb.fragment([dim], ACCUM)
+
+            # region: merge
+            shift[0] = Sinks[h] * LOG2E
+            for split in T.serial(splits):
+                shift[0] = T.max(shift[0], LSE_part[b, s, h, split] * LOG2E)
+            shift[0] = T.if_then_else(shift[0] == NEG_INF, 0, shift[0])
+            l[0] = T.exp2(Sinks[h] * LOG2E - shift[0])  # the sink: a state with LSE = its logit and O = 0
+            for split in T.serial(splits):
+                l[0] += T.exp2(LSE_part[b, s, h, split] * LOG2E - shift[0])
+            lse2[0] = shift[0] + T.log2(l[0])
+            T.fill(acc, 0)
+            for split in T.serial(splits):
+                weight[0] = T.if_then_else(l[0] == 0, 0, T.exp2(LSE_part[b, s, h, split] * LOG2E - lse2[0]))
+                for d in tb.parallel(dim):
+                    acc[d] += weight[0] * O_part[b, s, h, split, d]
+            # endregion
+            for d in tb.parallel(dim):
+                Output[b, s, h, d] = T.cast(acc[d], dtype)
+            LSE[b, h, s] = natural_lse(l[0], shift[0])
+
+    return flash_decode_merge
+
+
+def blocks_per_sm(config, dim, dtype_bytes=2, smem_per_sm=228 * 1024):
+    """How many split-kernel blocks fit on one SM by shared memory (Q tile + K/V stages)."""
+    smem = (config.block_M * dim + 2 * config.num_stages * config.block_N * dim) * dtype_bytes
+    return max(1, min(8, smem_per_sm // (smem + 1024)))
+
+
+def choose_num_splits(batch, heads_kv, capacity, *, num_sms, config, dim, row_tiles=1, max_splits=MAX_SPLITS,
+                      min_blocks_per_split=None):
+    """How many splits one decoding step uses, from (B, H_kv, cache capacity) and the GPU's SMs.
+
+    Without splitting there are B·H_kv·row_tiles thread blocks; the GPU runs ``num_sms ·
+    blocks_per_sm`` of them at once (one *wave*). When they fill a wave already, splitting only adds
+    merge work: 1 split, and one kernel (no merge launch). Otherwise use as many splits as still fit
+    in one wave, so every block starts at once and they all finish together (one more split would
+    spill a few blocks into a second, nearly empty wave), but give every split at least
+    ``min_blocks_per_split`` key tiles (default: ``num_stages + 1``, so its pipeline fills; a split
+    shorter than that is a launch and a merge for a few loads).
+    """
+    if min_blocks_per_split is None:
+        min_blocks_per_split = config.num_stages + 1
+    blocks = batch * heads_kv * row_tiles
+    wave = num_sms * blocks_per_sm(config, dim)
+    key_blocks = math.ceil(capacity / config.block_N)
+    splits = wave // blocks
+    return int(max(1, min(splits, max_splits, key_blocks // min_blocks_per_split)))

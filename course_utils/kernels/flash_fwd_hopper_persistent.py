@@ -1,0 +1,274 @@
+"""The persistent Hopper forward: chapter 07's rotated loop with the producer/consumer protocol written out.
+
+``flash_fwd_hopper_kernel`` leaves the warp specialisation to TileLang: one thread block per
+query tile, and a producer warpgroup that TileLang derives from the ``T.Pipelined`` loop. Short
+sequences and causal masks pay for that twice. Each block loads Q and the first K tile, and
+stores O, with its tensor cores idle; and the hardware hands out blocks head by head, so the
+heavy causal tiles of the last heads start late and leave SMs idle at the end.
+
+This kernel (FlashAttention-3's structure, written with TileLang's explicit barriers):
+
+* is **persistent**: one block per SM walks a list of tiles, so the producer loads the next
+  tile's Q, K and V while the consumers finish the current tile's last P·V and store its O;
+* **folds the causal triangle**: a block takes the tiles of a head in pairs, the heaviest query
+  block with the lightest (7 with 0, 6 with 1, ...), so every pair costs the same and a static
+  round-robin keeps all SMs equally busy; consecutive pairs stay in one head, so its K and V are
+  read from L2 by many SMs at once;
+* **peels the rotated loop**: the first QKᵀ and softmax run before the loop and the last P·V after
+  it, so no idle matmul is issued (``flash_fwd_hopper_kernel`` issues two per tile instead);
+* runs ``block_M // 64`` consumer warpgroups (3 at block_M = 192: FlashAttention-3's tiling for
+  D = 64), optionally taking turns to issue their matmuls (``pingpong``).
+
+The protocol: for each shared buffer, a *full* mbarrier (the producer's TMA has landed) and an
+*empty* one (every consumer thread is done reading). Producer and consumers walk the same tiles
+and count the key blocks they have passed (``it``): a block's stage is ``it % stages`` and the
+parity to wait for flips each time the stages wrap around.
+
+    python -m course_utils.check flash_fwd_hopper_persistent# on an H100: check, then time against the peers
+"""
+
+import tilelang.language as T
+
+from .flash_pieces import (
+    ACCUM,
+    forward_epilogue,
+    init_running_max,
+    key_block_range,
+    mask_scores,
+    online_softmax,
+    prelude,
+)
+from .tiles import TileBackend
+
+__all__ = ["flash_fwd_hopper_persistent_kernel", "tile_count", "tile_order", "tiles_per_block", "tile_index",
+           "persistent_schedule", "H100_SMS"]
+
+H100_SMS = 132  # multiprocessors of an H100 SXM5: one persistent block each
+_TURN_BARRIER = 8  # named barriers 8, 9, 10: one per consumer warpgroup (TileLang uses the low ids)
+
+
+def tile_count(p, batch, block_M):
+    """How many (batch, head, query block) tiles the problem has."""
+    return batch * p.heads * p.blocks(p.seq_q, block_M)
+
+
+def tile_order(p, index, block_M):
+    """The (batch, head, query block) of the ``index``-th tile, in the order the blocks take them.
+
+    Tiles of one head are consecutive. With a mask the query blocks of a head go heaviest,
+    lightest, second heaviest, ... so that the two tiles of every pair cost about the same in
+    total (the causal triangle folded in half).
+    """
+    n_qb = p.blocks(p.seq_q, block_M)
+    bh, i = index // n_qb, index % n_qb
+    qb = T.if_then_else(i % 2 == 0, n_qb - 1 - i // 2, i // 2) if p.masked else i
+    return bh // p.heads, bh % p.heads, qb
+
+
+def tiles_per_block(total, num_ctas, cta):
+    """How many tiles persistent block ``cta`` takes: pairs ``cta``, ``cta + num_ctas``, ... of the tile list."""
+    pairs = (total + 1) // 2
+    own_last_odd_pair = (total % 2) * T.if_then_else(cta == (pairs - 1) % num_ctas, 1, 0)
+    return 2 * T.ceildiv(T.max(pairs - cta, 0), num_ctas) - own_last_odd_pair
+
+
+def tile_index(num_ctas, cta, w):
+    """The tile list index of block ``cta``'s ``w``-th tile (two consecutive tiles per pair)."""
+    return 2 * (cta + (w // 2) * num_ctas) + w % 2
+
+
+def persistent_schedule(p, batch, block_M, num_ctas):
+    """The (batch, head, query block) tiles each persistent block takes, in order: the kernel's own
+    schedule functions evaluated in Python (for pictures and tests)."""
+    from tilelang import tvm
+
+    analyzer = tvm.arith.Analyzer()
+
+    def value(expr):
+        return expr if isinstance(expr, int) else int(analyzer.simplify(expr))
+
+    total = tile_count(p, batch, block_M)
+    num_ctas = max(1, min(num_ctas, (total + 1) // 2))
+    return [[tuple(value(x) for x in tile_order(p, value(tile_index(num_ctas, cta, w)), block_M))
+             for w in range(value(tiles_per_block(total, num_ctas, cta)))] for cta in range(num_ctas)]
+
+
+@T.macro
+def wait_for_turn(n_warpgroups):
+    """Block until the previous consumer warpgroup has issued its matmuls (ping-pong, any count)."""
+    warpgroup = T.get_thread_binding() // 128 - 1
+    T.call_extern("handle", "tl::__sync_thread_partial", _TURN_BARRIER + warpgroup, 256)
+
+
+@T.macro
+def pass_turn(n_warpgroups):
+    """Let the next consumer warpgroup issue its matmuls."""
+    warpgroup = T.get_thread_binding() // 128 - 1
+    T.call_extern("handle", "tl::__named_barrier_arrive", _TURN_BARRIER + (warpgroup + 1) % n_warpgroups, 256)
+
+
+@T.macro
+def first_turn(n_warpgroups):
+    """The last warpgroup hands the first turn to warpgroup 0, once per kernel."""
+    if T.get_thread_binding() // 128 - 1 == n_warpgroups - 1:
+        T.call_extern("handle", "tl::__named_barrier_arrive", _TURN_BARRIER, 256)
+
+
+def flash_fwd_hopper_persistent_kernel(
+    batch, heads, seq_q, seq_k, dim, *,
+    heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
+    dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, pingpong=False, num_ctas=H100_SMS,
+    order=tile_order, exp2=None, row_sums=None,
+):
+    """Return a ``@T.prim_func`` computing O and LSE; parameters as in ``flash_fwd_hopper_kernel``.
+
+    ``threads`` counts the consumer threads: one warpgroup of 128 per 64 query rows, so
+    ``threads = 2 * block_M``; a producer warpgroup is added. ``num_ctas`` is how many persistent
+    blocks to launch (one per SM).
+
+    The steps chapter 07's ablation swaps (``kernels/versions``) are arguments: ``order(p, index,
+    block_M)`` -> (batch, head, query block) of a tile (``tile_order``: the causal triangle folded);
+    ``exp2`` and ``row_sums`` are ``online_softmax``'s exponential and its fold of the row sums into
+    the denominator (``row_sums``: a ``RowSums`` of ``kernels.versions``, with tiles of its own, zeroed
+    per tile and finished before the epilogue).
+    """
+    if threads != 2 * block_M or block_M % 64:
+        raise ValueError(f"the persistent kernel runs one consumer warpgroup per 64 query rows: block_M must be "
+                         f"a multiple of 64 and threads = 2 * block_M; got block_M={block_M}, threads={threads}")
+    tb = TileBackend("cuda")
+    p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
+                sm_scale=sm_scale)
+    consumers = block_M // 64
+    n_kb = p.blocks(seq_k, block_N)
+    total = tile_count(p, batch, block_M)
+    num_ctas = max(1, min(num_ctas, (total + 1) // 2))
+    add_row_sums = None if row_sums is None else row_sums.add
+
+    @T.prim_func
+    def flash_fwd_hopper_persistent(
+        Q: T.Tensor([batch, heads, seq_q, dim], dtype),
+        K: T.Tensor([batch, p.heads_kv, seq_k, dim], dtype),
+        V: T.Tensor([batch, p.heads_kv, seq_k, dim], dtype),
+        Sinks: T.Tensor([heads], ACCUM),
+        Output: T.Tensor([batch, heads, seq_q, dim], dtype),
+        LSE: T.Tensor([batch, heads, seq_q], ACCUM),
+    ):
+        with T.Kernel(num_ctas, threads=threads + 128) as cta:
+            Q_s = T.alloc_shared([block_M, dim], dtype)
+            K_s = T.alloc_shared([num_stages, block_N, dim], dtype)
+            V_s = T.alloc_shared([num_stages, block_N, dim], dtype)
+            O_s = T.alloc_shared([block_M, dim], dtype)
+            S = T.alloc_fragment([block_M, block_N], ACCUM)
+            P = T.alloc_fragment([block_M, block_N], dtype)
+            acc_o = T.alloc_fragment([block_M, dim], ACCUM)
+            m = T.alloc_fragment([block_M], ACCUM)
+            m_prev = T.alloc_fragment([block_M], ACCUM)
+            shift = T.alloc_fragment([block_M], ACCUM)
+            alpha = T.alloc_fragment([block_M], ACCUM)
+            row_sum = T.alloc_fragment([block_M], ACCUM)
+            l = T.alloc_fragment([block_M], ACCUM)  # noqa: E741
+            l_part = row_sums.tiles(block_M) if row_sums is not None else None
+            # Full: the 128 producer threads arrive and the TMA bytes land. Empty: every consumer thread arrives.
+            q_full = T.alloc_barrier(128)
+            q_empty = T.alloc_barrier(threads)
+            k_full = T.alloc_barrier([128] * num_stages)
+            k_empty = T.alloc_barrier([threads] * num_stages)
+            v_full = T.alloc_barrier([128] * num_stages)
+            v_empty = T.alloc_barrier([threads] * num_stages)
+            it = T.alloc_var("int32", init=0)  # key blocks passed so far, over all tiles of this block
+
+            if T.get_thread_binding() < 128:
+                # region: producer
+                T.set_max_nreg(24, 0)
+                for w in T.serial(tiles_per_block(total, num_ctas, cta)):
+                    bz, by, qb = order(p, tile_index(num_ctas, cta, w), block_M)
+                    kv_head = by // p.group
+                    k_start, k_end = key_block_range(p, qb, block_M, block_N)
+                    T.mbarrier_wait_parity(q_empty[0], (w & 1) ^ 1)  # the previous tile's last QKᵀ is done
+                    T.tma_copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s, barrier=q_full[0])
+                    T.mbarrier_arrive(q_full[0])
+                    # At least one key block, so a tile that sees no key still runs (fully masked) and writes 0.
+                    for j in T.serial(T.max(k_end - k_start, 1)):
+                        kb = T.max(T.min(k_start + j, n_kb - 1), 0)
+                        stage, phase = it % num_stages, (it // num_stages) & 1
+                        T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
+                        T.tma_copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s[stage, :, :],
+                                   barrier=k_full[stage])
+                        T.mbarrier_arrive(k_full[stage])
+                        T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
+                        T.tma_copy(V[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s[stage, :, :],
+                                   barrier=v_full[stage])
+                        T.mbarrier_arrive(v_full[stage])
+                        it = it + 1
+                # endregion
+            else:
+                T.set_max_nreg(240 if consumers == 2 else 160, 1)
+                if pingpong:
+                    first_turn(consumers)
+                for w in T.serial(tiles_per_block(total, num_ctas, cta)):
+                    bz, by, qb = order(p, tile_index(num_ctas, cta, w), block_M)
+                    k_start, k_end = key_block_range(p, qb, block_M, block_N)
+                    T.fill(acc_o, 0)
+                    T.fill(l, 0)
+                    if row_sums is not None:
+                        row_sums.start(l_part)
+                    init_running_max(tb, p, m, Sinks, by, block_M, has_sinks)
+                    T.mbarrier_wait_parity(q_full[0], w & 1)
+
+                    # region: peeled loop
+                    # The first key block: scores and softmax only.
+                    stage = it % num_stages
+                    T.mbarrier_wait_parity(k_full[stage], (it // num_stages) & 1)
+                    if pingpong:
+                        wait_for_turn(consumers)
+                    T.wgmma_gemm(Q_s, K_s[stage, :, :], S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                                 clear_accum=True)
+                    if pingpong:
+                        pass_turn(consumers)
+                    T.wait_wgmma(0)
+                    T.mbarrier_arrive(k_empty[stage])
+                    mask_scores(tb, p, S, qb, T.max(T.min(k_start, n_kb - 1), 0), block_M, block_N)
+                    online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
+                                   exp2=exp2, add_row_sums=add_row_sums, row_parts=l_part)
+                    T.copy(S, P)
+                    # Each step: QKᵀ of block j and P·V of block j - 1 in flight, softmax of block j under P·V.
+                    for j in T.serial(1, T.max(k_end - k_start, 1)):
+                        k_stage, v_stage = (it + 1) % num_stages, it % num_stages
+                        T.mbarrier_wait_parity(k_full[k_stage], ((it + 1) // num_stages) & 1)
+                        if pingpong:
+                            wait_for_turn(consumers)
+                        T.wgmma_gemm(Q_s, K_s[k_stage, :, :], S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                                     clear_accum=True)
+                        T.mbarrier_wait_parity(v_full[v_stage], (it // num_stages) & 1)
+                        T.wgmma_gemm(P, V_s[v_stage, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        if pingpong:
+                            pass_turn(consumers)
+                        T.wait_wgmma(1)  # the scores are ready; P·V may still be running
+                        T.mbarrier_arrive(k_empty[k_stage])
+                        mask_scores(tb, p, S, qb, k_start + j, block_M, block_N)
+                        online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
+                                       exp2=exp2, add_row_sums=add_row_sums, row_parts=l_part)
+                        T.wait_wgmma(0)
+                        T.mbarrier_arrive(v_empty[v_stage])
+                        for i, d in T.Parallel(block_M, dim):
+                            acc_o[i, d] *= alpha[i]
+                        T.copy(S, P)
+                        it = it + 1
+                    T.mbarrier_arrive(q_empty[0])  # the producer may load the next tile's Q
+                    # The last key block: P·V only.
+                    v_stage = it % num_stages
+                    T.mbarrier_wait_parity(v_full[v_stage], (it // num_stages) & 1)
+                    T.wgmma_gemm(P, V_s[v_stage, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(0)
+                    T.mbarrier_arrive(v_empty[v_stage])
+                    it = it + 1
+                    # endregion
+                    if row_sums is not None:
+                        row_sums.finish(l_part, l)
+
+                    T.tma_store_wait()
+                    forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by, qb, block_M, dim,
+                                     has_sinks, wait_for_store=False)
+                T.tma_store_wait()  # the last O store must have read shared memory before the block exits
+
+    return flash_fwd_hopper_persistent

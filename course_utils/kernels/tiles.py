@@ -1,0 +1,72 @@
+"""One kernel source, two targets: the small switch between TileLang's CUDA and CPU backends.
+
+A TileLang kernel says *where* each tile lives and *how* loops over a tile are split among
+threads. On a GPU, tiles live in shared memory (``T.alloc_shared``) or in registers spread over
+the threads (``T.alloc_fragment``), and ``T.Parallel`` hands the elements of a tile to the
+threads of the block. TileLang 0.1.15's C backend runs one CPU thread per block instead, so it
+accepts only plain local arrays (``T.alloc_local``) and ordinary nested loops (``T.grid``), and
+``T.Kernel`` takes no ``threads=``. Everything else — ``T.copy``, ``T.gemm``, the reductions,
+``T.Pipelined`` — is the same. A kernel factory asks a ``TileBackend`` for these four things, so
+the algorithm is written once and the difference stays visible in one place.
+"""
+
+from __future__ import annotations
+
+import tilelang
+import tilelang.language as T
+
+from ..core.device import TILE_TARGET
+
+__all__ = ["TileBackend", "compile_kernel"]
+
+_TARGETS = ("cuda", "c")
+
+
+class TileBackend:
+    """Buffer scopes, tile loops and the launch for one TileLang target ("cuda" or "c")."""
+
+    def __init__(self, target: str | None = None):
+        target = TILE_TARGET if target is None else target
+        if target not in _TARGETS:
+            raise ValueError(f"target must be one of {_TARGETS}; got {target!r}")
+        self.target = target
+        self.on_gpu = target == "cuda"
+
+    def __repr__(self):
+        return f"TileBackend({self.target!r})"
+
+    def shared(self, shape, dtype):
+        """A tile every thread of the block can read: shared memory on the GPU."""
+        return T.alloc_shared(shape, dtype) if self.on_gpu else T.alloc_local(shape, dtype)
+
+    def fragment(self, shape, dtype):
+        """A tile spread over the threads' registers on the GPU (an accumulator, a row statistic)."""
+        return T.alloc_fragment(shape, dtype) if self.on_gpu else T.alloc_local(shape, dtype)
+
+    def parallel(self, *extents):
+        """Loop over every element of a tile: split among threads on the GPU, nested loops on the CPU."""
+        return T.Parallel(*extents) if self.on_gpu else T.grid(*extents)
+
+    def kernel(self, *grid, threads):
+        """Launch one block per grid point; ``threads`` per block on the GPU, one CPU thread otherwise."""
+        return T.Kernel(*grid, threads=threads) if self.on_gpu else T.Kernel(*grid)
+
+
+def compile_kernel(prim_func, *, out_idx, target: str | None = None, dtype: str = "float32", fast_math=True,
+                   arch: str | None = None, pass_configs=None):
+    """Compile a ``@T.prim_func`` for ``target`` into a callable that takes and returns torch tensors.
+
+    ``out_idx`` lists the parameters the kernel allocates and returns. On the C backend, 16-bit
+    inputs need vectorisation off (TileLang 0.1.15 cannot build its half-precision vector type).
+    ``arch`` (e.g. "sm_80") builds CUDA for an older architecture than the GPU's own, to run the
+    Ampere code path on a Hopper GPU. ``pass_configs`` adds TileLang pass options (chapter 07
+    switches TMA and warp specialisation off with them).
+    """
+    backend = TileBackend(target)
+    pass_configs = dict(pass_configs or {})
+    if backend.on_gpu:
+        pass_configs[tilelang.PassConfigKey.TL_ENABLE_FAST_MATH] = fast_math
+    elif dtype in ("float16", "bfloat16"):
+        pass_configs[tilelang.PassConfigKey.TIR_DISABLE_VECTORIZE] = True
+    target = {"kind": "cuda", "arch": arch} if arch and backend.on_gpu else backend.target
+    return tilelang.compile(prim_func, out_idx=out_idx, target=target, pass_configs=pass_configs)

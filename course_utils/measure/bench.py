@@ -1,0 +1,157 @@
+"""Timing, FLOP counting and stored benchmark records.
+
+FLOP convention (the one FlashAttention papers use): a forward pass costs 4·B·H·S_q·S_k·D
+(two matmuls of 2·M·N·K each); causal masking halves it; a sliding window counts exactly the
+visible (query, key) pairs; the backward costs 2.5× the forward (five matmuls instead of two).
+
+Every speed number the course shows is a *record*: a JSON file under ``figures/`` holding the
+measurements together with the machine, the software versions and the date. On a GPU machine
+with ``COURSE_REFRESH_RECORDS=1`` (the headless runner sets it) a notebook re-measures and
+rewrites its records; everywhere else it loads the stored ones and says where they came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from ..core.device import HAS_GPU, machine_info
+from ..core.reference import visibility_mask
+
+__all__ = [
+    "FIGURES", "attention_flops", "time_cuda", "time_side_by_side", "tflops", "save_record", "load_record",
+    "measured", "stored_record", "refreshing", "TIMING_METHOD", "H100_MATMUL_TFLOPS", "H100_SFU_TFLOPS",
+]
+
+FIGURES = Path(__file__).resolve().parents[2] / "figures"  # the repository's (this file is course_utils/measure/…)
+
+# H100 SXM5 throughputs as quoted by FlashAttention-3 (Shah et al., 2024): dense fp16 matmul on the
+# tensor cores, and special functions (exp2) on the SFUs.
+H100_MATMUL_TFLOPS = 989
+H100_SFU_TFLOPS = 3.9
+
+
+def attention_flops(batch, heads, seq_q, seq_k, dim, *, causal=False, window_size=None, mode="fwd"):
+    """Floating-point operations of attention under the course's convention (see module doc)."""
+    if mode not in ("fwd", "bwd", "fwd+bwd"):
+        raise ValueError(f"mode must be 'fwd', 'bwd' or 'fwd+bwd'; got {mode!r}")
+    if window_size is not None:
+        pairs = int(visibility_mask(seq_q, seq_k, causal=True, window_size=window_size).sum())
+    else:
+        pairs = seq_q * seq_k * (0.5 if causal else 1.0)
+    fwd = 4.0 * batch * heads * pairs * dim
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[mode]
+
+
+def tflops(flops, ms):
+    return flops / (ms * 1e-3) / 1e12
+
+
+# How the records' times are taken. Records without a "timing" field (measured before
+# 2026-11-22 16:30 UTC) synchronised after every call, which also counts the Python launch overhead.
+TIMING_METHOD = ("median of per-call CUDA-event times; calls issued back to back (one synchronisation "
+                 "per batch), so the host's launch overhead overlaps the previous call as in a real model")
+
+
+def _samples(fn, rep):
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def time_cuda(fn, *, warmup=5, rep=30):
+    """Median milliseconds of ``fn()`` on the GPU (see ``TIMING_METHOD``)."""
+    if not HAS_GPU:
+        raise RuntimeError("time_cuda needs a CUDA GPU; on the CPU the notebooks show stored records")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    return statistics.median(_samples(fn, rep))
+
+
+def time_side_by_side(fns, *, warmup=5, rounds=6, rep=8):
+    """Median milliseconds of each function in ``fns`` (a dict), timed in interleaved rounds.
+
+    Taking turns spreads clock and temperature drift over every implementation alike, so their
+    ratios are steadier than when each is timed in one block.
+    """
+    if not HAS_GPU:
+        raise RuntimeError("time_side_by_side needs a CUDA GPU")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name] += _samples(fn, rep)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def refreshing():
+    """True when this run should re-measure GPU records instead of loading the stored ones."""
+    return HAS_GPU and os.environ.get("COURSE_REFRESH_RECORDS") == "1"
+
+
+def save_record(name, results, *, notes=None):
+    """Write ``figures/<name>.json`` with the results and the machine they were measured on."""
+    record = {"name": name, "machine": machine_info(), "timing": TIMING_METHOD, "notes": notes, "results": results}
+    FIGURES.mkdir(exist_ok=True)
+    path = FIGURES / f"{name}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def load_record(name):
+    path = FIGURES / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no stored record {path.name}; run the notebook on a GPU with "
+                                "COURSE_REFRESH_RECORDS=1 to measure it")
+    return json.loads(path.read_text())
+
+
+def measured(name, measure, *, notes=None, pending_ok=False):
+    """Re-measure with ``measure()`` when refreshing on a GPU, else load the stored record.
+
+    Prints where the numbers come from, so a reader always knows the device and date. With
+    ``pending_ok``, a record that has never been measured gives None (and says so) instead of an
+    error: the chapter then shows that the measurement is pending, never a number.
+    """
+    if refreshing():
+        record = save_record(name, measure(), notes=notes)
+        origin = "measured now"
+    elif pending_ok:
+        return stored_record(name)
+    else:
+        record = load_record(name)
+        origin = "stored record"
+    _announce(name, record, origin)
+    return record
+
+
+def _announce(name, record, origin):
+    m = record["machine"]
+    gpus = f"{m['gpu_count']}× " if m.get("gpu_count", 1) > 1 else ""
+    print(f"[{origin}: {name}] {gpus}{m.get('gpu', m.get('cpu'))}, torch {m['torch']}, "
+          f"tilelang {m['tilelang']}, CUDA {m.get('cuda')}, {m['date']}")
+
+
+def stored_record(name):
+    """The stored record ``name``, announced like ``measured``'s, or None (said so) when there is none
+    yet. For records another machine must measure (several GPUs): a notebook never re-measures them."""
+    try:
+        record = load_record(name)
+    except FileNotFoundError:
+        print(f"[no stored record: {name}] it has not been measured yet; on the GPU it needs: "
+              f"python -m course_utils.measure.benchmarks {name}")
+        return None
+    _announce(name, record, "stored record")
+    return record

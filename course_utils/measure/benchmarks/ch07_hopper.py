@@ -1,0 +1,125 @@
+"""Chapter 07: the Hopper forward's ablation (``flash_fwd_hopper_versions``), its tiling sweep, and what
+the persistent kernel does for short sequences."""
+
+import itertools
+
+import torch
+
+from ...api.attention import ForwardConfig, flash_attention, forward_kernel, hopper_forward_config
+from ...checking.validation import check_forward, references
+from ...core.labels import OURS
+from ...kernels.versions.flash_fwd_hopper_versions import versions_for
+from ..bench import attention_flops, tflops, time_side_by_side
+from .ch03_forward import forward_config_sweep
+from .common import SDPA_PEERS, comparison_shapes, in_parallel, random_inputs, sdpa
+
+__all__ = ["forward_ablation", "hopper_tiling_sweep", "ROTATED_LOOP_CONFIGS", "ROTATED", "persistent_vs_rotated"]
+
+# Chapter 07's rotated loop (flash_fwd_hopper_kernel), tiled per (head dim, mask) as its own sweep
+# picked before the persistent kernel existed: the kernel the persistent one is compared with.
+ROTATED_LOOP_CONFIGS = {
+    (128, False): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper"),
+    (128, True): ForwardConfig(128, 192, 2, 256, kernel="flash_fwd_hopper"),
+    (64, False): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper"),
+    (64, True): ForwardConfig(128, 192, 2, 256, kernel="flash_fwd_hopper", pingpong=True),
+}
+ROTATED = "rotated loop (one block per tile)"
+
+
+def forward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(False, True)):
+    """TFLOP/s of every version of the ablation, each checked on every head, timed side by side with
+    FlashAttention-2 and cuDNN."""
+    rows = []
+    for dim in dims:
+        shape = comparison_shapes(seq_lens=(4096,), dim=dim)[0]
+        b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
+        q, k, v = random_inputs(shape, getattr(torch, dtype_name))
+        no_sinks = torch.full((h,), float("-inf"), device="cuda")
+        for causal in causal_options:
+            versions = versions_for(causal, dim)
+            kernels = in_parallel(lambda ver: ver.build(b, h, s, d, causal=causal, dtype=dtype_name), versions)
+            refs = references(q, k, v, causal=causal)
+            impls, errors = {}, {}
+            for version, kernel in zip(versions, kernels):
+                impls[version.label] = lambda kernel=kernel: kernel(q, k, v, no_sinks)
+                out, lse = impls[version.label]()
+                errors[version.label] = check_forward(q, k, v, out, lse, causal=causal, refs=refs, quiet=True,
+                                                      name=f"version {version.number}")
+            del refs
+            for name, backend in SDPA_PEERS.items():
+                impls[name] = lambda backend=backend: sdpa(q, k, v, causal, backend)
+            flops = attention_flops(b, h, s, s, d, causal=causal)
+            numbers = {v.label: v.number for v in versions}
+            kept = {v.label: v.kept for v in versions}
+            for impl, ms in time_side_by_side(impls).items():
+                rows.append(dict(impl=impl, causal=causal, dtype=dtype_name, ms=ms, tflops=tflops(flops, ms),
+                                 errors=errors.get(impl), version=numbers.get(impl), kept=kept.get(impl), **shape))
+                print(f"D={d} causal={causal!s:5} {impl:55} {rows[-1]['tflops']:6.0f} TFLOP/s")
+    return rows
+
+
+def hopper_tiling_sweep():
+    """Chapter 07's two Hopper kernels at D = 128 and 64: wider key blocks, ping-pong, and (persistent)
+    three consumer warpgroups of 64 query rows each (block_M = 192, 384 consumer threads)."""
+    rows = []
+    rotated = {128: [(128, 128, False), (128, 176, False), (128, 192, False)],
+               64: [(128, 128, False), (128, 192, False), (128, 128, True), (128, 192, True)]}
+    # (128 × 192 at D = 128 needs 256 KB of shared memory with O's staging tile: more than an SM has.)
+    persistent = {128: [(128, 128, False), (128, 128, True)],
+                  64: [(128, 128, False), (128, 128, True), (128, 192, True), (192, 128, False), (192, 128, True)]}
+    for dim in (128, 64):
+        configs = [ForwardConfig(m, n, 2, 256, kernel="flash_fwd_hopper", pingpong=pp) for m, n, pp in rotated[dim]]
+        configs += [ForwardConfig(m, n, 2, 2 * m, kernel="flash_fwd_hopper_persistent", pingpong=pp)
+                    for m, n, pp in persistent[dim]]
+        rows += forward_config_sweep(shape=comparison_shapes(seq_lens=(4096,), dim=dim)[0], configs=configs)
+    return rows
+
+
+def persistent_vs_rotated(seq_lens=(1024, 2048, 4096, 16384), dims=(64, 128), dtype_name="float16",
+                          causal_options=(False, True)):
+    """The default kernel (persistent) against chapter 07's rotated loop with one block per tile, from
+    short sequences, where the difference is largest, to long ones. At D = 64 also the persistent
+    kernel with the other number of consumer warpgroups (2 or 3): the measurement behind
+    ``THREE_WARPGROUPS_MIN_SEQ``. All checked on every head; FA2 and cuDNN alongside."""
+    rows = []
+    jobs = list(itertools.product(dims, seq_lens, causal_options))
+    dtype = getattr(torch, dtype_name)
+
+    def configs(dim, seq, causal):
+        ours = hopper_forward_config(dim, causal, seq_len=seq)
+        named = {ROTATED: ROTATED_LOOP_CONFIGS[dim, causal], OURS: ours}
+        if dim == 64:
+            other = (ours._replace(block_M=128, threads=256) if ours.block_M == 192
+                     else ours._replace(block_M=192, threads=384))
+            named[f"persistent, {other.threads // 128} consumer warpgroups"] = other
+        return named
+
+    def build(job):
+        dim, seq, causal = job
+        shape = comparison_shapes(seq_lens=(seq,), dim=dim)[0]
+        q = torch.empty(1, 1, 1, 1, device="cuda", dtype=dtype).expand(
+            shape["batch"], shape["heads"], shape["seq"], shape["dim"])
+        for config in configs(dim, seq, causal).values():
+            forward_kernel(q, q, causal=causal, config=config)
+
+    in_parallel(build, jobs)
+    for dim, seq, causal in jobs:
+        shape = comparison_shapes(seq_lens=(seq,), dim=dim)[0]
+        q, k, v = random_inputs(shape, dtype)
+        refs = references(q, k, v, causal=causal)
+        impls, errors, used = {}, {}, {}
+        for name, config in configs(dim, seq, causal).items():
+            out, lse = flash_attention(q, k, v, causal=causal, config=config, return_lse=True)
+            errors[name] = check_forward(q, k, v, out, lse, causal=causal, refs=refs, quiet=True, name=name)
+            impls[name] = lambda config=config: flash_attention(q, k, v, causal=causal, config=config)
+            used[name] = config._asdict()
+        del refs
+        for name, backend in SDPA_PEERS.items():
+            impls[name] = lambda backend=backend: sdpa(q, k, v, causal, backend)
+        flops = attention_flops(shape["batch"], shape["heads"], seq, seq, dim, causal=causal)
+        for impl, ms in time_side_by_side(impls).items():
+            rows.append(dict(impl=impl, dtype=dtype_name, causal=causal, ms=ms, tflops=tflops(flops, ms),
+                             errors=errors.get(impl), config=used.get(impl), **shape))
+        print(f"D={dim} S={seq:>5} causal={causal!s:5}: " + ", ".join(
+            f"{r['impl'].split()[0]} {r['tflops']:.0f}" for r in rows[-len(impls):]))
+    return rows

@@ -1,0 +1,61 @@
+"""One problem description, one kernel registry, versions as pieces (issue 23), checked without a GPU."""
+
+import re
+
+import pytest
+import torch
+
+from course_utils.api import attention, registry
+from course_utils.api.attention import ForwardConfig, forward_kernel
+from course_utils.core.problem import AttentionProblem
+from course_utils.core.source import cuda_source
+from course_utils.kernels.flash_fwd import flash_fwd_kernel
+from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
+from course_utils.kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
+from course_utils.kernels.versions import flash_bwd_hopper_versions as bwd_versions
+from course_utils.kernels.versions import flash_fwd_hopper_versions as fwd_versions
+from course_utils.kernels.versions.version import Version
+
+
+def test_the_problem_is_built_once_and_is_the_cache_key():
+    q, k = torch.zeros(1, 4, 32, 16), torch.zeros(1, 2, 48, 16)
+    a = AttentionProblem.dense(q, k, window_size=8)
+    assert a == AttentionProblem.dense(q.clone(), k.clone(), window_size=8) and hash(a) == hash(
+        AttentionProblem.dense(q, k, window_size=8))
+    assert a.causal and a.shape == (1, 4, 32, 48, 16) and a.target == "c" and a.sm_scale == 0.25
+    assert AttentionProblem.dense(q, k) != a
+    attention._compiled_forward.cache_clear()
+    forward_kernel(q, k, window_size=8)
+    forward_kernel(q.clone(), k.clone(), window_size=8)
+    info = attention._compiled_forward.cache_info()
+    assert (info.misses, info.hits) == (1, 1), info
+
+
+def test_a_kernel_is_one_row():
+    assert attention.FORWARD_KERNELS == {name: row.factory for name, row in registry.FORWARD.items()}
+    assert attention.BACKWARD_KERNELS == {name: row.factory for name, row in registry.BACKWARD.items()}
+    q = torch.zeros(1, 2, 16, 16)
+    with pytest.raises(ValueError, match="ForwardConfig.kernel must be one of"):
+        forward_kernel(q, q, config=ForwardConfig(16, 16, 1, 1, kernel="flash_fwd_nope"))
+    with pytest.raises(ValueError, match="needs an sm_90 GPU"):
+        forward_kernel(q, q, config=ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent"))
+    with pytest.raises(ValueError, match="pingpong=True"):
+        forward_kernel(q, q, config=ForwardConfig(16, 16, 1, 1, pingpong=True))
+
+
+def test_forward_versions_are_shipped_kernels_plus_pieces():
+    shipped = {flash_fwd_kernel, flash_fwd_hopper_kernel, flash_fwd_hopper_persistent_kernel}
+    assert all(v.factory in shipped for v in fwd_versions.VERSIONS)
+    assert [v.number for v in fwd_versions.VERSIONS] == list(range(1, len(fwd_versions.VERSIONS) + 1))
+    # one Version type for both ablations
+    assert all(type(v) is Version for v in fwd_versions.VERSIONS + bwd_versions.VERSIONS)
+    v12 = next(v for v in fwd_versions.VERSIONS if v.number == 12)
+    assert v12.knobs_for(128, True)["order"] is fwd_versions.unfolded_order
+
+
+def test_a_variant_without_its_switches_is_the_shipped_kernel():
+    shape = dict(batch=1, heads=2, seq_q=512, seq_k=512, dim=64, causal=True)
+    a = cuda_source(flash_fwd_hopper_kernel(**shape))
+    b = cuda_source(fwd_versions.flash_fwd_hopper_variant(**shape))
+    assert a != b  # the variant keeps its own kernel name
+    assert a == re.sub(r"flash_fwd_hopper_variant_kernel", "flash_fwd_hopper_kernel", b)
