@@ -42,11 +42,11 @@ def installed(tmp_path_factory):
     return target
 
 
-def run_outside(installed, tmp_path, code_or_module, *, module=False):
+def run_outside(installed, tmp_path, code_or_module, *args, module=False):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     env["PYTHONPATH"] = str(installed)
-    args = ["-m", code_or_module] if module else ["-c", code_or_module]
-    return subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+    command = ["-m", code_or_module, *args] if module else ["-c", code_or_module]
+    return subprocess.run([sys.executable, *command], cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
 
 
 def test_non_editable_install_carries_every_package(installed, tmp_path):
@@ -64,7 +64,7 @@ def test_non_editable_install_carries_every_package(installed, tmp_path):
 
 
 def test_non_editable_install_runs_a_kernel_self_check(installed, tmp_path):
-    result = run_outside(installed, tmp_path, "course_utils.kernels.flash_fwd", module=True)
+    result = run_outside(installed, tmp_path, "course_utils.check", "flash_fwd", module=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ticks = [line for line in result.stdout.splitlines() if line.startswith("✓")]
     assert any("causal=True" in line for line in ticks) and any("planted bug caught" in line for line in ticks), \

@@ -8,7 +8,7 @@ mask only on PARTIAL ones; the backward visits, for its key block, only the quer
 are not EMPTY. The backward's query tile may be a fraction of the mask's query block (64 rows of
 128 on a GPU), so one mask serves both.
 
-    python -m course_utils.kernels.flash_flex     # check against the float64 reference (and time it, on a GPU)
+    python -m course_utils.check flex     # check against the float64 reference (and time it, on a GPU)
 """
 
 import functools

@@ -165,7 +165,7 @@ def feature_checks(cases=None, deterministic_options=(False, True)):
 
 
 def self_check():
-    """``python -m course_utils.kernels.flash_bwd_hopper``: on an H100 every feature in both modes, then the backward
+    """``python -m course_utils.check flash_bwd_hopper``: on an H100 every feature in both modes, then the backward
     against the peers at S = 4k; elsewhere what needs no GPU: the shipped kernel's ptxas report."""
     from ...api.attention import HOPPER_BACKWARD_CONFIGS, is_hopper
 
