@@ -46,7 +46,8 @@ def run_outside(installed, tmp_path, code_or_module, *args, module=False):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     env["PYTHONPATH"] = str(installed)
     command = ["-m", code_or_module, *args] if module else ["-c", code_or_module]
-    return subprocess.run([sys.executable, *command], cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+    return subprocess.run([sys.executable, *command], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env=env)
 
 
 def test_non_editable_install_carries_every_package(installed, tmp_path):
