@@ -235,7 +235,8 @@ def _step_problem(steps):
                 "batches no longer overlap. Issue all three, then wait")
     if not _done(steps, "issue dQ", at["store dQ"]):
         return (f"dQ is stored to shared memory while its batch may still be running {_RACE}: "
-                + ("dK was issued after it, so wait(1) leaves dQ running; issue dQ before dK" if at["issue dK"] <
+                + ("dK was issued before it, so dQ is the newest batch and wait(1) leaves it running; issue dQ "
+                   "before dK" if at["issue dK"] <
                    at["issue dQ"] else "wait(1) before T.copy(dq, dq_s)"))
     if _done(steps, "issue dK", at["store dQ"]):
         return ("the store of dQ waits for dK too (wait(0) before it): dQ's trip through shared memory no longer "
