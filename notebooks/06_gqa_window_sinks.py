@@ -792,6 +792,13 @@ check_visible_pairs(visible_pairs)
 #   time (the checker fills the keys no query can see with NaN, so it notices).
 # - the epilogue: add the sink's term to `l` with `exp2` and the guarded `shift` (the sink has no
 #   value row), then the LSE and the one division, as in chapter 03.
+#
+# One simplification against the course's kernel: this skeleton starts the running max at −∞ and adds the
+# sink last, so the sink's term e^(z − m) is not bounded by 1. That is exact while the sink's logit stays
+# below the row's largest scaled score plus about 88 (float32's largest exponential); above it ℓ
+# overflows: run on the C backend with a sink logit of 100, this kernel returns LSE = +∞ where the answer
+# is 100. Section 3's kernel starts m at the sink for exactly that reason; here the −∞ start is kept
+# because it is what makes the guarded shift yours to write (a row that sees no key has m = −∞).
 
 # %%
 import tilelang.language as T
