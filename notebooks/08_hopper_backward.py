@@ -747,6 +747,6 @@ steps = {"async wgmma, FlashAttention-3's order ÷ chapter 05": change(2),
          "own barriers ÷ TileLang's four": {f"D={d}{' causal' if c else ''}": tf[by_number[9], d, c]
                                             / tf[by_number[10], d, c] for d, c in cases}}
 for what, ratios in steps.items():
-    print(f"{what:52}" + "".join(f"{case:>14} {ratio:.2f}×" for case, ratio in ratios.items()))
+    print(f"{what:52}" + "".join(f"   {case}: {ratio:.2f}×" for case, ratio in ratios.items()))
 cu.check_true(all(r > 1 for r in steps["dQ issued before dK ÷ the row above"].values()),
               "issuing dQ before dK was faster in every case of the record")
