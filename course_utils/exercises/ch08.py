@@ -32,9 +32,10 @@ HINTS = {
           "store, then meet, then issue. Issue dV, dQ, dK together and wait for dQ only; the copy engine reads dq_s, "
           "half of it the other consumer's: store, meet, reduce-add. Last, wait for everything and read Q_s and "
           "dO_s so the stage is released after that wait.",
-          "issue_scores_t, issue_dp_t, wait(1), probabilities, wait(0), form_ds, T.copy(dST, dST_s), "
-          "barrier(DS_BARRIER), issue_dv, issue_dq, issue_dk, wait(1), T.copy(dq, dq_s), barrier(DQ_BARRIER), "
-          "add_dq, wait(0), stage_in_use[0] = Q_s[0, 0] + dO_s[0, 0]."],
+          "wait(1) retires all but the newest batch, wait(0) all of them: the batch you read must not be the "
+          "newest unless you wait(0). barrier(DS_BARRIER) goes between T.copy(dST, dST_s) and issue_dq, "
+          "barrier(DQ_BARRIER) between T.copy(dq, dq_s) and add_dq; stage_in_use[0] = Q_s[0, 0] + dO_s[0, 0] "
+          "goes after the last wait."],
 }
 
 
