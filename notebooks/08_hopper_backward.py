@@ -600,9 +600,10 @@ from course_utils.tiles import TileBackend
 DS_BARRIER, DQ_BARRIER = 6, 5  # named barrier ids (TileLang's own use 1-3)
 
 
-def backward_pieces(tb, block_M, block_N, dim, scale_log2):
-    """The step's pieces: wgmma batches issued without waiting, T.wait_wgmma and named barriers on Hopper;
-    plain gemms, no wait and no barrier on the C backend (one CPU thread has nothing in flight)."""
+def async_pieces(tb):
+    """The step's matmuls, waits and barriers: wgmma batches issued without waiting, T.wait_wgmma and named
+    barriers on Hopper; plain gemms, no wait and no barrier on the C backend (one CPU thread has nothing in
+    flight), so the same step runs on both."""
     gemm = T.wgmma_gemm if tb.on_gpu else T.gemm
 
     @T.macro
@@ -625,6 +626,14 @@ def backward_pieces(tb, block_M, block_N, dim, scale_log2):
     def issue_dk(dST, Q_s, dk):  # dK += dSᵀ Q
         gemm(dST, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
 
+    wait = T.wait_wgmma if tb.on_gpu else (lambda n: None)
+    barrier = consumer_barrier if tb.on_gpu else (lambda barrier_id: None)
+    return issue_scores_t, issue_dp_t, issue_dv, issue_dq, issue_dk, wait, barrier
+
+
+# %%
+def step_pieces(tb, block_M, block_N, dim, scale_log2):
+    """The step's element-wise pieces and the dQ reduce-add (the copy engine's on Hopper)."""
     @T.macro
     def probabilities(PT, lse):  # Pᵀ = e^(Sᵀ·scale − LSE), in place
         for j, i in tb.parallel(block_N, block_M):
@@ -644,9 +653,7 @@ def backward_pieces(tb, block_M, block_N, dim, scale_log2):
             for i, d in T.grid(block_M, dim):
                 dQ_acc[b, qb * block_M + i, d] += dq_s[i, d]
 
-    wait = T.wait_wgmma if tb.on_gpu else (lambda n: None)
-    barrier = consumer_barrier if tb.on_gpu else (lambda barrier_id: None)
-    return issue_scores_t, issue_dp_t, issue_dv, issue_dq, issue_dk, probabilities, form_ds, add_dq, wait, barrier
+    return probabilities, form_ds, add_dq
 
 
 # %%
@@ -655,7 +662,7 @@ def key_block_backward(batch, seq, dim, *, block_M=64, block_N=128, dtype="float
     forward's LSE and Δ [B, S]; no mask, S a multiple of both tiles. One block per key block, as in section 2."""
     tb = TileBackend(target)
     scale_log2 = LOG2E / dim ** 0.5
-    step = backward_step_macro(tb, backward_pieces(tb, block_M, block_N, dim, scale_log2))
+    step = backward_step_macro(tb, async_pieces(tb) + step_pieces(tb, block_M, block_N, dim, scale_log2))
 
     @T.prim_func
     def kernel(Q: T.Tensor([batch, seq, dim], dtype), K: T.Tensor([batch, seq, dim], dtype),
@@ -664,21 +671,14 @@ def key_block_backward(batch, seq, dim, *, block_M=64, block_N=128, dtype="float
                dQ_acc: T.Tensor([batch, seq, dim], "float32"), dK: T.Tensor([batch, seq, dim], "float32"),
                dV: T.Tensor([batch, seq, dim], "float32")):
         with tb.kernel(T.ceildiv(seq, block_N), batch, threads=256) as (kb, b):
-            K_s = tb.shared([block_N, dim], dtype)
-            V_s = tb.shared([block_N, dim], dtype)
-            Q_s = tb.shared([block_M, dim], dtype)
-            dO_s = tb.shared([block_M, dim], dtype)
-            lse = tb.shared([block_M], "float32")
-            delta = tb.shared([block_M], "float32")
-            dST_s = tb.shared([block_N, block_M], dtype)
-            dq_s = tb.shared([block_M, dim], "float32")
-            PT = tb.fragment([block_N, block_M], "float32")
-            dPT = tb.fragment([block_N, block_M], "float32")
-            PT_cast = tb.fragment([block_N, block_M], dtype)
-            dST = tb.fragment([block_N, block_M], dtype)
-            dq = tb.fragment([block_M, dim], "float32")
-            dv = tb.fragment([block_N, dim], "float32")
-            dk = tb.fragment([block_N, dim], "float32")
+            K_s, V_s = tb.shared([block_N, dim], dtype), tb.shared([block_N, dim], dtype)
+            Q_s, dO_s = tb.shared([block_M, dim], dtype), tb.shared([block_M, dim], dtype)
+            lse, delta = tb.shared([block_M], "float32"), tb.shared([block_M], "float32")
+            dST_s, dq_s = tb.shared([block_N, block_M], dtype), tb.shared([block_M, dim], "float32")  # cross warpgroups
+            PT, dPT = tb.fragment([block_N, block_M], "float32"), tb.fragment([block_N, block_M], "float32")
+            PT_cast, dST = tb.fragment([block_N, block_M], dtype), tb.fragment([block_N, block_M], dtype)
+            dq, dv, dk = (tb.fragment([block_M, dim], "float32"), tb.fragment([block_N, dim], "float32"),
+                          tb.fragment([block_N, dim], "float32"))
             stage_in_use = T.alloc_local([1], dtype)
             T.copy(K[b, kb * block_N:(kb + 1) * block_N, :], K_s)
             T.copy(V[b, kb * block_N:(kb + 1) * block_N, :], V_s)
@@ -701,8 +701,7 @@ def key_block_backward(batch, seq, dim, *, block_M=64, block_N=128, dtype="float
 
 # %% tags=["solution", "ex-d"]
 def backward_step_macro(tb, pieces):
-    (issue_scores_t, issue_dp_t, issue_dv, issue_dq, issue_dk, probabilities, form_ds, add_dq, wait,
-     barrier) = pieces
+    issue_scores_t, issue_dp_t, issue_dv, issue_dq, issue_dk, wait, barrier, probabilities, form_ds, add_dq = pieces
 
     @T.macro
     def backward_step(Q_s, K_s, V_s, dO_s, lse, delta, PT, dPT, PT_cast, dST, dST_s, dq, dq_s, dv, dk,

@@ -179,7 +179,7 @@ VARIANTS += [
 ]
 
 EXERCISES["ch08_backward_step"] = Exercise("08_hopper_backward",
-                                           ("backward_pieces", "key_block_backward", "backward_step_macro"),
+                                           ("async_pieces", "step_pieces", "key_block_backward", "backward_step_macro"),
                                            "ch08:check_backward_step", "key_block_backward", HOPPER_PRELUDE)
 _STEP = "        issue_scores_t(K_s, Q_s, PT)\n        issue_dp_t(V_s, dO_s, dPT)\n"
 MUTANTS += [
