@@ -160,13 +160,9 @@ cu.check_true(runs[True][1] < runs[False][1], f"the asynchronous steps are short
 # ## 4 · The kernel in TileLang
 #
 # `flash_bwd_hopper_kernel` (`course_utils/flash_bwd_hopper.py`) has chapter 05's inputs and
-# outputs and is built from the same pieces (`prelude`, `visible`, `query_block_range`); one step:
-
-# %%
-show_source(flash_bwd_hopper_kernel, "one step")
-
-# %% [markdown]
-# Details that matter:
+# outputs and is built from the same pieces (`prelude`, `visible`, `query_block_range`). Exercise (d)
+# asks you to write its step, so the listing of that step comes after the exercises, at the end of the
+# chapter. Details that matter:
 #
 # - **Masking** happens only on tiles that cross a boundary (`probabilities_t`): the causal
 #   diagonal, a window's edge, keys past S_k, and here also rows past S_q (the backward walks
@@ -749,3 +745,10 @@ for what, ratios in steps.items():
     print(f"{what:52}" + "".join(f"   {case}: {ratio:.2f}×" for case, ratio in ratios.items()))
 cu.check_true(all(r > 1 for r in steps["dQ issued before dK ÷ the row above"].values()),
               "issuing dQ before dK was faster in every case of the record")
+
+# %% [markdown]
+# The course's step, for comparison with yours of exercise (d) (`flash_bwd_hopper_kernel`'s loop body: the
+# same order, with the mask, two dSᵀ buffers and FlashAttention-3's 80-row tiles):
+
+# %%
+show_source(flash_bwd_hopper_kernel, "one step")
