@@ -553,10 +553,16 @@ cu.check_true(best_ours < PEAK_TFLOPS, "below the roof, as it must be")
 #   Chapter 07 changes the schedule to close it.
 #
 # ## Exercises
-#
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
 # ### (a) The bank of a byte
 #
 # Write `bank_of(byte_address)`: the shared-memory bank (0–31) that serves a byte.
+#
+# Stuck? `hint("04", "a", 1)`, then `hint("04", "a", 2)`; `solution("04", "a")` shows the answer.
 
 # %% tags=["solution", "ex-a"]
 def bank_of(byte_address):
@@ -577,6 +583,8 @@ ch04.check_bank_of(bank_of)
 # return the element offset at which TileLang's swizzled layout stores element (i, j). The checker
 # compares your function with `make_swizzled_layout` on every element and counts the wavefronts
 # of every `ldmatrix` phase in your layout.
+#
+# Stuck? `hint("04", "b", 1)`, then `hint("04", "b", 2)`; `solution("04", "b")` shows the answer.
 
 # %% tags=["solution", "ex-b"]
 def swizzled_offset(i, j):

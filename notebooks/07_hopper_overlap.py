@@ -664,12 +664,20 @@ cu.check_true(best["tflops"] < PEAK_TFLOPS, "below the roof, as it must be")
 #   where cuDNN is still ahead.
 #
 # ## Exercises
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
+# ### (a) The matmuls issued for nothing
 #
-# **Exercise 1.** The rotated loop issues both matmuls in every iteration (section 3): the first
+# The rotated loop issues both matmuls in every iteration (section 3): the first
 # P·V multiplies P = 0 and the last QKᵀ is thrown away. For self-attention of length `seq` with
 # `block_M × block_N` tiles, write `wasted_share(seq, block_M, block_N, causal)`: the fraction of the
 # matmuls the kernel issues that do nothing useful. When is it large, and why does the kernel pay
 # it anyway (section 4)?
+#
+# Stuck? `hint("07", "a", 1)`, then `hint("07", "a", 2)`; `solution("07", "a")` shows the answer.
 
 # %% tags=["solution", "ex-a"]
 def wasted_share(seq, block_M, block_N, causal):
@@ -690,9 +698,13 @@ from course_utils.exercises import ch07
 ch07.check_wasted_share(wasted_share)
 
 # %% [markdown]
-# **Exercise 2.** `wgmma.wait_group N` waits until at most N batches issued by this warpgroup are
+# ### (b) How many batches may stay in flight
+#
+# `wgmma.wait_group N` waits until at most N batches issued by this warpgroup are
 # still running; batches finish in issue order. Given the batches issued so far (oldest first)
 # and the one whose result you need, return the largest N that makes it safe to read that result.
+#
+# Stuck? `hint("07", "b", 1)`, then `hint("07", "b", 2)`; `solution("07", "b")` shows the answer.
 
 # %% tags=["solution", "ex-b"]
 def wait_count(issued, needed):
@@ -705,7 +717,9 @@ def wait_count(issued, needed):
 ch07.check_wait_count(wait_count)
 
 # %% [markdown]
-# **Exercise 3.** Rotate a loop yourself. The kernel below computes O = e<sup>Q Kᵀ/√D</sup> V, one
+# ### (c) Rotate the loop yourself
+#
+# Rotate a loop yourself. The kernel below computes O = e<sup>Q Kᵀ/√D</sup> V, one
 # 128-row query block per thread block, without a softmax's running state (unnormalised: the inputs
 # are small), so only the schedule is left. `issue_scores(Q_s, K_s, S)` issues S = Q Kᵀ and
 # `issue_update(P, V_s, acc)` issues acc += P V, both without waiting; `wait(n)` waits until at most

@@ -511,10 +511,18 @@ cu.claim_ratio("deterministic ÷ default", {(r["dim"], r["causal"]): r["tflops"]
 #   no atomics) was as fast as sharing them at the cost of barriers and a reduction.
 #
 # ## Exercises
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
+# ### (a) The bytes of dQ's reduction
 #
-# **Exercise 1.** How many bytes does the dQ reduction add into the float32 accumulator, for
+# How many bytes does the dQ reduction add into the float32 accumulator, for
 # `batch`, `heads`, `seq_q` queries, `seq_k` keys, head dimension `dim` and key blocks of `block_N`
 # (no mask)? Write `dq_reduce_bytes(batch, heads, seq_q, seq_k, dim, block_N)`.
+#
+# Stuck? `hint("08", "a", 1)`, then `hint("08", "a", 2)`; `solution("08", "a")` shows the answer.
 
 # %% tags=["solution", "ex-a"]
 def dq_reduce_bytes(batch, heads, seq_q, seq_k, dim, block_N):
@@ -530,9 +538,13 @@ from course_utils.exercises import ch08
 ch08.check_dq_reduce_bytes(dq_reduce_bytes)
 
 # %% [markdown]
-# **Exercise 2.** The heart of the deterministic mode: partial sums that arrive in any order must
+# ### (b) A sum with the same bits in any order
+#
+# The heart of the deterministic mode: partial sums that arrive in any order must
 # give the same bits every time. `parts` is a list of `(key_block, tensor)` pairs in arrival order;
 # return their float32 sum, the same bits whatever the arrival order.
+#
+# Stuck? `hint("08", "b", 1)`, then `hint("08", "b", 2)`; `solution("08", "b")` shows the answer.
 
 # %% tags=["solution", "ex-b"]
 def fixed_order_sum(parts):
@@ -548,9 +560,13 @@ def fixed_order_sum(parts):
 ch08.check_fixed_order_sum(fixed_order_sum)
 
 # %% [markdown]
-# **Exercise 3.** A step issues dV, dQ and dK in this order and then calls `T.wait_wgmma(n)` before
+# ### (c) The wait before dQ is stored
+#
+# A step issues dV, dQ and dK in this order and then calls `T.wait_wgmma(n)` before
 # storing dQ. What is the largest `n` that makes dQ safe to read, and what may still be running?
 # Write `wait_before_dq_store()` returning `(n, names_still_running)`.
+#
+# Stuck? `hint("08", "c", 1)`, then `hint("08", "c", 2)`; `solution("08", "c")` shows the answer.
 
 # %% tags=["solution", "ex-c"]
 def wait_before_dq_store():

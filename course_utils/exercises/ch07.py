@@ -32,7 +32,7 @@ HINTS = {
 }
 
 
-# --- Exercise 1: the matmuls the rotated loop issues for nothing ------------------------------------
+# --- Exercise (a): the matmuls the rotated loop issues for nothing ---------------------------------
 
 def _wasted_share(seq, block_M, block_N, causal):
     issued = wasted = 0
@@ -58,7 +58,7 @@ def check_wasted_share(fn):
               "issued matmul work is wasted — the price of never branching around a wgmma")
 
 
-# --- Exercise 2: how many wgmma batches may stay in flight -----------------------------------------
+# --- Exercise (b): how many wgmma batches may stay in flight --------------------------------------
 
 def check_wait_count(fn):
     """Check ``fn(issued, needed) -> N`` for wgmma.wait_group N (batches retire in issue order)."""

@@ -39,7 +39,7 @@ HINTS = {
 }
 
 
-# --- Exercise 1: the bytes of dQ's reduction ---------------------------------------------------------
+# --- Exercise (a): the bytes of dQ's reduction ------------------------------------------------------
 
 def _dq_reduce_bytes(batch, heads, seq_q, seq_k, dim, block_N):
     return -(-seq_k // block_N) * batch * heads * seq_q * dim * 4
@@ -58,7 +58,7 @@ def check_dq_reduce_bytes(fn):
           "Q, K, V, O and dO — most of it stays in the L2 cache, and it is why the copy engine adds it")
 
 
-# --- Exercise 2: a sum with the same bits whatever the arrival order ---------------------------------
+# --- Exercise (b): a sum with the same bits whatever the arrival order ------------------------------
 
 def check_fixed_order_sum(fn):
     """``fn(parts)`` must return the same bits for every arrival order of the (key_block, tensor) pairs."""
@@ -94,7 +94,7 @@ def check_fixed_order_sum(fn):
     print("✓ fixed_order_sum: the same bits for 8 arrival orders (adding in arrival order changes them)")
 
 
-# --- Exercise 3: the wait before dQ is stored ---------------------------------------------------------
+# --- Exercise (c): the wait before dQ is stored ------------------------------------------------------
 
 def check_wait_before_dq_store(fn):
     """``fn() -> (n, still_running)`` for batches issued in the order dV, dQ, dK."""
