@@ -57,8 +57,9 @@ def time_your_forward(factory, *, record, causal=True, block_M=64, block_N=64):
     qy, ky, vy = (t.to(getattr(torch, in_dtype)) for t in (q, k, v))
     kernel = compile_kernel(prim_func, out_idx=[3, 4], target="cuda", dtype=in_dtype)
     out, lse = kernel(qy, ky, vy)
-    check_forward(qy, ky, vy, out, lse, causal=causal, name=f"{yours}, S={s}, D={d}")
-    refs = references(q, k, v, causal=causal)
+    refs = references(q, k, v, causal=causal)  # the inputs are fp16 values, exact in float32 too
+    # On the tensor cores float32 tiles run as TF32 (fp16's 10-bit mantissa): O is held to the fp16 criterion.
+    check_forward(q, k, v, out.to(q.dtype), lse, causal=causal, refs=refs, name=f"{yours}, S={s}, D={d}")
     ours, ours_lse = flash_attention(q, k, v, causal=causal, return_lse=True)
     check_forward(q, k, v, ours, ours_lse, causal=causal, refs=refs, name=f"{OURS}, fp16")
     impls = {yours: lambda: kernel(qy, ky, vy), OURS: lambda: flash_attention(q, k, v, causal=causal)}
