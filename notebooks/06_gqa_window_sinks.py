@@ -793,12 +793,11 @@ check_visible_pairs(visible_pairs)
 # - the epilogue: add the sink's term to `l` with `exp2` and the guarded `shift` (the sink has no
 #   value row), then the LSE and the one division, as in chapter 03.
 #
-# One simplification against the course's kernel: this skeleton starts the running max at −∞ and adds the
-# sink last, so the sink's term e^(z − m) is not bounded by 1. That is exact while the sink's logit stays
-# below the row's largest scaled score plus about 88 (float32's largest exponential); above it ℓ
-# overflows: run on the C backend with a sink logit of 100, this kernel returns LSE = +∞ where the answer
-# is 100. Section 3's kernel starts m at the sink for exactly that reason; here the −∞ start is kept
-# because it is what makes the guarded shift yours to write (a row that sees no key has m = −∞).
+# As in section 3, the skeleton starts the running max at the sink's logit (in raw score units), so every
+# exponential, the sink's included, is at most 1. (Started at −∞ with the sink added last, ℓ overflows
+# once the sink exceeds the row's largest scaled score by about 88: run on the C backend with a sink logit
+# of 100, that kernel returned LSE = +∞ where the answer is 100.) A head without a sink has z = −∞: its
+# rows that see no key still end with m = −∞, which is what the guarded `shift` above your lines is for.
 
 # %%
 import tilelang.language as T
@@ -827,7 +826,8 @@ def gpt_oss_forward(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_
             T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
             T.fill(acc_o, 0)
             T.fill(l, 0)
-            T.fill(m, -T.infinity(f32))
+            for i in tb.parallel(block_M):  # m starts at the sink (raw score units), as in section 3: every e^x ≤ 1
+                m[i] = Sinks[h] * math.sqrt(dim)
             start, stop = window_block_range(qb, block_M=block_M, block_N=block_N, seq_q=seq_q, seq_k=seq_k,
                                              window=window)
             for kb in T.Pipelined(start, stop, num_stages=1):
