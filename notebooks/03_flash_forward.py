@@ -851,6 +851,21 @@ from course_utils.exercises import ch03
 ch03.check_my_flash_forward(my_flash_forward)
 
 # %% [markdown]
+# ### Your kernel against the course's and SDPA's
+#
+# On a GPU, the cell below compiles your forward of (d) for CUDA at a real size, checks it, the course's
+# `flash_attention` and SDPA's FlashAttention-2 and cuDNN backends against the float64 reference, then
+# times all of them in one call of the course's timing helper (`bench.time_side_by_side`). Yours runs in
+# float32 (its tiles are float32), the others in fp16. Without a GPU it shows the stored H100 record of
+# the course's kernel at the nearest shape. If you have not finished (d), the course's kernel stands in.
+
+# %%
+from course_utils.exercises import ch03
+from course_utils.exercises.timing import time_your_forward
+
+time_your_forward(ch03.forward_or_course(my_flash_forward), record="ch03_forward_vs_peers_h100");
+
+# %% [markdown]
 # ### The compiler on your kernel: `TL_LOWER_TRACE`
 #
 # Between your `@T.prim_func` and the CUDA of section 5 sit about ninety lowering steps.

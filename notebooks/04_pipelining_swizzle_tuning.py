@@ -553,8 +553,16 @@ cu.check_true(best_ours < PEAK_TFLOPS, "below the roof, as it must be")
 #   Chapter 07 changes the schedule to close it.
 #
 # ## Exercises
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
+# ### (a) The bank of a byte
 #
-# **Exercise 1.** Write `bank_of(byte_address)`: the shared-memory bank (0–31) that serves a byte.
+# Write `bank_of(byte_address)`: the shared-memory bank (0–31) that serves a byte.
+#
+# Stuck? `hint("04", "a", 1)`, then `hint("04", "a", 2)`; `solution("04", "a")` shows the answer.
 
 # %% tags=["solution", "ex-a"]
 def bank_of(byte_address):
@@ -569,10 +577,14 @@ from course_utils.exercises import ch04
 ch04.check_bank_of(bank_of)
 
 # %% [markdown]
-# **Exercise 2.** Write the swizzle yourself. For an fp16 tile of 64 columns (128 bytes per row),
+# ### (b) The swizzle
+#
+# Write the swizzle yourself. For an fp16 tile of 64 columns (128 bytes per row),
 # return the element offset at which TileLang's swizzled layout stores element (i, j). The checker
 # compares your function with `make_swizzled_layout` on every element and counts the wavefronts
 # of every `ldmatrix` phase in your layout.
+#
+# Stuck? `hint("04", "b", 1)`, then `hint("04", "b", 2)`; `solution("04", "b")` shows the answer.
 
 # %% tags=["solution", "ex-b"]
 def swizzled_offset(i, j):
@@ -586,7 +598,9 @@ def swizzled_offset(i, j):
 ch04.check_swizzle(swizzled_offset)
 
 # %% [markdown]
-# **Exercise 3.** Make both decisions of this chapter yourself, in TileLang. The kernel below computes
+# ### (c) Pipelining and layout in TileLang
+#
+# Make both decisions of this chapter yourself, in TileLang. The kernel below computes
 # C = A Bᵀ (the shape of S = Q Kᵀ) one 64 × 64 tile of C per block, walking K in tiles of 64. Write its
 # K loop, `k_loop`: copy the A and B tiles into shared memory and multiply them into `C_frag`, with
 # - **two stages**: the copy of the next K tile in flight while the gemm reads this one (section 1), and

@@ -789,6 +789,12 @@ check_visible_pairs(visible_pairs)
 #   time (the checker fills the keys no query can see with NaN, so it notices).
 # - the epilogue: add the sink's term to `l` with `exp2` and the guarded `shift` (the sink has no
 #   value row), then the LSE and the one division, as in chapter 03.
+#
+# As in section 3, the skeleton starts the running max at the sink's logit (in raw score units), so every
+# exponential, the sink's included, is at most 1. (Started at −∞ with the sink added last, ℓ overflows
+# once the sink exceeds the row's largest scaled score by about 88: run on the C backend with a sink logit
+# of 100, that kernel returned LSE = +∞ where the answer is 100.) A head without a sink has z = −∞: its
+# rows that see no key still end with m = −∞, which is what the guarded `shift` above your lines is for.
 
 # %%
 import tilelang.language as T
@@ -817,7 +823,8 @@ def gpt_oss_forward(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_
             T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
             T.fill(acc_o, 0)
             T.fill(l, 0)
-            T.fill(m, -T.infinity(f32))
+            for i in tb.parallel(block_M):  # m starts at the sink (raw score units), as in section 3: every e^x ≤ 1
+                m[i] = Sinks[h] * math.sqrt(dim)
             start, stop = window_block_range(qb, block_M=block_M, block_N=block_N, seq_q=seq_q, seq_k=seq_k,
                                              window=window)
             for kb in T.Pipelined(start, stop, num_stages=1):

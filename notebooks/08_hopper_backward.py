@@ -160,13 +160,9 @@ cu.check_true(runs[True][1] < runs[False][1], f"the asynchronous steps are short
 # ## 4 · The kernel in TileLang
 #
 # `flash_bwd_hopper_kernel` (`course_utils/kernels/flash_bwd_hopper.py`) has chapter 05's inputs and
-# outputs and is built from the same pieces (`prelude`, `visible`, `query_block_range`); one step:
-
-# %%
-show_source(flash_bwd_hopper_kernel, "one step")
-
-# %% [markdown]
-# Details that matter:
+# outputs and is built from the same pieces (`prelude`, `visible`, `query_block_range`). Exercise (d)
+# asks you to write its step, so the listing of that step comes after the exercises, at the end of the
+# chapter. Details that matter:
 #
 # - **Masking** happens only on tiles that cross a boundary (`probabilities_t`): the causal
 #   diagonal, a window's edge, keys past S_k, and here also rows past S_q (the backward walks
@@ -515,10 +511,18 @@ cu.claim_ratio("deterministic ÷ default", {(r["dim"], r["causal"]): r["tflops"]
 #   no atomics) was as fast as sharing them at the cost of barriers and a reduction.
 #
 # ## Exercises
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
+# ### (a) The bytes of dQ's reduction
 #
-# **Exercise 1.** How many bytes does the dQ reduction add into the float32 accumulator, for
+# How many bytes does the dQ reduction add into the float32 accumulator, for
 # `batch`, `heads`, `seq_q` queries, `seq_k` keys, head dimension `dim` and key blocks of `block_N`
 # (no mask)? Write `dq_reduce_bytes(batch, heads, seq_q, seq_k, dim, block_N)`.
+#
+# Stuck? `hint("08", "a", 1)`, then `hint("08", "a", 2)`; `solution("08", "a")` shows the answer.
 
 # %% tags=["solution", "ex-a"]
 def dq_reduce_bytes(batch, heads, seq_q, seq_k, dim, block_N):
@@ -534,9 +538,13 @@ from course_utils.exercises import ch08
 ch08.check_dq_reduce_bytes(dq_reduce_bytes)
 
 # %% [markdown]
-# **Exercise 2.** The heart of the deterministic mode: partial sums that arrive in any order must
+# ### (b) A sum with the same bits in any order
+#
+# The heart of the deterministic mode: partial sums that arrive in any order must
 # give the same bits every time. `parts` is a list of `(key_block, tensor)` pairs in arrival order;
 # return their float32 sum, the same bits whatever the arrival order.
+#
+# Stuck? `hint("08", "b", 1)`, then `hint("08", "b", 2)`; `solution("08", "b")` shows the answer.
 
 # %% tags=["solution", "ex-b"]
 def fixed_order_sum(parts):
@@ -552,9 +560,13 @@ def fixed_order_sum(parts):
 ch08.check_fixed_order_sum(fixed_order_sum)
 
 # %% [markdown]
-# **Exercise 3.** A step issues dV, dQ and dK in this order and then calls `T.wait_wgmma(n)` before
+# ### (c) The wait before dQ is stored
+#
+# A step issues dV, dQ and dK in this order and then calls `T.wait_wgmma(n)` before
 # storing dQ. What is the largest `n` that makes dQ safe to read, and what may still be running?
 # Write `wait_before_dq_store()` returning `(n, names_still_running)`.
+#
+# Stuck? `hint("08", "c", 1)`, then `hint("08", "c", 2)`; `solution("08", "c")` shows the answer.
 
 # %% tags=["solution", "ex-c"]
 def wait_before_dq_store():
@@ -565,3 +577,194 @@ def wait_before_dq_store():
 
 # %%
 ch08.check_wait_before_dq_store(wait_before_dq_store)
+
+# %% [markdown]
+# ### (d) One step of the Hopper backward: place the waits and the barriers
+#
+# Write section 3's step yourself. The kernel below is this chapter's backward cut to its schedule: one
+# block of 256 consumer threads per 128 keys, walking over the query blocks with TileLang's TMA producer,
+# no mask, no GQA. Its pieces are given: `issue_scores_t`, `issue_dp_t`, `issue_dv`, `issue_dq`,
+# `issue_dk` issue a wgmma batch and return; `wait(n)` waits until at most n batches run;
+# `probabilities(PT, lse)` turns Sᵀ into Pᵀ in place; `form_ds(PT, dPT, delta, dST, PT_cast)` forms the
+# 16-bit dSᵀ and the 16-bit copy of Pᵀ; `barrier(id)` makes the 256 consumer threads meet (ids
+# `DS_BARRIER`, `DQ_BARRIER`); `add_dq(dq_s, dQ_acc, b, qb)` has the copy engine add the dQ tile. Two
+# tiles cross between the consumer warpgroups through shared memory: `dST_s` (dQ = dS K needs all 128
+# keys, each warpgroup formed 64) and `dq_s` (the copy engine reads the whole tile). Write
+# `backward_step`: issue what can run together, wait only for what the next statement reads, keep both
+# overlaps of section 3 (the exponentials under dPᵀ, dQ's store under dK), meet where a shared tile
+# changes hands, and release the Q/dO stage only after the last wait (chapter 07's third detail).
+#
+# The checker runs your step on the C backend against float64 (the matmuls are synchronous there and
+# waits and barriers do nothing: this checks the order of the mathematics), then lowers it for sm_90a
+# with `PASS_CONFIGS` (TileLang adds no barrier of its own, as in the shipped kernel) and checks each
+# property of the schedule on the generated consumer loop: a missing wait or barrier is a race that no
+# CPU run can show.
+#
+# Stuck? `hint("08", "d", 1)`, then `hint("08", "d", 2)`; `solution("08", "d")` shows the answer.
+
+# %%
+import tilelang.language as T
+
+from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
+from course_utils.kernels.flash_pieces import LOG2E, consumer_barrier
+from course_utils.kernels.tiles import TileBackend
+
+DS_BARRIER, DQ_BARRIER = 6, 5  # named barrier ids (TileLang's own use 1-3)
+
+
+def async_pieces(tb):
+    """The step's matmuls, waits and barriers: wgmma batches issued without waiting, T.wait_wgmma and named
+    barriers on Hopper; plain gemms, no wait and no barrier on the C backend (one CPU thread has nothing in
+    flight), so the same step runs on both."""
+    gemm = T.wgmma_gemm if tb.on_gpu else T.gemm
+
+    @T.macro
+    def issue_scores_t(K_s, Q_s, PT):  # Sᵀ = K Qᵀ
+        gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+
+    @T.macro
+    def issue_dp_t(V_s, dO_s, dPT):  # dPᵀ = V dOᵀ
+        gemm(V_s, dO_s, dPT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+
+    @T.macro
+    def issue_dv(PT_cast, dO_s, dv):  # dV += Pᵀ dO
+        gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def issue_dq(dST_s, K_s, dq):  # dQ = dS K (dS read from shared memory, transposed)
+        gemm(dST_s, K_s, dq, transpose_A=True, clear_accum=True)
+
+    @T.macro
+    def issue_dk(dST, Q_s, dk):  # dK += dSᵀ Q
+        gemm(dST, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+
+    wait = T.wait_wgmma if tb.on_gpu else (lambda n: None)
+    barrier = consumer_barrier if tb.on_gpu else (lambda barrier_id: None)
+    return issue_scores_t, issue_dp_t, issue_dv, issue_dq, issue_dk, wait, barrier
+
+
+# %%
+def step_pieces(tb, block_M, block_N, dim, scale_log2):
+    """The step's element-wise pieces and the dQ reduce-add (the copy engine's on Hopper)."""
+    @T.macro
+    def probabilities(PT, lse):  # Pᵀ = e^(Sᵀ·scale − LSE), in place
+        for j, i in tb.parallel(block_N, block_M):
+            PT[j, i] = T.exp2(PT[j, i] * scale_log2 - lse[i] * LOG2E)
+
+    @T.macro
+    def form_ds(PT, dPT, delta, dST, PT_cast):  # dSᵀ = Pᵀ ∘ (dPᵀ − Δ); Pᵀ cast for dV
+        for j, i in tb.parallel(block_N, block_M):
+            dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])
+        T.copy(PT, PT_cast)
+
+    @T.macro
+    def add_dq(dq_s, dQ_acc, b, qb):  # dQ_acc += dQ: the copy engine's bulk reduce-add on Hopper
+        if tb.on_gpu:
+            T.atomic_add(dQ_acc[b, qb * block_M:(qb + 1) * block_M, :], dq_s, use_tma=True)
+        else:
+            for i, d in T.grid(block_M, dim):
+                dQ_acc[b, qb * block_M + i, d] += dq_s[i, d]
+
+    return probabilities, form_ds, add_dq
+
+
+# %%
+def key_block_backward(batch, seq, dim, *, block_M=64, block_N=128, dtype="float16", target=None):
+    """dQ_acc += dS K (zero on entry; times 1/√D afterwards), dK, dV (float32) for Q, K, V, dO [B, S, D], the
+    forward's LSE and Δ [B, S]; no mask, S a multiple of both tiles. One block per key block, as in section 2."""
+    tb = TileBackend(target)
+    scale_log2 = LOG2E / dim ** 0.5
+    step = backward_step_macro(tb, async_pieces(tb) + step_pieces(tb, block_M, block_N, dim, scale_log2))
+
+    @T.prim_func
+    def kernel(Q: T.Tensor([batch, seq, dim], dtype), K: T.Tensor([batch, seq, dim], dtype),
+               V: T.Tensor([batch, seq, dim], dtype), dO: T.Tensor([batch, seq, dim], dtype),
+               LSE: T.Tensor([batch, seq], "float32"), Delta: T.Tensor([batch, seq], "float32"),
+               dQ_acc: T.Tensor([batch, seq, dim], "float32"), dK: T.Tensor([batch, seq, dim], "float32"),
+               dV: T.Tensor([batch, seq, dim], "float32")):
+        with tb.kernel(T.ceildiv(seq, block_N), batch, threads=256) as (kb, b):
+            K_s, V_s = tb.shared([block_N, dim], dtype), tb.shared([block_N, dim], dtype)
+            Q_s, dO_s = tb.shared([block_M, dim], dtype), tb.shared([block_M, dim], dtype)
+            lse, delta = tb.shared([block_M], "float32"), tb.shared([block_M], "float32")
+            dST_s, dq_s = tb.shared([block_N, block_M], dtype), tb.shared([block_M, dim], "float32")  # cross warpgroups
+            PT, dPT = tb.fragment([block_N, block_M], "float32"), tb.fragment([block_N, block_M], "float32")
+            PT_cast, dST = tb.fragment([block_N, block_M], dtype), tb.fragment([block_N, block_M], dtype)
+            dq, dv, dk = (tb.fragment([block_M, dim], "float32"), tb.fragment([block_N, dim], "float32"),
+                          tb.fragment([block_N, dim], "float32"))
+            stage_in_use = T.alloc_local([1], dtype)
+            T.copy(K[b, kb * block_N:(kb + 1) * block_N, :], K_s)
+            T.copy(V[b, kb * block_N:(kb + 1) * block_N, :], V_s)
+            T.clear(dv)
+            T.clear(dk)
+            for qb in T.Pipelined(T.ceildiv(seq, block_M), num_stages=2):
+                T.copy(Q[b, qb * block_M:(qb + 1) * block_M, :], Q_s)
+                T.copy(dO[b, qb * block_M:(qb + 1) * block_M, :], dO_s)
+                T.copy(LSE[b, qb * block_M:(qb + 1) * block_M], lse)
+                T.copy(Delta[b, qb * block_M:(qb + 1) * block_M], delta)
+                step(Q_s, K_s, V_s, dO_s, lse, delta, PT, dPT, PT_cast, dST, dST_s, dq, dq_s, dv, dk,
+                     dQ_acc, stage_in_use, b, qb)
+            for j, d in tb.parallel(block_N, dim):
+                dk[j, d] *= 1 / dim ** 0.5
+            T.copy(dv, dV[b, kb * block_N:(kb + 1) * block_N, :])
+            T.copy(dk, dK[b, kb * block_N:(kb + 1) * block_N, :])
+
+    return kernel
+
+
+# %% tags=["solution", "ex-d"]
+def backward_step_macro(tb, pieces):
+    issue_scores_t, issue_dp_t, issue_dv, issue_dq, issue_dk, wait, barrier, probabilities, form_ds, add_dq = pieces
+
+    @T.macro
+    def backward_step(Q_s, K_s, V_s, dO_s, lse, delta, PT, dPT, PT_cast, dST, dST_s, dq, dq_s, dv, dk,
+                      dQ_acc, stage_in_use, b, qb):
+        ### BEGIN SOLUTION
+        issue_scores_t(K_s, Q_s, PT)
+        issue_dp_t(V_s, dO_s, dPT)
+        wait(1)
+        probabilities(PT, lse)
+        wait(0)
+        form_ds(PT, dPT, delta, dST, PT_cast)
+        T.copy(dST, dST_s)
+        barrier(DS_BARRIER)
+        issue_dv(PT_cast, dO_s, dv)
+        issue_dq(dST_s, K_s, dq)
+        issue_dk(dST, Q_s, dk)
+        wait(1)
+        T.copy(dq, dq_s)
+        barrier(DQ_BARRIER)
+        add_dq(dq_s, dQ_acc, b, qb)
+        wait(0)
+        stage_in_use[0] = Q_s[0, 0] + dO_s[0, 0]
+        ### END SOLUTION
+
+    return backward_step
+
+
+# %%
+from course_utils.exercises import ch08
+
+ch08.check_backward_step(key_block_backward)
+
+# %% [markdown]
+# What this schedule was worth on the H100, from section 6's record: the asynchronous step in
+# FlashAttention-3's order against chapter 05's synchronous one; issuing dQ before dK (your wait(1) then
+# leaves dK running while dQ goes to shared memory); and the shipped kernel's own two barriers per step
+# against TileLang's four.
+
+# %%
+steps = {"async wgmma, FlashAttention-3's order ÷ chapter 05": change(2),
+         "dQ issued before dK ÷ the row above": change(6),
+         "own barriers ÷ TileLang's four": {f"D={d}{' causal' if c else ''}": tf[by_number[9], d, c]
+                                            / tf[by_number[10], d, c] for d, c in cases}}
+for what, ratios in steps.items():
+    print(f"{what:52}" + "".join(f"   {case}: {ratio:.2f}×" for case, ratio in ratios.items()))
+cu.check_true(all(r > 1 for r in steps["dQ issued before dK ÷ the row above"].values()),
+              "issuing dQ before dK was faster in every case of the record")
+
+# %% [markdown]
+# The course's step, for comparison with yours of exercise (d) (`flash_bwd_hopper_kernel`'s loop body: the
+# same order, with the mask, two dSᵀ buffers and FlashAttention-3's 80-row tiles):
+
+# %%
+show_source(flash_bwd_hopper_kernel, "one step")

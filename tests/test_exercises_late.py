@@ -138,3 +138,16 @@ def test_solution_lowers_for_the_gpu(key, arch):
     prim_func = load(exercise, exercise_source(exercise), "cuda")(*args, **kwargs, target="cuda")
     with tvm.target.Target({"kind": "cuda", "arch": arch}):
         assert "__global__" in tilelang.lower(prim_func).kernel_source
+
+
+def test_timing_cell_without_gpu_shows_the_course_record(capsys):
+    """Chapter 03's timing cell (issue 24, part 6) on a machine without a GPU: the stored record of the course's
+    kernel, its rows checked, and one line saying what the learner's kernel would be timed against."""
+    from course_utils.exercises import timing
+
+    if timing.HAS_GPU:
+        pytest.skip("on a GPU the cell compiles and times the learner's kernel")
+    record = timing.time_your_forward(None, record="ch03_forward_vs_peers_h100")
+    out = capsys.readouterr().out
+    assert record["results"]
+    assert "TileLang (ours)" in out and "TFLOP/s" in out and "On a GPU this cell compiles your kernel" in out

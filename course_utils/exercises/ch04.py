@@ -36,7 +36,7 @@ HINTS = {
 }
 
 
-# --- Exercise 1: which bank serves a byte address ---------------------------------------------------
+# --- Exercise (a): which bank serves a byte address ---------------------------------------------------
 
 _ADDRESS_CASES = [(0,), (3,), (4,), (127,), (128,), (132,), (256 + 20,), (16384 + 64 * 4 + 2,), (4095,)]
 
@@ -49,7 +49,7 @@ def check_bank_of(fn):
                    _ADDRESS_CASES, atol=0, rtol=0, hint=hint)
 
 
-# --- Exercise 2: the 128-byte XOR swizzle, written by hand -----------------------------------------
+# --- Exercise (b): the 128-byte XOR swizzle, written by hand -----------------------------------------
 
 def _tilelang_swizzle_offsets(rows, cols):
     from tilelang.layout import make_swizzled_layout

@@ -171,9 +171,9 @@ def _gpt_oss_cases():
                       9, [1.5, -1.0, 3.0, 0.0], block_M=20, block_N=8, seed=61, poison=True),
         _gpt_oss_case("window 5, S=30, 2 query heads on 1 K/V head, sinks, 16×8 tiles", 2, 1, 30, 30, 16, 5,
                       [0.5, 2.0], block_M=16, block_N=8, seed=62, poison=False),
-        _gpt_oss_case("rows that see no key but a sink, and a last row whose diagonal key is the first of a key block "
-                      "(window 6, S_q=27 > S_k=20, 16×8 tiles)", 2, 1, 27, 20, 16, 6, [1.0, -2.0], block_M=16,
-                      block_N=8, seed=63, poison=False),
+        _gpt_oss_case("rows that see no key, with a sink (head 0) and without (head 1, z = −∞), and a last row whose "
+                      "diagonal key is the first of a key block (window 6, S_q=27 > S_k=20, 16×8 tiles)", 2, 1, 27,
+                      20, 16, 6, [1.0, float("-inf")], block_M=16, block_N=8, seed=63, poison=False),
     ]
 
 
@@ -226,13 +226,19 @@ def _visits_dead_blocks(case, got, kernel):
     return bool(torch.allclose(clean, case.expected["O"], atol=1e-4, rtol=1e-3))
 
 
-def _unshifted_sink(data):
+def _unshifted_sink(from_sink):
     """The sink term added as exp2(z·log2 e), not exp2(z·log2 e − shift): relative to the shift, a logit of
-    z + scale·m, with m the row's running max of the raw scores."""
-    q, k = data["q"].double(), data["k"].double().repeat_interleave(data["q"].shape[1] // data["k"].shape[1], 1)
-    visible = visibility_mask(q.shape[2], k.shape[2], window_size=data["window"])
-    raw = (q @ k.transpose(-1, -2)).masked_fill(~visible, -math.inf)
-    return _sinks(data) + raw.amax(-1) / math.sqrt(q.shape[-1])
+    z + scale·m, with m the row's running max of the raw scores, started at the sink's (``from_sink``, as in
+    exercise (d)'s skeleton) or at −∞ (a learner's own kernel of (e))."""
+    def logit(data):
+        q = data["q"].double()
+        k = data["k"].double().repeat_interleave(q.shape[1] // data["k"].shape[1], 1)
+        visible = visibility_mask(q.shape[2], k.shape[2], window_size=data["window"])
+        m = (q @ k.transpose(-1, -2)).masked_fill(~visible, -math.inf).amax(-1)
+        if from_sink:
+            m = torch.maximum(m, _sinks(data) * math.sqrt(q.shape[-1]))
+        return _sinks(data) + m / math.sqrt(q.shape[-1])
+    return logit
 
 
 def _start(from_last_row=False, round_up=False):
@@ -256,15 +262,18 @@ def _stop_minus_one(data):
 
 
 def _unguarded_sink_test(case, got, kernel):
-    """Rows that see no key have LSE = +∞ (ℓ = ∞ from exp2(sink·log2 e + ∞)) and O = 0; the others are right."""
+    """Rows that see no key are wrong and not finite (LSE = +∞ from exp2(sink·log2 e + ∞) when m starts at −∞,
+    NaN from −∞ + ∞ in a head without a sink); every row that sees a key is right."""
     no_key = ~visibility_mask(case.data["q"].shape[2], case.data["k"].shape[2],
                               window_size=case.data["window"]).any(-1)
     if not no_key.any():
         return False
-    lse = got["LSE"].double()
+    lse, want = got["LSE"].double(), case.expected["LSE"].double()
+    blind, blind_want = lse[..., no_key], want[..., no_key]
+    broken = ~torch.isfinite(blind) & ~(blind == blind_want)
     seen = ~no_key
-    return bool(torch.isposinf(lse[..., no_key]).all()) and bool(torch.allclose(
-        lse[..., seen], case.expected["LSE"][..., seen], atol=1e-3, rtol=1e-3))
+    return bool(broken.any()) and bool((broken | (blind == blind_want)).all()) and bool(torch.allclose(
+        lse[..., seen], want[..., seen], atol=1e-3, rtol=1e-3))
 
 
 def _scaled_sinks(data):
@@ -287,9 +296,9 @@ _GPT_OSS_SUSPECTS = [
             "scaled scores, so its exp2 argument is sink·log2(e) − shift.", _like(_scaled_sinks, _scaled_sinks)),
     Suspect("the sink's exp2 lacks log2(e): e^z = exp2(z·log2 e), so add exp2(sink·log2 e − shift).",
             _like(_sinks_over_log2e, _sinks_over_log2e)),
-    Suspect("the sink's term uses the unguarded shift: in a row that has seen no key, m = −∞, so "
-            "exp2(sink·log2 e − m·scale_log2) is +∞. Use the guarded shift (0 while m = −∞): the row's O is then 0 "
-            "and its LSE is the sink.", _unguarded_sink_test),
+    Suspect("the sink's term uses the unguarded shift: in a row that has seen no key, m = −∞ (in a head without "
+            "a sink, or in a kernel that starts m at −∞), so exp2(sink·log2 e − m·scale_log2) is NaN or +∞. Use the "
+            "guarded shift (0 while m = −∞): the row's O is then 0 and its LSE is the sink.", _unguarded_sink_test),
     Suspect("the causal stop loses the key block that holds the last row's diagonal key when that key is the "
             "first of a block: the last row sees keys up to (qb+1)·block_M − 1 + past, so stop = "
             "⌈((qb+1)·block_M + past) / block_N⌉.", _like(_sinks, _sinks, last_block=_stop_minus_one)),
@@ -298,7 +307,9 @@ _GPT_OSS_SUSPECTS = [
     Suspect("the window's mask lets one key too many through: query q sees keys k with q + past − W < k, "
             "i.e. k > q + past − window (you used >=).", _like(_sinks, _sinks, first_block=_start(), wider=1)),
     Suspect("the sink term is not shifted: ℓ holds exp2(x·scale_log2 − shift), so the sink adds "
-            "exp2(sink·log2 e − shift), not exp2(sink·log2 e).", _like(_unshifted_sink, _unshifted_sink)),
+            "exp2(sink·log2 e − shift), not exp2(sink·log2 e).", _like(_unshifted_sink(True), _unshifted_sink(True))),
+    Suspect("the sink term is not shifted: ℓ holds exp2(x·scale_log2 − shift), so the sink adds "
+            "exp2(sink·log2 e − shift), not exp2(sink·log2 e).", _like(_unshifted_sink(False), _unshifted_sink(False))),
     Suspect("the window's first key block is computed from the query block's last row; its first row needs "
             "earlier keys. Start at the block of the first row's first key, (qb·block_M + past − W + 1) // block_N.",
             _like(_sinks, _sinks, _start(from_last_row=True))),

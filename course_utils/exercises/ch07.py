@@ -10,8 +10,8 @@ consumer loop is what makes the overlap, and a wait in the wrong place is a race
 import torch
 
 from .common import ExerciseWrong, check_exercise
-from .kernels import KernelCase, Suspect, build, check_kernel, same_outputs
-from .late_tools import c_lowering, surfacing_warnings
+from .kernels import KernelCase, Suspect, check_kernel, same_outputs
+from .late_tools import c_lowering, lowered_steps, surfacing_warnings
 
 __all__ = ["check_wasted_share", "check_wait_count", "check_rotated_loop", "HINTS"]
 
@@ -32,7 +32,7 @@ HINTS = {
 }
 
 
-# --- Exercise 1: the matmuls the rotated loop issues for nothing ------------------------------------
+# --- Exercise (a): the matmuls the rotated loop issues for nothing ---------------------------------
 
 def _wasted_share(seq, block_M, block_N, causal):
     issued = wasted = 0
@@ -58,7 +58,7 @@ def check_wasted_share(fn):
               "issued matmul work is wasted — the price of never branching around a wgmma")
 
 
-# --- Exercise 2: how many wgmma batches may stay in flight -----------------------------------------
+# --- Exercise (b): how many wgmma batches may stay in flight --------------------------------------
 
 def check_wait_count(fn):
     """Check ``fn(issued, needed) -> N`` for wgmma.wait_group N (batches retire in issue order)."""
@@ -131,16 +131,7 @@ _GPU_SHAPE = (1, 1024, 128)
 
 
 def _consumer_steps(name, factory):
-    from ..core.source import cuda_source, loop_skeleton
-
-    prim_func = build(name, factory, *_GPU_SHAPE, target="cuda")
-    try:
-        source = cuda_source(prim_func)
-    except Exception as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        why = (lines or [type(exc).__name__])[-1][:200]
-        raise ExerciseWrong(f"✗ {name}: your loop does not lower for sm_90a: {why}") from None
-    steps = [label.split(" ×")[0] for _, label in loop_skeleton(source, r"for \(int kb_1 = ", _STEPS)]
+    steps = lowered_steps(name, factory, _GPU_SHAPE, r"for \(int kb_1 = ", _STEPS)
     return [step for step in steps if step != "mbarrier wait"]
 
 

@@ -17,7 +17,7 @@ import tempfile
 
 from .common import ExerciseWrong
 
-__all__ = ["surfacing_warnings", "c_lowering"]
+__all__ = ["surfacing_warnings", "c_lowering", "lowered_steps"]
 
 
 @contextlib.contextmanager
@@ -88,3 +88,22 @@ def surfacing_warnings(run, relower=None):
         shown = "; ".join(dict.fromkeys(found))[:300]
         raise ExerciseWrong(f"{str(failure).rstrip()} TileLang warned: {shown} — a likely cause.") from None
     raise failure
+
+
+def lowered_steps(name, factory, args, loop_header, steps, *, kwargs=None, pass_configs=None, arch="sm_90a"):
+    """Build the learner's ``factory(*args, **kwargs, target="cuda")``, lower it for ``arch`` on the CPU and
+    return the labels of ``steps`` (``source.loop_skeleton``'s format) met in the loop whose first line
+    matches ``loop_header``, in order, one per statement (a repeated statement's "×n" dropped). A kernel
+    that does not lower is an ``ExerciseWrong`` naming the compiler's last line. Chapters 07 and 08 read
+    the order of issues, waits and barriers from it."""
+    from ..core.source import cuda_source, loop_skeleton
+    from .kernels import build
+
+    prim_func = build(name, factory, *args, **(kwargs or {}), target="cuda")
+    try:
+        source = cuda_source(prim_func, arch=arch, pass_configs=pass_configs)
+    except Exception as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = (lines or [type(exc).__name__])[-1][:200]
+        raise ExerciseWrong(f"✗ {name}: your code does not lower for {arch}: {why}") from None
+    return [label.split(" ×")[0] for _, label in loop_skeleton(source, loop_header, steps)]
