@@ -919,7 +919,7 @@ cu.check_true(len(mma) > 0, "the CUDA multiplies on the tensor cores (mma; float
 show_source(Prelude)
 
 # %%
-from course_utils import flash_pieces
+from course_utils.kernels import flash_pieces
 
 show_source(flash_pieces.visible)  # `visible` is a mask tensor by now
 
