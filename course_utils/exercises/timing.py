@@ -44,7 +44,7 @@ def time_your_forward(factory, *, record, causal=True, block_M=64, block_N=64):
     if not HAS_GPU:
         return _stored(record)
     from ..api.attention import flash_attention
-    from ..benchmarks.common import SDPA_PEERS, sdpa
+    from ..measure.benchmarks.common import SDPA_PEERS, sdpa
     from ..checking.validation import check_forward, references
     from ..kernels.tiles import compile_kernel
 
