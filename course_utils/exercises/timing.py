@@ -44,9 +44,9 @@ def time_your_forward(factory, *, record, causal=True, block_M=64, block_N=64):
     if not HAS_GPU:
         return _stored(record)
     from ..api.attention import flash_attention
-    from ..measure.benchmarks.common import SDPA_PEERS, sdpa
     from ..checking.validation import check_forward, references
     from ..kernels.tiles import compile_kernel
+    from ..measure.benchmarks.common import SDPA_PEERS, sdpa
 
     b, h, s, d = (TIMED_SHAPE[key] for key in ("batch", "heads", "seq", "dim"))
     prim_func = factory(b, h, s, s, d, causal=causal, block_M=block_M, block_N=block_N, target="cuda")
