@@ -220,3 +220,13 @@ def test_a_cell_printing_an_earlier_answer_keeps_no_output_in_the_learner_editio
     kept = new_code_cell("print(1)", outputs=[new_output("stream", name="stdout", text="1")])
     learner = ws.learner_edition(new_notebook(cells=[printed, kept]))
     assert learner.cells[0].outputs == [] and learner.cells[1].outputs
+
+
+def test_the_checkers_and_the_workspace_agree_on_its_names():
+    """`./course lab` runs tooling/workspace.py as a file, without the package: its copies of the two names
+    the checkers use must stay the same as course_utils.exercises.common's."""
+    from course_utils.exercises import common
+    from course_utils.tooling import workspace as tooling_workspace
+
+    assert tooling_workspace.PLACEHOLDER == common.PLACEHOLDER
+    assert tooling_workspace.WORKSPACE == common.WORKSPACE

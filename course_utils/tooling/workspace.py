@@ -36,11 +36,15 @@ from pathlib import Path
 
 import nbformat
 
-from ..exercises.common import PLACEHOLDER, WORKSPACE
-
 ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is course_utils/tooling/…)
 NOTEBOOKS = ROOT / "notebooks"
+# `./course lab` runs this file itself (nbformat only, a second) rather than importing the package, so the
+# two names the checkers share with it are spelled here too; tests/test_workspace.py keeps them equal to
+# course_utils.exercises.common's.
+WORKSPACE = ROOT / "workspace"
 EDITIONS = ("learner", "teacher")
+
+PLACEHOLDER = "raise NotImplementedError  # your code here"
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 _SOLUTION = re.compile(r"^([ \t]*)### BEGIN SOLUTION[^\n]*\n.*?^[ \t]*### END SOLUTION[^\n]*(\n|\Z)", re.M | re.S)
