@@ -108,12 +108,16 @@ def run_cases(indices):
             med = sorted(ms)[1]
             rows.append(dict(impl=name, causal=causal, dtype=dtype, ms=med, ms_rounds=ms, tflops=tflops(flops, med),
                              errors=errors.get(name), config=config._asdict(), **shape))
+        for name in errors.keys() - samples.keys():  # failed its check: recorded with its message, not timed
+            rows.append(dict(impl=name, causal=causal, dtype=dtype, ms=None, tflops=None, errors=errors[name],
+                             config=config._asdict(), **shape))
         with open(os.path.join(OUT, "rows.jsonl"), "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
         cudnn = next(r["tflops"] for r in rows if "cuDNN" in r["impl"])
         print(f"D={dim} S={seq} causal={causal} {dtype} ({time.time() - t0:.0f} s): " + ", ".join(
-            f"{r['impl']} {r['tflops']:.0f} ({r['tflops'] / cudnn:.3f})" for r in rows), flush=True)
+            f"{r['impl']} {r['tflops']:.0f} ({r['tflops'] / cudnn:.3f})" if r["tflops"] else f"{r['impl']} failed"
+            for r in rows), flush=True)
 
 
 def driver():
