@@ -30,7 +30,7 @@ BWD_VARIANTS = ("packed default", "bwd list (ch05)", "bwd hopper grid", "bwd hop
 
 
 def configs(name, causal):
-    from course_utils.api.attention import BackwardConfig, ForwardConfig
+    from course_utils.api.attention import ForwardConfig
     from course_utils.api.varlen_api import VARLEN_HOPPER_BACKWARD_CONFIGS
     fwd, bwd, schedule = VARIANTS[name]
     fwd = None if fwd is None else ForwardConfig(*fwd[1])
@@ -47,6 +47,7 @@ def packed(name, causal, cu, max_len):
 
 def precompile():
     import torch
+
     from course_utils.api.attention import backward_kernels, forward_kernel
     from course_utils.api.varlen_api import _varlen_small_kernels, varlen_kernels
     from course_utils.measure.benchmarks.common import in_parallel
@@ -75,6 +76,7 @@ def precompile():
 def probe(names):
     """Each variant on small ragged batches against the reference, and the NaN isolation."""
     import torch
+
     from course_utils.checking.validation import check_backward, check_forward, varlen_references
     torch.manual_seed(0)
     cases = [((1, 127, 128, 129, 0, 300, 1000), None), ((200, 5, 384, 77), (260, 5, 1, 500))]
@@ -128,6 +130,7 @@ def probe(names):
 def measure(names, out_dir):
     import torch
     import triton.testing
+
     from course_utils.api.attention import flash_attention
     from course_utils.checking.validation import check_backward, check_forward, references, varlen_references
     from course_utils.measure.bench import attention_flops, tflops

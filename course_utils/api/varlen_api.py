@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from ..core.device import is_hopper
 from ..core.problem import AttentionProblem
+from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
 from ..kernels.flash_decode import (
     choose_num_splits,
     decode_config,
@@ -33,7 +34,6 @@ from ..kernels.flash_decode import (
     flash_decode_kernel,
     flash_decode_merge_kernel,
 )
-from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
 from ..kernels.flash_varlen import (
     OWN_BARRIERS_PASS_CONFIGS,
     SCHEDULES,
@@ -53,7 +53,8 @@ from .inputs import check_attention_inputs, sink_logits, sink_probability
 
 __all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_single_kernel",
            "decode_num_splits",
-           "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG"]
+           "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG", "VARLEN_CUDA_BACKWARD_CONFIG", "VARLEN_PERSISTENT_CONFIG",
+           "VARLEN_HOPPER_BACKWARD_CONFIGS"]
 
 _CACHE_SIZE = 32
 
@@ -283,15 +284,23 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
 # forward within ±2%. The grid needs no work list. (The lists are made on the host from the lengths and
 # cached by them: every layer of a model sees the same batch.)
 VARLEN_SCHEDULE = "grid"
-# The packed forward on CUDA GPUs: chapter 03's loop with chapter 04's pipelining. On the H100 it was the
-# fastest of the loops and tilings tried for packed batches (chapter 07's rotated loop included; notes).
+# The packed forward on CUDA GPUs other than Hopper (and head dims without a Hopper default): chapter 03's
+# loop with chapter 04's pipelining.
 VARLEN_CUDA_CONFIG = ForwardConfig(128, 128, 2, 256)
-# The packed backward on CUDA GPUs: chapter 05's tuned tiling.
+# The packed backward there: chapter 05's tuned tiling.
 VARLEN_CUDA_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
-# Chapter 07's persistent forward and chapter 08's backward under the packed prelude (sm_90; issue 27).
+# On Hopper (issue 27): chapter 07's persistent forward and chapter 08's backward under the packed prelude,
+# tiled as the dense kernels are. Measured on an H200 (2026-11-26, 64k tokens in 128-8192, H=16, D=128,
+# fp16; notes/ch09_gpu_notes.md): forward 510 / 552 TFLOP/s causal / full (chapter 03's loop: 0.76-0.80x
+# the dense kernel, this one 0.93-0.97x), backward 396 / 447 (chapter 05's loop 338 / 366).
+VARLEN_HOPPER_DIMS = (64, 128)
 VARLEN_PERSISTENT_CONFIG = ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True)
-VARLEN_HOPPER_BACKWARD_CONFIGS = {False: BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper"),
-                                  True: BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper")}
+VARLEN_HOPPER_BACKWARD_CONFIGS = {
+    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
+}
 VARLEN_FORWARD_KERNELS = ("flash_fwd", "flash_fwd_hopper", "flash_fwd_hopper_persistent")
 VARLEN_BACKWARD_KERNELS = ("flash_bwd", "flash_bwd_hopper")
 
@@ -373,12 +382,16 @@ def _varlen_configs(target, dim, masked, config, backward_config):
             raise ValueError("config.pingpong is available for packed batches only with kernel="
                              "'flash_fwd_hopper_persistent': the packed ping-pong of the rotated loop never finished "
                              "on the H100 (2026-11-23)")
+    elif target == "cuda" and is_hopper() and dim in VARLEN_HOPPER_DIMS:
+        fwd = VARLEN_PERSISTENT_CONFIG
     elif target == "cuda":
         fwd = VARLEN_CUDA_CONFIG
     else:
         fwd = default_forward_config("cpu", dim, masked)
     if backward_config is not None:
         bwd = BackwardConfig(*backward_config)
+    elif target == "cuda" and is_hopper() and dim in VARLEN_HOPPER_DIMS:
+        bwd = VARLEN_HOPPER_BACKWARD_CONFIGS[dim, bool(masked)]
     elif target == "cuda":
         bwd = VARLEN_CUDA_BACKWARD_CONFIG
     else:

@@ -28,6 +28,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
+from .flash_fwd_hopper_persistent import first_turn, pass_turn, wait_for_turn
 from .flash_pieces import (
     ACCUM,
     LOG2E,
@@ -46,7 +47,6 @@ from .flash_pieces import (
     with_lengths,
     zero_rows_past_end,
 )
-from .flash_fwd_hopper_persistent import first_turn, pass_turn, wait_for_turn
 from .hopper_pieces import issue_matmuls, keep_stages_until_read
 from .tiles import TileBackend
 
