@@ -535,7 +535,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     natural-log LSE [H, total_q], float32, with ``return_lse``). Differentiable once with respect to
     q, k, v and sinks, through O and the LSE. ``schedule`` ("list" or "grid", see
     ``course_utils.kernels.flash_varlen``), ``config`` (a ``ForwardConfig``) and ``backward_config`` choose
-    the kernels; the defaults are the fastest measured.
+    the kernels; the defaults are the fastest measured: on Hopper GPUs (D = 64 or 128) chapter 07's
+    persistent forward (``VARLEN_PERSISTENT_CONFIG``, which makes its own work list on the device and
+    ignores ``schedule``) and chapter 08's backward (``VARLEN_HOPPER_BACKWARD_CONFIGS``), elsewhere chapter
+    03's and chapter 05's loops.
 
     No wait for the GPU with the default "grid" schedule: as in FlashAttention's
     ``flash_attn_varlen_func``, the caller passes ``max_seqlen_q``/``max_seqlen_k`` (known on the host

@@ -21,6 +21,12 @@ Rows of a tile that run past the end of their sequence hold the *next* sequence'
 hides those keys, and stores are guarded row by row so a block never writes another sequence's
 rows.
 
+On Hopper the same prelude sits under the faster loops (issue 27): ``flash_varlen_fwd_persistent_kernel``
+is chapter 07's persistent forward (one block per SM walking ``varlen_pair_list``, a work list made on
+the device, so nothing is read back to the host), and ``flash_varlen_bwd_hopper_kernel`` chapter 08's
+backward. FlashAttention-3's ``hopper/`` varlen kernels have the same structure: a tile scheduler over
+(sequence, block) pairs and the sequence's bounds read per tile.
+
     python -m course_utils.check flash_varlen  # check against the reference (and time it, on a GPU)
 """
 
