@@ -131,7 +131,7 @@ ALLOWED = {
     ("07", "3%"): "the tolerance of the check in the next cell",
     ("08", "2.5 ×"): "the FLOP convention: five matmuls against the forward's two",
     ("09", "1%"): "the size of a planted bug (LSE × 1.01)",
-    ("09", "0.9×"): "a target; the claims cell checks it against the record (not met)",
+    ("09", "0.9×"): "a target; the claims cell checks it against the record",
     ("09", "989 TFLOP/s"): "H100 SXM datasheet",
     ("11", "2.5×"): "the FLOP convention: five matmuls against the forward's two",
     ("11", "10%"): "a target; the claims cell after it checks it against the record",

@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from ..core.device import is_hopper
 from ..core.problem import AttentionProblem
+from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
 from ..kernels.flash_decode import (
     choose_num_splits,
     decode_config,
@@ -36,11 +37,14 @@ from ..kernels.flash_decode import (
 from ..kernels.flash_varlen import (
     OWN_BARRIERS_PASS_CONFIGS,
     SCHEDULES,
+    flash_varlen_bwd_hopper_kernel,
     flash_varlen_bwd_kernel,
     flash_varlen_fwd_kernel,
+    flash_varlen_fwd_persistent_kernel,
     lse_row_layout,
     scale_cast_kernel,
     varlen_delta_kernel,
+    varlen_pair_list,
     varlen_work_list,
 )
 from ..kernels.tiles import compile_kernel
@@ -49,7 +53,8 @@ from .inputs import check_attention_inputs, sink_logits, sink_probability
 
 __all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_single_kernel",
            "decode_num_splits",
-           "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG"]
+           "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG", "VARLEN_CUDA_BACKWARD_CONFIG", "VARLEN_PERSISTENT_CONFIG",
+           "VARLEN_HOPPER_BACKWARD_CONFIGS"]
 
 _CACHE_SIZE = 32
 
@@ -279,9 +284,25 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
 # forward within ±2%. The grid needs no work list. (The lists are made on the host from the lengths and
 # cached by them: every layer of a model sees the same batch.)
 VARLEN_SCHEDULE = "grid"
-# The packed forward on CUDA GPUs: chapter 03's loop with chapter 04's pipelining. On the H100 it was the
-# fastest of the loops and tilings tried for packed batches (chapter 07's rotated loop included; notes).
+# The packed forward on CUDA GPUs other than Hopper (and head dims without a Hopper default): chapter 03's
+# loop with chapter 04's pipelining.
 VARLEN_CUDA_CONFIG = ForwardConfig(128, 128, 2, 256)
+# The packed backward there: chapter 05's tuned tiling.
+VARLEN_CUDA_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
+# On Hopper (issue 27): chapter 07's persistent forward and chapter 08's backward under the packed prelude,
+# tiled as the dense kernels are. Measured on an H200 (2026-11-26, 64k tokens in 128-8192, H=16, D=128,
+# fp16; notes/ch09_gpu_notes.md): forward 510 / 552 TFLOP/s causal / full (chapter 03's loop: 0.76-0.80x
+# the dense kernel, this one 0.93-0.97x), backward 396 / 447 (chapter 05's loop 338 / 366).
+VARLEN_HOPPER_DIMS = (64, 128)
+VARLEN_PERSISTENT_CONFIG = ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True)
+VARLEN_HOPPER_BACKWARD_CONFIGS = {
+    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
+}
+VARLEN_FORWARD_KERNELS = ("flash_fwd", "flash_fwd_hopper", "flash_fwd_hopper_persistent")
+VARLEN_BACKWARD_KERNELS = ("flash_bwd", "flash_bwd_hopper")
 
 
 class _Plan(NamedTuple):
@@ -357,24 +378,50 @@ def _check_bounds(name, bounds, total, max_seqlen, max_name):
 def _varlen_configs(target, dim, masked, config, backward_config):
     if config is not None:
         fwd = ForwardConfig(*config)
-        if fwd.pingpong:
-            raise ValueError("config.pingpong is not available for packed batches: the packed ping-pong loop never "
-                             "finished on the H100 (2026-11-23); leave it False")
+        if fwd.pingpong and fwd.kernel != "flash_fwd_hopper_persistent":
+            raise ValueError("config.pingpong is available for packed batches only with kernel="
+                             "'flash_fwd_hopper_persistent': the packed ping-pong of the rotated loop never finished "
+                             "on the H100 (2026-11-23)")
+    elif target == "cuda" and is_hopper() and dim in VARLEN_HOPPER_DIMS:
+        fwd = VARLEN_PERSISTENT_CONFIG
     elif target == "cuda":
         fwd = VARLEN_CUDA_CONFIG
     else:
         fwd = default_forward_config("cpu", dim, masked)
-    bwd = BackwardConfig(*backward_config) if backward_config is not None else default_backward_config(
-        "cpu" if target == "c" else "cuda")
-    if fwd.kernel not in ("flash_fwd", "flash_fwd_hopper"):
-        raise ValueError(f"config.kernel must be 'flash_fwd' or 'flash_fwd_hopper'; got {fwd.kernel!r}")
-    if fwd.kernel == "flash_fwd_hopper" and not (target == "cuda" and is_hopper()):
-        raise ValueError("config.kernel='flash_fwd_hopper' is chapter 07's Hopper loop: it needs an sm_90 GPU")
+    if backward_config is not None:
+        bwd = BackwardConfig(*backward_config)
+    elif target == "cuda" and is_hopper() and dim in VARLEN_HOPPER_DIMS:
+        bwd = VARLEN_HOPPER_BACKWARD_CONFIGS[dim, bool(masked)]
+    elif target == "cuda":
+        bwd = VARLEN_CUDA_BACKWARD_CONFIG
+    else:
+        bwd = default_backward_config("cpu")
+    if fwd.kernel not in VARLEN_FORWARD_KERNELS:
+        raise ValueError(f"config.kernel must be one of {VARLEN_FORWARD_KERNELS}; got {fwd.kernel!r}")
+    if bwd.kernel not in VARLEN_BACKWARD_KERNELS:
+        raise ValueError(f"backward_config.kernel must be one of {VARLEN_BACKWARD_KERNELS}; got {bwd.kernel!r}")
+    on_hopper = target == "cuda" and is_hopper()
+    if fwd.kernel != "flash_fwd" and not on_hopper:
+        raise ValueError(f"config.kernel={fwd.kernel!r} is one of chapter 07's Hopper kernels: it needs an sm_90 GPU")
+    if bwd.kernel != "flash_bwd" and not on_hopper:
+        raise ValueError(f"backward_config.kernel={bwd.kernel!r} is chapter 08's Hopper kernel: it needs an sm_90 GPU")
+    if fwd.kernel == "flash_fwd_hopper_persistent" and fwd.threads != 2 * fwd.block_M:
+        raise ValueError(f"the persistent forward runs one consumer warpgroup per 64 query rows: config.threads must "
+                         f"be 2 * block_M = {2 * fwd.block_M}; got {fwd.threads}")
     return fwd, bwd
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _varlen_forward(pr, config, schedule):
+def _varlen_forward(pr, config, schedule, num_ctas=None):
+    """The compiled packed forward; ``num_ctas`` (the GPU's SMs) for the persistent kernel, which ignores
+    ``schedule`` (it walks ``varlen_pair_list``)."""
+    if config.kernel == "flash_fwd_hopper_persistent":
+        func = flash_varlen_fwd_persistent_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
+                                                  window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
+                                                  block_M=config.block_M, block_N=config.block_N,
+                                                  num_stages=config.num_stages, threads=config.threads,
+                                                  pingpong=config.pingpong, num_ctas=num_ctas)
+        return compile_kernel(func, out_idx=[8, 9], target=pr.target, dtype=pr.dtype)
     hopper = config.kernel == "flash_fwd_hopper"
     own = pr.target == "cuda" and not hopper and is_hopper()  # chapter 03's loop on sm_90: its own barriers
     func = flash_varlen_fwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
@@ -386,8 +433,23 @@ def _varlen_forward(pr, config, schedule):
                           pass_configs=OWN_BARRIERS_PASS_CONFIGS if own else None)
 
 
+def _forward_ctas(config, device):
+    """One persistent block per SM of ``device`` for the persistent forward; None for the others."""
+    if config.kernel != "flash_fwd_hopper_persistent":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _varlen_backward(pr, config, schedule):
+    if config.kernel == "flash_bwd_hopper":
+        func = flash_varlen_bwd_hopper_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
+                                              window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
+                                              block_M=config.block_M, block_N=config.block_N,
+                                              num_stages=config.num_stages, threads=config.threads,
+                                              schedule=schedule)
+        return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype,
+                              pass_configs=HOPPER_BACKWARD_PASS_CONFIGS)
     func = flash_varlen_bwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
                                    window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
                                    block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
@@ -412,9 +474,13 @@ def _schedule_arg(schedule, plan, forward):
 class _FlashAttentionVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_q, cu_k, plan, problem, config, backward_config, schedule):
-        fwd = _varlen_forward(problem, config, schedule)
+        fwd = _varlen_forward(problem, config, schedule, _forward_ctas(config, q.device))
         logits = sink_logits(sinks, problem.heads, q.device)
-        out, lse = fwd(q, k, v, cu_q, cu_k, _schedule_arg(schedule, plan, True), logits)
+        if config.kernel == "flash_fwd_hopper_persistent":  # its work list is made on the device: no wait
+            pairs, count = varlen_pair_list(cu_q, cu_k, problem.heads, config.block_M, plan.max_seqlen_q)
+            out, lse = fwd(q, k, v, cu_q, cu_k, pairs, count, logits)
+        else:
+            out, lse = fwd(q, k, v, cu_q, cu_k, _schedule_arg(schedule, plan, True), logits)
         ctx.save_for_backward(q, k, v, out, lse, logits, cu_q, cu_k)
         ctx.args = (plan, problem, backward_config, schedule)
         ctx.has_sinks = sinks is not None
@@ -469,7 +535,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     natural-log LSE [H, total_q], float32, with ``return_lse``). Differentiable once with respect to
     q, k, v and sinks, through O and the LSE. ``schedule`` ("list" or "grid", see
     ``course_utils.kernels.flash_varlen``), ``config`` (a ``ForwardConfig``) and ``backward_config`` choose
-    the kernels; the defaults are the fastest measured.
+    the kernels; the defaults are the fastest measured: on Hopper GPUs (D = 64 or 128) chapter 07's
+    persistent forward (``VARLEN_PERSISTENT_CONFIG``, which makes its own work list on the device and
+    ignores ``schedule``) and chapter 08's backward (``VARLEN_HOPPER_BACKWARD_CONFIGS``), elsewhere chapter
+    03's and chapter 05's loops.
 
     No wait for the GPU with the default "grid" schedule: as in FlashAttention's
     ``flash_attn_varlen_func``, the caller passes ``max_seqlen_q``/``max_seqlen_k`` (known on the host
@@ -525,4 +594,5 @@ def varlen_kernels(q, k, *, causal=False, window_size=None, sm_scale=None, sched
     problem = AttentionProblem.packed(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale)
     fwd_config, bwd_config = _varlen_configs(problem.target, problem.dim, problem.causal, config, backward_config)
     schedule = VARLEN_SCHEDULE if schedule is None else schedule
-    return _varlen_forward(problem, fwd_config, schedule), _varlen_backward(problem, bwd_config, schedule)
+    return (_varlen_forward(problem, fwd_config, schedule, _forward_ctas(fwd_config, q.device)),
+            _varlen_backward(problem, bwd_config, schedule))

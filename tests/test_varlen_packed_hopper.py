@@ -1,0 +1,126 @@
+"""Issue 27 on the CPU: the packed batches' Hopper kernels (chapter 07's persistent forward and chapter 08's
+backward under the packed prelude) — their work list, when they are the default, and what their sm_90a code
+must and must not contain (lowered without a GPU). Their numbers: notes/ch09_gpu_notes.md."""
+
+import re
+
+import pytest
+import torch
+
+from course_utils import flash_attention_varlen
+from course_utils.api import varlen_api
+from course_utils.api.attention import BackwardConfig, ForwardConfig
+from course_utils.kernels.flash_varlen import varlen_pair_list
+
+
+def _walk(pairs, count, lengths, block_M, num_ctas):
+    """The tiles each persistent block takes, as the kernel computes them (its index arithmetic in Python)."""
+    n = int(count[0])
+    rounds = -(-n // num_ctas)
+    taken = [[] for _ in range(num_ctas)]
+    for cta in range(num_ctas):
+        for w in range(2 * rounds):
+            r = w // 2
+            slot = r * num_ctas + (cta if r % 2 == 0 else num_ctas - 1 - cta)
+            b, h, j = pairs[min(slot, pairs.shape[0] - 1)].tolist()
+            n_qb = -(-lengths[b] // block_M)
+            qb = n_qb - 1 - j if w % 2 == 0 else j
+            if slot < n and (w % 2 == 0 or j != n_qb - 1 - j):
+                taken[cta].append((b, h, qb))
+    return taken
+
+
+@pytest.mark.parametrize("lengths, block_M, heads, num_ctas", [
+    ([1, 127, 128, 129, 0, 300, 1000], 128, 3, 5),
+    ([0, 0, 5], 64, 1, 132),
+    ([2817, 6892, 6576, 5368, 221, 6462, 2245, 6761, 6715, 936, 374, 1494, 3674, 2277, 2986, 1374, 6704, 1660],
+     128, 16, 132),
+])
+def test_persistent_work_list_takes_every_tile_once(lengths, block_M, heads, num_ctas):
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    pairs, count = varlen_pair_list(cu, cu, heads, block_M, max(lengths))
+    assert pairs.dtype == count.dtype == torch.int32 and count.shape == (1,)
+    taken = [t for per_block in _walk(pairs, count, lengths, block_M, num_ctas) for t in per_block]
+    expected = [(b, h, qb) for b, n in enumerate(lengths) for h in range(heads) for qb in range(-(-n // block_M))]
+    assert sorted(taken) == sorted(expected)  # every tile, none twice, nothing of an empty sequence
+    # Longest sequences first: the pairs taken last are the cheapest.
+    order = [int(b) for b in pairs[:int(count[0]), 0]]
+    assert [lengths[b] for b in order] == sorted((lengths[b] for b in order), reverse=True)
+
+
+def test_persistent_work_list_balances_the_record_batch():
+    """Causal tiles per block on 132 SMs (the record's batch): the folded pairs, longest first and snaking
+    over the blocks, leave the busiest block within 3% of the mean."""
+    lengths = [2817, 6892, 6576, 5368, 221, 6462, 2245, 6761, 6715, 936, 374, 1494, 3674, 2277, 2986, 1374, 6704,
+               1660]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    pairs, count = varlen_pair_list(cu, cu, 16, 128, max(lengths))
+    work = [sum(qb + 1 for _, _, qb in per_block) for per_block in _walk(pairs, count, lengths, 128, 132)]
+    assert max(work) / (sum(work) / len(work)) < 1.03
+
+
+@pytest.mark.parametrize("dim, masked", [(64, True), (64, False), (128, True), (128, False), (256, True)])
+def test_hopper_defaults_for_packed_batches(monkeypatch, dim, masked):
+    monkeypatch.setattr(varlen_api, "is_hopper", lambda: True)
+    fwd, bwd = varlen_api._varlen_configs("cuda", dim, masked, None, None)
+    if dim in varlen_api.VARLEN_HOPPER_DIMS:
+        assert fwd == varlen_api.VARLEN_PERSISTENT_CONFIG
+        assert bwd == varlen_api.VARLEN_HOPPER_BACKWARD_CONFIGS[dim, masked]
+    else:
+        assert (fwd, bwd) == (varlen_api.VARLEN_CUDA_CONFIG, varlen_api.VARLEN_CUDA_BACKWARD_CONFIG)
+    monkeypatch.setattr(varlen_api, "is_hopper", lambda: False)  # other GPUs keep chapter 03's and 05's loops
+    assert varlen_api._varlen_configs("cuda", dim, masked, None, None) == (
+        varlen_api.VARLEN_CUDA_CONFIG, varlen_api.VARLEN_CUDA_BACKWARD_CONFIG)
+
+
+def _args():
+    lengths = [5, 0, 11]
+    cu = torch.tensor([0, 5, 5, 16], dtype=torch.int32)
+    q, k, v = (torch.randn(16, 2, 16) for _ in range(3))
+    return q, k, v, cu, cu, max(lengths), max(lengths)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(config=varlen_api.VARLEN_PERSISTENT_CONFIG), "needs an sm_90 GPU"),
+    (dict(backward_config=varlen_api.VARLEN_HOPPER_BACKWARD_CONFIGS[128, True]), "needs an sm_90 GPU"),
+    (dict(config=ForwardConfig(16, 16, 1, 1, kernel="flash_fwd_hopper", pingpong=True)), "pingpong"),
+    (dict(config=ForwardConfig(16, 16, 1, 1, kernel="nope")), "config.kernel must be one of"),
+    (dict(backward_config=BackwardConfig(16, 16, 1, 1, kernel="nope")), "backward_config.kernel must be one of"),
+])
+def test_packed_hopper_kernels_refused_where_they_cannot_run(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        flash_attention_varlen(*_args(), **kwargs)
+
+
+def test_persistent_threads_must_match_its_warpgroups(monkeypatch):
+    monkeypatch.setattr(varlen_api, "is_hopper", lambda: True)
+    with pytest.raises(ValueError, match="config.threads must be 2 \\* block_M"):
+        varlen_api._varlen_configs("cuda", 128, True, ForwardConfig(128, 128, 2, 128, "flash_fwd_hopper_persistent"),
+                                   None)
+
+
+def test_persistent_packed_forward_code():
+    """sm_90a lowering, no GPU: the consumers never meet in a barrier of their own (the producer zeroes the value
+    rows past a sequence's end: it waits for that load itself, zeroes, fences, and only then lets them read)."""
+    from course_utils.core.source import cuda_source
+    from course_utils.kernels.flash_varlen import flash_varlen_fwd_persistent_kernel
+
+    source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True, pingpong=False))
+    assert not re.search(r"__sync_thread_partial\([^;]*, 256\)", source)  # no consumer barrier
+    assert source.count("__syncthreads()") == 1  # the barriers' initialisation, before the roles split
+    edge = source.index("v_edge[0].wait(")
+    zero, fence = source.index("half_t(0x0p+0f", edge), source.index("tl::fence_proxy_async();", edge)
+    assert edge < zero < fence < source.index(".arrive();", fence)
+    assert "tma_store" not in source  # O leaves row by row: a tile store would write the next sequence's rows
+
+
+def test_packed_hopper_backward_code():
+    """sm_90a lowering: the barrier after zeroing rows of another sequence sits only in the two branches that
+    zero them (K/V on a block's first step, Q/dO on a query block past the end), each after its fence."""
+    from course_utils.core.source import cuda_source
+    from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
+    from course_utils.kernels.flash_varlen import flash_varlen_bwd_hopper_kernel
+
+    source = cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, causal=True, block_M=64), pass_configs=PASS_CONFIGS)
+    assert len(re.findall(r"fence_proxy_async\(\);\s*tl::__sync_thread_partial\(7, 256\)", source)) == 2
+    assert source.count("__sync_thread_partial(7, 256)") == 2
