@@ -261,18 +261,40 @@ def check_my_dq(factory):
 
 
 _COMPILED = {}
+# The tiles the learner's kernels get on a GPU (the timing cell after exercise (g)), where the call leaves them to
+# the factory's CPU-sized defaults: chapter 03's timing cell times the forward with the same 64 × 64 float32 tiles.
+GPU_TILES = dict(block_M=64, block_N=64)
+
+
+def _compile(factory, shape, out_idx, options, device):
+    import inspect
+
+    from ..kernels.tiles import compile_kernel
+    from .kernels import build, compile_c
+
+    if device == "cuda":
+        accepted = inspect.signature(factory).parameters
+        options = {**{k: v for k, v in GPU_TILES.items() if k in accepted}, **options}
+    key = (factory, shape, tuple(sorted(options.items())), tuple(out_idx), device)
+    if key not in _COMPILED:
+        name = getattr(factory, "__name__", "kernel")
+        if device == "cuda":
+            _COMPILED[key] = compile_kernel(build(name, factory, *shape, **options, target="cuda"),
+                                            out_idx=list(out_idx), target="cuda")
+        else:
+            _COMPILED[key] = compile_c(name, build(name, factory, *shape, **options, target="c"), list(out_idx))
+    return _COMPILED[key]
 
 
 def compiled(factory, *shape, out_idx, **options):
-    """The learner's kernel ``factory(*shape, **options, target="c")`` compiled for the C backend, once per
-    shape and options (and per version of the factory)."""
-    from .kernels import build, compile_c
-
-    key = (factory, shape, tuple(sorted(options.items())), tuple(out_idx))
-    if key not in _COMPILED:
-        name = getattr(factory, "__name__", "kernel")
-        _COMPILED[key] = compile_c(name, build(name, factory, *shape, **options, target="c"), out_idx)
-    return _COMPILED[key]
+    """The learner's kernel ``factory(*shape, **options, target=...)``, compiled once per shape, options and
+    device (and per version of the factory) when it is first called: for the C backend on CPU tensors (the
+    checkers), for CUDA on GPU tensors (the timing cell after exercise (g)), there with ``GPU_TILES`` for the
+    tile sizes the call does not give."""
+    def run(*tensors):
+        device = "cuda" if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors) else "c"
+        return _compile(factory, shape, tuple(out_idx), options, device)(*tensors)
+    return run
 
 
 def _autograd_cases():
