@@ -415,24 +415,30 @@ def check_my_gpt_oss_forward(factory):
 HINTS = {
     "a": ["The sink is one more logit in every row's softmax, with no value row: it takes probability mass "
           "away from the keys. Add it as a column, softmax, then drop that column.",
-          "scores = q @ k.transpose(-1, -2) / math.sqrt(D); sinks[None, :, None, None].expand(*scores.shape[:-1], "
-          "1); torch.cat([...], dim=-1); torch.softmax(..., dim=-1)[..., :-1] @ v."],
+          "Index sinks with None to add dimensions and Tensor.expand it to one score column, [B, H, S_q, 1]; "
+          "torch.cat(..., dim=-1) appends it; torch.softmax over the last dim; slicing [..., :-1] drops the sink's "
+          "column before the product with V."],
     "b": ["The sink's logit z_h enters every row's denominator; its gradient is the sink's probability "
           "times the row's −Δ, summed over batch and rows.",
-          "-(p_sink * delta).sum(dim=(0, 2))."],
+          "An elementwise product of the two [B, H, S] tensors, reduced with Tensor.sum over a tuple of dims (batch "
+          "and query) so that the head dimension stays; mind the sign of section 3's formula."],
     "c": ["Row i sees min(i + 1, W) keys. Split the rows into those before the window is full and those after.",
-          "w = min(window, seq); w·(w+1)/2 + (seq − w)·w, or sum(min(i + 1, window) for i in range(seq))."],
+          "Python's sum over a generator of min(...) is enough. For a closed form, split at the row where the window "
+          "is full: before it the counts 1, 2, 3, … add up to a triangular number, after it every row counts the "
+          "same."],
     "d": ["start: the block holding the first key the block's FIRST row can see (its window reaches furthest "
           "back), rounded down, never below 0. Epilogue: the sink adds exp(sink − shift) to ℓ in the same "
           "base-2 units, before the LSE and the division.",
-          "start = T.max(0, (qb * block_M + past - window + 1) // block_N); l[i] += T.exp2(sink * LOG2E - "
-          "shift[i]) (the sink is a logit: no softmax scale)."],
+          "start: T.max keeps it at block 0 or later, and // on TileLang expressions rounds down. Epilogue: the "
+          "sink's logit is in natural-log units and ℓ in powers of 2, so T.exp2 takes the logit times LOG2E, minus "
+          "the guarded shift[i] as the scores had; add it to l[i] before the LSE line. No softmax scale on the sink."],
     "e": ["Four changes to your chapter-03 kernel: K/V head h // (heads / heads_kv); the running max starts at the "
           "sink's logit (in raw score units, as in (d)'s skeleton), not at −∞, so that e^(sink − m) cannot overflow; "
           "the key loop starts at the block of the first row's first key and the mask also hides keys "
           "k <= q + past − window; the epilogue adds the sink's term exp(sink − shift) to ℓ (guarded shift) before "
           "the LSE and the division.",
-          "K[b, h // group, ...]; start = T.max(0, (qb * block_M + past - window + 1) // block_N); "
-          "T.Pipelined(start, stop, num_stages=1); T.And(k <= q + past, k > q + past - window); "
-          "l[i] += T.exp2(Sinks[h] * LOG2E - shift[i])."],
+          "Four places in your chapter-03 kernel: the K/V head in the two T.copy (integer division by the group "
+          "size); the running max's start, a tb.parallel loop instead of T.fill (the units are those of (d)'s "
+          "skeleton: m holds raw scores); T.Pipelined(start, stop, num_stages=1) with (d)'s start; T.And adds the "
+          "window's condition to the mask; the epilogue's sink term as in (d)."],
 }
