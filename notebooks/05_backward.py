@@ -1050,9 +1050,9 @@ ch05.check_my_dq(my_dq)
 # Wrap it up. `forward` runs your chapter-03 forward and saves what the backward needs (Q, K, V, O
 # and the LSE, never P); `backward` runs your three kernels: Δ, then dK/dV, then dQ. The next cell
 # fetches your forward from your copy of chapter 03 (or the course's, if yours is not finished, and
-# says so); `ch05.compiled(factory, *shape, out_idx=..., **options)` compiles a kernel once per shape
-# for the C backend and returns it. The checker runs a gradient check against the float64
-# reference: causal and not, a ragged S, S_q ≠ S_k.
+# says so); `ch05.compiled(factory, *shape, out_idx=..., **options)` returns the kernel, compiled once
+# per shape when first called (for the C backend on CPU tensors). The checker runs a gradient check
+# against the float64 reference: causal and not, a ragged S, S_q ≠ S_k.
 #
 # Stuck? `hint("05", "g", 1)`, then `hint("05", "g", 2)`; `solution("05", "g")` shows the answer.
 
@@ -1100,6 +1100,22 @@ def my_flash_attention(q, k, v, causal=False):
 from course_utils.exercises import ch05
 
 ch05.check_my_flash_attention(my_flash_attention)
+
+# %% [markdown]
+# ### Your training step against the course's and SDPA's
+#
+# As at the end of chapter 03's exercises, on a GPU the cell below times your kernels: one training
+# step, the forward and then the backward of your `my_flash_attention` (your chapter-03 forward and your
+# three kernels above, which `ch05.compiled` builds for CUDA when it is called with GPU tensors, with
+# 64 × 64 float32 tiles), next to the course's `flash_attention` and SDPA's FlashAttention-2 and cuDNN
+# backends in fp16, in one call of the course's timing helper, after O and the three gradients of each
+# have been checked against the float64 reference. Without a GPU it shows the stored H100 record of the
+# course's training step at the nearest shape and times nothing.
+
+# %%
+from course_utils.exercises.timing import time_your_training
+
+time_your_training(my_flash_attention, record="ch05_backward_vs_peers_h100");
 
 # %% [markdown]
 # ## The course's kernels, listed (read after the exercises)

@@ -885,11 +885,12 @@ check_gpt_oss_forward(gpt_oss_forward)
 # - **GQA**: query head `h` reads K/V head `h // group`;
 # - **the window**: the key loop starts at the block of the first row's first key, and the mask
 #   also hides keys with `k <= q + past − window` (the kernel is causal);
-# - **sinks**: the epilogue adds the sink's term to `ℓ`, with the guarded shift, before the LSE and
-#   the division.
+# - **sinks**: the running max starts at the sink's logit instead of −∞ (as in (d)'s skeleton, and for
+#   the reason given there), and the epilogue adds the sink's term to `ℓ`, with the guarded shift,
+#   before the LSE and the division.
 #
-# The checker adds two cases to (d)'s: rows that see no key but a sink, and a last row whose
-# diagonal key is the first of a key block.
+# The checker runs (d)'s cases, then one more: sinks of 100 and −100 that exceed every score of
+# their rows by about 100, where a kernel that starts the running max at −∞ overflows.
 #
 # Stuck? `hint("06", "e", 1)`, then `hint("06", "e", 2)`; `solution("06", "e")` shows the answer.
 
@@ -946,7 +947,8 @@ def my_gpt_oss_forward(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, blo
             T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
             T.fill(acc_o, 0)
             T.fill(l, 0)
-            T.fill(m, neg_inf)
+            for i in tb.parallel(block_M):  # the sink's logit in raw score units: every e^x ≤ 1
+                m[i] = Sinks[h] * math.sqrt(dim)
             start = T.max(0, (qb * block_M + past - window + 1) // block_N)
             stop = T.min(T.ceildiv(seq_k, block_N), T.ceildiv((qb + 1) * block_M + past, block_N))
             for kb in T.Pipelined(start, stop, num_stages=1):

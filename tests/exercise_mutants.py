@@ -53,6 +53,10 @@ EXERCISES = {
                                   "ch06:check_gpt_oss_forward", "gpt_oss_forward"),
 }
 
+# Exercise 06 (e)'s start of the running max, at the sink (the line before it included).
+_SINK_START = ("            for i in tb.parallel(block_M):  # the sink's logit in raw score units: every e^x ≤ 1\n"
+               "                m[i] = Sinks[h] * math.sqrt(dim)\n")
+
 MUTANTS = [
     # --- chapter 02: the online-softmax update of a row-softmax kernel ---
     Mutant("ch02_online_softmax", "rescale forgotten",
@@ -200,8 +204,16 @@ MUTANTS = [
            (("h // group, kb", "h % heads_kv, kb"),), "h // group"),
     Mutant("ch06_own_gpt_oss", "window mask one key too wide",
            (("k > q + past - window", "k >= q + past - window"),), "one key too many"),
-    Mutant("ch06_own_gpt_oss", "sink with the unguarded shift",
-           (("T.exp2(Sinks[h] * LOG2E - shift[i])", "T.exp2(Sinks[h] * LOG2E - m[i] * scale_log2)"),),
+    Mutant("ch06_own_gpt_oss", "running max started at −∞",
+           ((_SINK_START, "            T.fill(m, neg_inf)\n"),),
+           "the running max starts at −∞: with a sink logit of 100"),
+    Mutant("ch06_own_gpt_oss", "running max started at the sink's logit, not in raw score units",
+           (("m[i] = Sinks[h] * math.sqrt(dim)", "m[i] = Sinks[h]"),), "in the wrong units"),
+    # With m started at the sink, the unguarded shift only meets m = −∞ in a head without a sink, where the ℓ > 0
+    # guards give the right row (as in (d)); started at −∞, the rows that see no key show it.
+    Mutant("ch06_own_gpt_oss", "sink with the unguarded shift, running max started at −∞",
+           (("T.exp2(Sinks[h] * LOG2E - shift[i])", "T.exp2(Sinks[h] * LOG2E - m[i] * scale_log2)"),
+            (_SINK_START, "            T.fill(m, neg_inf)\n")),
            "unguarded shift"),
     Mutant("ch06_own_gpt_oss", "window start from the block's last row",
            (("(qb * block_M + past - window + 1) // block_N", "((qb + 1) * block_M + past - window) // block_N"),),

@@ -151,3 +151,40 @@ def test_timing_cell_without_gpu_shows_the_course_record(capsys):
     out = capsys.readouterr().out
     assert record["results"]
     assert "TileLang (ours)" in out and "TFLOP/s" in out and "On a GPU this cell compiles your kernel" in out
+
+
+def test_training_timing_cell_without_gpu_shows_the_course_record(capsys):
+    """Chapter 05's timing cell after the capstone, without a GPU: the record's forward+backward rows only (no
+    backward-alone row), and one line saying what the learner's training step would be timed against."""
+    from course_utils.exercises import timing
+
+    if timing.HAS_GPU:
+        pytest.skip("on a GPU the cell compiles and times the learner's kernels")
+    record = timing.time_your_training(None, record="ch05_backward_vs_peers_h100")
+    out = capsys.readouterr().out
+    assert any(r.get("mode") == "fwd+bwd" for r in record["results"])
+    assert "of mode fwd+bwd" in out and "TileLang (ours)" in out and "TFLOP/s" in out
+    assert "one training step (forward, then backward)" in out
+
+
+def test_capstone_compiles_for_the_device_it_is_called_with():
+    """ch05.compiled builds nothing until called, then for the C backend on CPU tensors (GPU tiles only on CUDA)."""
+    import torch
+
+    from course_utils.exercises import ch05
+
+    built = []
+
+    def factory(batch, seq, *, block_M=16, target=None):
+        built.append((target, block_M))
+        raise NotImplementedError
+
+    run = ch05.compiled(factory, 1, 8, out_idx=[1])
+    assert built == []
+    with pytest.raises(ExerciseIncomplete):
+        run(torch.zeros(8))
+    with pytest.raises(ExerciseIncomplete):  # what a call with CUDA tensors builds (no GPU needed to build)
+        ch05._compile(factory, (1, 8), (1,), {}, "cuda")
+    with pytest.raises(ExerciseIncomplete):  # tiles the call gives are kept
+        ch05._compile(factory, (1, 8), (1,), {"block_M": 32}, "cuda")
+    assert built == [("c", 16), ("cuda", 64), ("cuda", 32)]

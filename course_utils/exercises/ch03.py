@@ -291,23 +291,24 @@ def check_my_flash_forward(factory):
 HINTS = {
     "a": ["Non-causal: every key block. Causal: the last row of query block q_block is (q_block+1)·block_M − 1; "
           "it sees keys up to that index, so stop after the key block holding it, never past the last block.",
-          "Use ceiling division -(-a // b): the number of key blocks is -(-seq // block_N); the causal stop is "
-          "min(that, -(-((q_block + 1) * block_M) // block_N))."],
+          "Python's // rounds down; a ceiling division is -(-a // b). Count the key blocks with one, find the key "
+          "block that holds the last row's diagonal with another, and keep the stop within the key blocks with min."],
     "b": ["Every visited tile costs two matrix products of block_M × block_N × dim, each 2·M·N·K FLOPs, "
           "masked parts included. Count the visited tiles over all query blocks.",
-          "Loop q_block over range(-(-seq // block_M)), call your kv_blocks_visited, sum stop − first, and "
-          "multiply by 4 · batch · heads · block_M · block_N · dim."],
+          "Call your kv_blocks_visited for every query block (their number is a ceiling division, walked with range) "
+          "and add up the visited tiles; then multiply by the FLOPs of one tile for every batch entry and head."],
     "c": ["tile_step: scores, mask by selection, running max without reset, guarded shift, α, probabilities, "
           "ℓ and acc_o rescaled by α, then P·V. epilogue: shift again, LSE in natural log, one guarded "
           "division.",
-          "T.clear(S); T.gemm(Q_s, K_s, S, transpose_B=True); T.if_then_else(visible, S[i, j], neg_inf); "
-          "T.reduce_max(S, m, dim=1, clear=False); T.exp2(x * scale_log2 - shift[i]); T.reduce_sum(S, "
-          "row_sum, dim=1); T.copy(S, P); T.gemm(P, V_s, acc_o); LSE = (shift + T.log2(l)) / LOG2E."],
+          "The TileLang calls, in the order the step needs them: T.clear and T.gemm (transpose_B for Kᵀ) for the "
+          "scores; T.if_then_else inside tb.parallel for the mask; T.reduce_max, whose clear= decides whether the max"
+          " carries over; T.exp2 with scale_log2 and the guarded shift; T.reduce_sum for the row sums; T.copy into "
+          "the shared P before the second T.gemm. The epilogue's T.log2 is base 2: LOG2E converts it back."],
     "d": ["It is exercise (c)'s two macros inside (c)'s skeleton: allocate the tiles, copy Q once, start acc_o and ℓ "
           "at 0 and m at −∞; loop over the key blocks up to the causal stop ⌈((qb+1)·block_M + past) / block_N⌉; "
           "in the loop copy K and V, then (c)'s tile step; after it, (c)'s epilogue and the two stores.",
-          "tb.shared([...], f32) / tb.fragment([...], f32); T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s); "
-          "T.fill(m, neg_inf); for kb in T.Pipelined(stop, num_stages=1); T.min / T.ceildiv for the stop; "
-          "T.copy(acc_o, O[...]) and T.copy(lse, LSE[...]) at the end. P must be a shared tile: on the GPU a "
-          "float32 register tile cannot be a T.gemm operand."],
+          "tb.shared for the T.gemm operands (Q, K, V and P: on the GPU a float32 register tile cannot be one), "
+          "tb.fragment for S, acc_o and the per-row statistics; T.copy between a slice of a global tensor and a tile;"
+          " T.fill for the starting values; T.Pipelined(stop, num_stages=1) for the key loop, with T.min and "
+          "T.ceildiv for the stop."],
 }

@@ -261,18 +261,40 @@ def check_my_dq(factory):
 
 
 _COMPILED = {}
+# The tiles the learner's kernels get on a GPU (the timing cell after exercise (g)), where the call leaves them to
+# the factory's CPU-sized defaults: chapter 03's timing cell times the forward with the same 64 × 64 float32 tiles.
+GPU_TILES = dict(block_M=64, block_N=64)
+
+
+def _compile(factory, shape, out_idx, options, device):
+    import inspect
+
+    from ..kernels.tiles import compile_kernel
+    from .kernels import build, compile_c
+
+    if device == "cuda":
+        accepted = inspect.signature(factory).parameters
+        options = {**{k: v for k, v in GPU_TILES.items() if k in accepted}, **options}
+    key = (factory, shape, tuple(sorted(options.items())), tuple(out_idx), device)
+    if key not in _COMPILED:
+        name = getattr(factory, "__name__", "kernel")
+        if device == "cuda":
+            _COMPILED[key] = compile_kernel(build(name, factory, *shape, **options, target="cuda"),
+                                            out_idx=list(out_idx), target="cuda")
+        else:
+            _COMPILED[key] = compile_c(name, build(name, factory, *shape, **options, target="c"), list(out_idx))
+    return _COMPILED[key]
 
 
 def compiled(factory, *shape, out_idx, **options):
-    """The learner's kernel ``factory(*shape, **options, target="c")`` compiled for the C backend, once per
-    shape and options (and per version of the factory)."""
-    from .kernels import build, compile_c
-
-    key = (factory, shape, tuple(sorted(options.items())), tuple(out_idx))
-    if key not in _COMPILED:
-        name = getattr(factory, "__name__", "kernel")
-        _COMPILED[key] = compile_c(name, build(name, factory, *shape, **options, target="c"), out_idx)
-    return _COMPILED[key]
+    """The learner's kernel ``factory(*shape, **options, target=...)``, compiled once per shape, options and
+    device (and per version of the factory) when it is first called: for the C backend on CPU tensors (the
+    checkers), for CUDA on GPU tensors (the timing cell after exercise (g)), there with ``GPU_TILES`` for the
+    tile sizes the call does not give."""
+    def run(*tensors):
+        device = "cuda" if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors) else "c"
+        return _compile(factory, shape, tuple(out_idx), options, device)(*tensors)
+    return run
 
 
 def _autograd_cases():
@@ -343,34 +365,39 @@ HINTS = {
     "a": ["Rebuild the tile's probabilities from the LSE (no running max needed), then the four products "
           "of the backward: dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − Δ), dK += scale·dSᵀ Q and this key "
           "block's share of dQ, scale·dS K.",
-          "With keys as rows: pt = torch.exp(scale * k[keys] @ q[rows].T - lse[rows]); dpt = v[keys] @ "
-          "d_out[rows].T; dst = pt * (dpt - delta[rows]); then dv[keys] +=, dk[keys] +=, dq[rows] +=."],
+          "Python slices pick the rows of a key block and of a query block; torch.exp of the scaled scores minus the "
+          "LSE (broadcast along the key axis) rebuilds the probabilities without a max; @ and .T give the products "
+          "(keys as rows: Pᵀ and dPᵀ are [keys, queries]); += adds each block's share into dk, dv and dq."],
     "b": ["Swap the loops: outer over query blocks, inner over key blocks, dQ of the query block kept in a "
           "local accumulator and written once. Only P and dP are needed again, not dV or dK.",
-          "p = torch.exp(scale * q[rows] @ k[keys].T - lse[rows, None]); dp = d_out[rows] @ v[keys].T; "
-          "acc += scale * (p * (dp - delta[rows, None])) @ k[keys]."],
+          "(a)'s products with queries as rows: the LSE and Δ broadcast over the keys (index them with [:, None]); "
+          "one torch.zeros accumulator per query block, filled over the key blocks and written into dq once."],
     "c": ["Keys as rows: Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ·c − LSE·log2 e) where visible (0 elsewhere), dPᵀ = V dOᵀ, "
           "dV += Pᵀ dO, dSᵀ = Pᵀ ∘ (dPᵀ − Δ), dK += dSᵀ Q, dq = scale · dS K; finish scales dK once.",
-          "T.clear(PT); T.gemm(K_s, Q_s, PT, transpose_B=True); T.if_then_else(visible(...), T.exp2(...), 0); "
-          "T.copy(PT, PT_s) before T.gemm(PT_s, dO_s, dv); T.gemm(dST, Q_s, dk); T.clear(dq); "
-          "T.gemm(dST, K_s, dq, transpose_A=True)."],
+          "T.gemm(A, B, C, transpose_B=True) computes C += A Bᵀ (transpose_A for Aᵀ B), T.clear resets C first; "
+          "T.if_then_else(visible(...), value, 0) inside tb.parallel masks by selection; T.exp2 with the LSE times "
+          "LOG2E; a probability tile goes through a shared tile (T.copy) before it is a T.gemm operand."],
     "d": ["Each thread block owns a block of query rows: copy its rows of O and dO, multiply elementwise, sum "
           "each row, store.",
-          "T.copy(O[b, h, qb * block_M:(qb + 1) * block_M, :], o); o[i, d] *= do[i, d] in tb.parallel(block_M, "
-          "dim); T.reduce_sum(o, delta, dim=1); T.copy(delta, Delta[b, h, qb * block_M:(qb + 1) * block_M])."],
+          "T.copy for the slices of O and dO (and for Δ's slice at the end), tb.parallel(block_M, dim) for the "
+          "elementwise product, T.reduce_sum along dim=1 for the row sums."],
     "e": ["Exercise (c)'s skeleton and step without dQ: K and V of the key block stay, the query blocks from the "
           "first that can see them stream past; per block Pᵀ from the LSE (masked), dV += Pᵀ dO, dSᵀ = Pᵀ ∘ (dPᵀ − Δ), "
           "dK += dSᵀ Q; dK scaled once at the end.",
-          "start = T.max(0, (kb * block_N - past) // block_M) for causal; T.Pipelined(start, T.ceildiv(seq_q, "
-          "block_M), num_stages=1); T.gemm(K_s, Q_s, PT, transpose_B=True); T.copy(PT, PT_s) before "
-          "T.gemm(PT_s, dO_s, dv); T.gemm(dST, Q_s, dk)."],
+          "The causal start is the first query block whose last row reaches the key block's first key (mind past = "
+          "S_k − S_q): integer division by block_M, kept at 0 or above with T.max; T.Pipelined(start, stop, "
+          "num_stages=1) walks the query blocks. Sᵀ is a T.gemm with transpose_B; Pᵀ goes through a shared tile "
+          "(T.copy) before it feeds dV's T.gemm."],
     "f": ["The forward's loop structure (query block per thread block, key blocks up to the causal stop) with "
           "exercise (b)'s body: P and dP recomputed, dS = P ∘ (dP − Δ), dq += dS K, scaled and stored once.",
-          "T.gemm(Q_s, K_s, S, transpose_B=True); T.gemm(dO_s, V_s, dP, transpose_B=True); dS into a shared "
-          "tile with T.if_then_else(visible, p * (dP[i, j] - delta[i]), 0); T.gemm(dS_s, K_s, dq)."],
+          "Two T.gemm with transpose_B give S and dP; dS is formed elementwise with T.if_then_else (0 where a pair is"
+          " hidden) into a shared tile, since it is the operand of the T.gemm that accumulates dq; the scale and the "
+          "store come once, after the loop."],
     "g": ["forward: run your forward kernel, save Q, K, V, O and the LSE (ctx.save_for_backward) and causal "
           "(ctx.causal). backward: Δ from O and dO, then dK/dV, then dQ; return one gradient per input of "
           "forward (None for causal).",
-          "compiled(my_flash_forward, B, H, S_q, S_k, D, causal=causal, out_idx=[3, 4])(q, k, v) gives (O, LSE); "
-          "compiled(my_delta, B, H, S_q, D, out_idx=[2])(out, d_out); out_idx=[6, 7] for dK/dV, [6] for dQ."],
+          "compiled(factory, *shape, out_idx=[...], **options) returns a kernel to call on the tensors; out_idx lists"
+          " the positions, among the prim_func's parameters, of the outputs it returns (the parameters after the "
+          "inputs). ctx.save_for_backward and ctx.saved_tensors keep tensors, a plain ctx attribute keeps causal; "
+          "backward returns one gradient per argument of forward."],
 }

@@ -138,12 +138,16 @@ def check_visible_pairs(fn):
 
 # --- Exercise (d): the window's key-block range and the sink, in the TileLang forward -----------------
 
-def _gpt_oss_case(label, heads, heads_kv, seq_q, seq_k, dim, window, sinks, *, block_M, block_N, seed, poison):
+def _gpt_oss_case(label, heads, heads_kv, seq_q, seq_k, dim, window, sinks, *, block_M, block_N, seed, poison,
+                  inputs=None):
     """Inputs, the float64 reference, and (``poison``) K/V with NaN in every key block that no query can
-    see, so that a loop that visits such a block shows it (a visited key's P is 0, but 0 · NaN is NaN)."""
+    see, so that a loop that visits such a block shows it (a visited key's P is 0, but 0 · NaN is NaN).
+    ``inputs(q, k, v)``: Q, K, V made from the random ones (default: those)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, heads, seq_q, dim, generator=g)
     k, v = (torch.randn(1, heads_kv, seq_k, dim, generator=g) for _ in range(2))
+    if inputs is not None:
+        q, k, v = inputs(q, k, v)
     sinks = torch.tensor(sinks, dtype=torch.float32)
     out, lse = attention_reference(q.double(), k.double(), v.double(), window_size=window, sinks=sinks.double(),
                                    return_lse=True)
@@ -175,6 +179,33 @@ def _gpt_oss_cases():
                       "diagonal key is the first of a key block (window 6, S_q=27 > S_k=20, 16×8 tiles)", 2, 1, 27,
                       20, 16, 6, [1.0, float("-inf")], block_M=16, block_N=8, seed=63, poison=False),
     ]
+
+
+def _dominant_sink_inputs(q, k, v):
+    """Every key near 10·u (u the unit diagonal), head 0's queries small and random (scaled scores of a few
+    units), head 1's queries near −c·u with scaled scores near −200: a sink of 100 in head 0 and of −100 in
+    head 1 exceeds every score of its row by about 100."""
+    dim = q.shape[-1]
+    u = torch.ones(dim) / math.sqrt(dim)
+    k = 10 * u + 0.1 * k
+    q = q.clone()
+    q[:, 0] *= 0.3
+    q[:, 1] = -20 * math.sqrt(dim) * u + 0.3 * q[:, 1]
+    return q, k, v
+
+
+def _large_sink_case():
+    """Sinks of ±100, each about 100 above every score of its row, at D = 128: e^100 is past float32's
+    largest value (about e^88.7), so any exponential taken relative to anything below the sink overflows."""
+    return _gpt_oss_case("sinks of 100 (head 0, scores of a few units) and −100 (head 1, scores near −200), "
+                         "window 5, S=24, D=128, 16×8 tiles", 2, 1, 24, 24, 128, 5, [100.0, -100.0],
+                         block_M=16, block_N=8, seed=64, poison=False, inputs=_dominant_sink_inputs)
+
+
+def _my_gpt_oss_cases():
+    """(d)'s cases, then the large sinks: a kernel that starts its running max below the sink passes the
+    others (its sink term e^(z − m) stays small there) and overflows here."""
+    return _gpt_oss_cases() + [_large_sink_case()]
 
 
 def _model(data, sink, lse_sink, first_block=None, last_block=None, gqa_tiled=False, wider=0):
@@ -276,6 +307,35 @@ def _unguarded_sink_test(case, got, kernel):
         lse[..., seen], want[..., seen], atol=1e-3, rtol=1e-3))
 
 
+def _sink_overflows(start):
+    """A kernel whose running max starts at ``start(data)`` (scaled-score units, [1, H, S_q]) instead of at the
+    sink, and is otherwise right: its sink term exp2(sink·log2 e − shift) overflows float32 to +∞ (ℓ and the LSE
+    +∞, O 0) in every row where the sink exceeds the row's max (started at ``start``; 0 while −∞, the guard)
+    by more than log(2¹²⁸) ≈ 88.7, and every other row is right. Rows within a unit of that edge may go either
+    way; at least one row must overflow."""
+    def test(case, got, kernel):
+        d = case.data
+        q = d["q"].double()
+        k = d["k"].double().repeat_interleave(q.shape[1] // d["k"].shape[1], 1)
+        visible = visibility_mask(q.shape[2], k.shape[2], window_size=d["window"])
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~visible, -math.inf)
+        m = torch.maximum(scores.amax(-1), start(d))
+        gap = _sinks(d) - torch.where(m == -math.inf, 0.0, m)
+        edge = 128 / LOG2E
+        over, under = gap > edge + 1, gap < edge - 1
+        if not over.any():
+            return False
+        lse, want = got["LSE"].double(), case.expected["LSE"].double()
+        o_right = torch.isclose(got["O"].double(), case.expected["O"].double(), atol=1e-4, rtol=1e-3).all(-1)
+        lse_right = torch.isclose(lse, want, atol=1e-3, rtol=1e-3) | (lse == want)
+        return bool((lse[over] == math.inf).all() and o_right[over | under].all() and lse_right[under].all())
+    return test
+
+
+def _from_minus_inf(data):
+    return torch.full_like(_sinks(data), -math.inf)
+
+
 def _scaled_sinks(data):
     return _sinks(data) / math.sqrt(data["q"].shape[-1])
 
@@ -299,6 +359,15 @@ _GPT_OSS_SUSPECTS = [
     Suspect("the sink's term uses the unguarded shift: in a row that has seen no key, m = −∞ (in a head without "
             "a sink, or in a kernel that starts m at −∞), so exp2(sink·log2 e − m·scale_log2) is NaN or +∞. Use the "
             "guarded shift (0 while m = −∞): the row's O is then 0 and its LSE is the sink.", _unguarded_sink_test),
+    Suspect("the running max starts at −∞: with a sink logit of 100 over scores of a few units (or of −100 over "
+            "scores near −200), the sink's term exp2(sink·log2 e − shift) is about e^100, past float32's largest "
+            "value (about e^88.7), so ℓ and the LSE become +∞. Start m at the sink's logit in raw score units, "
+            "m[i] = Sinks[h]·√D, as exercise (d)'s skeleton does: every exponential, the sink's included, is then "
+            "at most 1.", _sink_overflows(_from_minus_inf)),
+    Suspect("the running max starts at the sink's logit in the wrong units: m holds raw scores (Q·Kᵀ, before the "
+            "1/√D that scale_log2 applies), so the sink's logit z enters it as z·√D. Started at z itself, the sink's "
+            "term is e^(z − z/√D): about e^91 for z = 100 at D = 128, past float32's largest value (about e^88.7).",
+            _sink_overflows(lambda data: _sinks(data) / math.sqrt(data["q"].shape[-1]))),
     Suspect("the causal stop loses the key block that holds the last row's diagonal key when that key is the "
             "first of a block: the last row sees keys up to (qb+1)·block_M − 1 + past, so stop = "
             "⌈((qb+1)·block_M + past) / block_N⌉.", _like(_sinks, _sinks, last_block=_stop_minus_one)),
@@ -323,42 +392,53 @@ def gpt_oss_gpu_config():
     return (1, 2, 1, 64, 64, 32), dict(window=24, block_M=32, block_N=32)
 
 
-def check_gpt_oss_forward(factory, name="gpt-oss forward", learner=("window_block_range", "sink_epilogue")):
+def check_gpt_oss_forward(factory, name="gpt-oss forward", learner=("window_block_range", "sink_epilogue"),
+                          cases=_gpt_oss_cases, summary=""):
     """Check ``factory(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, block_M, block_N, target)``
     (a prim_func (Q, K, V, Sinks) -> O, LSE) on the C backend, then lowered for sm_90a and sm_80."""
     check_kernel(
-        name, factory, _gpt_oss_cases, suspects=_GPT_OSS_SUSPECTS, gpu=gpt_oss_gpu_config(),
+        name, factory, cases, suspects=_GPT_OSS_SUSPECTS, gpu=gpt_oss_gpu_config(),
         learner=learner,
         hint="The first key block holds the first key of the block's first row, (qb·block_M + past − W + 1); the "
              "sink adds exp2(sink·log2 e − shift) to ℓ before the division and the LSE.",
         summary="window with S_q < S_k and GQA, window over a short self-attention, sinks, rows that see no key, "
-                "a diagonal key at a block edge")
+                "a diagonal key at a block edge" + summary)
 
 
 def check_my_gpt_oss_forward(factory):
-    """Exercise (e): the learner's own chapter-03 forward with GQA, the window and sinks added."""
-    check_gpt_oss_forward(factory, name="your gpt-oss forward", learner=("my_softmax_step",))
+    """Exercise (e): the learner's own chapter-03 forward with GQA, the window and sinks added, on (d)'s cases and
+    sinks of ±100 that dominate their rows (the learner writes the running max's start, which (d) gives)."""
+    check_gpt_oss_forward(factory, name="your gpt-oss forward", learner=("my_softmax_step",),
+                          cases=_my_gpt_oss_cases, summary=", sinks of ±100")
 
 
 HINTS = {
     "a": ["The sink is one more logit in every row's softmax, with no value row: it takes probability mass "
           "away from the keys. Add it as a column, softmax, then drop that column.",
-          "scores = q @ k.transpose(-1, -2) / math.sqrt(D); sinks[None, :, None, None].expand(*scores.shape[:-1], "
-          "1); torch.cat([...], dim=-1); torch.softmax(..., dim=-1)[..., :-1] @ v."],
+          "Index sinks with None to add dimensions and Tensor.expand it to one score column, [B, H, S_q, 1]; "
+          "torch.cat(..., dim=-1) appends it; torch.softmax over the last dim; slicing [..., :-1] drops the sink's "
+          "column before the product with V."],
     "b": ["The sink's logit z_h enters every row's denominator; its gradient is the sink's probability "
           "times the row's −Δ, summed over batch and rows.",
-          "-(p_sink * delta).sum(dim=(0, 2))."],
+          "An elementwise product of the two [B, H, S] tensors, reduced with Tensor.sum over a tuple of dims (batch "
+          "and query) so that the head dimension stays; mind the sign of section 3's formula."],
     "c": ["Row i sees min(i + 1, W) keys. Split the rows into those before the window is full and those after.",
-          "w = min(window, seq); w·(w+1)/2 + (seq − w)·w, or sum(min(i + 1, window) for i in range(seq))."],
+          "Python's sum over a generator of min(...) is enough. For a closed form, split at the row where the window "
+          "is full: before it the counts 1, 2, 3, … add up to a triangular number, after it every row counts the "
+          "same."],
     "d": ["start: the block holding the first key the block's FIRST row can see (its window reaches furthest "
           "back), rounded down, never below 0. Epilogue: the sink adds exp(sink − shift) to ℓ in the same "
           "base-2 units, before the LSE and the division.",
-          "start = T.max(0, (qb * block_M + past - window + 1) // block_N); l[i] += T.exp2(sink * LOG2E - "
-          "shift[i]) (the sink is a logit: no softmax scale)."],
-    "e": ["Three changes to your chapter-03 kernel: K/V head h // (heads / heads_kv); the key loop starts at the "
-          "block of the first row's first key and the mask also hides keys k <= q + past − window; the epilogue "
-          "adds the sink's term exp(sink − shift) to ℓ (guarded shift) before the LSE and the division.",
-          "K[b, h // group, ...]; start = T.max(0, (qb * block_M + past - window + 1) // block_N); "
-          "T.Pipelined(start, stop, num_stages=1); T.And(k <= q + past, k > q + past - window); "
-          "l[i] += T.exp2(Sinks[h] * LOG2E - shift[i])."],
+          "start: T.max keeps it at block 0 or later, and // on TileLang expressions rounds down. Epilogue: the "
+          "sink's logit is in natural-log units and ℓ in powers of 2, so T.exp2 takes the logit times LOG2E, minus "
+          "the guarded shift[i] as the scores had; add it to l[i] before the LSE line. No softmax scale on the sink."],
+    "e": ["Four changes to your chapter-03 kernel: K/V head h // (heads / heads_kv); the running max starts at the "
+          "sink's logit (in raw score units, as in (d)'s skeleton), not at −∞, so that e^(sink − m) cannot overflow; "
+          "the key loop starts at the block of the first row's first key and the mask also hides keys "
+          "k <= q + past − window; the epilogue adds the sink's term exp(sink − shift) to ℓ (guarded shift) before "
+          "the LSE and the division.",
+          "Four places in your chapter-03 kernel: the K/V head in the two T.copy (integer division by the group "
+          "size); the running max's start, a tb.parallel loop instead of T.fill (the units are those of (d)'s "
+          "skeleton: m holds raw scores); T.Pipelined(start, stop, num_stages=1) with (d)'s start; T.And adds the "
+          "window's condition to the mask; the epilogue's sink term as in (d)."],
 }

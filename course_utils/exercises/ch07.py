@@ -18,17 +18,19 @@ __all__ = ["check_wasted_share", "check_wait_count", "check_rotated_loop", "HINT
 HINTS = {
     "a": ["A query block that sees n key blocks runs n + 1 iterations of two matmuls; two of them (the first "
           "P·V, the last QKᵀ) do nothing. With the causal mask, n depends on the query block.",
-          "Loop over the query blocks qb: n = ⌈S / block_N⌉, or causal min(that, ⌈(qb + 1)·block_M / block_N⌉); "
-          "add 2·(n + 1) to the issued count and 2 to the wasted count; divide at the end."],
+          "A ceiling division (-(-a // b)) counts key blocks; with the causal mask a query block's count stops at the"
+          " block holding its last row's diagonal (min with the full count). Add up the issued and the wasted matmuls"
+          " over the query blocks in a loop over range(...), then divide."],
     "b": ["Batches finish oldest first: once at most N are running, the N newest may still be unfinished.",
-          "N is the number of batches issued after the one you need: len(issued) − 1 − issued.index(needed)."],
+          "list.index gives the position of the batch you need and len the number issued: count the batches that came"
+          " after it."],
     "c": ["Iteration kb issues S = Q K_kbᵀ and acc += P V_(kb−1), both before any wait; waits for the scores "
           "only (P·V keeps running), computes the exponentials, then waits for P·V before P is overwritten. "
           "One extra iteration finishes the last block; clamp the block indices so every copy is valid.",
-          "for kb in T.Pipelined(num_blocks + 1, num_stages=2): k_blk = T.min(kb, num_blocks − 1), "
-          "v_blk = T.max(kb − 1, 0); T.copy the K and V tiles; issue_scores, issue_update; wait(1); "
-          "S[i, j] = T.exp2(S[i, j] * scale_log2) in tb.parallel; wait(0); T.copy(S, P); then read K_s and "
-          "V_s into stage_in_use[0]."],
+          "T.Pipelined(num_blocks + 1, num_stages=2) runs the extra iteration; T.min and T.max clamp the K and V "
+          "block indices to valid blocks; wait(n) with exercise (b)'s n for the batch the next statement reads; the "
+          "exponentials in a tb.parallel loop with T.exp2 and scale_log2; a T.copy hands them to P for the next "
+          "iteration; one read of K_s and V_s into stage_in_use after the last wait keeps the stage."],
 }
 
 

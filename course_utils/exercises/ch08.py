@@ -21,21 +21,23 @@ __all__ = ["check_dq_reduce_bytes", "check_fixed_order_sum", "check_wait_before_
 
 HINTS = {
     "a": ["Every key block adds a float32 contribution to every element of dQ.",
-          "⌈S_k / block_N⌉ · batch · heads · S_q · D · 4 bytes."],
+          "A ceiling division counts the key blocks; each sends one float32 (4-byte) value for every element of dQ, "
+          "which has batch · heads · S_q · D of them."],
     "b": ["Float addition is not associative: the bits depend on the order. Add in a fixed order, whatever "
           "the arrival order.",
-          "sorted(parts, key=lambda p: p[0]), then add the tensors in that order, starting from the first."],
+          "sorted with a key= function puts the pairs in key-block order whatever the arrival order; then add the "
+          "tensors one by one in that order (clone the first so the caller's tensor is not changed)."],
     "c": ["wait_group n lets the n newest batches keep running; dQ must be finished before it is stored.",
-          "Count the batches issued after dQ in [dV, dQ, dK]: that is n, and they are the ones still running."],
+          "Exercise 07 (b)'s rule: n is the number of batches issued after the one you read; list them."],
     "d": ["Section 3's step: issue Sᵀ and dPᵀ together, wait only for Sᵀ and compute Pᵀ while dPᵀ runs, wait for "
           "dPᵀ before forming dSᵀ. dQ reads dSᵀ from shared memory, half of it written by the other consumer: "
           "store, then meet, then issue. Issue dV, dQ, dK together and wait for dQ only; the copy engine reads dq_s, "
           "half of it the other consumer's: store, meet, reduce-add. Last, wait for everything and read Q_s and "
           "dO_s so the stage is released after that wait.",
-          "wait(1) retires all but the newest batch, wait(0) all of them: the batch you read must not be the "
-          "newest unless you wait(0). barrier(DS_BARRIER) goes between T.copy(dST, dST_s) and issue_dq, "
-          "barrier(DQ_BARRIER) between T.copy(dq, dq_s) and add_dq; stage_in_use[0] = Q_s[0, 0] + dO_s[0, 0] "
-          "goes after the last wait."],
+          "wait(n) lets the n newest batches run on: choose n from what the next statement reads (exercise 07 (b)). "
+          "barrier(id) goes where a shared tile changes hands: after the T.copy that writes it and before the "
+          "statement that reads the other half; DS_BARRIER guards dST_s, DQ_BARRIER dq_s. The read of Q_s and dO_s "
+          "into stage_in_use comes after the last wait."],
 }
 
 

@@ -24,22 +24,25 @@ __all__ = ["check_pack", "check_merge_with_sink", "check_merge_kernel", "check_p
 HINTS = {
     "a": ["Sequence b's real tokens are the first lengths[b] rows of padded[b]; cu_seqlens[b] is where "
           "sequence b starts in the packed tensor, so it starts at 0 and ends at the total.",
-          "torch.cat of the slices padded[b, :n]; torch.cumsum(lengths, 0) written after a leading 0, "
-          "then .to(torch.int32)."],
+          "Slicing padded[b, :n] keeps a sequence's real tokens and torch.cat joins them; torch.cumsum gives the "
+          "running ends, so put a 0 in front (torch.cat again, or F.pad); the checker expects torch.int32 (.to)."],
     "b": ["The sink is one more partial state: its LSE is the sink logit, its O is 0 (no value row). "
           "Merge all states with weights e^{LSE_s − LSE}, where LSE is over every state, sink included.",
-          "torch.logsumexp over torch.cat([lse, sink[None]]), then (torch.exp(lse − total)[..., None] * o).sum(0)."],
+          "Treat the sink as one more state: torch.cat it onto the LSEs, torch.logsumexp gives the total over every "
+          "state, torch.exp of each LSE minus the total its weight; weigh the O's (a [..., None] broadcast) and sum "
+          "over the states."],
     "c": ["LSE = m + log Σ_s e^{LSE_s − m}, with m the largest LSE_s (so nothing overflows), and "
           "O = Σ_s e^{LSE_s − LSE} · O_s. A row no split saw has every LSE_s = −∞: take m = 0 there, "
           "and give it O = 0 and LSE = −∞.",
-          "Scalars live in shift[0] and l[0]; loop over splits with T.serial(splits), over D with "
-          "tb.parallel(dim); T.max, T.exp, T.log and T.if_then_else(cond, a, b) build the expressions; "
-          "T.clear(acc) before summing into acc."],
+          "Scalars live in shift[0] and l[0]; loop over splits with T.serial(splits), over D with tb.parallel(dim); "
+          "T.max, T.exp, T.log and T.if_then_else(cond, a, b) build the expressions; T.clear(acc) before summing into"
+          " acc."],
     "d": ["Key position p of sequence b sits in logical page p // page_size, at row p % page_size of it; "
           "the block table turns the logical page into the physical one. A tile of block_N keys lies "
           "inside one page. The last page is usually partial: it still needs its tile.",
-          "num_key_tiles: T.ceildiv(length, block_N). load_key_tile: page = BlockTable[b, kb * block_N // "
-          "page_size], then T.copy(Pages[page, start:start + block_N, :], tile) with the row the tile starts at."],
+          "num_key_tiles is a ceiling division (T.ceildiv). load_key_tile reads the physical page from BlockTable[b, "
+          "logical page] (integer division of the tile's first key by page_size), the tile's first row in that page "
+          "with %, and T.copy's the block_N rows from Pages."],
 }
 
 
