@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from course_utils import flash_attention_varlen, flash_decode
+from course_utils.api.varlen_api import VARLEN_CUDA_CONFIG
 from course_utils.checking.validation import check_backward, check_forward, decode_references, varlen_references
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -169,21 +170,23 @@ def test_varlen_forward_backward(causal, schedule):
     check_backward(q, k, v, d_out, grads, refs=refs, name=f"varlen causal={causal} {schedule}")
 
 
+@pytest.mark.parametrize("config", [None, "chapter 03"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("lengths_q, lengths_k", [((200, 5, 384, 77), (260, 5, 1, 500)), ((300, 0, 129), (300, 7, 0))])
-def test_varlen_query_blocks_without_keys(causal, lengths_q, lengths_k):
+def test_varlen_query_blocks_without_keys(causal, lengths_q, lengths_k, config):
     """Query blocks that see no key (causal with fewer keys than queries; a sequence with no key at all) get
-    O = 0. Chapter 03's packed loop on sm_90 (``config=VARLEN_CUDA_CONFIG``, the default before 2026-11-26)
-    got these wrong on the H200 (max error 1.2–2.9); the persistent default gets them right."""
+    O = 0, with the default and with chapter 03's packed loop (``config=VARLEN_CUDA_CONFIG``, the default on
+    sm_90 before 2026-11-26), which got them wrong on the H200 (max error 1.2–2.9) until it was compiled with
+    shared-memory reuse off (O's staging tile had been placed over Q's, whose load lands late)."""
     q, _, _, cu_q = _packed(list(lengths_q), 16, 16, 128, torch.float16)
     _, k, v, cu_k = _packed(list(lengths_k), 16, 16, 128, torch.float16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = flash_attention_varlen(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
-                                      return_lse=True)
+                                      return_lse=True, config=VARLEN_CUDA_CONFIG if config else None)
     d_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, d_out)
     refs = varlen_references(q, k, v, cu_q, cu_k, d_out=d_out, causal=causal)
-    check_forward(q, k, v, out, lse, refs=refs, name=f"no keys causal={causal}")
+    check_forward(q, k, v, out, lse, refs=refs, name=f"no keys causal={causal} config={config}")
     check_backward(q, k, v, d_out, grads, refs=refs, name=f"no keys causal={causal}")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import tilelang
 import torch
 
 from ..core.device import is_hopper
@@ -43,6 +44,7 @@ class KernelRow:
     deterministic: bool = False  # has a deterministic mode (``deterministic=`` and a dQ kernel)
     pass_configs: dict = field(default_factory=dict)  # TileLang pass options it is compiled with
     per_device: object = None  # () -> more factory arguments read from the GPU (num_ctas)
+    keyless_blocks_unaliased: bool = False  # see CH03_LOOP_KEYLESS_PASS_CONFIGS
 
     def check(self, problem, config, deterministic=False):
         """A clear ``ValueError`` for a config this kernel cannot run here."""
@@ -69,15 +71,28 @@ class KernelRow:
 
     def compile(self, problem, config, **extra):
         """Build and compile for ``problem.target``."""
+        pass_configs = dict(self.pass_configs)
+        if self.keyless_blocks_unaliased and _has_keyless_rows(problem) and problem.target == "cuda" and is_hopper():
+            pass_configs.update(CH03_LOOP_KEYLESS_PASS_CONFIGS)
         return compile_kernel(self.build(problem, config, **extra), out_idx=list(self.out_idx), target=problem.target,
-                              dtype=problem.dtype, pass_configs=self.pass_configs or None)
+                              dtype=problem.dtype, pass_configs=pass_configs or None)
 
 
 _HOPPER_FORWARD = "one of chapter 07's Hopper kernels"
+# Chapter 03's loop on sm_90: TileLang's shared-memory plan puts O's staging tile over Q's and waits for Q's
+# TMA load only inside the key loop, so a query block that sees no key (causal with more queries than keys:
+# the diagonal is aligned bottom-right) would store O while Q is still landing on it. Only such problems are
+# compiled unaliased (the others keep their measured layout); sm_80's loads are not TMA.
+CH03_LOOP_KEYLESS_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True}
+
+
+def _has_keyless_rows(problem):
+    return problem.causal and problem.seq_q is not None and problem.seq_q > problem.seq_k
 # The kernels a ForwardConfig or BackwardConfig can select: chapter 03/04's forward, chapter 07's two
 # Hopper forwards (the rotated loop, and its persistent version); chapter 05's and chapter 08's backward.
 FORWARD = {row.name: row for row in (
-    KernelRow("flash_fwd", flash_fwd_kernel, (4, 5), "chapter 03/04's kernel", sinks=True),
+    KernelRow("flash_fwd", flash_fwd_kernel, (4, 5), "chapter 03/04's kernel", sinks=True,
+              keyless_blocks_unaliased=True),
     KernelRow("flash_fwd_hopper", flash_fwd_hopper_kernel, (4, 5), _HOPPER_FORWARD, hopper_only=True, on_cpu=False,
               sinks=True, options=("pingpong",)),
     KernelRow("flash_fwd_hopper_persistent", flash_fwd_hopper_persistent_kernel, (4, 5), _HOPPER_FORWARD,

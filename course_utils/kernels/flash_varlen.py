@@ -61,8 +61,12 @@ __all__ = ["SCHEDULES", "OWN_BARRIERS_PASS_CONFIGS", "varlen_work_list", "flash_
            "varlen_pair_list", "flash_varlen_fwd_persistent_kernel", "flash_varlen_bwd_hopper_kernel"]
 
 SCHEDULES = ("grid", "list")
-# ``own_barriers``: the kernel places its own barriers (compile it with these pass options).
-OWN_BARRIERS_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+# ``own_barriers``: the kernel places its own barriers (compile it with these pass options). Nor may TileLang
+# reuse shared memory then: on sm_90 it puts O's staging tile over Q's and waits for Q's TMA load only inside
+# the key loop, so a query block that sees no key (causal with fewer keys, an empty key sequence) stored O
+# while Q was still landing on it (wrong O on the H200, 2026-11-26; notes/ch09_gpu_notes.md).
+OWN_BARRIERS_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+                             tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True}
 _OWN_BARRIER = 5  # a named barrier id of our own (TileLang's syncs use 1–3)
 
 
