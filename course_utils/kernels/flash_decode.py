@@ -65,6 +65,7 @@ class DecodeConfig(NamedTuple):
     block_M: "int | None" = None
     warp_specialize: bool = True
     min_blocks: int = 0
+    interleave: bool = False
 
     def pass_configs(self):
         """TileLang pass options for compiling the split kernel with this config."""
@@ -100,7 +101,7 @@ def decode_config(target, heads, heads_kv, dim, seq_new, page_size=None):
 
 def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal=False, window_size=None,
                         sm_scale=None, dtype="float16", block_M=None, block_N=128, num_stages=2, threads=128,
-                        warp_specialize=True, min_blocks=0, single=False, target=None):
+                        warp_specialize=True, min_blocks=0, interleave=False, single=False, target=None):
     """Return the split kernel: partial O and LSE of each (sequence, new token, query head, split).
 
     Tensors: Q [B, S_new, H, D]; K, V [B, S_max, H_kv, D], or with ``page_size`` the pages
@@ -187,8 +188,12 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
         start, end = key_range_of_queries(p, first_row // group, last_row // group + 1, block_N)
         blocks = T.max(end - start, 0)
         # Splits differ by at most one key block (truncdiv: every term is ≥ 0, so no sign fix-ups).
-        split_start = start + T.truncdiv(split * blocks, num_splits)
-        split_tiles = start + T.truncdiv((split + 1) * blocks, num_splits) - split_start
+        if interleave:  # split s takes key blocks s, s + splits, …: the splits read one front of the cache
+            split_start = start + split
+            split_tiles = T.truncdiv(blocks - split + num_splits - 1, num_splits)  # ≥ 0: split < num_splits
+        else:
+            split_start = start + T.truncdiv(split * blocks, num_splits)
+            split_tiles = start + T.truncdiv((split + 1) * blocks, num_splits) - split_start
         # endregion
         T.fill(acc_o, 0)
         T.fill(l, 0)
@@ -199,7 +204,7 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
             T.fill(m, NEG_INF)
 
         for t in T.Pipelined(split_tiles, num_stages=num_stages):
-            kb = split_start + t
+            kb = split_start + t * num_splits if interleave else split_start + t
             load_tile(K, BlockTable, K_s, b, kv_head, kb)
             T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
             for i, j in tb.parallel(block_M, block_N):  # every tile: a decoding tile is mostly boundary

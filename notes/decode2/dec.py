@@ -45,18 +45,24 @@ def do_bench_median(fns, rounds=3, warmup=10, rep=40):
 def precompile():
     from course_utils.measure.benchmarks.common import in_parallel
     jobs = []
-    for api in (new_api, old_api):
+    for api in (new_api, "interleave", old_api):
         for dim in (64, 128):
             q = torch.empty(1, 1, 64, dim, device="cuda", dtype=torch.bfloat16)
             cache = torch.empty(1, 256, 8, dim, device="cuda", dtype=torch.bfloat16)
             table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
             for t in (None, table):
                 jobs.append((api, q, cache, t))
+
+    def build(j):
+        if j[0] == "interleave":
+            pr, config = new_api._decode_problem(j[1], j[2], j[3], False, None, None)
+            return new_api._decode_split(pr, config._replace(interleave=True))
+        j[0].decode_kernels(j[1], j[2], block_table=j[3], merge_allocates=False)
+        j[0].decode_single_kernel(j[1], j[2], block_table=j[3])
+
     t0 = time.time()
-    in_parallel(lambda j: (j[0].decode_kernels(j[1], j[2], block_table=j[3], merge_allocates=False),
-                           j[0].decode_single_kernel(j[1], j[2], block_table=j[3])), jobs[:4])
-    in_parallel(lambda j: (j[0].decode_kernels(j[1], j[2], block_table=j[3], merge_allocates=False),
-                           j[0].decode_single_kernel(j[1], j[2], block_table=j[3])), jobs[4:])
+    in_parallel(build, jobs[:8])
+    in_parallel(build, jobs[8:])
     print(f"precompiled in {time.time() - t0:.0f} s; {torch.cuda.get_device_name()}", flush=True)
 
 
@@ -159,17 +165,31 @@ def one_shape(batch, context, dim):
 SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 33, 40, 48, 64, 66, 96, 128)
 
 
+def _interleaved(on):
+    """Switch the new tree's split kernel to interleaved key blocks (split s: blocks s, s + splits, …)."""
+    if not hasattr(new_api, "_plain_decode_config"):
+        new_api._plain_decode_config = new_api.decode_config
+    plain = new_api._plain_decode_config
+    new_api.decode_config = (lambda *a: plain(*a)._replace(interleave=True)) if on else plain
+    new_api._PLANS.clear()
+
+
 def sweep(cases):
     for batch, context, dim in cases:
         q, kv, sinks, lengths = decode_inputs(batch, context, dim)
         k, v = kv[0], kv[1]
         kp, vp, table = paged_view(kv)
-        layouts = {"contiguous": (k, v, None), "paged": (kp, vp, table)}
-        if batch == 1 and context == 131072:
+        layouts = {"contiguous": (k, v, None, False), "paged": (kp, vp, table, False)}
+        if batch == 1 and dim == 64:
             ident = torch.arange(table.numel(), device="cuda", dtype=torch.int32).view_as(table)
-            layouts["paged, identity table"] = (kp, vp, ident)  # the contiguous cache's order, through pages
-            layouts["contiguous, K and V apart"] = (k.clone(), v.clone(), None)  # not 2^k bytes apart
-        for layout, (kc, vc, tb) in layouts.items():
+            layouts["paged, identity table"] = (kp, vp, ident, False)  # the contiguous cache's order, via pages
+            if context == 131072:
+                layouts["contiguous, K and V apart"] = (k.clone(), v.clone(), None, False)  # not 2^27 B apart
+        if dim == 64:
+            layouts["contiguous, interleaved splits"] = (k, v, None, True)
+            layouts["paged, interleaved splits"] = (kp, vp, table, True)
+        for layout, (kc, vc, tb, inter) in layouts.items():
+            _interleaved(inter)
             chosen = new_api.decode_num_splits(q, kc, block_table=tb)
             ref = new_decode(q, kc, vc, lengths, block_table=tb, sinks=sinks)
             refs = decode_references(q, kc, vc, lengths, block_table=tb, sinks=sinks)
@@ -177,6 +197,8 @@ def sweep(cases):
             del refs
             fns = {}
             for s in sorted(set(SPLITS) | {chosen}):
+                if inter and s == 1:
+                    continue
                 out = new_decode(q, kc, vc, lengths, block_table=tb, sinks=sinks, num_splits=s)
                 torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
                 fns[s] = (lambda s_=s: new_decode(q, kc, vc, lengths, block_table=tb, sinks=sinks, num_splits=s_))
@@ -185,6 +207,7 @@ def sweep(cases):
             for s in fns:
                 emit("sweep", dict(batch=batch, context=context, dim=dim, layout=layout, splits=s, chosen=s == chosen,
                                    record_us=rec[s] * 1e3, do_bench_us=db[s] * 1e3))
+            _interleaved(False)
         torch.cuda.empty_cache()
 
 
