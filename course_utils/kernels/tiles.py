@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import tilelang
 import tilelang.language as T
+from tilelang import tvm
 
 from ..core.device import TILE_TARGET
 
@@ -85,4 +86,7 @@ def launcher(kernel):
     adapter = getattr(kernel, "adapter", None)
     if type(adapter).__name__ != "TVMFFIKernelAdapter" or adapter.result_idx:
         return kernel
-    return adapter.get_exportable_executable().jit().main  # what Executable.__call__ calls
+    module = adapter.get_exportable_executable()
+    if isinstance(module, tvm.runtime.Executable):  # compiled now; a kernel from the disk cache is a Module
+        module = module.jit()
+    return module.main  # what Executable.__call__ and Module.__call__ call

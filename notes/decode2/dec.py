@@ -33,7 +33,7 @@ def emit(part, row):
     print(json.dumps(row), flush=True)
 
 
-def do_bench_median(fns, rounds=3, warmup=10, rep=40):
+def do_bench_median(fns, rounds=2, warmup=5, rep=25):
     import triton.testing
     samples = {n: [] for n in fns}
     for _ in range(rounds):
@@ -87,6 +87,8 @@ def host():
     single = new_api.decode_single_kernel(q, k)
     from course_utils.kernels.tiles import launcher
     fast = launcher(single)
+    print("launcher gives", type(fast).__module__, type(fast).__name__, "for", type(single.adapter).__name__,
+          flush=True)
     out = torch.empty_like(q)
     lse = torch.empty(1, 64, 1, device="cuda")
     tab = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
@@ -147,7 +149,7 @@ def one_shape(batch, context, dim):
             errors[name] = f"FAILED: {exc}"[:300]
     del refs, refs_p
     for label, backend, fold in (("cuDNN q_len=1", CUDNN, False), ("cuDNN folded", CUDNN, True),
-                                 ("FA2 q_len=1", FA2, False), ("FA2 folded", FA2, True)):
+                                 ("FA2 q_len=1", FA2, False)):
         fns[label] = (lambda b_=backend, f_=fold: _sdpa_decode(q, k, v, b_, f_))
     fns["torch.sum"] = lambda: torch.sum(kv)
     fns = {n: (lambda f=f: f()) for n, f in fns.items()}
@@ -162,7 +164,7 @@ def one_shape(batch, context, dim):
     torch.cuda.empty_cache()
 
 
-SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 33, 40, 48, 64, 66, 96, 128)
+SPLITS = (1, 2, 4, 8, 16, 24, 33, 48, 66, 96, 128)
 
 
 def _interleaved(on):
@@ -203,7 +205,7 @@ def sweep(cases):
                 torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
                 fns[s] = (lambda s_=s: new_decode(q, kc, vc, lengths, block_table=tb, sinks=sinks, num_splits=s_))
             rec = time_side_by_side(fns, warmup=2, rounds=2, rep=6)
-            db = do_bench_median(fns, rounds=1, warmup=5, rep=25)
+            db = do_bench_median(fns, rounds=1, warmup=3, rep=15)
             for s in fns:
                 emit("sweep", dict(batch=batch, context=context, dim=dim, layout=layout, splits=s, chosen=s == chosen,
                                    record_us=rec[s] * 1e3, do_bench_us=db[s] * 1e3))
