@@ -166,7 +166,7 @@ def decode_num_splits(q, k_cache, *, block_table=None):
     config = decode_config("cuda", heads, heads_kv, dim, seq_new, page_size)
     rows = decode_rows(heads, heads_kv, seq_new)
     sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    return choose_num_splits(batch, heads_kv, capacity, num_sms=sms, config=config, dim=dim,
+    return choose_num_splits(batch, heads_kv, capacity, num_sms=sms, config=config,
                              row_tiles=math.ceil(rows / config.block_M))
 
 
@@ -337,7 +337,12 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
     # The kernels take dense tensors; a strided view (block_table = wide[:, :n], a cache_seqlens view, a
     # transposed q) is copied, as FlashAttention accepts it. Contiguous ones pass as they are.
     table = plan.no_table if block_table is None else block_table.contiguous()
-    logits = plan.no_sinks if sinks is None else sinks.detach().float().contiguous()
+    if sinks is None:
+        logits = plan.no_sinks
+    elif sinks.dtype is torch.float32 and not sinks.requires_grad and sinks.is_contiguous():
+        logits = sinks  # what sink_logits would return (the same memory), without making three views of it
+    else:
+        logits = sink_logits(sinks, plan.out_shape[2], plan.device)
     out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
     if plan.merge is None:
