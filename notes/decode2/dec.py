@@ -2,7 +2,8 @@
 
 Ours new (this branch) and ours old (main before it, imported as course_utils_old) side by side, with SDPA's
 cuDNN and FA2 (both forms the record uses) and torch.sum; every result of ours checked on every head first.
-Rows go to $OUT/<part>.jsonl as they are measured (a timeout keeps what was done).
+Rows go to $OUT/<part>.jsonl as they are measured (a timeout keeps what was done). Ran (call 2) against
+commit c57c1af, whose kernel still had the temporary `interleave` option that `_interleaved` switches on.
 """
 import json
 import os
