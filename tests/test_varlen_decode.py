@@ -288,7 +288,9 @@ def _decode_args(paged=False):
      "page_size .* multiple of 16"),
 ])
 def test_decode_rejects_bad_input(paged, change, message):
-    args, kwargs = change(*_decode_args(paged))
+    good_args, good_kwargs = _decode_args(paged)
+    flash_decode(*good_args, **good_kwargs)  # kept as a plan: the bad call must not ride on it
+    args, kwargs = change(good_args, good_kwargs)
     with pytest.raises((ValueError, TypeError), match=message):
         flash_decode(*args, **kwargs)
 
@@ -299,8 +301,40 @@ def test_decode_rejects_bad_input(paged, change, message):
 ])
 def test_decode_rejects_bad_options(kwargs, message):
     args, _ = _decode_args()
+    flash_decode(*args, num_splits=1, sinks=torch.zeros(H))  # a good call of the nearest signature first
     with pytest.raises(ValueError, match=message):
         flash_decode(*args, **kwargs)
+
+
+def test_decode_plan_is_kept_per_signature():
+    """The second call with the same host-known signature reuses the first's plan (no checks, no kernel
+    choice) and gives the reference's answer for new contents; a new signature (another batch size, the
+    cache paged) gets its own plan."""
+    from course_utils.api.varlen_api import _PLANS, _plan_key
+
+    args, _ = _decode_args()
+    flash_decode(*args)
+    key = _plan_key(*args, None, False, None, None, None, None, None)
+    plan = _PLANS[key]
+    q, k, v, lengths = _cache([3, 32], seq_new=1, seq_max=32)  # new contents and lengths, same signature
+    out, lse = flash_decode(q, k, v, lengths, return_lse=True)
+    assert _PLANS[key] is plan
+    check_forward(q, k, v, out, lse, refs=decode_references(q, k, v, lengths), quiet=True, name="plan reused")
+    paged_args, paged_kwargs = _decode_args(paged=True)
+    flash_decode(*paged_args, **paged_kwargs)
+    assert _plan_key(*paged_args, paged_kwargs["block_table"], False, None, None, None, None, None) in _PLANS
+    assert _plan_key(q, k, v, lengths, None, False, None, None, None, True, None) != \
+        _plan_key(q, k, v, lengths, None, False, None, None, None, 1, None)  # True == 1, but not as a signature
+
+
+def test_decode_plan_keeps_checking_index_values_on_the_host():
+    """CPU index tensors are checked at every call (they are on the host already), plan or no plan."""
+    args, _ = _decode_args()
+    flash_decode(*args)
+    bad = torch.tensor([5, 33], dtype=torch.int32)
+    with pytest.raises(ValueError, match="must lie in"):
+        flash_decode(*args[:3], bad)
+    flash_decode(*args[:3], bad, check_indices=False)  # unchecked on request: clamped, no error
 
 
 def test_packed_forward_syncs_only_on_the_edge_tile():

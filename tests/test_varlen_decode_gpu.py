@@ -122,6 +122,23 @@ def test_decode_step_replays_in_a_cuda_graph(paged, num_splits):
                       name=f"replay {replay}, paged={paged}, splits={num_splits}")
 
 
+def test_decode_launches_through_the_compiled_host_function():
+    """flash_decode calls TVM-FFI's compiled host function (``tiles.launcher``, found once), not TileLang's
+    Python adapter: the same kernel, so the same result bit for bit (the host function still checks every
+    argument; the adapter only found it)."""
+    from course_utils.api.varlen_api import decode_single_kernel
+    from course_utils.kernels.tiles import launcher
+
+    q, k, v, lengths = _cache(8, 4096, 8, 64, 1, 64)
+    sinks = torch.randn(64, device="cuda")
+    kernel = decode_single_kernel(q, k)
+    assert launcher(kernel) is not kernel, "expected TileLang's TVM-FFI backend on CUDA"
+    out, lse = flash_decode(q, k, v, lengths, sinks=sinks, num_splits=1, return_lse=True)
+    out_adapter, lse_adapter = torch.empty_like(out), torch.empty_like(lse)
+    kernel(q, k, v, torch.zeros(8, 1, dtype=torch.int32, device="cuda"), lengths, sinks, out_adapter, lse_adapter)
+    assert torch.equal(out, out_adapter) and torch.equal(lse, lse_adapter)
+
+
 def test_default_calls_never_wait_for_the_gpu():
     """torch's sync debug mode turns any synchronising call into an error: flash_decode (both caches) and the
     packed forward and backward (default "grid" schedule) make none."""

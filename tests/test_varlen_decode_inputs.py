@@ -215,17 +215,22 @@ def test_one_split_kernel_matches_split_and_merge_and_the_reference(mask, sinks)
 
 
 def test_split_count_rule():
-    """One split (one kernel) once B·H_kv fills a wave; otherwise at least num_stages + 1 key tiles per split."""
+    """One split (one kernel) once B·H_kv covers the SMs; otherwise one block per SM (the H100 sweep of
+    2026-11-26: B=8 2 splits, B=1 16), with at least num_stages + 1 key tiles per split."""
     from course_utils.kernels.flash_decode import choose_num_splits, decode_config
 
     config = decode_config("cuda", 64, 8, 64, 1)
-    for batch in (1, 8, 64):
+    picked = {}
+    for batch in (1, 8, 16, 64):
         for capacity in (128, 1024, 8192, 131072):
-            splits = choose_num_splits(batch, 8, capacity, num_sms=132, config=config, dim=64)
+            splits = choose_num_splits(batch, 8, capacity, num_sms=132, config=config)
             tiles = -(-capacity // config.block_N)
             assert splits == 1 or tiles // splits >= config.num_stages + 1, (batch, capacity, splits)
-            if batch == 64:
-                assert splits == 1
+            assert splits * batch * 8 <= 132 or splits == 1, (batch, capacity, splits)
+            picked[batch, capacity] = splits
+    assert picked[1, 131072] == 16 and picked[8, 131072] == 2 and picked[16, 131072] == 1
+    assert picked[1, 1024] == 2  # 8 key tiles: two splits of four
+    assert all(picked[64, c] == 1 for c in (128, 1024, 8192, 131072))
 
 
 @pytest.mark.parametrize("page_size", [None, 256])

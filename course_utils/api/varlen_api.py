@@ -47,7 +47,7 @@ from ..kernels.flash_varlen import (
     varlen_pair_list,
     varlen_work_list,
 )
-from ..kernels.tiles import compile_kernel
+from ..kernels.tiles import compile_kernel, launcher
 from .attention import BackwardConfig, ForwardConfig, default_backward_config, default_forward_config
 from .inputs import check_attention_inputs, sink_logits, sink_probability
 
@@ -171,7 +171,7 @@ def decode_num_splits(q, k_cache, *, block_table=None):
     config = decode_config("cuda", heads, heads_kv, dim, seq_new, page_size)
     rows = decode_rows(heads, heads_kv, seq_new)
     sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    return choose_num_splits(batch, heads_kv, capacity, num_sms=sms, config=config, dim=dim,
+    return choose_num_splits(batch, heads_kv, capacity, num_sms=sms, config=config,
                              row_tiles=math.ceil(rows / config.block_M))
 
 
@@ -203,6 +203,99 @@ def _check_decode_indices(cache_seqlens, block_table, capacity, page_size, num_p
                          f"(pages 0 … {num_pages - 1}); sequence {b} uses its first {int(pages_used[b])} entries")
 
 
+class _DecodePlan(NamedTuple):
+    """What ``flash_decode`` concluded from one signature of its arguments (``_plan_key``): everything
+    but the tensors' contents, so one lookup replaces the checks and the kernel and split choices."""
+
+    splits: int
+    launch: object  # the one-split kernel, or the split kernel (a callable taking torch tensors)
+    merge: object  # None with one split
+    out_shape: tuple
+    lse_shape: tuple
+    part_shape: tuple  # O_part's shape (splits > 1); LSE_part's is part_shape[:-1]
+    dtype: torch.dtype
+    device: torch.device
+    no_table: "torch.Tensor | None"  # what a contiguous cache passes for the block table
+    no_sinks: "torch.Tensor | None"  # -inf logits, when sinks is None
+    check_indices: bool  # read the index values on the host at every call (CPU tensors, or asked for)
+    capacity: int
+    page_size: "int | None"
+    num_pages: int
+
+
+_PLANS = {}
+_PLANS_MAX = 256  # signatures kept (a model decodes with a handful: one per batch size and cache layout)
+_SCALAR_TYPES = frozenset((type(None), bool, int, float))
+_Tensor = torch.Tensor
+
+
+def _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, sm_scale, window_size, sinks, num_splits,
+              check_indices):
+    """Everything the checks and choices of ``flash_decode`` depend on, or None where an argument is of a kind
+    the signature cannot describe (the full checks then run, and reject it or not, at every call).
+
+    Scalars are keyed with their type (``num_splits=True`` is refused but equals 1); a tensor by its type,
+    shape, dtype and device, and the cache by its contiguity too. Values are never part of it: they are
+    checked at every call where they are checked at all (``_DecodePlan.check_indices``). Written out
+    inline: it runs at every decoding step (a few µs, against the checks' tens)."""
+    if not (isinstance(q, _Tensor) and isinstance(k_cache, _Tensor) and isinstance(v_cache, _Tensor)
+            and isinstance(cache_seqlens, _Tensor) and (block_table is None or isinstance(block_table, _Tensor))
+            and (sinks is None or isinstance(sinks, _Tensor))):
+        return None
+    types = (type(causal), type(sm_scale), type(window_size), type(num_splits), type(check_indices))
+    if not _SCALAR_TYPES.issuperset(types):
+        return None
+    return (types, causal, sm_scale, window_size, num_splits, check_indices,
+            type(q), q.shape, q.dtype, q.device,
+            type(k_cache), k_cache.shape, k_cache.dtype, k_cache.device, k_cache.is_contiguous(),
+            type(v_cache), v_cache.shape, v_cache.dtype, v_cache.device, v_cache.is_contiguous(),
+            type(cache_seqlens), cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device,
+            None if block_table is None else (type(block_table), block_table.shape, block_table.dtype,
+                                              block_table.device),
+            None if sinks is None else (type(sinks), sinks.shape, sinks.dtype, sinks.device))
+
+
+def _decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, sm_scale, window_size, sinks, num_splits,
+                 check_indices):
+    """Every check of ``flash_decode`` that the host can make without reading a value, and its choices."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        layout = "[batch, new_tokens, heads, head_dim]" if name == "q" else \
+            "[batch, seq_max, heads_kv, head_dim] or [num_pages, page_size, heads_kv, head_dim]"
+        _check_tensor(name, t, 4, layout)
+    check_attention_inputs("flash_decode", q, k_cache, v_cache, layout="decode", sinks=sinks, window_size=window_size,
+                           sm_scale=sm_scale)
+    batch, seq_new = q.shape[:2]
+    if batch == 0 or seq_new == 0:
+        raise ValueError(f"q must hold at least one sequence and one new token; got {tuple(q.shape)}")
+    _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
+    capacity, page_size = _cache_layout(q, k_cache, block_table)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous (decoding reads the cache in place; a copy "
+                         "would cost more than the step)")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
+    wants_check = _wants_index_check(check_indices, cache_seqlens, block_table)
+    if window_size is not None and window_size >= capacity:
+        window_size, causal = None, True  # a window as long as the cache hides only what causal hides
+
+    splits = decode_num_splits(q, k_cache, block_table=block_table) if num_splits is None else num_splits
+    heads, dim = q.shape[2], q.shape[3]
+    kernel_args = dict(block_table=block_table, causal=causal, window_size=window_size, sm_scale=sm_scale)
+    if splits == 1:  # one kernel writes the result: no partials, no merge launch
+        launch, merge = launcher(decode_single_kernel(q, k_cache, **kernel_args)), None
+    else:
+        split, merge, _ = decode_kernels(q, k_cache, merge_allocates=False, **kernel_args)
+        launch, merge = launcher(split), launcher(merge)
+    return _DecodePlan(splits=splits, launch=launch, merge=merge, out_shape=tuple(q.shape),
+                       lse_shape=(batch, heads, seq_new), part_shape=(batch, seq_new, heads, splits, dim),
+                       dtype=q.dtype, device=q.device,
+                       no_table=_no_block_table(batch, q.device) if block_table is None else None,
+                       no_sinks=sink_logits(None, heads, q.device) if sinks is None else None,
+                       check_indices=wants_check, capacity=capacity, page_size=page_size,
+                       num_pages=k_cache.shape[0])
+
+
 def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal=False, sm_scale=None,
                  window_size=None, sinks=None, num_splits=None, return_lse=False, check_indices=None):
     """One decoding step against a KV cache (FlashAttention's ``flash_attn_with_kvcache`` layout).
@@ -228,49 +321,42 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
     (a debug mode: one sync per call); ``False`` never. Unchecked, the kernel clamps every index into
     the cache (a length into [0, capacity], a page number into [0, num_pages − 1]): a bad index gives
     a wrong result for its own sequence, never a read outside the cache or a fault.
-    """
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        layout = "[batch, new_tokens, heads, head_dim]" if name == "q" else \
-            "[batch, seq_max, heads_kv, head_dim] or [num_pages, page_size, heads_kv, head_dim]"
-        _check_tensor(name, t, 4, layout)
-    check_attention_inputs("flash_decode", q, k_cache, v_cache, layout="decode", sinks=sinks, window_size=window_size,
-                           sm_scale=sm_scale)
-    batch, seq_new = q.shape[:2]
-    if batch == 0 or seq_new == 0:
-        raise ValueError(f"q must hold at least one sequence and one new token; got {tuple(q.shape)}")
-    _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
-    capacity, page_size = _cache_layout(q, k_cache, block_table)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous (decoding reads the cache in place; a copy "
-                         "would cost more than the step)")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
-    if _wants_index_check(check_indices, cache_seqlens, block_table):
-        _check_decode_indices(cache_seqlens, block_table, capacity, page_size, k_cache.shape[0])
-    if window_size is not None and window_size >= capacity:
-        window_size, causal = None, True  # a window as long as the cache hides only what causal hides
 
-    splits = decode_num_splits(q, k_cache, block_table=block_table) if num_splits is None else num_splits
-    heads, dim = q.shape[2], q.shape[3]
-    # The kernels take dense index tensors; a strided view (block_table = wide[:, :n], a cache_seqlens view)
-    # is copied, as FlashAttention accepts it.
-    table = _no_block_table(batch, q.device) if block_table is None else block_table.contiguous()
-    lengths = cache_seqlens.contiguous()
-    kernel_args = dict(block_table=block_table, causal=causal, window_size=window_size, sm_scale=sm_scale)
-    if splits == 1:  # one kernel writes the result: no partials, no merge launch
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(batch, heads, seq_new, dtype=torch.float32, device=q.device)
-        decode_single_kernel(q, k_cache, **kernel_args)(q.contiguous(), k_cache, v_cache, table, lengths,
-                                                        sink_logits(sinks, heads, q.device), out, lse)
+    What the checks conclude depends only on what the host knows (types, shapes, dtypes, devices,
+    contiguity, the options), so it is kept per such signature (``_decode_plan``): a decoding loop,
+    which calls with the same signature at every step, pays for the checks, the choice of kernels
+    and the split count once, and then only for looking the signature up and launching.
+    """
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, causal, sm_scale, window_size, sinks, num_splits,
+            check_indices)
+    key = _plan_key(*args)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is None:
+        plan = _decode_plan(*args)  # raises on a bad input: nothing is kept for it
+        if key is not None:
+            if len(_PLANS) >= _PLANS_MAX:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    if plan.check_indices:
+        _check_decode_indices(cache_seqlens, block_table, plan.capacity, plan.page_size, plan.num_pages)
+    # The kernels take dense tensors; a strided view (block_table = wide[:, :n], a cache_seqlens view, a
+    # transposed q) is copied, as FlashAttention accepts it. Contiguous ones pass as they are.
+    table = plan.no_table if block_table is None else block_table.contiguous()
+    if sinks is None:
+        logits = plan.no_sinks
+    elif sinks.dtype is torch.float32 and not sinks.requires_grad and sinks.is_contiguous():
+        logits = sinks  # what sink_logits would return (the same memory), without making three views of it
+    else:
+        logits = sink_logits(sinks, plan.out_shape[2], plan.device)
+    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
+    if plan.merge is None:
+        plan.launch(q.contiguous(), k_cache, v_cache, table, cache_seqlens.contiguous(), logits, out, lse)
         return (out, lse) if return_lse else out
-    split, merge, _ = decode_kernels(q, k_cache, merge_allocates=False, **kernel_args)
-    o_part = torch.empty(batch, seq_new, heads, splits, dim, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(batch, seq_new, heads, splits, dtype=torch.float32, device=q.device)
-    split(q.contiguous(), k_cache, v_cache, table, lengths, o_part, lse_part)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, heads, seq_new, dtype=torch.float32, device=q.device)
-    merge(o_part, lse_part, sink_logits(sinks, heads, q.device), out, lse)
+    o_part = torch.empty(plan.part_shape, dtype=torch.float32, device=plan.device)
+    lse_part = torch.empty(plan.part_shape[:-1], dtype=torch.float32, device=plan.device)
+    plan.launch(q.contiguous(), k_cache, v_cache, table, cache_seqlens.contiguous(), o_part, lse_part)
+    plan.merge(o_part, lse_part, logits, out, lse)
     return (out, lse) if return_lse else out
 
 
