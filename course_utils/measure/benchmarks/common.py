@@ -116,9 +116,9 @@ def ablation(cases, versions_for, prepare, *, mode, dtype_name="float16", seq=40
         dim, causal, version = job
         shape = comparison_shapes(seq_lens=(seq,), dim=dim)[0]
         try:
-            return version.build(shape["batch"], shape["heads"], seq, dim, causal=causal, dtype=dtype_name)
+            return version.build(shape["batch"], shape["heads"], seq, dim, causal=causal, dtype=dtype_name), None
         except Exception as exc:  # a variant can run out of registers or shared memory
-            return _failure(exc)
+            return None, _failure(exc)
 
     built = dict(zip([(d, c, v.number) for d, c, v in jobs], in_parallel(build, jobs)))
     for dim, causal in cases:
@@ -127,13 +127,13 @@ def ablation(cases, versions_for, prepare, *, mode, dtype_name="float16", seq=40
         case = prepare(shape, causal)
         impls, errors, versions = {}, {}, {}
         for version in versions_for(causal, dim):
-            kernel, label = built[dim, causal, version.number], version.label
-            try:
-                if isinstance(kernel, str):
-                    raise RuntimeError(kernel)
-                errors[label] = case.check(kernel, f"version {version.number}")
-            except Exception as exc:  # a wrong variant is a row of the record
-                error = kernel if isinstance(kernel, str) else _failure(exc, 0)
+            (kernel, error), label = built[dim, causal, version.number], version.label
+            if error is None:
+                try:
+                    errors[label] = case.check(kernel, f"version {version.number}")
+                except Exception as exc:  # a wrong variant is a row of the record
+                    error = _failure(exc, 0)
+            if error is not None:
                 rows.append(dict(impl=label, version=version.number, kept=version.kept, causal=causal,
                                  dtype=dtype_name, error=error, **shape))
                 print(f"D={d} causal={causal!s:5} {label:60} failed: {error}")
