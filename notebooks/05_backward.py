@@ -49,7 +49,7 @@ from course_utils.pictures import diagrams, plots
 from course_utils.api.attention import BackwardConfig, default_backward_config
 from course_utils.measure.benchmarks import CH05_BACKWARD_CONFIG, RECORDS, comparison_shapes
 from course_utils.kernels.flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from course_utils.kernels.flash_pieces import query_block_range
+from course_utils.kernels.flash_pieces import query_block_range, store_dkv
 from course_utils.core.labels import CUDNN, FA2, OURS, PEERS, SHORT
 from course_utils.checking.validation import check_stored_errors
 from course_utils.core.source import count, cuda_source, grep, show_source
@@ -1151,6 +1151,7 @@ show_source(flash_bwd_kernel, "dQ")
 
 # %%
 show_source(flash_bwd_kernel, "store")
+show_source(store_dkv)
 
 # %%
 show_source(flash_bwd_postprocess_kernel)

@@ -54,7 +54,7 @@ from course_utils.measure.benchmarks import GPT_OSS_SHAPE, RECORDS, gqa_backward
 from course_utils.kernels.flash_bwd import flash_bwd_kernel
 from course_utils.kernels.flash_fwd import flash_fwd_kernel
 from course_utils.kernels.flash_pieces import (init_running_max, key_block_range, normalise_rows, online_softmax,
-                                       query_block_range, visible)
+                                       query_block_range, store_dkv, visible)
 from course_utils.core.reference import visibility_mask
 from course_utils.kernels.softmax import safe_shift
 from course_utils.core.labels import CUDNN, FA2, NAIVE, OURS, PEERS
@@ -116,6 +116,7 @@ show_source(flash_fwd_kernel, "pv")
 # %%
 show_source(flash_bwd_kernel, "gqa accumulators")
 show_source(flash_bwd_kernel, "store")
+show_source(store_dkv)
 print()
 show_source(attention_backward, "gqa")
 

@@ -2,6 +2,7 @@
 sm_90a, its own two barriers, ptxas's report, and clear errors where it cannot run."""
 
 import itertools
+import math
 import re
 
 import numpy as np
@@ -11,6 +12,8 @@ from tilelang import tvm
 
 from course_utils import flash_attention
 from course_utils.api.attention import HOPPER_BACKWARD_CONFIGS, BackwardConfig, default_backward_config
+from course_utils.api.registry import BACKWARD
+from course_utils.core.problem import AttentionProblem
 from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_bwd_hopper import (
     PASS_CONFIGS,
@@ -94,15 +97,37 @@ def test_tilelang_adds_four_barriers_without_the_pass_config():
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(block_M=80, heads_kv=2, window_size=100, seq=1000)])
 def test_shipped_kernel_is_the_ablations_last_step(options):
-    """The shipped kernel and the ablation's shipped version generate the same CUDA."""
+    """The shipped kernel, the ablation's shipped version and the variant with the shipped switches
+    generate the same CUDA (the versions are the shipped skeleton plus the pieces they swap)."""
     shipped = next(v for v in VERSIONS if v.number == SHIPPED_VERSION)
     knobs = {k: v for k, v in shipped.knobs_for(128, True).items() if k not in ("block_M", "block_N")}
     seq = options.pop("seq", SHAPE["seq_q"])
     shape = dict(SHAPE, seq_q=seq, seq_k=seq)
     a = cuda_source(flash_bwd_hopper_kernel(**shape, dim=128, **options), pass_configs=PASS_CONFIGS)
-    b = cuda_source(flash_bwd_hopper_variant(**shape, dim=128, **options, **knobs), pass_configs=PASS_CONFIGS)
+    b = cuda_source(shipped.factory(**shape, dim=128, **options, **knobs), pass_configs=PASS_CONFIGS)
+    c = cuda_source(flash_bwd_hopper_variant(**shape, dim=128, **options, dv_during_ds=False, ds_buffers=2,
+                                             manual_sync=True), pass_configs=PASS_CONFIGS)
     name = re.compile(r"flash_bwd_hopper(_variant)?_kernel")
-    assert name.sub("K", a) == name.sub("K", b)
+    assert a == b and "flash_bwd_hopper_variant_kernel" in c
+    assert name.sub("K", a) == name.sub("K", c)
+
+
+def test_version_14_is_a_config_field():
+    """Version 14's change (dV issued under dSᵀ, dSᵀ from the rounded P) is ``dv_under_ds``: a field of
+    ``BackwardConfig`` that the registry passes to the kernel, off in every shipped config."""
+    v14 = next(v for v in VERSIONS if v.number == 14)
+    assert all(not c.dv_under_ds for c in HOPPER_BACKWARD_CONFIGS.values())
+    shape = dict(SHAPE, dim=128, block_M=80)
+    on = cuda_source(flash_bwd_hopper_kernel(**shape, dv_under_ds=True), pass_configs=PASS_CONFIGS)
+    version = cuda_source(v14.factory(**shape, **{k: v for k, v in v14.knobs_for(128, False).items()
+                                                  if k != "block_M"}), pass_configs=PASS_CONFIGS)
+    assert on == version
+    assert on != cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
+    config = HOPPER_BACKWARD_CONFIGS[128, False]._replace(dv_under_ds=True)
+    problem = AttentionProblem(heads=4, heads_kv=4, dim=128, dtype="float16", target="cuda",
+                               sm_scale=1 / math.sqrt(128), batch=2, seq_q=2048, seq_k=2048)
+    built = cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS)
+    assert built == on
 
 
 def test_deterministic_kernels_add_nothing_atomically():

@@ -59,3 +59,38 @@ def test_a_variant_without_its_switches_is_the_shipped_kernel():
     b = cuda_source(fwd_versions.flash_fwd_hopper_variant(**shape))
     assert a != b  # the variant keeps its own kernel name
     assert a == re.sub(r"flash_fwd_hopper_variant_kernel", "flash_fwd_hopper_kernel", b)
+
+
+def test_one_ablation_runner_for_both_directions(monkeypatch):
+    """Chapter 07's and chapter 08's records go through ``common.ablation``; it keeps a version that fails
+    to build or to check as a row with its error, and times the others next to the peers."""
+    from course_utils.measure.benchmarks import ch07_hopper, ch08_hopper_backward, common
+
+    modes = []
+    for module in (ch07_hopper, ch08_hopper_backward):
+        monkeypatch.setattr(module, "ablation", lambda *args, **kw: modes.append(kw["mode"]) or [])
+    ch07_hopper.forward_ablation()
+    ch08_hopper_backward.backward_ablation()
+    assert modes == ["fwd", "bwd"]
+
+    def builder(version, *args, **kw):
+        if version.number == 2:
+            raise RuntimeError("out of registers")
+        return f"kernel {version.number}"
+
+    def check(kernel, name):
+        if kernel == "kernel 3":
+            raise AssertionError("dK wrong")
+        return {"dq": {"err": 0.0}}
+
+    versions = [Version(n, f"v{n}", "why", builder=builder, kept=n != 3) for n in (1, 2, 3)]
+    monkeypatch.setattr(common, "time_side_by_side", lambda impls: {name: 2.0 for name in impls})
+    rows = common.ablation([(64, True)], lambda causal, dim: versions,
+                           lambda shape, causal: common.AblationCase(check, lambda k: (lambda: k), {"peer": None}),
+                           mode="bwd", seq=256)
+    by_impl = {r["impl"]: r for r in rows}
+    assert set(by_impl) == {"v1", "v2", "v3", "peer"}
+    assert "out of registers" in by_impl["v2"]["error"] and "dK wrong" in by_impl["v3"]["error"]
+    assert by_impl["v3"]["kept"] is False and "ms" not in by_impl["v3"]
+    assert by_impl["v1"]["error"] is None and by_impl["v1"]["ms"] == 2.0 and by_impl["v1"]["version"] == 1
+    assert by_impl["peer"]["version"] is None and by_impl["peer"]["tflops"] == by_impl["v1"]["tflops"] > 0

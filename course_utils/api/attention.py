@@ -107,6 +107,9 @@ class BackwardConfig(NamedTuple):
     num_stages: int
     threads: int
     kernel: str = "flash_bwd"
+    # Chapter 08's kernel only: dV issued as soon as the 16-bit P exists, dSᵀ formed from that rounded P
+    # while dV runs (the ablation's version 14); off: FlashAttention-3's order, dSᵀ first.
+    dv_under_ds: bool = False
 
     tiling = ForwardConfig.tiling
 

@@ -40,7 +40,7 @@ class KernelRow:
     hopper_only: bool = False  # wgmma/TMA: needs an sm_90 GPU
     on_cpu: bool = True  # the factory takes ``target`` (one source for the CPU and the GPU)
     sinks: bool = False  # the factory takes ``has_sinks`` (the forwards)
-    options: tuple = ()  # config fields passed on beyond the tiling, e.g. ("pingpong",)
+    options: tuple = ()  # config fields passed on beyond the tiling, e.g. ("pingpong",), ("dv_under_ds",)
     deterministic: bool = False  # has a deterministic mode (``deterministic=`` and a dQ kernel)
     pass_configs: dict = field(default_factory=dict)  # TileLang pass options it is compiled with
     per_device: object = None  # () -> more factory arguments read from the GPU (num_ctas)
@@ -54,6 +54,9 @@ class KernelRow:
         if getattr(config, "pingpong", False) and "pingpong" not in self.options:
             hopper = tuple(name for name, row in FORWARD.items() if "pingpong" in row.options)
             raise ValueError(f"ForwardConfig(pingpong=True) needs one of chapter 07's Hopper kernels {hopper}")
+        if getattr(config, "dv_under_ds", False) and "dv_under_ds" not in self.options:
+            raise ValueError("BackwardConfig(dv_under_ds=True) needs chapter 08's Hopper backward "
+                             "(kernel='flash_bwd_hopper')")
         if deterministic and not self.deterministic:
             raise ValueError("deterministic=True needs chapter 08's Hopper backward (kernel='flash_bwd_hopper', sm_90 "
                              "GPU); chapter 05's kernel adds dQ with atomics in whatever order blocks finish")
@@ -101,7 +104,7 @@ FORWARD = {row.name: row for row in (
 BACKWARD = {row.name: row for row in (
     KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel"),
     KernelRow("flash_bwd_hopper", flash_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
-              on_cpu=False, deterministic=True, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
+              on_cpu=False, options=("dv_under_ds",), deterministic=True, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
 )}
 
 

@@ -14,7 +14,7 @@ cast by a last, small kernel.
 
 import tilelang.language as T
 
-from .flash_pieces import LOG2E, prelude, query_block_range, visible
+from .flash_pieces import LOG2E, prelude, query_block_range, store_dkv, visible
 from .tiles import TileBackend
 
 __all__ = ["flash_bwd_preprocess_kernel", "flash_bwd_kernel", "flash_bwd_postprocess_kernel"]
@@ -165,16 +165,7 @@ def flash_bwd_kernel(
                 # endregion
 
             # region: store
-            for j, d in tb.parallel(block_N, dim):
-                dk[j, d] *= p.sm_scale
-            if p.group == 1:
-                T.copy(dv, dV[bz, kv_head, bx * block_N:(bx + 1) * block_N, :])
-                T.copy(dk, dK[bz, kv_head, bx * block_N:(bx + 1) * block_N, :])
-            else:
-                for j, d in tb.parallel(block_N, dim):
-                    if bx * block_N + j < seq_k:
-                        T.atomic_add(dV[bz, kv_head, bx * block_N + j, d], dv[j, d])
-                        T.atomic_add(dK[bz, kv_head, bx * block_N + j, d], dk[j, d])
+            store_dkv(tb, p, dk, dv, dK, dV, (bz, kv_head, bx), block_N, dim)  # dK scaled; added atomically with GQA
             # endregion
 
     return flash_bwd

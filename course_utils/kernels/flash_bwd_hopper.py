@@ -37,7 +37,7 @@ from .flash_pieces import (
 )
 from .hopper_pieces import keep_stages_until_read
 
-__all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "needs_mask",
+__all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
            "query_steps", "key_steps", "padded_rows", "consumer_barrier", "PASS_CONFIGS"]
 
 ACCUM = "float32"
@@ -82,24 +82,43 @@ def query_steps(p, kb, block_M, block_N):
 
 
 @T.macro
-def probabilities_t(p, PT, lse, qb, kb, block_M, block_N):
+def probabilities_t(p, PT, lse, qb, kb, block_M, block_N, lse_scale=LOG2E, mask_when=needs_mask):
     """Pᵀ = exp2(Sᵀ · scale · log2e − LSE · log2e) in place; hidden pairs are 0 (selection after QKᵀ).
 
-    The row of ``PT`` is a key, the column a query. Only tiles on a boundary pay for the mask.
+    The row of ``PT`` is a key, the column a query. Only tiles on a boundary pay for the mask
+    (``mask_when``). ``lse_scale``: log2(e), or 1 when the LSE arrives already in base 2.
     """
-    if needs_mask(p, qb, kb, block_M, block_N):
+    if mask_when(p, qb, kb, block_M, block_N):
         for j, i in T.Parallel(block_N, block_M):
             PT[j, i] = T.if_then_else(visible(p, qb * block_M + i, kb * block_N + j, guard_q=True),
-                                      T.exp2(PT[j, i] * p.scale_log2 - lse[i] * LOG2E), 0)
+                                      T.exp2(PT[j, i] * p.scale_log2 - lse[i] * lse_scale), 0)
     else:
         for j, i in T.Parallel(block_N, block_M):
-            PT[j, i] = T.exp2(PT[j, i] * p.scale_log2 - lse[i] * LOG2E)
+            PT[j, i] = T.exp2(PT[j, i] * p.scale_log2 - lse[i] * lse_scale)
+
+
+@T.macro
+def ds_t(dST, PT, dPT, delta, block_M, block_N):
+    """dSᵀ = Pᵀ ∘ (dPᵀ − Δ), in the input dtype (the scale comes later)."""
+    for j, i in T.Parallel(block_N, block_M):
+        dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])
+
+
+@T.macro
+def issue_dq(K_s, dST, dq, swap_dq):
+    """Issue dQ = dS K (or dQᵀ = Kᵀ dSᵀ when ``swap_dq``: block_M rows that 64 does not divide)."""
+    if swap_dq:
+        T.wgmma_gemm(K_s, dST, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+    else:
+        T.wgmma_gemm(dST, K_s, dq, transpose_A=True, clear_accum=True)
 
 
 def flash_bwd_hopper_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, sm_scale=None,
-    dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256, deterministic=False,
+    dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256, deterministic=False, dv_under_ds=False,
+    ds_buffers=2, own_barriers=True, order=None, mask_when=needs_mask, lse_log2=False, ds_from_float32_p=False,
+    issue=None, reduce_dq=None,
 ):
     """Return a ``@T.prim_func`` with chapter 05's contract: dK, dV and the float32 dQ accumulator.
 
@@ -112,14 +131,34 @@ def flash_bwd_hopper_kernel(
 
     ``deterministic=True``: ``(Q, K, V, dO, LSE, Δ, dK, dV)``, no dQ, dK and dV in the input dtype;
     the grid has one block per K/V head and the loop visits every query head of its group.
+
+    ``dv_under_ds=True`` (a ``BackwardConfig`` field, chapter 08's version 14): issue dV as soon as
+    the 16-bit Pᵀ exists and form dSᵀ from that rounded Pᵀ while dV runs; the default is
+    FlashAttention-3's order, dSᵀ first, so that the float32 Pᵀ dies before dV starts.
+
+    The other steps chapter 08's ablation swaps (``kernels/versions``) are arguments too; the defaults
+    are the shipped steps. ``ds_buffers``: shared dSᵀ tiles (1 or 2); ``own_barriers``: the kernel's
+    two barriers per step (compile with ``PASS_CONFIGS``; needs two dSᵀ buffers), False leaves them to
+    TileLang; ``order(n_kb, bx)``: the key block of launch index ``bx``; ``mask_when(p, qb, kb,
+    block_M, block_N)``: which tiles pay for the mask; ``lse_log2``: the LSE arrives already multiplied by
+    log2(e);
+    ``ds_from_float32_p``: with ``dv_under_ds``, dSᵀ from the float32 Pᵀ; ``issue(K_s, Q_s, dST,
+    dST_cast, dq, dk, swap_dq)``: issue dQ and dK and wait for dQ (shipped: dQ first, so its store runs
+    under dK); ``reduce_dq(p, dQ_acc, dq, dq_s, bz, head, qb, block_M, dim, swap_dq)``: add dQ to the accumulator
+    (shipped: one bulk reduce-add from shared memory by the copy engine).
     """
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
+    if own_barriers and ds_buffers != 2 and not deterministic:
+        raise ValueError(f"own_barriers drops the barrier before the dSᵀ store: it needs ds_buffers=2; "
+                         f"got ds_buffers={ds_buffers}")
     swap_dq = block_M % 64 != 0
     stat_rows = padded_rows(block_M)
     group = p.group if deterministic else 1  # query heads visited by one block
     dkv_dtype = dtype if p.group == group else ACCUM
     dq_shape = [dim, block_M] if swap_dq else [block_M, dim]
+    n_kb = p.blocks(seq_k, block_N)
+    lse_scale = 1.0 if lse_log2 else LOG2E
 
     @T.macro
     def main_loop(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, bx, by, bz):
@@ -137,11 +176,14 @@ def flash_bwd_hopper_kernel(
         dk = T.alloc_fragment([block_N, dim], ACCUM)
         stage_in_use = T.alloc_local([1], dtype)
         if not deterministic:
-            dST_s = T.alloc_shared([2, block_N, block_M], dtype)  # two buffers: no barrier before the store
+            dST_s = T.alloc_shared([ds_buffers, block_N, block_M], dtype)  # two: no barrier before the store
             dq = T.alloc_fragment(dq_shape, ACCUM)
             dq_s = T.alloc_shared([block_M, dim], ACCUM)
 
-        kb = bx
+        if order is None:
+            kb = bx
+        else:
+            kb = order(n_kb, bx)
         if deterministic:
             kv_head = by
         else:
@@ -161,6 +203,7 @@ def flash_bwd_hopper_kernel(
             else:
                 qb = offset + step
                 head = by
+            buf = step % ds_buffers  # the other buffer may still feed the other warpgroup
             T.copy(Q[bz, head, qb * block_M:(qb + 1) * block_M, :], Q_s)
             T.copy(dO[bz, head, qb * block_M:(qb + 1) * block_M, :], dO_s)
             T.copy(LSE[bz, head, qb * block_M:(qb + 1) * block_M], lse[0:block_M])
@@ -169,31 +212,42 @@ def flash_bwd_hopper_kernel(
             T.wgmma_gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
             T.wgmma_gemm(V_s, dO_s, dPT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
             T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still be running
-            probabilities_t(p, PT, lse, qb, kb, block_M, block_N)
-            T.wait_wgmma(0)
-            for j, i in T.Parallel(block_N, block_M):
-                dST_cast[j, i] = PT[j, i] * (dPT[j, i] - delta[i])  # dSᵀ (the scale comes later)
-            T.copy(PT, PT_cast)
+            probabilities_t(p, PT, lse, qb, kb, block_M, block_N, lse_scale, mask_when)
+            if dv_under_ds:  # dV += Pᵀ dO issued first; dSᵀ formed while it runs
+                T.copy(PT, PT_cast)
+                T.wait_wgmma(0)
+                T.wgmma_gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                ds_t(dST_cast, PT if ds_from_float32_p else PT_cast, dPT, delta, block_M, block_N)
+            else:
+                T.wait_wgmma(0)
+                ds_t(dST_cast, PT, dPT, delta, block_M, block_N)
+                T.copy(PT, PT_cast)
             if not deterministic:
-                T.copy(dST_cast, dST_s[step % 2, :, :])  # the other buffer may still feed the other warpgroup
-                consumer_barrier(_DS_BARRIER)
-            T.wgmma_gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += Pᵀ dO
-            if not deterministic:
-                if swap_dq:  # dQᵀ = Kᵀ dSᵀ
-                    T.wgmma_gemm(K_s, dST_s[step % 2, :, :], dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
-                                 clear_accum=True)
-                else:  # dQ = dS K
-                    T.wgmma_gemm(dST_s[step % 2, :, :], K_s, dq, transpose_A=True, clear_accum=True)
-            T.wgmma_gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
-            if not deterministic:
-                T.wait_wgmma(1)  # dV and dQ are done; dK may still be running
-                if swap_dq:
-                    for i, d in T.Parallel(block_M, dim):
-                        dq_s[i, d] = dq[d, i]
+                T.copy(dST_cast, dST_s[buf, :, :])
+                if own_barriers:
+                    consumer_barrier(_DS_BARRIER)
+            if not dv_under_ds:
+                T.wgmma_gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += Pᵀ dO
+            if deterministic:
+                T.wgmma_gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
+            else:
+                if issue is None:
+                    issue_dq(K_s, dST_s[buf, :, :], dq, swap_dq)
+                    T.wgmma_gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
+                    T.wait_wgmma(1)  # dV and dQ are done; dK may still be running
                 else:
-                    T.copy(dq, dq_s)
-                consumer_barrier(_DQ_BARRIER)
-                T.atomic_add(dQ_acc[bz, head, qb * block_M:(qb + 1) * block_M, :], dq_s, use_tma=True)
+                    issue(K_s, Q_s, dST_s[buf, :, :], dST_cast, dq, dk, swap_dq)
+                if reduce_dq is None:
+                    if swap_dq:
+                        for i, d in T.Parallel(block_M, dim):
+                            dq_s[i, d] = dq[d, i]
+                    else:
+                        T.copy(dq, dq_s)
+                    if own_barriers:
+                        consumer_barrier(_DQ_BARRIER)
+                    T.atomic_add(dQ_acc[bz, head, qb * block_M:(qb + 1) * block_M, :], dq_s, use_tma=True)
+                else:
+                    reduce_dq(p, dQ_acc, dq, dq_s, bz, head, qb, block_M, dim, swap_dq)
             T.wait_wgmma(0)
             keep_stages_until_read(stage_in_use, Q_s, dO_s)
             # endregion
@@ -211,7 +265,7 @@ def flash_bwd_hopper_kernel(
                     T.atomic_add(dK[bz, kv_head, kb * block_N + j, d], dk[j, d])
         # endregion
 
-    grid = (p.blocks(seq_k, block_N), p.heads_kv if deterministic else heads, batch)
+    grid = (n_kb, p.heads_kv if deterministic else heads, batch)
     q_shape, kv_shape = [batch, heads, seq_q, dim], [batch, p.heads_kv, seq_k, dim]
 
     if deterministic:

@@ -19,7 +19,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .flash_bwd import flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from .flash_pieces import LOG2E, NEG_INF, forward_epilogue, forward_tiles, online_softmax, prelude
+from .flash_pieces import LOG2E, NEG_INF, forward_epilogue, forward_tiles, online_softmax, prelude, store_dkv
 from .tiles import TileBackend, compile_kernel
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # the three states of a (query block, key block) pair of a block mask
@@ -235,16 +235,7 @@ def flex_bwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, mask_bloc
                     if qb * block_M + i < seq_q:
                         T.atomic_add(dQ_acc[bz, by, qb * block_M + i, d], dq[i, d])
 
-            for j, d in tb.parallel(block_N, dim):
-                dk[j, d] *= sm_scale
-            if p.group == 1:
-                T.copy(dv, dV[bz, kv_head, bx * block_N:(bx + 1) * block_N, :])
-                T.copy(dk, dK[bz, kv_head, bx * block_N:(bx + 1) * block_N, :])
-            else:
-                for j, d in tb.parallel(block_N, dim):
-                    if bx * block_N + j < seq_k:
-                        T.atomic_add(dV[bz, kv_head, bx * block_N + j, d], dv[j, d])
-                        T.atomic_add(dK[bz, kv_head, bx * block_N + j, d], dk[j, d])
+            store_dkv(tb, p, dk, dv, dK, dV, (bz, kv_head, bx), block_N, dim)
 
     return flex_bwd
 

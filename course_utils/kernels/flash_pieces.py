@@ -19,8 +19,8 @@ import tilelang.language as T
 
 __all__ = ["LOG2E", "ACCUM", "NEG_INF", "Prelude", "prelude", "with_lengths", "visible", "block_needs_mask",
            "key_block_range", "key_range_of_queries", "query_block_range", "mask_scores", "init_running_max",
-           "forward_tiles", "online_softmax", "normalise_rows", "natural_lse", "forward_epilogue", "zero_rows_past_end",
-           "consumer_barrier"]
+           "forward_tiles", "online_softmax", "normalise_rows", "natural_lse", "forward_epilogue", "store_dkv",
+           "zero_rows_past_end", "consumer_barrier"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
 ACCUM = "float32"
@@ -287,6 +287,27 @@ def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by,
         if qb * block_M + i < p.seq_q:
             LSE[bz, by, qb * block_M + i] = natural_lse(l[i], shift[i])
     # endregion
+
+
+@T.macro
+def store_dkv(tb, p, dk, dv, dK, dV, block, block_N, dim):
+    """Scale dK and store the rows of dK and dV of ``block`` = (batch, K/V head, key block).
+
+    Chapter 05's backward and the flex one. Without GQA one block owns these rows: a plain copy.
+    With GQA the query heads of a group add into one K/V head: float32 accumulators, zero on entry,
+    and only the rows before the keys' end. (``block`` is one tuple: a macro renames a loop variable
+    passed as an argument of its own, and the CPU's C names its loops after them.)
+    """
+    for j, d in tb.parallel(block_N, dim):
+        dk[j, d] *= p.sm_scale
+    if p.group == 1:
+        T.copy(dv, dV[block[0], block[1], block[2] * block_N:(block[2] + 1) * block_N, :])
+        T.copy(dk, dK[block[0], block[1], block[2] * block_N:(block[2] + 1) * block_N, :])
+    else:
+        for j, d in tb.parallel(block_N, dim):
+            if block[2] * block_N + j < p.seq_k:
+                T.atomic_add(dV[block[0], block[1], block[2] * block_N + j, d], dv[j, d])
+                T.atomic_add(dK[block[0], block[1], block[2] * block_N + j, d], dk[j, d])
 
 
 @T.macro

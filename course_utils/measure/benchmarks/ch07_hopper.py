@@ -11,7 +11,7 @@ from ...core.labels import OURS
 from ...kernels.versions.flash_fwd_hopper_versions import versions_for
 from ..bench import attention_flops, tflops, time_side_by_side
 from .ch03_forward import forward_config_sweep
-from .common import SDPA_PEERS, comparison_shapes, in_parallel, random_inputs, sdpa
+from .common import SDPA_PEERS, AblationCase, ablation, comparison_shapes, in_parallel, random_inputs, sdpa
 
 __all__ = ["forward_ablation", "hopper_tiling_sweep", "ROTATED_LOOP_CONFIGS", "ROTATED", "persistent_vs_rotated"]
 
@@ -26,36 +26,26 @@ ROTATED_LOOP_CONFIGS = {
 ROTATED = "rotated loop (one block per tile)"
 
 
-def forward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(False, True)):
-    """TFLOP/s of every version of the ablation, each checked on every head, timed side by side with
-    FlashAttention-2 and cuDNN."""
-    rows = []
-    for dim in dims:
-        shape = comparison_shapes(seq_lens=(4096,), dim=dim)[0]
-        b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
-        q, k, v = random_inputs(shape, getattr(torch, dtype_name))
-        no_sinks = torch.full((h,), float("-inf"), device="cuda")
-        for causal in causal_options:
-            versions = versions_for(causal, dim)
-            kernels = in_parallel(lambda ver: ver.build(b, h, s, d, causal=causal, dtype=dtype_name), versions)
-            refs = references(q, k, v, causal=causal)
-            impls, errors = {}, {}
-            for version, kernel in zip(versions, kernels):
-                impls[version.label] = lambda kernel=kernel: kernel(q, k, v, no_sinks)
-                out, lse = impls[version.label]()
-                errors[version.label] = check_forward(q, k, v, out, lse, causal=causal, refs=refs, quiet=True,
-                                                      name=f"version {version.number}")
-            del refs
-            for name, backend in SDPA_PEERS.items():
-                impls[name] = lambda backend=backend: sdpa(q, k, v, causal, backend)
-            flops = attention_flops(b, h, s, s, d, causal=causal)
-            numbers = {v.label: v.number for v in versions}
-            kept = {v.label: v.kept for v in versions}
-            for impl, ms in time_side_by_side(impls).items():
-                rows.append(dict(impl=impl, causal=causal, dtype=dtype_name, ms=ms, tflops=tflops(flops, ms),
-                                 errors=errors.get(impl), version=numbers.get(impl), kept=kept.get(impl), **shape))
-                print(f"D={d} causal={causal!s:5} {impl:55} {rows[-1]['tflops']:6.0f} TFLOP/s")
-    return rows
+def forward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(False, True), seq=4096, versions=None):
+    """TFLOP/s of every version of the ablation (or of ``versions``), each checked on every head, timed
+    side by side with FlashAttention-2 and cuDNN (``common.ablation``)."""
+    dtype = getattr(torch, dtype_name)
+
+    def prepare(shape, causal):
+        q, k, v = random_inputs(shape, dtype)
+        no_sinks = torch.full((shape["heads"],), float("-inf"), device="cuda")
+        refs = references(q, k, v, causal=causal)
+
+        def check(kernel, name):
+            out, lse = kernel(q, k, v, no_sinks)
+            return check_forward(q, k, v, out, lse, causal=causal, refs=refs, quiet=True, name=name)
+
+        peers = {name: (lambda backend=backend: sdpa(q, k, v, causal, backend)) for name, backend in SDPA_PEERS.items()}
+        return AblationCase(check, lambda kernel: (lambda: kernel(q, k, v, no_sinks)), peers)
+
+    return ablation(itertools.product(dims, causal_options),
+                    versions_for if versions is None else (lambda causal, dim: versions), prepare,
+                    mode="fwd", dtype_name=dtype_name, seq=seq)
 
 
 def hopper_tiling_sweep():

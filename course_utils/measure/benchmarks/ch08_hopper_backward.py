@@ -12,62 +12,43 @@ from ...api.attention import backward_kernels, flash_attention, forward_kernel
 from ...checking.validation import check_backward, references
 from ...kernels.versions.flash_bwd_hopper_versions import SHIPPED_VERSION, versions_for
 from ..bench import attention_flops, tflops, time_side_by_side
-from .common import SDPA_PEERS, backward_timer, comparison_shapes, in_parallel, random_inputs, sdpa
+from .common import (
+    SDPA_PEERS,
+    AblationCase,
+    ablation,
+    backward_timer,
+    comparison_shapes,
+    in_parallel,
+    random_inputs,
+    sdpa,
+)
 
 __all__ = ["backward_ablation", "deterministic_cost", "FEATURE_CASES", "feature_checks"]
 
 
 def backward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(False, True), seq=4096, versions=None):
     """TFLOP/s of every version's whole backward (preprocess, main, postprocess), each checked on every
-    head against the float64 reference, timed side by side with FlashAttention-2 and cuDNN."""
-    rows = []
-    cases = list(itertools.product(dims, causal_options))
-    jobs = [(dim, causal, v) for dim, causal in cases for v in (versions or versions_for(causal, dim))]
+    head against the float64 reference, timed side by side with FlashAttention-2 and cuDNN
+    (``common.ablation``)."""
+    dtype = getattr(torch, dtype_name)
 
-    def build(job):
-        dim, causal, version = job
-        shape = comparison_shapes(seq_lens=(seq,), dim=dim)[0]
-        try:
-            return version.build(shape["batch"], shape["heads"], seq, dim, causal=causal, dtype=dtype_name)
-        except Exception as exc:  # a variant can run out of registers or shared memory
-            return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:160]}"
-
-    built = dict(zip([(d, c, v.number) for d, c, v in jobs], in_parallel(build, jobs)))
-    for dim, causal in cases:
-        shape = comparison_shapes(seq_lens=(seq,), dim=dim)[0]
-        b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
-        q, k, v = random_inputs(shape, getattr(torch, dtype_name))
+    def prepare(shape, causal):
+        q, k, v = random_inputs(shape, dtype)
         out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
         d_out = torch.randn_like(out)
         refs = references(q, k, v, d_out=d_out, causal=causal)
-        impls, errors, numbers = {}, {}, {}
-        for version in versions or versions_for(causal, dim):
-            backward = built[dim, causal, version.number]
-            label = version.label
-            numbers[label] = version.number
-            if isinstance(backward, str):
-                rows.append(dict(impl=label, version=version.number, causal=causal, dtype=dtype_name, error=backward,
-                                 **shape))
-                print(f"D={d} causal={causal!s:5} {label:60} failed: {backward}")
-                continue
-            try:
-                grads = backward(q, k, v, out, lse, d_out)
-                errors[label] = check_backward(q, k, v, d_out, grads, causal=causal, refs=refs, quiet=True,
-                                               name=f"version {version.number}")
-            except Exception as exc:  # a wrong variant is a row of the record, not the end of the run
-                rows.append(dict(impl=label, version=version.number, causal=causal, dtype=dtype_name, **shape,
-                                 error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"))
-                print(f"D={d} causal={causal!s:5} {label:60} wrong: {rows[-1]['error']}")
-                continue
-            impls[label] = lambda backward=backward: backward(q, k, v, out, lse, d_out)
-        for name, backend in SDPA_PEERS.items():
-            impls[name] = backward_timer(lambda q_, k_, v_, b_=backend: sdpa(q_, k_, v_, causal, b_), q, k, v)[0]
-        flops = attention_flops(b, h, s, s, d, causal=causal, mode="bwd")
-        for impl, ms in time_side_by_side(impls).items():
-            rows.append(dict(impl=impl, causal=causal, dtype=dtype_name, ms=ms, tflops=tflops(flops, ms),
-                             errors=errors.get(impl), version=numbers.get(impl), error=None, **shape))
-            print(f"D={d} causal={causal!s:5} {impl:60} {rows[-1]['tflops']:6.0f} TFLOP/s")
-    return rows
+
+        def check(backward, name):
+            grads = backward(q, k, v, out, lse, d_out)
+            return check_backward(q, k, v, d_out, grads, causal=causal, refs=refs, quiet=True, name=name)
+
+        peers = {name: backward_timer(lambda q_, k_, v_, b_=backend: sdpa(q_, k_, v_, causal, b_), q, k, v)[0]
+                 for name, backend in SDPA_PEERS.items()}
+        return AblationCase(check, lambda backward: (lambda: backward(q, k, v, out, lse, d_out)), peers)
+
+    return ablation(itertools.product(dims, causal_options),
+                    versions_for if versions is None else (lambda causal, dim: versions), prepare,
+                    mode="bwd", dtype_name=dtype_name, seq=seq)
 
 
 def deterministic_cost(dims=(128, 64), causal_options=(False, True), seq=4096, dtype_name="float16", repeats=3):

@@ -1,17 +1,19 @@
 """What every benchmark shares: the usual shapes, random inputs, the SDPA peers, compiling ahead of
-timing, and a runner for tiling sweeps."""
+timing, a runner for tiling sweeps and one for the ablations (chapter 07's forward, chapter 08's backward)."""
 
 import itertools
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...core.labels import CUDNN, FA2
+from ..bench import attention_flops, tflops, time_side_by_side
 
 __all__ = ["SDPA_PEERS", "sdpa", "comparison_shapes", "random_inputs", "empty_query", "in_parallel", "sweep",
-           "backward_timer"]
+           "backward_timer", "AblationCase", "ablation"]
 
 SDPA_PEERS = {FA2: SDPBackend.FLASH_ATTENTION, CUDNN: SDPBackend.CUDNN_ATTENTION}
 
@@ -81,3 +83,69 @@ def backward_timer(attn, q, k, v, seed=1):
     d_out = torch.randn(out.shape, device=out.device, dtype=out.dtype,
                         generator=torch.Generator(device=out.device).manual_seed(seed))
     return (lambda: torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)), (q, k, v, d_out)
+
+
+class AblationCase(NamedTuple):
+    """One (shape, mask) of an ablation, as one direction runs it: ``check(kernel, name)`` runs a built
+    version once and returns its errors against the reference; ``run(kernel)`` is what is timed;
+    ``peers`` the SDPA backends' timed functions on the same inputs."""
+
+    check: object
+    run: object
+    peers: dict
+
+
+def _failure(exc, line=-1):
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[line][:160]}"
+
+
+def ablation(cases, versions_for, prepare, *, mode, dtype_name="float16", seq=4096):
+    """Every version of an ablation at every (head dim, causal) of ``cases``: checked on every head, then
+    timed side by side with FlashAttention-2 and cuDNN. One runner for both directions.
+
+    ``versions_for(causal, dim)``: the versions (``kernels.versions.Version``) timed in a case; every one
+    is compiled first, in parallel. ``prepare(shape, causal)`` -> ``AblationCase``: the direction's inputs,
+    check and peers. ``mode``: "fwd" or "bwd" (the FLOP count). A version that fails to build or
+    to check is a row with its ``error``, not the end of the run.
+    """
+    rows = []
+    cases = list(cases)
+    jobs = [(dim, causal, v) for dim, causal in cases for v in versions_for(causal, dim)]
+
+    def build(job):
+        dim, causal, version = job
+        shape = comparison_shapes(seq_lens=(seq,), dim=dim)[0]
+        try:
+            return version.build(shape["batch"], shape["heads"], seq, dim, causal=causal, dtype=dtype_name), None
+        except Exception as exc:  # a variant can run out of registers or shared memory
+            return None, _failure(exc)
+
+    built = dict(zip([(d, c, v.number) for d, c, v in jobs], in_parallel(build, jobs)))
+    for dim, causal in cases:
+        shape = comparison_shapes(seq_lens=(seq,), dim=dim)[0]
+        b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
+        case = prepare(shape, causal)
+        impls, errors, versions = {}, {}, {}
+        for version in versions_for(causal, dim):
+            (kernel, error), label = built[dim, causal, version.number], version.label
+            if error is None:
+                try:
+                    errors[label] = case.check(kernel, f"version {version.number}")
+                except Exception as exc:  # a wrong variant is a row of the record
+                    error = _failure(exc, 0)
+            if error is not None:
+                rows.append(dict(impl=label, version=version.number, kept=version.kept, causal=causal,
+                                 dtype=dtype_name, error=error, **shape))
+                print(f"D={d} causal={causal!s:5} {label:60} failed: {error}")
+                continue
+            impls[label], versions[label] = case.run(kernel), version
+        impls.update(case.peers)
+        del case  # the references are not needed while timing
+        flops = attention_flops(b, h, s, s, d, causal=causal, mode=mode)
+        for impl, ms in time_side_by_side(impls).items():
+            version = versions.get(impl)
+            rows.append(dict(impl=impl, causal=causal, dtype=dtype_name, ms=ms, tflops=tflops(flops, ms),
+                             errors=errors.get(impl), version=version and version.number,
+                             kept=version and version.kept, error=None, **shape))
+            print(f"D={d} causal={causal!s:5} {impl:60} {rows[-1]['tflops']:6.0f} TFLOP/s")
+    return rows
