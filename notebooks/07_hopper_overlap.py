@@ -380,9 +380,9 @@ print("(" + plots.record_caption(versus) + ")")
 #   tiles the count is even. Since this record, the default with a causal mask uses three
 #   warpgroups only from `THREE_WARPGROUPS_MIN_SEQ_MASKED` queries on (two below): a sweep on the
 #   H100 on 2026-11-24 (`notes/hopper_backward.md`, issue 26) measured the D = 64 causal S = 2k
-#   forward there at about cuDNN's speed instead of three quarters of it. This record and the
-#   40-case comparison below predate that change and were not re-measured yet. Pairing the middle
-#   tiles with each other is the other fix, not yet measured.
+#   forward there at about cuDNN's speed instead of three quarters of it. This record predates that
+#   change; section 6's 40-case comparison was re-measured with it. Pairing the middle tiles with
+#   each other is the other fix, not yet measured.
 
 # %% [markdown]
 # ## 5 · What each technique is worth (H100)
@@ -408,7 +408,9 @@ print("(" + plots.record_caption(versus) + ")")
 #    thread's partial sums and reduces them across the row's 4 threads in its epilogue); at D = 64
 #    **three consumer warpgroups**, with and without ping-pong; and **exponentials on the FMA
 #    units**: every 4th group of 8 score columns takes `exp2_on_fma`, a cubic for 2^frac and the
-#    exponent written into the float's bits (FlashAttention-4's way to relieve the SFU).
+#    exponent written into the float's bits (FlashAttention-4's way to relieve the SFU); and the same
+#    idea done FlashAttention-4's cheaper way, a **polynomial exp2 on one column group in eight**
+#    (`exp2_poly_share`: rounding by an add instead of a conversion, degree 4), at D = 64 and 128.
 
 # %%
 ablation = cu.measured("ch07_forward_ablation_h100", RECORDS["ch07_forward_ablation_h100"])
@@ -469,6 +471,8 @@ cu.claim_ratio("ping-pong with three warpgroups ÷ without (persistent, D=64)",
                {c: tflops[THREE_PINGPONG, 64, c] / tflops[by_number[15], 64, c] for c in (False, True)}, says="above 1")
 cu.claim_count("row sums reduced once slower", {c: r < 1 for c, r in change(ROW_SUMS_ONCE).items()}, says="most")
 cu.claim_ratio("exp2 on the FMA units ÷ without", change(EXP2_ON_FMA), says="below 1")
+cu.claim_ratio("polynomial exp2 on 2 of 16 groups ÷ without", {**change(by_number[19]), **change(by_number[20])},
+               says="below 1")
 for number in (8, 9):  # skipped rescales; light query blocks first (the reversed launch order)
     cu.claim_ratio(f"{by_number[number].strip()} ÷ the rotated loop", change(by_number[number]), says="below 1")
 ahead_64 = sorted(x.strip() for x in labels for c in (False, True)
@@ -514,7 +518,14 @@ plots.save(fig, "ch07_ablation");
 #   **Exponentials on the FMA units** cost far more than they save: the cubic, the exponent bits and
 #   the selects that keep -inf and NaN exact take over a dozen instructions per exponential on FP32
 #   units that the softmax already keeps busy; FlashAttention-4 does this on Blackwell, whose tensor
-#   cores are twice as fast relative to its SFUs.
+#   cores are twice as fast relative to its SFUs. Versions 17 and 18 pay twice: in the SASS, `floor`
+#   and the integer cast become FRND and F2I, which run at the SFU's own rate. The **polynomial on one
+#   group in eight** (versions 19 and 20) avoids both conversions and still loses: each exponential
+#   moved off the SFU costs about a dozen FP32 instructions, and the softmax is short of issue slots
+#   almost as much as of SFU time. How much a free exponential would be worth at all was measured
+#   apart, with a deliberately wrong two-instruction stand-in timed but never checked
+#   (`notes/hopper_forward.md`): a modest gain at D = 64 and none at D = 128, so the exponential is
+#   not what keeps D = 64 behind cuDNN at short sequences.
 # - **Skipped rescales** (FlashAttention-4) and the **reversed launch order** lose in every case
 #   measured.
 #
@@ -562,21 +573,8 @@ final = cu.measured("ch07_forward_vs_peers_h100", RECORDS["ch07_forward_vs_peers
 rows = final["results"]
 ours_rows = [r for r in rows if r["impl"] == OURS]
 check_stored_errors(rows, "ch07 final record")
-def default_when_measured(r):
-    """The rule this record ran under: one three-warpgroup threshold, with or without a mask (the
-    masked threshold, THREE_WARPGROUPS_MIN_SEQ_MASKED, came after it; see section 4b)."""
-    seq = r["seq"]
-    if r["causal"] and THREE_WARPGROUPS_MIN_SEQ <= seq < THREE_WARPGROUPS_MIN_SEQ_MASKED:
-        seq = THREE_WARPGROUPS_MIN_SEQ_MASKED
-    return hopper_forward_config(r["dim"], r["causal"], seq_len=seq)._asdict()
-
-
-cu.check_true(all(r["config"] == default_when_measured(r) for r in ours_rows),
-              "all of ours ran the course's default Hopper configuration of the day it was measured")
-changed = [r for r in ours_rows if r["config"] != hopper_forward_config(r["dim"], r["causal"], seq_len=r["seq"])._asdict()]
-print(f"{len(changed)} of {len(ours_rows)} rows ran a tiling that is no longer the default (" +
-      ", ".join(sorted({f"D={r['dim']} causal S={plots.seq_label(r['seq'])} {r['dtype']}" for r in changed})) +
-      "): the two-warpgroup default there is measured in notes/hopper_backward.md, not in this record")
+cu.check_true(all(r["config"] == hopper_forward_config(r["dim"], r["causal"], seq_len=r["seq"])._asdict()
+                  for r in ours_rows), "all of ours ran the course's default Hopper configuration")
 fig = plots.forward_comparison_panels(final)
 plots.save(fig, "ch07_forward_vs_peers");
 
@@ -610,11 +608,13 @@ print("below 1.0× cuDNN: " + ", ".join(f"{case} {r:.2f}" for case, r in sorted(
 # least level in most cases and in every case at D = 128 with the causal mask (the counts above);
 # the printed lines give the D = 128, S = 4k target and every case still behind, with its ratio:
 #
-# - D = 64, causal, S = 2k (and, barely, S = 8k): the odd number of 192-row tiles per head that
-#   breaks the folded pairs (section 4b);
-# - D = 64, S = 1k: two warpgroups on 128-row tiles; each tile has only eight key blocks, and at
-#   D = 64 every one of them is as much exponential work as matmul work;
-# - D = 128 without a mask at S = 16k (and at S = 1k in bf16), within a few percent: the wider key
+# - D = 64, S = 1k, and D = 64 causal at S = 2k: two warpgroups on 128-row tiles (below the
+#   three-warpgroup thresholds); each tile has only a few key blocks, and at D = 64 every one of them
+#   is as much exponential work as matmul work (section 5: even a free exponential would not close
+#   the gap there);
+# - D = 64, causal, S = 8k in bf16, within a few percent: the odd number of 192-row tiles per head
+#   that breaks the folded pairs (section 4b);
+# - D = 128 without a mask at S = 16k (and at S = 1k), within a few percent: the wider key
 #   blocks FlashAttention-3 uses there need the shared memory of O's staging tile.
 #
 # ## 7 · Where the rest of the time goes

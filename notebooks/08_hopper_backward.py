@@ -424,7 +424,18 @@ for dtype in dtypes:
 # - **No persistent scheduling**: every block starts cold, loads K and V, and ends with its dK/dV
 #   epilogue; with the causal mask, blocks of very different lengths share the machine.
 # - The best variations of the ablation per case would close part of the gap (at most a few
-#   percent each in this record), not all of it.
+#   percent each in this record), not all of it. Version 14 (dV issued under dSᵀ, dSᵀ from the
+#   16-bit P) is the fastest row at D = 128 without a mask in this ablation and in the one before it,
+#   and its gradients pass the check; it is not the default because timed the other way (below) its
+#   gain was within the spread between runs. It is one field away: `BackwardConfig(...,
+#   dv_under_ds=True)`.
+# - **How the calls are timed moves this comparison.** The records time calls issued back to back,
+#   with the L2 cache warm from the call before. Timed in one fresh process both ways on 2026-11-26
+#   (`notes/h100_2026-11-26/diag.log`, fp16, S = 4k), triton's `do_bench`, which flushes the L2
+#   cache before every call, puts ours much closer to cuDNN at D = 128 and ahead of it at D = 64
+#   without a mask: cuDNN's backward gains from the warm cache and back-to-back issue, ours does not.
+#   Why is not known. A training step runs other layers between two attention backwards, so neither
+#   method is the whole truth; the gap in this record is the larger of the two.
 #
 # ## 8 · A deterministic backward
 #

@@ -303,12 +303,14 @@ if rec_v is not None:
                     for p in (r["impl"] for r in rows_v if r["impl"].endswith("padded") and r["mode"] == mode
                               and r["causal"]))
             print(line)
-    for packed in (LIST, GRID):
+    for packed in (GRID, LIST):
         cu.claim_ratio(f"packed ({packed.split('(')[-1][:-1]}) ÷ dense TFLOP/s, forward and backward",
                        {(m, c): tf_of(packed, m, c) / tf_of(DENSE, m, c) for m in modes_v for c in (True, False)},
-                       target=0.9, says="met")
-    cu.claim_ratio("list ÷ grid time", {(m, c): ms_of(LIST, m, c) / ms_of(GRID, m, c) for m in modes_v
-                                        for c in (True, False)}, says="near 1")
+                       target=0.9, says="partly met")
+    cu.claim_ratio("list ÷ grid time, backward", {c: ms_of(LIST, "bwd", c) / ms_of(GRID, "bwd", c)
+                                                  for c in (True, False)}, says="near 1")
+    cu.claim_ratio("list ÷ grid time, forward", {c: ms_of(LIST, "fwd", c) / ms_of(GRID, "fwd", c)
+                                                 for c in (True, False)}, says="above 1")
     cu.claim_ratio("padded SDPA time ÷ our faster schedule's (causal)",
                    {(p, m): ms_of(p, m, True) / min(ms_of(LIST, m, True), ms_of(GRID, m, True))
                     for m in modes_v for p in (f"{FA2}, padded", f"{CUDNN}, padded")}, says="above 1")
@@ -334,6 +336,14 @@ if rec_v is not None:
     plots.save(fig, "ch09_varlen");
 
 # %% [markdown]
+# Reading the record (the claims above check each judgement): with the default schedule, `"grid"`,
+# the packed batch meets the 0.9× target in the backward, causal or not, and in the forward without
+# a mask; the causal forward stays just below it (printed above). That is the target the issue set,
+# missed in one of four cases. The `"list"` schedule is slower in the forward although the
+# persistent forward ignores the schedule: the list is made on the host from `cu_seqlens`, a read
+# back to the host (and a wait for the GPU) in every call, which the grid never does. Against the
+# padded batch, SDPA pays for the padding's FLOPs and is far behind either schedule.
+#
 # ## 6 · Decoding is a memory read
 #
 # One decoding step brings one new query token per sequence (S_new = 1; a few with speculative
