@@ -308,7 +308,7 @@ def change(number, dims=(128, 64)):
     return out
 
 
-cu.claim_ratio("async wgmma in FlashAttention-3's order ÷ chapter 05's kernel", change(2), says="near 1")
+cu.claim_ratio("async wgmma in FlashAttention-3's order ÷ chapter 05's kernel", change(2), says="mixed")
 cu.claim_ratio("two stages ÷ one, D=128", change(4, (128,)), says="above 1")
 step_gains = {case: {n: change(n)[case] for n in range(2, 10)} for case in change(5)}
 cu.claim_count("the bulk reduce-add for dQ is the largest step, D=128",
@@ -317,7 +317,8 @@ cu.claim_change("D=128 without a mask: the largest step's gain, the bulk reduce-
                 step_gains["D=128"][5], names=("largest", "reduce-add"), says="about the same")
 cu.claim_ratio("the bulk reduce-add for dQ ÷ the row above, D=64", change(5, (64,)), says="below 1")
 cu.claim_ratio("dQ issued before dK ÷ the row above", change(6), says="above 1")
-cu.claim_ratio("dSᵀ formed before dV is issued ÷ the row above", change(7), says="below 1")
+cu.claim_ratio("dSᵀ formed before dV is issued ÷ the row above, D=128", change(7, (128,)), says="below 1")
+cu.claim_ratio("dSᵀ formed before dV is issued ÷ the row above, D=64", change(7, (64,)), says="near 1")
 cu.claim_count("our own two barriers win back the previous row's loss",
                {c: change(7)[c] * change(8)[c] >= 1 for c in change(8)}, says="some")
 cu.claim_ratio("TileLang's four barriers ÷ the shipped kernel", change(10), says="below 1")
@@ -352,17 +353,18 @@ plots.save(fig, "ch08_ablation");
 # Reading the record (the table above; the path to the shipped kernel is the blue bars; every
 # judgement below is one of the checked claims above):
 #
-# - **Asynchronous matmuls alone change little**, up or down. With one stage and dQ added by
-#   per-element atomics from the compute threads, the matmuls were not what the step waited for.
+# - **Asynchronous matmuls alone** go either way: a gain at D = 128 without the mask, small losses
+#   with it. With one stage and dQ added by per-element atomics from the compute threads, the
+#   matmuls were not what the step waited for.
 # - **Two stages** pay at D = 128: the next Q and dO arrive while this step computes.
 # - **The copy engine's reduce-add for dQ** is the largest single step at D = 128 with the mask and
 #   close to the largest without it: dQ's many writers were the bottleneck. At D = 64 it does not
 #   pay on its own: the dQ tiles are half as large, and the atomics were cheap.
 # - **Issuing dQ before dK**, so that dQ's trip through shared memory runs under dK, gains a little
 #   everywhere.
-# - **FlashAttention-3's order** (dSᵀ formed before dV is issued) *costs* at 64 × 128 tiles: the
-#   overlap of dSᵀ with dV was worth more than the registers it frees. It is there to make the
-#   larger tiles fit (section 5).
+# - **FlashAttention-3's order** (dSᵀ formed before dV is issued) *costs* at D = 128 and is level
+#   at D = 64, on 64 × 128 tiles: the overlap of dSᵀ with dV was worth more than the registers it
+#   frees. It is there to make the larger tiles fit (section 5).
 # - **Our own two barriers** instead of TileLang's four win back only part of what the previous
 #   row lost, all of it in few cases (the count above); the variation "(TileLang's four
 #   barriers)" shows that they pay at the final tiles.
