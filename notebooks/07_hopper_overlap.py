@@ -45,7 +45,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from course_utils.pictures import plots, schedules
-from course_utils.api.attention import (FORWARD_KERNELS, THREE_WARPGROUPS_MIN_SEQ, THREE_WARPGROUPS_MIN_SEQ_MASKED,
+from course_utils.api.attention import (FORWARD_KERNELS,
                                        hopper_forward_config, is_hopper)
 from course_utils.measure.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
 from course_utils.measure.benchmarks import RECORDS
