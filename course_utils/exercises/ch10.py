@@ -181,15 +181,22 @@ def _merge_models(out, lse, out_b, lse_b):
     ]
 
 
-def _call(name, fn, *args):
+@contextlib.contextmanager
+def _learner_code(name, where=""):
+    """What the learner's merge raises, as the checker's verdict: a placeholder, or an error ``where`` it ran."""
     try:
-        got = fn(*(a.clone() for a in args))
+        yield
     except NotImplementedError as exc:
         raise not_written(name, exc) from None
     except ExerciseFailed:
         raise
     except Exception as exc:
-        raise ExerciseWrong(f"✗ {name}: your function raised {type(exc).__name__}: {exc}") from None
+        raise ExerciseWrong(f"✗ {name}{where}: your function raised {type(exc).__name__}: {exc}") from None
+
+
+def _call(name, fn, *args):
+    with _learner_code(name):
+        got = fn(*(a.clone() for a in args))
     if not (isinstance(got, tuple | list) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
         raise ExerciseWrong(f"✗ {name}: return the pair (O, LSE) of tensors; got {type(got).__name__}")
     out, lse = got
@@ -286,17 +293,10 @@ def check_merge_partial(merge_partial):
     # Non-causal and contiguous: one kernel shape for every step (the rows above cover the masked cases).
     shards = [[ring.shard_sequence(x, world, r, "contiguous").contiguous() for x in (q, k, v)] for r in range(world)]
     calls, per_rank = [], []
-    try:
-        with _merging_with(ring, merge_partial, calls):
-            for rank in range(world):
-                comm = _LapComm(rank, world, [kv for _, *kv in shards])
-                per_rank.append(ring.ring_forward(*shards[rank], comm, causal=False, layout="contiguous"))
-    except NotImplementedError as exc:
-        raise not_written(name, exc) from None
-    except ExerciseFailed:
-        raise
-    except Exception as exc:
-        raise ExerciseWrong(f"✗ {name} in the ring: your function raised {type(exc).__name__}: {exc}") from None
+    with _learner_code(name, " in the ring"), _merging_with(ring, merge_partial, calls):
+        for rank in range(world):
+            comm = _LapComm(rank, world, [kv for _, *kv in shards])
+            per_rank.append(ring.ring_forward(*shards[rank], comm, causal=False, layout="contiguous"))
     if not calls:
         raise RuntimeError("ring_forward never called the merge: update ch10.check_merge_partial")
     ring_out = ring.unshard_sequence([o for o, _ in per_rank], "contiguous")
