@@ -20,13 +20,16 @@ HINTS = {
           "a in chunks(rank), b in chunks(source)."],
     "b": ["Only K and V travel in the forward, with H_kv heads. The backward also sends the running dK "
           "and dV sums, which stay in float32 (4 bytes) on the way.",
-          "shard = batch · heads_kv · seq_local · dim elements; forward 2 · shard · bytes_per_element, "
-          "backward 2 · shard · (bytes_per_element + 4)."],
+          "Count the elements of one shard from its shape (batch, seq_local, heads_kv, dim), multiply by "
+          "bytes_per_element (or by 4 for a float32 sum), and add up the shards that leave a rank in one step "
+          "of each pass; return the two totals as a pair."],
     "c": ["The new LSE is log(e^{LSE} + e^{LSE_b}); each part keeps the share e^{LSE_part − LSE_new} of "
           "the new denominator. Compute it without overflowing (subtract the larger LSE) and without "
           "NaN when both parts saw no key (LSE = −∞ on both sides: the result is O = 0, LSE = −∞).",
-          "torch.logaddexp(lse, lse_b) gives the new LSE safely; torch.where(new == float('-inf'), 0, new) "
-          "as the shift; torch.exp(lse − shift)[..., None] * out + the same for the partial."],
+          "Three calls do the work: torch.logaddexp (log(e^a + e^b) without overflow, and −∞ when both are −∞), "
+          "torch.where (to swap a −∞ you are about to subtract for something harmless) and broadcasting "
+          "a (…, S) weight over a (…, S, D) output with [..., None]. Try your merge by hand on one row where "
+          "both LSEs are −∞ before running the checker."],
 }
 
 _KINDS = ("full", "diagonal", "empty")
