@@ -285,9 +285,10 @@ print(f"{'TFLOP/s, fp16, S=4k':58}" + "".join(f"{f'D={d}' + (' causal' if c else
 for impl in labels + [FA2, CUDNN]:
     print(f"{impl[:58]:58}" + "".join(f"{tf[impl, d, c]:13.0f}" if (impl, d, c) in tf else f"{'–':>13}" for d, c in cases))
 # Versions marked shipped_code run the shipped kernel; flash_attention uses the tiling that won here.
-shipped = {(d, c): shipped_version(d, c, HOPPER_BACKWARD_CONFIGS[d, c][:2]).label for d, c in cases}
-print(f"{'shipped (the tiling flash_attention uses) ÷ cuDNN':58}"
-      + "".join(f"{tf[shipped[d, c], d, c] / tf[CUDNN, d, c]:13.2f}" for d, c in cases))
+shipped = {(d, c): shipped_version(d, c, HOPPER_BACKWARD_CONFIGS[d, c]).label for d, c in cases}
+print(f"{'shipped (what flash_attention runs) ÷ cuDNN':58}"
+      + "".join(f"{tf[shipped[d, c], d, c] / tf[CUDNN, d, c]:13.2f}" if (shipped[d, c], d, c) in tf
+                else f"{'not measured':>13}" for d, c in cases))
 print(f"{'chapter 05 ÷ cuDNN':58}" + "".join(f"{tf[labels[0], d, c] / tf[CUDNN, d, c]:13.2f}" for d, c in cases))
 
 # %%
@@ -430,13 +431,19 @@ for dtype in dtypes:
 #   16-bit P) is the fastest row at D = 128 without a mask in this ablation and in the one before it,
 #   and its gradients pass the check; it is not the default because timed the other way (below) its
 #   gain was within the spread between runs. It is one field away: `BackwardConfig(...,
-#   dv_under_ds=True)`.
+#   dv_under_ds=True)`. At D = 64 with the causal mask it *is* the default, together with version 17
+#   (dQ split between the warpgroups by query rows, as FlashAttention-3 splits it at D = 64, instead of
+#   TileLang's side-by-side split): version 18, 3-13% faster than version 9 there over S = 1k-16k in
+#   both timing methods (issue 26, `notes/bwd3.md`).
 # - **How the calls are timed moves this comparison.** The records time calls issued back to back,
 #   with the L2 cache warm from the call before. Timed in one fresh process both ways on 2026-11-26
 #   (`notes/h100_2026-11-26/diag.log`, fp16, S = 4k), triton's `do_bench`, which flushes the L2
 #   cache before every call, puts ours much closer to cuDNN at D = 128 and ahead of it at D = 64
 #   without a mask: cuDNN's backward gains from the warm cache and back-to-back issue, ours does not.
-#   Why is not known. A training step runs other layers between two attention backwards, so neither
+#   A profile of both methods (issue 26, `notes/bwd3.md`) puts all of it in the main kernels' device
+#   time, not in launches, gaps or the small kernels; alternating the methods over four rounds leaves a
+#   small cuDNN-only part at D = 128 (3-6%) inside a block-to-block spread of 5-15% for both kernels.
+#   Why cuDNN's kernel has that part is not known. A training step runs other layers between two attention backwards, so neither
 #   method is the whole truth; the gap in this record is the larger of the two.
 #
 # ## 8 · A deterministic backward

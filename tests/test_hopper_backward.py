@@ -23,7 +23,12 @@ from course_utils.kernels.flash_bwd_hopper import (
     query_steps,
 )
 from course_utils.kernels.flash_pieces import prelude
-from course_utils.kernels.versions.flash_bwd_hopper_versions import SHIPPED_VERSION, VERSIONS, flash_bwd_hopper_variant
+from course_utils.kernels.versions.flash_bwd_hopper_versions import (
+    SHIPPED_VERSION,
+    VERSIONS,
+    flash_bwd_hopper_variant,
+    shipped_version,
+)
 from course_utils.pictures.diagrams import MASKED, SKIPPED, tile_classes
 
 SHAPE = dict(batch=2, heads=4, seq_q=2048, seq_k=2048)
@@ -116,7 +121,7 @@ def test_version_14_is_a_config_field():
     """Version 14's change (dV issued under dSᵀ, dSᵀ from the rounded P) is ``dv_under_ds``: a field of
     ``BackwardConfig`` that the registry passes to the kernel, off in every shipped config."""
     v14 = next(v for v in VERSIONS if v.number == 14)
-    assert all(not c.dv_under_ds for c in HOPPER_BACKWARD_CONFIGS.values())
+    assert [key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.dv_under_ds] == [(64, True)]
     shape = dict(SHAPE, dim=128, block_M=80)
     on = cuda_source(flash_bwd_hopper_kernel(**shape, dv_under_ds=True), pass_configs=PASS_CONFIGS)
     version = cuda_source(v14.factory(**shape, **{k: v for k, v in v14.knobs_for(128, False).items()
@@ -128,6 +133,32 @@ def test_version_14_is_a_config_field():
                                sm_scale=1 / math.sqrt(128), batch=2, seq_q=2048, seq_k=2048)
     built = cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS)
     assert built == on
+
+
+def test_warp_policies_are_a_config_field_and_change_only_dq_at_d64():
+    """``policies`` (a ``BackwardConfig`` field, version 17): None and the shipped split spelled out generate the
+    same CUDA; dQ by rows changes the D=64 kernel (128 × 64 dQ) and not the D=128 causal one (64 rows: one
+    split only); a bad value is a clear error."""
+    from course_utils.kernels.flash_bwd_hopper import gemm_policies
+
+    v17, v18 = (next(v for v in VERSIONS if v.number == n) for n in (17, 18))
+    assert [key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.policies is not None] == [(64, True)]
+    assert shipped_version(64, True, HOPPER_BACKWARD_CONFIGS[64, True]) is v18
+    assert shipped_version(64, False, HOPPER_BACKWARD_CONFIGS[64, False]).number == SHIPPED_VERSION
+    d64 = dict(SHAPE, dim=64, block_M=128, causal=True)
+    shipped = cuda_source(flash_bwd_hopper_kernel(**d64), pass_configs=PASS_CONFIGS)
+    spelled = ("row", "row", "row", "row", "square")
+    assert cuda_source(flash_bwd_hopper_kernel(**d64, policies=spelled), pass_configs=PASS_CONFIGS) == shipped
+    rows = cuda_source(flash_bwd_hopper_kernel(**d64, **{k: v for k, v in v17.knobs_for(64, True).items()
+                                                         if k != "block_M"}), pass_configs=PASS_CONFIGS)
+    assert rows != shipped
+    d128 = dict(SHAPE, dim=128, block_M=64, causal=True)
+    assert (cuda_source(flash_bwd_hopper_kernel(**d128, policies=v17.knobs_for(64, True)["policies"]),
+                        pass_configs=PASS_CONFIGS) == cuda_source(flash_bwd_hopper_kernel(**d128),
+                                                                  pass_configs=PASS_CONFIGS))
+    for bad in (["row"] * 5, ("row",) * 4, ("row", "row", "row", "row", "diagonal")):
+        with pytest.raises(ValueError, match="policies must be"):
+            gemm_policies(bad, swap_dq=False)
 
 
 def test_deterministic_kernels_add_nothing_atomically():

@@ -110,6 +110,9 @@ class BackwardConfig(NamedTuple):
     # Chapter 08's kernel only: dV issued as soon as the 16-bit P exists, dSᵀ formed from that rounded P
     # while dV runs (the ablation's version 14); off: FlashAttention-3's order, dSᵀ first.
     dv_under_ds: bool = False
+    # Chapter 08's kernel only: how its two consumer warpgroups split each product, five names ("row", "col",
+    # "square") for Sᵀ, dPᵀ, dV, dK, dQ (``flash_bwd_hopper.gemm_policies``); None: the shipped split.
+    policies: tuple | None = None
 
     tiling = ForwardConfig.tiling
 
@@ -122,7 +125,10 @@ HOPPER_BACKWARD_CONFIGS = {
     (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper"),
     (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper"),
     (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
-    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
+    # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2) and dV issued under dSᵀ: +3-13% at
+    # D = 64 causal over S = 1k-16k in both timing methods (issue 26, notes/bwd3.md; versions 17, 14 and 18).
+    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True,
+                               policies=("row", "row", "row", "row", "row")),
 }
 # The deterministic backward's dQ kernel: (block_M queries, block_N keys per step) by head dim.
 HOPPER_DQ_TILES = {128: (128, 64), 64: (128, 128)}

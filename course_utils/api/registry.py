@@ -15,7 +15,7 @@ import torch
 from ..core.device import is_hopper
 from ..kernels.flash_bwd import flash_bwd_kernel
 from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
-from ..kernels.flash_bwd_hopper import flash_bwd_hopper_kernel
+from ..kernels.flash_bwd_hopper import flash_bwd_hopper_kernel, gemm_policies
 from ..kernels.flash_fwd import flash_fwd_kernel
 from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
 from ..kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
@@ -57,6 +57,11 @@ class KernelRow:
         if getattr(config, "dv_under_ds", False) and "dv_under_ds" not in self.options:
             raise ValueError("BackwardConfig(dv_under_ds=True) needs chapter 08's Hopper backward "
                              "(kernel='flash_bwd_hopper')")
+        if getattr(config, "policies", None) is not None and "policies" not in self.options:
+            raise ValueError("BackwardConfig(policies=...) needs chapter 08's Hopper backward "
+                             "(kernel='flash_bwd_hopper')")
+        if getattr(config, "policies", None) is not None:
+            gemm_policies(config.policies, swap_dq=False)  # a clear ValueError now, not at the backward
         if deterministic and not self.deterministic:
             raise ValueError("deterministic=True needs chapter 08's Hopper backward (kernel='flash_bwd_hopper', sm_90 "
                              "GPU); chapter 05's kernel adds dQ with atomics in whatever order blocks finish")
@@ -104,7 +109,8 @@ FORWARD = {row.name: row for row in (
 BACKWARD = {row.name: row for row in (
     KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel"),
     KernelRow("flash_bwd_hopper", flash_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
-              on_cpu=False, options=("dv_under_ds",), deterministic=True, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
+              on_cpu=False, options=("dv_under_ds", "policies"), deterministic=True,
+              pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
 )}
 
 

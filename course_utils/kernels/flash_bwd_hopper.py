@@ -38,7 +38,8 @@ from .flash_pieces import (
 from .hopper_pieces import keep_stages_until_read
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
-           "query_steps", "key_steps", "padded_rows", "consumer_barrier", "PASS_CONFIGS"]
+           "query_steps", "key_steps", "padded_rows", "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES",
+           "gemm_policies"]
 
 ACCUM = "float32"
 # The main kernel places its own barriers (consumer_barrier); TileLang must not add its conservative ones.
@@ -49,6 +50,26 @@ ACCUM = "float32"
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
                 tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True}
 _DS_BARRIER, _DQ_BARRIER = 6, 5  # named barrier ids (TileLang's own syncs use 1-3, chapter 07's ping-pong 8-9)
+
+# The five products of one step, in issue order, and how their two consumer warpgroups may split each one's
+# output: "row" stacks the warpgroups along its rows (64 each), "col" puts them side by side along its columns,
+# "square" lets TileLang pick by the output's aspect ratio (FlashAttention-3's AtomLayout* choices).
+GEMMS = ("s", "dp", "dv", "dk", "dq")
+WARP_POLICIES = {"row": T.GemmWarpPolicy.FullRow, "col": T.GemmWarpPolicy.FullCol, "square": T.GemmWarpPolicy.Square}
+
+
+def gemm_policies(policies, swap_dq):
+    """``{gemm: T.GemmWarpPolicy}`` for ``GEMMS``. ``policies``: None (the shipped split: Sᵀ, dPᵀ, dV and dK by
+    key rows, as the registers of Pᵀ and dSᵀ feed dV and dK; dQ "square", or "row" when it is computed
+    transposed) or a tuple of five names of ``WARP_POLICIES`` in ``GEMMS``' order."""
+    shipped = ("row", "row", "row", "row", "row" if swap_dq else "square")
+    if policies is None:
+        policies = shipped
+    if (not isinstance(policies, tuple) or len(policies) != len(GEMMS)
+            or any(name not in WARP_POLICIES for name in policies)):
+        raise ValueError(f"policies must be None or a tuple of {len(GEMMS)} names (for {', '.join(GEMMS)}) out of "
+                         f"{sorted(WARP_POLICIES)}; got {policies!r}")
+    return {gemm: WARP_POLICIES[name] for gemm, name in zip(GEMMS, policies)}
 
 
 def needs_mask(p, qb, kb, block_M, block_N):
@@ -104,13 +125,20 @@ def ds_t(dST, PT, dPT, delta, block_M, block_N):
         dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])
 
 
+def _dq_policy(policy, swap_dq):
+    if policy is not None:  # not ``policy or``: Square is 0
+        return policy
+    return T.GemmWarpPolicy.FullRow if swap_dq else T.GemmWarpPolicy.Square
+
+
 @T.macro
-def issue_dq(K_s, dST, dq, swap_dq):
-    """Issue dQ = dS K (or dQᵀ = Kᵀ dSᵀ when ``swap_dq``: block_M rows that 64 does not divide)."""
+def issue_dq(K_s, dST, dq, swap_dq, policy=None):
+    """Issue dQ = dS K (or dQᵀ = Kᵀ dSᵀ when ``swap_dq``: block_M rows that 64 does not divide).
+    ``policy``: the warpgroups' split of dQ (None: by rows when transposed, else TileLang's square)."""
     if swap_dq:
-        T.wgmma_gemm(K_s, dST, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+        T.wgmma_gemm(K_s, dST, dq, transpose_A=True, policy=_dq_policy(policy, swap_dq), clear_accum=True)
     else:
-        T.wgmma_gemm(dST, K_s, dq, transpose_A=True, clear_accum=True)
+        T.wgmma_gemm(dST, K_s, dq, transpose_A=True, policy=_dq_policy(policy, swap_dq), clear_accum=True)
 
 
 def flash_bwd_hopper_kernel(
@@ -118,7 +146,7 @@ def flash_bwd_hopper_kernel(
     heads_kv=None, causal=False, window_size=None, sm_scale=None,
     dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256, deterministic=False, dv_under_ds=False,
     ds_buffers=2, own_barriers=True, order=None, mask_when=needs_mask, lse_log2=False, ds_from_float32_p=False,
-    issue=None, reduce_dq=None,
+    issue=None, reduce_dq=None, policies=None,
 ):
     """Return a ``@T.prim_func`` with chapter 05's contract: dK, dV and the float32 dQ accumulator.
 
@@ -145,7 +173,9 @@ def flash_bwd_hopper_kernel(
     ``ds_from_float32_p``: with ``dv_under_ds``, dSᵀ from the float32 Pᵀ; ``issue(K_s, Q_s, dST,
     dST_cast, dq, dk, swap_dq)``: issue dQ and dK and wait for dQ (shipped: dQ first, so its store runs
     under dK); ``reduce_dq(p, dQ_acc, dq, dq_s, bz, head, qb, block_M, dim, swap_dq)``: add dQ to the accumulator
-    (shipped: one bulk reduce-add from shared memory by the copy engine).
+    (shipped: one bulk reduce-add from shared memory by the copy engine). ``policies`` (a ``BackwardConfig``
+    field): how the two consumer warpgroups split each of the five products (``gemm_policies``); None is the
+    shipped split.
     """
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
@@ -153,6 +183,7 @@ def flash_bwd_hopper_kernel(
         raise ValueError(f"own_barriers drops the barrier before the dSᵀ store: it needs ds_buffers=2; "
                          f"got ds_buffers={ds_buffers}")
     swap_dq = block_M % 64 != 0
+    policy = gemm_policies(policies, swap_dq)
     stat_rows = padded_rows(block_M)
     group = p.group if deterministic else 1  # query heads visited by one block
     dkv_dtype = dtype if p.group == group else ACCUM
@@ -209,14 +240,14 @@ def flash_bwd_hopper_kernel(
             T.copy(LSE[bz, head, qb * block_M:(qb + 1) * block_M], lse[0:block_M])
             T.copy(Delta[bz, head, qb * block_M:(qb + 1) * block_M], delta[0:block_M])
             # region: one step
-            T.wgmma_gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-            T.wgmma_gemm(V_s, dO_s, dPT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+            T.wgmma_gemm(K_s, Q_s, PT, transpose_B=True, policy=policy["s"], clear_accum=True)
+            T.wgmma_gemm(V_s, dO_s, dPT, transpose_B=True, policy=policy["dp"], clear_accum=True)
             T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still be running
             probabilities_t(p, PT, lse, qb, kb, block_M, block_N, lse_scale, mask_when)
             if dv_under_ds:  # dV += Pᵀ dO issued first; dSᵀ formed while it runs
                 T.copy(PT, PT_cast)
                 T.wait_wgmma(0)
-                T.wgmma_gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                T.wgmma_gemm(PT_cast, dO_s, dv, policy=policy["dv"])
                 ds_t(dST_cast, PT if ds_from_float32_p else PT_cast, dPT, delta, block_M, block_N)
             else:
                 T.wait_wgmma(0)
@@ -227,13 +258,13 @@ def flash_bwd_hopper_kernel(
                 if own_barriers:
                     consumer_barrier(_DS_BARRIER)
             if not dv_under_ds:
-                T.wgmma_gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += Pᵀ dO
+                T.wgmma_gemm(PT_cast, dO_s, dv, policy=policy["dv"])  # dV += Pᵀ dO
             if deterministic:
-                T.wgmma_gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
+                T.wgmma_gemm(dST_cast, Q_s, dk, policy=policy["dk"])  # dK += dSᵀ Q
             else:
                 if issue is None:
-                    issue_dq(K_s, dST_s[buf, :, :], dq, swap_dq)
-                    T.wgmma_gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
+                    issue_dq(K_s, dST_s[buf, :, :], dq, swap_dq, policy["dq"])
+                    T.wgmma_gemm(dST_cast, Q_s, dk, policy=policy["dk"])  # dK += dSᵀ Q
                     T.wait_wgmma(1)  # dV and dQ are done; dK may still be running
                 else:
                     issue(K_s, Q_s, dST_s[buf, :, :], dST_cast, dq, dk, swap_dq)
