@@ -433,17 +433,21 @@ for dtype in dtypes:
 #   gain was within the spread between runs. It is one field away: `BackwardConfig(...,
 #   dv_under_ds=True)`. At D = 64 with the causal mask it *is* the default, together with version 17
 #   (dQ split between the warpgroups by query rows, as FlashAttention-3 splits it at D = 64, instead of
-#   TileLang's side-by-side split): version 18, 3-13% faster than version 9 there over S = 1k-16k in
-#   both timing methods (issue 26, `notes/bwd3.md`).
+#   TileLang's side-by-side split): version 18, faster than version 9 there at every S from 1k to 16k in
+#   both timing methods (issue 26, `notes/bwd3.md`; its row in the table above). Without a mask,
+#   version 17 alone is the default at D = 64: faster than version 9 at every S timed back to back,
+#   and from no change to a few percent faster under `do_bench`.
 # - **How the calls are timed moves this comparison.** The records time calls issued back to back,
 #   with the L2 cache warm from the call before. Timed in one fresh process both ways on 2026-11-26
 #   (`notes/h100_2026-11-26/diag.log`, fp16, S = 4k), triton's `do_bench`, which flushes the L2
-#   cache before every call, puts ours much closer to cuDNN at D = 128 and ahead of it at D = 64
-#   without a mask: cuDNN's backward gains from the warm cache and back-to-back issue, ours does not.
-#   A profile of both methods (issue 26, `notes/bwd3.md`) puts all of it in the main kernels' device
-#   time, not in launches, gaps or the small kernels; alternating the methods over four rounds leaves a
-#   small cuDNN-only part at D = 128 (3-6%) inside a block-to-block spread of 5-15% for both kernels.
-#   Why cuDNN's kernel has that part is not known. A training step runs other layers between two attention backwards, so neither
+#   cache before every call, put ours much closer to cuDNN at D = 128 and ahead of it at D = 64
+#   without a mask. A later profile of both methods (issue 26, `notes/bwd3.md`) puts the difference in
+#   the main kernels' device time: not in launches, gaps or the small kernels, and not in what the L2
+#   cache holds when the main kernel starts (in both methods it follows a kernel that writes the
+#   float32 dQ accumulator). Alternating the methods over four rounds showed most of a single pair's
+#   difference to be drift from one block of timings to the next, for both kernels; a small
+#   cuDNN-only part at D = 128 remains, and its cause is not known (clock or power state is not ruled
+#   out). A training step runs other layers between two attention backwards, so neither
 #   method is the whole truth; the gap in this record is the larger of the two.
 #
 # ## 8 · A deterministic backward

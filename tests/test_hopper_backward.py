@@ -142,9 +142,11 @@ def test_warp_policies_are_a_config_field_and_change_only_dq_at_d64():
     from course_utils.kernels.flash_bwd_hopper import gemm_policies
 
     v17, v18 = (next(v for v in VERSIONS if v.number == n) for n in (17, 18))
-    assert [key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.policies is not None] == [(64, True)]
+    assert sorted(key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.policies is not None) == [(64, False),
+                                                                                                   (64, True)]
     assert shipped_version(64, True, HOPPER_BACKWARD_CONFIGS[64, True]) is v18
-    assert shipped_version(64, False, HOPPER_BACKWARD_CONFIGS[64, False]).number == SHIPPED_VERSION
+    assert shipped_version(64, False, HOPPER_BACKWARD_CONFIGS[64, False]) is v17
+    assert shipped_version(128, False, HOPPER_BACKWARD_CONFIGS[128, False]).number == SHIPPED_VERSION
     d64 = dict(SHAPE, dim=64, block_M=128, causal=True)
     shipped = cuda_source(flash_bwd_hopper_kernel(**d64), pass_configs=PASS_CONFIGS)
     spelled = ("row", "row", "row", "row", "square")
