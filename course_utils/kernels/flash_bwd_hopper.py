@@ -38,6 +38,7 @@ from .flash_pieces import (
 from .hopper_pieces import keep_stages_until_read
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
+           "issue_scores", "issue_dq_then_dk", "stage_dq",
            "query_steps", "key_steps", "padded_rows", "consumer_barrier", "PASS_CONFIGS"]
 
 ACCUM = "float32"
@@ -54,7 +55,7 @@ _DS_BARRIER, _DQ_BARRIER = 6, 5  # named barrier ids (TileLang's own syncs use 1
 def needs_mask(p, qb, kb, block_M, block_N):
     """Whether tile (query block ``qb``, key block ``kb``) has a hidden pair or a row past the queries' end."""
     cond = block_needs_mask(p, qb, kb, block_M, block_N)
-    if p.seq_q % block_M:
+    if not isinstance(p.seq_q, int) or p.seq_q % block_M:  # a run-time length (packed) may be ragged
         cond = T.Or(cond, (qb + 1) * block_M > p.seq_q)
     return cond
 
@@ -113,6 +114,32 @@ def issue_dq(K_s, dST, dq, swap_dq):
         T.wgmma_gemm(dST, K_s, dq, transpose_A=True, clear_accum=True)
 
 
+@T.macro
+def issue_scores(K_s, V_s, Q_s, dO_s, PT, dPT):
+    """Issue Sᵀ = K Qᵀ and dPᵀ = V dOᵀ together and wait for Sᵀ only (dPᵀ may still be running)."""
+    T.wgmma_gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+    T.wgmma_gemm(V_s, dO_s, dPT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+    T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still be running
+
+
+@T.macro
+def issue_dq_then_dk(K_s, Q_s, dST, dST_cast, dq, dk, swap_dq):
+    """The shipped ``issue`` step: dQ first, then dK += dSᵀ Q, and wait for dQ only (its store runs under dK)."""
+    issue_dq(K_s, dST, dq, swap_dq)
+    T.wgmma_gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
+    T.wait_wgmma(1)  # dV and dQ are done; dK may still be running
+
+
+@T.macro
+def stage_dq(dq, dq_s, swap_dq, block_M, dim):
+    """Put this step's dQ into shared memory by rows (transposed back when it was computed as dQᵀ)."""
+    if swap_dq:
+        for i, d in T.Parallel(block_M, dim):
+            dq_s[i, d] = dq[d, i]
+    else:
+        T.copy(dq, dq_s)
+
+
 def flash_bwd_hopper_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, sm_scale=None,
@@ -159,6 +186,7 @@ def flash_bwd_hopper_kernel(
     dq_shape = [dim, block_M] if swap_dq else [block_M, dim]
     n_kb = p.blocks(seq_k, block_N)
     lse_scale = 1.0 if lse_log2 else LOG2E
+    issue = issue_dq_then_dk if issue is None else issue
 
     @T.macro
     def main_loop(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, bx, by, bz):
@@ -209,9 +237,7 @@ def flash_bwd_hopper_kernel(
             T.copy(LSE[bz, head, qb * block_M:(qb + 1) * block_M], lse[0:block_M])
             T.copy(Delta[bz, head, qb * block_M:(qb + 1) * block_M], delta[0:block_M])
             # region: one step
-            T.wgmma_gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-            T.wgmma_gemm(V_s, dO_s, dPT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-            T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still be running
+            issue_scores(K_s, V_s, Q_s, dO_s, PT, dPT)
             probabilities_t(p, PT, lse, qb, kb, block_M, block_N, lse_scale, mask_when)
             if dv_under_ds:  # dV += Pᵀ dO issued first; dSᵀ formed while it runs
                 T.copy(PT, PT_cast)
@@ -231,18 +257,9 @@ def flash_bwd_hopper_kernel(
             if deterministic:
                 T.wgmma_gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
             else:
-                if issue is None:
-                    issue_dq(K_s, dST_s[buf, :, :], dq, swap_dq)
-                    T.wgmma_gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dSᵀ Q
-                    T.wait_wgmma(1)  # dV and dQ are done; dK may still be running
-                else:
-                    issue(K_s, Q_s, dST_s[buf, :, :], dST_cast, dq, dk, swap_dq)
+                issue(K_s, Q_s, dST_s[buf, :, :], dST_cast, dq, dk, swap_dq)
                 if reduce_dq is None:
-                    if swap_dq:
-                        for i, d in T.Parallel(block_M, dim):
-                            dq_s[i, d] = dq[d, i]
-                    else:
-                        T.copy(dq, dq_s)
+                    stage_dq(dq, dq_s, swap_dq, block_M, dim)
                     if own_barriers:
                         consumer_barrier(_DQ_BARRIER)
                     T.atomic_add(dQ_acc[bz, head, qb * block_M:(qb + 1) * block_M, :], dq_s, use_tma=True)
