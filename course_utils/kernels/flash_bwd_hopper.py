@@ -38,8 +38,8 @@ from .flash_pieces import (
 from .hopper_pieces import keep_stages_until_read
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
-           "query_steps", "key_steps", "padded_rows", "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES",
-           "gemm_policies"]
+           "issue_scores", "issue_dq_then_dk", "stage_dq", "query_steps", "key_steps", "padded_rows",
+           "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "gemm_policies"]
 
 ACCUM = "float32"
 # The main kernel places its own barriers (consumer_barrier); TileLang must not add its conservative ones.
@@ -75,7 +75,7 @@ def gemm_policies(policies, swap_dq):
 def needs_mask(p, qb, kb, block_M, block_N):
     """Whether tile (query block ``qb``, key block ``kb``) has a hidden pair or a row past the queries' end."""
     cond = block_needs_mask(p, qb, kb, block_M, block_N)
-    if p.seq_q % block_M:
+    if not isinstance(p.seq_q, int) or p.seq_q % block_M:  # a run-time length (packed) may be ragged
         cond = T.Or(cond, (qb + 1) * block_M > p.seq_q)
     return cond
 
@@ -139,6 +139,32 @@ def issue_dq(K_s, dST, dq, swap_dq, policy=None):
         T.wgmma_gemm(K_s, dST, dq, transpose_A=True, policy=_dq_policy(policy, swap_dq), clear_accum=True)
     else:
         T.wgmma_gemm(dST, K_s, dq, transpose_A=True, policy=_dq_policy(policy, swap_dq), clear_accum=True)
+
+
+@T.macro
+def issue_scores(K_s, V_s, Q_s, dO_s, PT, dPT, s_policy=T.GemmWarpPolicy.FullRow, dp_policy=T.GemmWarpPolicy.FullRow):
+    """Issue Sᵀ = K Qᵀ and dPᵀ = V dOᵀ together and wait for Sᵀ only (dPᵀ may still be running)."""
+    T.wgmma_gemm(K_s, Q_s, PT, transpose_B=True, policy=s_policy, clear_accum=True)
+    T.wgmma_gemm(V_s, dO_s, dPT, transpose_B=True, policy=dp_policy, clear_accum=True)
+    T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still be running
+
+
+@T.macro
+def issue_dq_then_dk(K_s, Q_s, dST, dST_cast, dq, dk, swap_dq, dq_policy=None, dk_policy=T.GemmWarpPolicy.FullRow):
+    """The shipped ``issue`` step: dQ first, then dK += dSᵀ Q, and wait for dQ only (its store runs under dK)."""
+    issue_dq(K_s, dST, dq, swap_dq, dq_policy)
+    T.wgmma_gemm(dST_cast, Q_s, dk, policy=dk_policy)  # dK += dSᵀ Q
+    T.wait_wgmma(1)  # dV and dQ are done; dK may still be running
+
+
+@T.macro
+def stage_dq(dq, dq_s, swap_dq, block_M, dim):
+    """Put this step's dQ into shared memory by rows (transposed back when it was computed as dQᵀ)."""
+    if swap_dq:
+        for i, d in T.Parallel(block_M, dim):
+            dq_s[i, d] = dq[d, i]
+    else:
+        T.copy(dq, dq_s)
 
 
 def flash_bwd_hopper_kernel(
@@ -240,9 +266,7 @@ def flash_bwd_hopper_kernel(
             T.copy(LSE[bz, head, qb * block_M:(qb + 1) * block_M], lse[0:block_M])
             T.copy(Delta[bz, head, qb * block_M:(qb + 1) * block_M], delta[0:block_M])
             # region: one step
-            T.wgmma_gemm(K_s, Q_s, PT, transpose_B=True, policy=policy["s"], clear_accum=True)
-            T.wgmma_gemm(V_s, dO_s, dPT, transpose_B=True, policy=policy["dp"], clear_accum=True)
-            T.wait_wgmma(1)  # Sᵀ is ready; dPᵀ may still be running
+            issue_scores(K_s, V_s, Q_s, dO_s, PT, dPT, policy["s"], policy["dp"])
             probabilities_t(p, PT, lse, qb, kb, block_M, block_N, lse_scale, mask_when)
             if dv_under_ds:  # dV += Pᵀ dO issued first; dSᵀ formed while it runs
                 T.copy(PT, PT_cast)
@@ -263,17 +287,11 @@ def flash_bwd_hopper_kernel(
                 T.wgmma_gemm(dST_cast, Q_s, dk, policy=policy["dk"])  # dK += dSᵀ Q
             else:
                 if issue is None:
-                    issue_dq(K_s, dST_s[buf, :, :], dq, swap_dq, policy["dq"])
-                    T.wgmma_gemm(dST_cast, Q_s, dk, policy=policy["dk"])  # dK += dSᵀ Q
-                    T.wait_wgmma(1)  # dV and dQ are done; dK may still be running
+                    issue_dq_then_dk(K_s, Q_s, dST_s[buf, :, :], dST_cast, dq, dk, swap_dq, policy["dq"], policy["dk"])
                 else:
                     issue(K_s, Q_s, dST_s[buf, :, :], dST_cast, dq, dk, swap_dq)
                 if reduce_dq is None:
-                    if swap_dq:
-                        for i, d in T.Parallel(block_M, dim):
-                            dq_s[i, d] = dq[d, i]
-                    else:
-                        T.copy(dq, dq_s)
+                    stage_dq(dq, dq_s, swap_dq, block_M, dim)
                     if own_barriers:
                         consumer_barrier(_DQ_BARRIER)
                     T.atomic_add(dQ_acc[bz, head, qb * block_M:(qb + 1) * block_M, :], dq_s, use_tma=True)

@@ -27,6 +27,8 @@ parity to wait for flips each time the stages wrap around.
     python -m course_utils.check flash_fwd_hopper_persistent# on an H100: check, then time against the peers
 """
 
+from functools import partial
+
 import tilelang.language as T
 
 from .flash_pieces import (
@@ -114,6 +116,93 @@ def first_turn(n_warpgroups):
         T.call_extern("handle", "tl::__named_barrier_arrive", _TURN_BARRIER, 256)
 
 
+@T.macro
+def produce_key_blocks(load_k, load_v, k_full, k_empty, v_empty, it: T.Ref, k_start, k_end, n_kb, num_stages):
+    """The producer's loads of one tile's key blocks into the stage buffers, ``it`` counting them.
+
+    ``load_k(kb, stage)`` issues the TMA load of key block ``kb`` on ``k_full[stage]``; ``load_v(kb,
+    stage)`` loads its values and arrives on their full barrier (the packed kernel zeroes the rows of
+    another sequence first). Shared by the dense and the packed persistent forwards.
+    """
+    # At least one key block, so a tile that sees no key still runs (fully masked) and writes 0.
+    for j in T.serial(T.max(k_end - k_start, 1)):
+        kb = T.max(T.min(k_start + j, n_kb - 1), 0)
+        stage, phase = it % num_stages, (it // num_stages) & 1
+        T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
+        load_k(kb, stage)
+        T.mbarrier_arrive(k_full[stage])
+        T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
+        load_v(kb, stage)
+        it = it + 1
+
+
+@T.macro
+def load_dense_values(V, V_s, v_full, bz, kv_head, block_N, kb, stage):
+    """``produce_key_blocks``' value load of the dense kernel: a TMA load, then its full barrier."""
+    T.tma_copy(V[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s[stage, :, :], barrier=v_full[stage])
+    T.mbarrier_arrive(v_full[stage])
+
+
+@T.macro
+def load_dense_keys(K, K_s, k_full, bz, kv_head, block_N, kb, stage):
+    """``produce_key_blocks``' key load of the dense kernel."""
+    T.tma_copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s[stage, :, :], barrier=k_full[stage])
+
+
+@T.macro
+def peeled_key_loop(tb, p, Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l, q_empty, k_full, k_empty,
+                    v_full, v_empty, it: T.Ref, qb, k_start, k_end, n_kb, block_M, block_N, dim, num_stages, consumers,
+                    pingpong, exp2=None, add_row_sums=None, row_parts=None):
+    """The consumers' rotated loop over one tile's key blocks, peeled: the first QKᵀ and softmax before
+    the loop, the last P·V after it (shared by the dense and the packed persistent forwards)."""
+    # The first key block: scores and softmax only.
+    stage = it % num_stages
+    T.mbarrier_wait_parity(k_full[stage], (it // num_stages) & 1)
+    if pingpong:
+        wait_for_turn(consumers)
+    T.wgmma_gemm(Q_s, K_s[stage, :, :], S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                 clear_accum=True)
+    if pingpong:
+        pass_turn(consumers)
+    T.wait_wgmma(0)
+    T.mbarrier_arrive(k_empty[stage])
+    mask_scores(tb, p, S, qb, T.max(T.min(k_start, n_kb - 1), 0), block_M, block_N)
+    online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
+                   exp2=exp2, add_row_sums=add_row_sums, row_parts=row_parts)
+    T.copy(S, P)
+    # Each step: QKᵀ of block j and P·V of block j - 1 in flight, softmax of block j under P·V.
+    for j in T.serial(1, T.max(k_end - k_start, 1)):
+        k_stage, v_stage = (it + 1) % num_stages, it % num_stages
+        T.mbarrier_wait_parity(k_full[k_stage], ((it + 1) // num_stages) & 1)
+        if pingpong:
+            wait_for_turn(consumers)
+        T.wgmma_gemm(Q_s, K_s[k_stage, :, :], S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                     clear_accum=True)
+        T.mbarrier_wait_parity(v_full[v_stage], (it // num_stages) & 1)
+        T.wgmma_gemm(P, V_s[v_stage, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+        if pingpong:
+            pass_turn(consumers)
+        T.wait_wgmma(1)  # the scores are ready; P·V may still be running
+        T.mbarrier_arrive(k_empty[k_stage])
+        mask_scores(tb, p, S, qb, k_start + j, block_M, block_N)
+        online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
+                       exp2=exp2, add_row_sums=add_row_sums, row_parts=row_parts)
+        T.wait_wgmma(0)
+        T.mbarrier_arrive(v_empty[v_stage])
+        for i, d in T.Parallel(block_M, dim):
+            acc_o[i, d] *= alpha[i]
+        T.copy(S, P)
+        it = it + 1
+    T.mbarrier_arrive(q_empty[0])  # the producer may load the next tile's Q
+    # The last key block: P·V only.
+    v_stage = it % num_stages
+    T.mbarrier_wait_parity(v_full[v_stage], (it // num_stages) & 1)
+    T.wgmma_gemm(P, V_s[v_stage, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+    T.wait_wgmma(0)
+    T.mbarrier_arrive(v_empty[v_stage])
+    it = it + 1
+
+
 def flash_fwd_hopper_persistent_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
@@ -187,19 +276,9 @@ def flash_fwd_hopper_persistent_kernel(
                     T.mbarrier_wait_parity(q_empty[0], (w & 1) ^ 1)  # the previous tile's last QKᵀ is done
                     T.tma_copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s, barrier=q_full[0])
                     T.mbarrier_arrive(q_full[0])
-                    # At least one key block, so a tile that sees no key still runs (fully masked) and writes 0.
-                    for j in T.serial(T.max(k_end - k_start, 1)):
-                        kb = T.max(T.min(k_start + j, n_kb - 1), 0)
-                        stage, phase = it % num_stages, (it // num_stages) & 1
-                        T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
-                        T.tma_copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s[stage, :, :],
-                                   barrier=k_full[stage])
-                        T.mbarrier_arrive(k_full[stage])
-                        T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
-                        T.tma_copy(V[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s[stage, :, :],
-                                   barrier=v_full[stage])
-                        T.mbarrier_arrive(v_full[stage])
-                        it = it + 1
+                    produce_key_blocks(partial(load_dense_keys, K, K_s, k_full, bz, kv_head, block_N),
+                                       partial(load_dense_values, V, V_s, v_full, bz, kv_head, block_N),
+                                       k_full, k_empty, v_empty, it, k_start, k_end, n_kb, num_stages)
                 # endregion
             else:
                 T.set_max_nreg(240 if consumers == 2 else 160, 1)
@@ -216,52 +295,9 @@ def flash_fwd_hopper_persistent_kernel(
                     T.mbarrier_wait_parity(q_full[0], w & 1)
 
                     # region: peeled loop
-                    # The first key block: scores and softmax only.
-                    stage = it % num_stages
-                    T.mbarrier_wait_parity(k_full[stage], (it // num_stages) & 1)
-                    if pingpong:
-                        wait_for_turn(consumers)
-                    T.wgmma_gemm(Q_s, K_s[stage, :, :], S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                 clear_accum=True)
-                    if pingpong:
-                        pass_turn(consumers)
-                    T.wait_wgmma(0)
-                    T.mbarrier_arrive(k_empty[stage])
-                    mask_scores(tb, p, S, qb, T.max(T.min(k_start, n_kb - 1), 0), block_M, block_N)
-                    online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
-                                   exp2=exp2, add_row_sums=add_row_sums, row_parts=l_part)
-                    T.copy(S, P)
-                    # Each step: QKᵀ of block j and P·V of block j - 1 in flight, softmax of block j under P·V.
-                    for j in T.serial(1, T.max(k_end - k_start, 1)):
-                        k_stage, v_stage = (it + 1) % num_stages, it % num_stages
-                        T.mbarrier_wait_parity(k_full[k_stage], ((it + 1) // num_stages) & 1)
-                        if pingpong:
-                            wait_for_turn(consumers)
-                        T.wgmma_gemm(Q_s, K_s[k_stage, :, :], S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                     clear_accum=True)
-                        T.mbarrier_wait_parity(v_full[v_stage], (it // num_stages) & 1)
-                        T.wgmma_gemm(P, V_s[v_stage, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                        if pingpong:
-                            pass_turn(consumers)
-                        T.wait_wgmma(1)  # the scores are ready; P·V may still be running
-                        T.mbarrier_arrive(k_empty[k_stage])
-                        mask_scores(tb, p, S, qb, k_start + j, block_M, block_N)
-                        online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
-                                       exp2=exp2, add_row_sums=add_row_sums, row_parts=l_part)
-                        T.wait_wgmma(0)
-                        T.mbarrier_arrive(v_empty[v_stage])
-                        for i, d in T.Parallel(block_M, dim):
-                            acc_o[i, d] *= alpha[i]
-                        T.copy(S, P)
-                        it = it + 1
-                    T.mbarrier_arrive(q_empty[0])  # the producer may load the next tile's Q
-                    # The last key block: P·V only.
-                    v_stage = it % num_stages
-                    T.mbarrier_wait_parity(v_full[v_stage], (it // num_stages) & 1)
-                    T.wgmma_gemm(P, V_s[v_stage, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(0)
-                    T.mbarrier_arrive(v_empty[v_stage])
-                    it = it + 1
+                    peeled_key_loop(tb, p, Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l, q_empty,
+                                    k_full, k_empty, v_full, v_empty, it, qb, k_start, k_end, n_kb, block_M, block_N,
+                                    dim, num_stages, consumers, pingpong, exp2, add_row_sums, l_part)
                     # endregion
                     if row_sums is not None:
                         row_sums.finish(l_part, l)

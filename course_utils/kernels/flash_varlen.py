@@ -30,15 +30,16 @@ backward. FlashAttention-3's ``hopper/`` varlen kernels have the same structure:
     python -m course_utils.check flash_varlen  # check against the reference (and time it, on a GPU)
 """
 
+from functools import partial
+
 import tilelang
 import tilelang.language as T
 import torch
 
-from .flash_fwd_hopper_persistent import first_turn, pass_turn, wait_for_turn
+from .flash_fwd_hopper_persistent import first_turn, peeled_key_loop, produce_key_blocks
 from .flash_pieces import (
     ACCUM,
     LOG2E,
-    block_needs_mask,
     consumer_barrier,
     forward_tiles,
     init_running_max,
@@ -417,6 +418,36 @@ def scale_cast_kernel(dim, *, dtype="float16", block=64, threads=128, target=Non
     return scale_cast
 
 
+@T.macro
+def load_packed_keys(K, K_s, k_full, k0, kv_head, block_N, kb, stage):
+    """``produce_key_blocks``' key load of the packed persistent forward."""
+    T.tma_copy(K[k0 + kb * block_N:k0 + (kb + 1) * block_N, kv_head, :], K_s[stage, :, :], barrier=k_full[stage])
+
+
+@T.macro
+def load_packed_values(V, V_s, v_full, v_edge, edges: T.Ref, tx, p, k0, kv_head, block_N, dim, dtype, kb, stage):
+    """``produce_key_blocks``' value load of the packed persistent forward: a tile that runs past its
+    sequence's end is loaded on the producer's own barrier, its rows of the next sequence zeroed and
+    fenced, and only then handed to the consumers."""
+    if (kb + 1) * block_N > p.seq_k:  # rows of the next sequence: zero them first
+        T.tma_copy(V[k0 + kb * block_N:k0 + (kb + 1) * block_N, kv_head, :],
+                   V_s[stage, :, :], barrier=v_edge[0])
+        T.mbarrier_arrive(v_edge[0])
+        T.mbarrier_wait_parity(v_edge[0], edges & 1)
+        for i in T.serial(block_N):
+            if kb * block_N + i >= p.seq_k:
+                for c in T.serial(T.ceildiv(dim, 128)):
+                    if c * 128 + tx < dim:
+                        V_s[stage, i, c * 128 + tx] = T.cast(0, dtype)
+        T.fence_proxy_async()  # the zeros before the tensor cores' reads
+        T.mbarrier_arrive(v_full[stage])
+        edges = edges + 1
+    else:
+        T.tma_copy(V[k0 + kb * block_N:k0 + (kb + 1) * block_N, kv_head, :],
+                   V_s[stage, :, :], barrier=v_full[stage])
+        T.mbarrier_arrive(v_full[stage])
+
+
 def varlen_pair_list(cu_seqlens_q, cu_seqlens_k, heads, block_M, max_seqlen_q):
     """The persistent packed forward's work list, made on the device (no wait for the GPU): (pairs, count).
 
@@ -534,33 +565,10 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
                         T.mbarrier_wait_parity(q_empty[0], (done & 1) ^ 1)  # the previous tile's last QKᵀ is done
                         T.tma_copy(Q[q0 + qb * block_M:q0 + (qb + 1) * block_M, head, :], Q_s, barrier=q_full[0])
                         T.mbarrier_arrive(q_full[0])
-                        # At least one key block, so a tile that sees no key still runs (fully masked) and writes 0.
-                        for j in T.serial(T.max(k_end - k_start, 1)):
-                            kb = T.max(T.min(k_start + j, n_kb - 1), 0)
-                            stage, phase = it % num_stages, (it // num_stages) & 1
-                            T.mbarrier_wait_parity(k_empty[stage], phase ^ 1)
-                            T.tma_copy(K[k0 + kb * block_N:k0 + (kb + 1) * block_N, kv_head, :], K_s[stage, :, :],
-                                       barrier=k_full[stage])
-                            T.mbarrier_arrive(k_full[stage])
-                            T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
-                            if (kb + 1) * block_N > p.seq_k:  # rows of the next sequence: zero them first
-                                T.tma_copy(V[k0 + kb * block_N:k0 + (kb + 1) * block_N, kv_head, :],
-                                           V_s[stage, :, :], barrier=v_edge[0])
-                                T.mbarrier_arrive(v_edge[0])
-                                T.mbarrier_wait_parity(v_edge[0], edges & 1)
-                                for i in T.serial(block_N):
-                                    if kb * block_N + i >= p.seq_k:
-                                        for c in T.serial(T.ceildiv(dim, 128)):
-                                            if c * 128 + tx < dim:
-                                                V_s[stage, i, c * 128 + tx] = T.cast(0, dtype)
-                                T.fence_proxy_async()  # the zeros before the tensor cores' reads
-                                T.mbarrier_arrive(v_full[stage])
-                                edges = edges + 1
-                            else:
-                                T.tma_copy(V[k0 + kb * block_N:k0 + (kb + 1) * block_N, kv_head, :],
-                                           V_s[stage, :, :], barrier=v_full[stage])
-                                T.mbarrier_arrive(v_full[stage])
-                            it = it + 1
+                        produce_key_blocks(partial(load_packed_keys, K, K_s, k_full, k0, kv_head, block_N),
+                                           partial(load_packed_values, V, V_s, v_full, v_edge, edges, tx, p, k0,
+                                                   kv_head, block_N, dim, dtype),
+                                           k_full, k_empty, v_empty, it, k_start, k_end, n_kb, num_stages)
                         done = done + 1
                 # endregion
             else:
@@ -587,48 +595,9 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
                         T.mbarrier_wait_parity(q_full[0], done & 1)
 
                         # region: peeled loop (chapter 07's)
-                        stage = it % num_stages
-                        T.mbarrier_wait_parity(k_full[stage], (it // num_stages) & 1)
-                        if pingpong:
-                            wait_for_turn(consumers)
-                        T.wgmma_gemm(Q_s, K_s[stage, :, :], S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                     clear_accum=True)
-                        if pingpong:
-                            pass_turn(consumers)
-                        T.wait_wgmma(0)
-                        T.mbarrier_arrive(k_empty[stage])
-                        mask_scores(tb, p, S, qb, T.max(T.min(k_start, n_kb - 1), 0), block_M, block_N)
-                        online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
-                        T.copy(S, P)
-                        for j in T.serial(1, T.max(k_end - k_start, 1)):
-                            k_stage, v_stage = (it + 1) % num_stages, it % num_stages
-                            T.mbarrier_wait_parity(k_full[k_stage], ((it + 1) // num_stages) & 1)
-                            if pingpong:
-                                wait_for_turn(consumers)
-                            T.wgmma_gemm(Q_s, K_s[k_stage, :, :], S, transpose_B=True,
-                                         policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-                            T.mbarrier_wait_parity(v_full[v_stage], (it // num_stages) & 1)
-                            T.wgmma_gemm(P, V_s[v_stage, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                            if pingpong:
-                                pass_turn(consumers)
-                            T.wait_wgmma(1)
-                            T.mbarrier_arrive(k_empty[k_stage])
-                            mask_scores(tb, p, S, qb, k_start + j, block_M, block_N)
-                            online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N,
-                                           p.scale_log2)
-                            T.wait_wgmma(0)
-                            T.mbarrier_arrive(v_empty[v_stage])
-                            for i, d in T.Parallel(block_M, dim):
-                                acc_o[i, d] *= alpha[i]
-                            T.copy(S, P)
-                            it = it + 1
-                        T.mbarrier_arrive(q_empty[0])
-                        v_stage = it % num_stages
-                        T.mbarrier_wait_parity(v_full[v_stage], (it // num_stages) & 1)
-                        T.wgmma_gemm(P, V_s[v_stage, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                        T.wait_wgmma(0)
-                        T.mbarrier_arrive(v_empty[v_stage])
-                        it = it + 1
+                        peeled_key_loop(tb, p, Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l, q_empty,
+                                        k_full, k_empty, v_full, v_empty, it, qb, k_start, k_end, n_kb, block_M,
+                                        block_N, dim, num_stages, consumers, pingpong)
                         # endregion
 
                         # region: guarded epilogue, from registers
@@ -666,7 +635,17 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
     sequence's; each zeroing is followed by a barrier of the 256 consumer threads, on those tiles only.
     dK and dV are stored row by row, only this sequence's rows. sm_90 only.
     """
-    from .flash_bwd_hopper import _DQ_BARRIER, _DS_BARRIER, padded_rows, query_steps
+    from .flash_bwd_hopper import (
+        _DQ_BARRIER,
+        _DS_BARRIER,
+        ds_t,
+        issue_dq_then_dk,
+        issue_scores,
+        padded_rows,
+        probabilities_t,
+        query_steps,
+        stage_dq,
+    )
 
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
@@ -731,35 +710,16 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
                 zero_rows_past_end(tb, Q_s, qb * block_M, p.seq_q, block_M, dim)
                 zero_rows_past_end(tb, dO_s, qb * block_M, p.seq_q, block_M, dim, barrier_id=_ZERO_BARRIER)
             # endregion
-            T.wgmma_gemm(K_s, Q_s, PT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-            T.wgmma_gemm(V_s, dO_s, dPT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-            T.wait_wgmma(1)
-            if T.Or(block_needs_mask(p, qb, kb, block_M, block_N), (qb + 1) * block_M > p.seq_q):
-                for j, i in T.Parallel(block_N, block_M):
-                    PT[j, i] = T.if_then_else(visible(p, qb * block_M + i, kb * block_N + j, guard_q=True),
-                                              T.exp2(PT[j, i] * p.scale_log2 - lse[i] * LOG2E), 0)
-            else:
-                for j, i in T.Parallel(block_N, block_M):
-                    PT[j, i] = T.exp2(PT[j, i] * p.scale_log2 - lse[i] * LOG2E)
+            issue_scores(K_s, V_s, Q_s, dO_s, PT, dPT)
+            probabilities_t(p, PT, lse, qb, kb, block_M, block_N)  # needs_mask: a run-time length may be ragged
             T.wait_wgmma(0)
-            for j, i in T.Parallel(block_N, block_M):
-                dST_cast[j, i] = PT[j, i] * (dPT[j, i] - delta[i])
+            ds_t(dST_cast, PT, dPT, delta, block_M, block_N)
             T.copy(PT, PT_cast)
             T.copy(dST_cast, dST_s[step % 2, :, :])
             consumer_barrier(_DS_BARRIER)
             T.wgmma_gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
-            if swap_dq:
-                T.wgmma_gemm(K_s, dST_s[step % 2, :, :], dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
-                             clear_accum=True)
-            else:
-                T.wgmma_gemm(dST_s[step % 2, :, :], K_s, dq, transpose_A=True, clear_accum=True)
-            T.wgmma_gemm(dST_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
-            T.wait_wgmma(1)
-            if swap_dq:
-                for i, d in T.Parallel(block_M, dim):
-                    dq_s[i, d] = dq[d, i]
-            else:
-                T.copy(dq, dq_s)
+            issue_dq_then_dk(K_s, Q_s, dST_s[step % 2, :, :], dST_cast, dq, dk, swap_dq)
+            stage_dq(dq, dq_s, swap_dq, block_M, dim)
             consumer_barrier(_DQ_BARRIER)
             # Rows past the end get + 0 (the next sequence's, or cut off by the copy engine past the tensor):
             # dS is 0 there, and so is dQ unless this sequence's K holds a NaN, hence the select.

@@ -148,7 +148,8 @@ def _cuda_jobs():
     for (dim, masked), config in att.HOPPER_BACKWARD_CONFIGS.items():
         jobs.append((f"bwd_hopper_d{dim}_{'masked' if masked else 'full'}", hopper,
                      lambda config=config, dim=dim, masked=masked: bwd_h.flash_bwd_hopper_kernel(
-                         B, H, S, S, dim, causal=masked, **config.tiling()), bwd_h.PASS_CONFIGS))
+                         B, H, S, S, dim, causal=masked, **config.tiling(), dv_under_ds=config.dv_under_ds,
+                         policies=config.policies), bwd_h.PASS_CONFIGS))
     config = att.HOPPER_BACKWARD_CONFIGS[128, True]
     jobs.append(("bwd_hopper_deterministic_d128_gqa_window", hopper,
                  lambda config=config: bwd_h.flash_bwd_hopper_kernel(
@@ -179,6 +180,28 @@ def _cuda_jobs():
                      lambda v=v: var.flash_varlen_bwd_kernel(4, 128, heads_kv=2, block_M=bc.block_M,
                                                              block_N=bc.block_N, num_stages=bc.num_stages,
                                                              threads=bc.threads, target="cuda", **v), None))
+    # Packed batches on Hopper (issue 27): the persistent forward and the Hopper backward, as varlen_api picks them.
+    pc = vapi.VARLEN_PERSISTENT_CONFIG
+    for dim in vapi.VARLEN_HOPPER_DIMS:
+        for masked in (False, True):
+            jobs.append((f"varlen_fwd_persistent_d{dim}_{'masked' if masked else 'full'}", hopper,
+                         lambda dim=dim, masked=masked: var.flash_varlen_fwd_persistent_kernel(
+                             4, dim, heads_kv=2, causal=masked, block_M=pc.block_M, block_N=pc.block_N,
+                             num_stages=pc.num_stages, threads=pc.threads, pingpong=pc.pingpong, num_ctas=132), None))
+    jobs.append(("varlen_fwd_persistent_d128_window_nopingpong", hopper,
+                 lambda: var.flash_varlen_fwd_persistent_kernel(
+                     4, 128, causal=True, window_size=128, block_M=pc.block_M, block_N=pc.block_N,
+                     num_stages=pc.num_stages, threads=pc.threads, pingpong=False, num_ctas=132), None))
+    for (dim, masked), config in vapi.VARLEN_HOPPER_BACKWARD_CONFIGS.items():
+        for schedule in ("grid", "list"):
+            jobs.append((f"varlen_bwd_hopper_d{dim}_{'masked' if masked else 'full'}_{schedule}", hopper,
+                         lambda config=config, dim=dim, masked=masked, schedule=schedule:
+                         var.flash_varlen_bwd_hopper_kernel(4, dim, heads_kv=2, causal=masked, schedule=schedule,
+                                                            **config.tiling()), bwd_h.PASS_CONFIGS))
+    jobs.append(("varlen_bwd_hopper_d128_mha_window", hopper,
+                 lambda: var.flash_varlen_bwd_hopper_kernel(
+                     4, 128, causal=True, window_size=128, **vapi.VARLEN_HOPPER_BACKWARD_CONFIGS[128, True].tiling()),
+                 bwd_h.PASS_CONFIGS))
     jobs.append(("varlen_delta", both, lambda: var.varlen_delta_kernel(128, block=64, threads=128, target="cuda"),
                  None))
     jobs.append(("varlen_scale_cast", both, lambda: var.scale_cast_kernel(128, block=64, threads=128, target="cuda"),
