@@ -66,7 +66,7 @@ class DecodeConfig(NamedTuple):
     block_M: "int | None" = None
     warp_specialize: bool = True
     min_blocks: int = 0
-    kv_heads_per_block: int = 1
+    kv_heads_per_block: "int | None" = 1  # None (decode_config): 128 // D, a K/V tile row of 128 values
 
     def pass_configs(self):
         """TileLang pass options for compiling the split kernel with this config."""
@@ -77,8 +77,14 @@ class DecodeConfig(NamedTuple):
 # K/V tiles are streamed through shared memory a few stages ahead (decoding is a stream of loads).
 # On the GPU: three stages of K/V in flight per block, and two blocks per SM (ptxas then keeps the
 # registers under 128 per thread); TileLang's warp specialisation gives the TMA loads their own warpgroup.
+# A block reads K/V rows of at least 128 values (256 bytes): at D = 64, two K/V heads per block. Measured on
+# the H100 (2026-11-26, gpt-oss heads, notes/decode3.md): at B = 64 and 8k-128k keys, one head per block
+# (128-byte pieces of each 1 KiB cache row) read at 101-103% of torch.sum's bandwidth and 0.97-0.98× cuDNN's
+# time ratio, two heads (256-byte pieces) at 103-104% and 0.99-1.00×; at D = 128 (256-byte rows already)
+# two heads per block were 0-2% slower.
 DECODE_CONFIGS = {"c": DecodeConfig(block_N=16, num_stages=1, threads=1),
-                  "cuda": DecodeConfig(block_N=128, num_stages=3, threads=128, warp_specialize=True, min_blocks=2)}
+                  "cuda": DecodeConfig(block_N=128, num_stages=3, threads=128, warp_specialize=True, min_blocks=2,
+                                       kv_heads_per_block=None)}
 MAX_SPLITS = 128
 
 
@@ -91,10 +97,13 @@ def decode_rows(heads, heads_kv, seq_new):
 def decode_config(target, heads, heads_kv, dim, seq_new, page_size=None, kv_heads_per_block=None):
     """The tiling ``flash_decode`` uses: the target's default, with ``block_M`` fitted to the packed
     rows and ``block_N`` shrunk, if needed, to divide the page size. ``kv_heads_per_block`` (None: the
-    default's) is lowered, if needed, to a power of two dividing ``heads_kv`` whose rows fit one tile."""
+    default's; the GPU's: 128 // D) is lowered, if needed, to a power of two dividing ``heads_kv`` whose
+    rows fit one tile."""
     config = DECODE_CONFIGS[target]
     rows = decode_rows(heads, heads_kv, seq_new)
     hpb = config.kv_heads_per_block if kv_heads_per_block is None else kv_heads_per_block
+    if hpb is None:
+        hpb = max(1, 128 // dim)
     while hpb > 1 and (heads_kv % hpb or (target != "c" and hpb * rows > 64)):
         hpb //= 2
     block_M = hpb * rows if target == "c" else min(64, max(16, 1 << (hpb * rows - 1).bit_length()))

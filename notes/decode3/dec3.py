@@ -24,8 +24,11 @@ from torch.nn.attention import SDPBackend
 
 OUT = os.environ.get("OUT", "/tmp")
 CUDNN, FA2 = SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION
+# Call 1: hpb1 (the default then), hpb2, hpb4. Call 2 (the default is 128 // D heads per block): hpb1 (the
+# old default at D=64), "s6n32" (the new default's heads per block with 32-key tiles, six stages).
 CANDIDATES = {"hpb1": dict(kv_heads_per_block=1), "hpb2": dict(kv_heads_per_block=2),
-              "hpb4": dict(kv_heads_per_block=4)}
+              "hpb4": dict(kv_heads_per_block=4), "s6n32": dict(kv_heads_per_block=None, block_N=32, num_stages=6)}
+CALL = int(os.environ.get("DEC3_CALL", "1"))
 _plain_config = fd.decode_config
 
 
@@ -37,6 +40,8 @@ def emit(part, row):
 
 
 def candidates_for(dim):
+    if CALL == 2:
+        return ["hpb1", "s6n32"] if dim == 64 else ["s6n32"]
     return [c for c in CANDIDATES if not (dim == 128 and c == "hpb4")]
 
 
@@ -92,6 +97,9 @@ def precompile():
         (va._decode_single if single else va._decode_split)(pr, config)
         if not single:
             va._decode_merge(64, dim, 1, pr.dtype, "cuda", False)
+    if CALL == 2:
+        from course_utils.measure.benchmarks.ch09_varlen_decode import precompile_ch09  # the public defaults
+        precompile_ch09()
     t0 = time.time()
     in_parallel(build, jobs, workers=16)
     print(f"precompiled {len(jobs)} in {time.time() - t0:.0f} s on {torch.cuda.get_device_name()}", flush=True)
@@ -106,13 +114,18 @@ def check():
                                     generator=torch.Generator(device="cuda").manual_seed(3))
             k, v = kv[0], kv[1]
             kp, vp, table = paged_view(kv)
-            refs = decode_references(q, k, v, lengths, sinks=sinks)
-            for name in candidates_for(dim):
+            refs = {"contiguous": decode_references(q, k, v, lengths, sinks=sinks),  # call 1 checked paged
+                    "paged": decode_references(q, kp, vp, lengths, block_table=table, sinks=sinks)}  # against these
+            for name in ["default"] + candidates_for(dim):
                 for layout, (kc, vc, tb) in (("contiguous", (k, v, None)), ("paged", (kp, vp, table))):
-                    run, splits = make_runner(name, q, kc, vc, lengths, tb, sinks)
+                    if name == "default":
+                        run = functools.partial(flash_decode, q, kc, vc, lengths, block_table=tb, sinks=sinks)
+                        splits = va.decode_num_splits(q, kc, block_table=tb)
+                    else:
+                        run, splits = make_runner(name, q, kc, vc, lengths, tb, sinks)
                     out, lse = run(return_lse=True)
                     try:
-                        err = check_forward(q, k, v, out, lse, refs=refs, quiet=True, name=f"{name} {layout}")
+                        err = check_forward(q, k, v, out, lse, refs=refs[layout], quiet=True, name=f"{name} {layout}")
                     except Exception as exc:  # noqa: BLE001 - a failed check is the result
                         err = f"FAILED: {exc}"[:400]
                     emit("check", dict(dim=dim, batch=batch, context=context, cand=name, layout=layout,
@@ -133,6 +146,13 @@ def bench(dim, batches, contexts):
             errors["default"] = check_forward(q, k, v, out, lse, refs=refs, quiet=True, name="default")
             fns["default"] = lambda: flash_decode(q, k, v, lengths, sinks=sinks)
             splits["default"] = va.decode_num_splits(q, k)
+            if CALL == 2:
+                kp, vp, table = paged_view(kv)
+                out, lse = flash_decode(q, kp, vp, lengths, block_table=table, sinks=sinks, return_lse=True)
+                errors["default, paged"] = check_forward(q, k, v, out, lse, quiet=True, name="paged", refs=decode_references(
+                    q, kp, vp, lengths, block_table=table, sinks=sinks))
+                fns["default, paged"] = lambda: flash_decode(q, kp, vp, lengths, block_table=table, sinks=sinks)
+                splits["default, paged"] = va.decode_num_splits(q, kp, block_table=table)
             for name in candidates_for(dim):
                 run, splits[name] = make_runner(name, q, k, v, lengths, None, sinks)
                 out, lse = run(return_lse=True)
@@ -156,6 +176,7 @@ def bench(dim, batches, contexts):
             print(f"SUMMARY D={dim} B={batch} S={context}: ours/cuDNN {line}; sum/cuDNN {cudnn / ms['torch.sum']:.3f}",
                   flush=True)
             del q, kv, k, v, fns
+            kp = vp = None
             torch.cuda.empty_cache()
 
 
