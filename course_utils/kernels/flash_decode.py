@@ -4,7 +4,8 @@ One decoding step brings ``S_new`` new query tokens per sequence (1 in plain gen
 attends over a long cache of keys and values. Two kernels do it:
 
 * ``flash_decode_kernel`` (the *split* kernel). One thread block owns one K/V head of one
-  sequence and one *split*, a contiguous range of the cache. Its query tile packs every query
+  sequence (or, with ``kv_heads_per_block``, a few neighbouring ones) and one *split*, a contiguous
+  range of the cache. Its query tile packs every query
   head that shares that K/V head (GQA packing: ``group · S_new`` rows), so each K/V tile is read
   from memory once for the whole group. It runs chapter 03's loop over its key blocks and writes
   a *partial* result: O normalised over its own keys, and their log-sum-exp.
@@ -77,11 +78,11 @@ class DecodeConfig(NamedTuple):
 # K/V tiles are streamed through shared memory a few stages ahead (decoding is a stream of loads).
 # On the GPU: three stages of K/V in flight per block, and two blocks per SM (ptxas then keeps the
 # registers under 128 per thread); TileLang's warp specialisation gives the TMA loads their own warpgroup.
-# A block reads K/V rows of at least 128 values (256 bytes): at D = 64, two K/V heads per block. Measured on
-# the H100 (2026-11-26, gpt-oss heads, notes/decode3.md): at B = 64 and 8k-128k keys, one head per block
-# (128-byte pieces of each 1 KiB cache row) read at 101-103% of torch.sum's bandwidth and 0.97-0.98× cuDNN's
-# time ratio, two heads (256-byte pieces) at 103-104% and 0.99-1.00×; at D = 128 (256-byte rows already)
-# two heads per block were 0-2% slower.
+# A block reads K/V rows of at least 128 values (256 bytes): at D = 64, two K/V heads per block
+# (``kv_heads_per_block``). Measured at gpt-oss heads, D = 64, B = 64, 8k-128k keys (2026-11-26,
+# notes/decode3.md): one head per block (128-byte pieces of each 1 KiB cache row) ran at 0.97-0.98 of cuDNN's
+# speed (its time ÷ ours) on an H100 and 0.98-0.99 on an H200; two heads (256-byte pieces) at 0.99-1.00 and
+# 1.00-1.01. At D = 128 (rows of 256 bytes already) two heads per block were 0-2% slower on the H100.
 DECODE_CONFIGS = {"c": DecodeConfig(block_N=16, num_stages=1, threads=1),
                   "cuda": DecodeConfig(block_N=128, num_stages=3, threads=128, warp_specialize=True, min_blocks=2,
                                        kv_heads_per_block=None)}
@@ -305,7 +306,8 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
             normalise_rows(tb, p, acc_o, l, m, shift, None, 0, block_M, width, False)  # the sink joins in the merge
             for i, d in tb.parallel(block_M, width):  # row r: new token r // group, query head of the group r % group
                 if stored_column(i, d, first_row):
-                    Out[b, row(i, first_row) // group, q_head(i, first_row, kv_head), split, own_column(d)] = acc_o[i, d]
+                    Out[b, row(i, first_row) // group, q_head(i, first_row, kv_head), split, own_column(d)] = \
+                        acc_o[i, d]
             for i in tb.parallel(block_M):
                 if stored(i, first_row):
                     Lse[b, row(i, first_row) // group, q_head(i, first_row, kv_head), split] = \
@@ -341,7 +343,8 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
     ):
         # K/V head fastest: the blocks that run together read neighbouring slices of the same cache rows.
         with tb.kernel(heads_kv // hpb * row_tiles, splits, batch, threads=threads) as (bx, split, b):
-            decode_block(Q, grouped(K), grouped(V), BlockTable, CacheSeqlens, None, O_part, LSE_part, bx, split, b, splits)
+            decode_block(Q, grouped(K), grouped(V), BlockTable, CacheSeqlens, None, O_part, LSE_part, bx, split, b,
+                         splits)
 
     return flash_decode_split
 
@@ -406,15 +409,16 @@ def choose_num_splits(batch, heads_kv, capacity, *, num_sms, config, row_tiles=1
                       min_blocks_per_split=None):
     """How many splits one decoding step uses, from (B, H_kv, cache capacity) and the GPU's SMs.
 
-    Without splitting there are B·H_kv·row_tiles thread blocks (B·H_kv / ``kv_heads_per_block``). When there are as many as SMs already,
-    splitting only adds merge work: 1 split, and one kernel (no merge launch). Otherwise use as many
-    splits as give every SM one block, but give every split at least ``min_blocks_per_split`` key
+    Without splitting there are B·H_kv·row_tiles thread blocks (B·H_kv / ``kv_heads_per_block``). When there
+    are as many as SMs already, splitting only adds merge work: 1 split, and one kernel (no merge launch).
+    Otherwise use as many splits as give every SM one block, but give every split at least ``min_blocks_per_split`` key
     tiles (default: ``num_stages + 1``, so its pipeline fills; a split shorter than that is a launch
     and a merge for a few loads).
 
     One block per SM, although two fit (``blocks_per_sm``): measured on the H100 (2026-11-26, gpt-oss
-    heads, 32k and 128k keys, D 64 and 128, contiguous and paged), B = 8 read 1–3% faster with 2 splits
-    (128 blocks) than with 4 (256, a full wave of two per SM), and B = 1 as fast with 16 splits as with 33;
+    heads, 32k and 128k keys, D 64 and 128, contiguous and paged; one K/V head per block), B = 8 read 1–3% faster
+    with 2 splits (128 blocks) than with 4 (256, a full wave of two per SM), and B = 1 as fast with 16 splits as
+    with 33;
     fewer splits also mean fewer partials for the merge to read.
     """
     if min_blocks_per_split is None:
