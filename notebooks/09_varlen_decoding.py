@@ -456,6 +456,17 @@ show_source(flash_decode_kernel, "this split's key blocks")
 # per *K/V head* whose query tile holds all 8 heads (and all new tokens) reads each K/V tile once for
 # the group; one block per query head would read the cache 8 times. The rows are padded to the
 # tensor cores' 16; the padding rows are computed and never stored.
+#
+# **Two K/V heads per block at D = 64.** A token's cache row holds its 8 K/V heads side by side
+# (`[B, S, H_kv, D]`): at D = 64, one head's share of each 1 KiB row is a 128-byte piece. A block may own
+# c neighbouring K/V heads instead (`kv_heads_per_block`): it reads the cache as `[B, S, H_kv / c, c·D]`
+# (the same bytes), so the rows of its tiles are c · 128 contiguous bytes, and its query tile is
+# block-diagonal: the rows of head slot j hold their queries in columns j·D … (j+1)·D − 1 and zeros
+# elsewhere, so one Q·Kᵀ gives each row the scores of its own head only; P·V computes c·D columns per
+# row, and a row keeps its own head's D. The tensor cores, idle here, do c× the work; the loads get
+# wider. The default is c = 128 ÷ D: on an H100 and an H200 (2026-11-26, `notes/decode3.md`), two heads
+# per block read 1–3% faster at D = 64 with B = 8 or 64 and 8k–128k keys; at D = 128, whose rows are
+# 256 bytes already, two were 0–2% slower than one.
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 4.2))
@@ -523,12 +534,12 @@ for what, change in bad.items():
 # ## 9 · How many splits?
 #
 # Too few splits leave SMs idle; too many cut each block's loop short (its pipeline never fills) and
-# give the merge more partials to read. `choose_num_splits` gives every SM one block: with B · H_kv
-# blocks before splitting, it takes ⌊SMs ÷ (B · H_kv)⌋ splits (each with a few key tiles at least),
-# and when B · H_kv already covers the SMs it does not split (one kernel, no merge). Two blocks fit on
-# an SM here (by shared memory), and an earlier version filled that whole *wave*; on the H100 one
-# block per SM read as fast at B = 1 (16 splits against 33) and slightly faster at B = 8 (2 against 4;
-# `notes/ch09_gpu_notes.md`). Like FlashAttention's heuristic, it looks at shapes only (the cache's
+# give the merge more partials to read. `choose_num_splits` gives every SM one block: with
+# n = B · H_kv / c blocks before splitting (c K/V heads per block), it takes ⌊SMs ÷ n⌋ splits (each
+# with a few key tiles at least), and when n already covers the SMs it does not split (one kernel, no
+# merge). Two blocks fit on an SM here (by shared memory), and an earlier version filled that whole
+# *wave*; on the H100, with one K/V head per block, one block per SM read as fast at B = 1 (16 splits
+# against 33) and slightly faster at B = 8 (2 against 4; `notes/ch09_gpu_notes.md`). Like FlashAttention's heuristic, it looks at shapes only (the cache's
 # capacity), so choosing costs no wait for the GPU.
 
 # %%

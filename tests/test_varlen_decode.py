@@ -219,6 +219,71 @@ def test_a_wrong_page_fails_the_check():
         check_forward(q, k, v, out, refs=decode_references(q, k, v, lengths), quiet=True)
 
 
+@pytest.fixture
+def kv_heads_per_block(request, monkeypatch):
+    """The CPU default with ``kv_heads_per_block`` set (plans and configs made under it are dropped after)."""
+    import course_utils.api.varlen_api as va
+    import course_utils.kernels.flash_decode as fd
+
+    monkeypatch.setitem(fd.DECODE_CONFIGS, "c", fd.DECODE_CONFIGS["c"]._replace(kv_heads_per_block=request.param))
+    fd.decode_config.cache_clear()
+    va._PLANS.clear()
+    yield request.param
+    fd.decode_config.cache_clear()
+    va._PLANS.clear()
+
+
+@pytest.mark.parametrize("kv_heads_per_block", [2, 4], indirect=True)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_several_kv_heads_per_block(kv_heads_per_block, num_splits):
+    """A block owning 2 or 4 K/V heads (block-diagonal query tile over the cache read as [.., H_kv / c, c·D]):
+    every head of every sequence, causal with two new tokens and sinks, contiguous and paged with a window."""
+    from course_utils.api.varlen_api import _decode_problem
+
+    heads, heads_kv, dim, lengths = 8, 4, 16, [0, 1, 17, 40]
+    q = torch.randn(len(lengths), 2, heads, dim)
+    k, v = (torch.randn(len(lengths), 40, heads_kv, dim) for _ in range(2))
+    for t in (k, v):
+        for b, n in enumerate(lengths):
+            t[b, n:] = float("nan")  # past the end: masked, never reaching another head of the block
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    sinks = torch.randn(heads)
+    assert _decode_problem(q, k, None, True, None, None)[1].kv_heads_per_block == kv_heads_per_block
+    out, lse = flash_decode(q, k, v, seqlens, causal=True, sinks=sinks, num_splits=num_splits, return_lse=True)
+    check_forward(q, k, v, out, lse, refs=decode_references(q, k, v, seqlens, causal=True, sinks=sinks),
+                  name=f"{kv_heads_per_block} heads per block", quiet=True)
+    table = torch.randperm(len(lengths) * 3).view(len(lengths), 3).to(torch.int32)  # pages of 16 keys, shuffled
+    k_pages, v_pages = (torch.empty(len(lengths) * 3, 16, heads_kv, dim) for _ in range(2))
+    for b in range(len(lengths)):
+        for j in range(3):
+            rows = slice(j * 16, min(j * 16 + 16, 40))
+            k_pages[table[b, j], :rows.stop - rows.start] = k[b, rows]
+            v_pages[table[b, j], :rows.stop - rows.start] = v[b, rows]
+    out, lse = flash_decode(q, k_pages, v_pages, seqlens, block_table=table, window_size=5, sinks=sinks,
+                            num_splits=num_splits, return_lse=True)
+    check_forward(q, k, v, out, lse, refs=decode_references(q, k, v, seqlens, window_size=5, sinks=sinks),
+                  name="paged, window 5", quiet=True)
+
+
+def test_kv_heads_per_block_is_fitted_and_checked():
+    """decode_config lowers it to a divisor of H_kv whose rows fit a 64-row tile; the kernel refuses one that
+    does not divide H_kv or whose rows do not fit ``block_M``; the split rule counts blocks of c heads."""
+    from course_utils.kernels.flash_decode import choose_num_splits, decode_config, flash_decode_kernel
+
+    assert decode_config("cuda", 64, 8, 64, 1, kv_heads_per_block=16).kv_heads_per_block == 8  # 8 × 8 rows
+    assert decode_config("cuda", 64, 8, 64, 2, kv_heads_per_block=8).kv_heads_per_block == 4  # 16 rows a head
+    assert decode_config("cuda", 12, 6, 64, 1, kv_heads_per_block=4).kv_heads_per_block == 2
+    two = decode_config("cuda", 64, 8, 64, 1, kv_heads_per_block=2)
+    assert (two.block_M, two.block_N) == (16, 64)  # the same bytes per K/V tile as one head's 128 × 64
+    assert decode_config("cuda", 64, 8, 64, 1, 32, kv_heads_per_block=2).block_N == 32  # divides the page
+    assert choose_num_splits(1, 8, 131072, num_sms=132, config=two) == 33  # 4 blocks before splitting
+    for kwargs, message in ((dict(kv_heads_per_block=3), "kv_heads_per_block must be a positive int dividing"),
+                            (dict(kv_heads_per_block=0), "kv_heads_per_block"),
+                            (dict(kv_heads_per_block=2, block_M=8), r"block_M \(8\) must be at least 2 × 8")):
+        with pytest.raises(ValueError, match=message):
+            flash_decode_kernel(64, 8, 64, 1, target="c", **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 def _varlen_args():

@@ -215,22 +215,30 @@ def test_one_split_kernel_matches_split_and_merge_and_the_reference(mask, sinks)
 
 
 def test_split_count_rule():
-    """One split (one kernel) once B·H_kv covers the SMs; otherwise one block per SM (the H100 sweep of
-    2026-11-26: B=8 2 splits, B=1 16), with at least num_stages + 1 key tiles per split."""
+    """One split (one kernel) once the blocks cover the SMs; otherwise one block per SM (the H100 sweep of
+    2026-11-26, one K/V head per block: B=8 2 splits, B=1 16, i.e. 128 blocks), with at least num_stages + 1
+    key tiles per split. The default at D=64 puts two K/V heads in a block: half the blocks, twice the splits."""
     from course_utils.kernels.flash_decode import choose_num_splits, decode_config
 
-    config = decode_config("cuda", 64, 8, 64, 1)
-    picked = {}
-    for batch in (1, 8, 16, 64):
-        for capacity in (128, 1024, 8192, 131072):
-            splits = choose_num_splits(batch, 8, capacity, num_sms=132, config=config)
-            tiles = -(-capacity // config.block_N)
-            assert splits == 1 or tiles // splits >= config.num_stages + 1, (batch, capacity, splits)
-            assert splits * batch * 8 <= 132 or splits == 1, (batch, capacity, splits)
-            picked[batch, capacity] = splits
-    assert picked[1, 131072] == 16 and picked[8, 131072] == 2 and picked[16, 131072] == 1
-    assert picked[1, 1024] == 2  # 8 key tiles: two splits of four
-    assert all(picked[64, c] == 1 for c in (128, 1024, 8192, 131072))
+    for heads_per_block in (1, None):
+        config = decode_config("cuda", 64, 8, 64, 1, kv_heads_per_block=heads_per_block)
+        blocks = 8 // config.kv_heads_per_block  # per sequence, before splitting
+        picked = {}
+        for batch in (1, 8, 16, 64):
+            for capacity in (128, 1024, 8192, 131072):
+                splits = choose_num_splits(batch, 8, capacity, num_sms=132, config=config)
+                tiles = -(-capacity // config.block_N)
+                assert splits == 1 or tiles // splits >= config.num_stages + 1, (batch, capacity, splits)
+                assert splits * batch * blocks <= 132 or splits == 1, (batch, capacity, splits)
+                picked[batch, capacity] = splits
+        if heads_per_block == 1:
+            assert picked[1, 131072] == 16 and picked[8, 131072] == 2 and picked[16, 131072] == 1
+            assert picked[1, 1024] == 2  # 8 key tiles: two splits of four
+        else:
+            assert config.kv_heads_per_block == 2
+            assert picked[1, 131072] == 33 and picked[8, 131072] == 4 and picked[16, 131072] == 2
+            assert picked[1, 1024] == 4  # 16 key tiles of 64: four splits of four
+        assert all(picked[64, c] == 1 for c in (128, 1024, 8192, 131072))
 
 
 @pytest.mark.parametrize("page_size", [None, 256])

@@ -172,7 +172,7 @@ def decode_num_splits(q, k_cache, *, block_table=None):
     rows = decode_rows(heads, heads_kv, seq_new)
     sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     return choose_num_splits(batch, heads_kv, capacity, num_sms=sms, config=config,
-                             row_tiles=math.ceil(rows / config.block_M))
+                             row_tiles=1 if config.kv_heads_per_block > 1 else math.ceil(rows / config.block_M))
 
 
 def _wants_index_check(check_indices, *tensors):
