@@ -465,8 +465,8 @@ show_source(flash_decode_kernel, "this split's key blocks")
 # elsewhere, so one Q·Kᵀ gives each row the scores of its own head only; P·V computes c·D columns per
 # row, and a row keeps its own head's D. The tensor cores, idle here, do c× the work; the loads get
 # wider. The default is c = 128 ÷ D: on an H100 and an H200 (2026-11-26, `notes/decode3.md`), two heads
-# per block read 1–3% faster at D = 64 with B = 8 or 64 and 8k–128k keys; at D = 128, whose rows are
-# 256 bytes already, two were 0–2% slower than one.
+# per block read a few percent faster at D = 64 with B = 8 or 64 and 8k–128k keys; at D = 128, whose
+# rows are 256 bytes already, two were slightly slower than one.
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 4.2))

@@ -25,7 +25,7 @@ from .checks import (
 )
 
 __all__ = ["references", "check_forward", "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught",
-           "backward_without_delta", "check_stored_errors", "varlen_references", "decode_references",
+           "backward_without_delta", "check_stored_errors", "stored_bounds", "varlen_references", "decode_references",
            "cached_keys"]
 
 
@@ -129,7 +129,7 @@ def _check(actual, reference, low_precision, name, quiet):
     return {"err": err, "allowed": tol.atol + tol.rtol * float(reference.detach().abs().nan_to_num(0).max())}
 
 
-def _stored_bounds(errors):
+def stored_bounds(errors):
     """(quantity, error, bound) for each quantity of a row's stored errors.
 
     Records store {"err", "allowed"} per quantity. The first records of 2026-11-23 stored the error
@@ -172,7 +172,7 @@ def check_stored_errors(rows, what="record", *, unchecked=PEERS + (NAIVE,), lega
     missing = [r for r in ours if not r.get("errors")]
     if missing:
         raise CheckFailed(f"✗ {what}: {len(missing)} of {len(ours)} rows of ours carry no validation errors")
-    worst = max(((err / allowed, q, err) for r in ours for q, err, allowed in _stored_bounds(r["errors"])),
+    worst = max(((err / allowed, q, err) for r in ours for q, err, allowed in stored_bounds(r["errors"])),
                 key=lambda t: t[0])
     if worst[0] > 1:
         raise CheckFailed(f"✗ {what}: {worst[1]} error {worst[2]:.2e} exceeds its bound")
