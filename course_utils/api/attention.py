@@ -126,7 +126,7 @@ HOPPER_BACKWARD_CONFIGS = {
     (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper"),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2): +1-7% over S = 1k-16k in the records' method,
     # -0.2…+5.8% under do_bench (issue 26, notes/bwd3.md; version 17).
-    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", policies=("row", "row", "row", "row", "row")),
+    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", policies=("row",) * 5),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2) and dV issued under dSᵀ: +3-13% at
     # D = 64 causal over S = 1k-16k in both timing methods (issue 26, notes/bwd3.md; versions 17, 14 and 18).
     (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True,
