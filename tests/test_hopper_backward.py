@@ -193,6 +193,10 @@ def test_defaults_and_clear_errors_off_hopper():
         flash_attention(q, q, q, deterministic=True)
     with pytest.raises(ValueError, match="must be one of"):
         flash_attention(q, q, q, backward_config=BackwardConfig(16, 16, 1, 1, kernel="flash_bwd_hoper"))
+    for option in (dict(dv_under_ds=True), dict(policies=("row",) * 5)):  # chapter 08's kernel only
+        name = next(iter(option))
+        with pytest.raises(ValueError, match=rf"{name}=.* needs a kernel that takes it, one of \['flash_bwd_hopper'\]"):
+            flash_attention(q, q, q, backward_config=BackwardConfig(16, 16, 1, 1, kernel="flash_bwd", **option))
 
 
 def test_every_version_has_a_distinct_number_and_tiling():

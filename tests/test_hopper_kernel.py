@@ -61,7 +61,7 @@ def test_cpu_defaults_unchanged_and_overlap_rejected_off_hopper():
     q = torch.randn(1, 2, 32, 16)
     with pytest.raises(ValueError, match="sm_90"):
         flash_attention(q, q, q, config=HOPPER_FORWARD_CONFIGS[128, False])
-    with pytest.raises(ValueError, match="needs one of chapter 07's Hopper kernels"):
+    with pytest.raises(ValueError, match=r"pingpong=True\) needs a kernel that takes it, one of \['flash_fwd_hopper'"):
         flash_attention(q, q, q, config=ForwardConfig(16, 16, 1, 1, pingpong=True))
 
 

@@ -21,12 +21,16 @@ from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
 from ..kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
 from ..kernels.tiles import compile_kernel
 
-__all__ = ["KernelRow", "FORWARD", "BACKWARD", "forward_row", "backward_row"]
+__all__ = ["KernelRow", "FORWARD", "BACKWARD", "OPTION_OFF", "forward_row", "backward_row"]
 
 
 def _sm_count():
     """One persistent block per SM of the current GPU."""
     return dict(num_ctas=torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
+
+
+# Config fields that only some kernels take (a row's ``options``), with the value that leaves each off.
+OPTION_OFF = {"pingpong": False, "dv_under_ds": False, "policies": None}
 
 
 @dataclass(frozen=True)
@@ -51,15 +55,12 @@ class KernelRow:
         kind = type(config).__name__
         if self.hopper_only and (problem.target != "cuda" or not is_hopper()):
             raise ValueError(f"{kind}(kernel={self.name!r}) is {self.what}: it needs an sm_90 GPU")
-        if getattr(config, "pingpong", False) and "pingpong" not in self.options:
-            hopper = tuple(name for name, row in FORWARD.items() if "pingpong" in row.options)
-            raise ValueError(f"ForwardConfig(pingpong=True) needs one of chapter 07's Hopper kernels {hopper}")
-        if getattr(config, "dv_under_ds", False) and "dv_under_ds" not in self.options:
-            raise ValueError("BackwardConfig(dv_under_ds=True) needs chapter 08's Hopper backward "
-                             "(kernel='flash_bwd_hopper')")
-        if getattr(config, "policies", None) is not None and "policies" not in self.options:
-            raise ValueError("BackwardConfig(policies=...) needs chapter 08's Hopper backward "
-                             "(kernel='flash_bwd_hopper')")
+        for option, off in OPTION_OFF.items():
+            value = getattr(config, option, off)
+            if value != off and option not in self.options:
+                takers = [name for name, row in {**FORWARD, **BACKWARD}.items() if option in row.options]
+                raise ValueError(f"{kind}({option}={value!r}) needs a kernel that takes it, one of {takers}; "
+                                 f"{self.name!r} is {self.what}")
         if getattr(config, "policies", None) is not None:
             gemm_policies(config.policies, swap_dq=False)  # a clear ValueError now, not at the backward
         if deterministic and not self.deterministic:
