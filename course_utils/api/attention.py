@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 from ..core.device import is_hopper
 from ..core.problem import AttentionProblem
 from ..kernels.flash_bwd import flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from ..kernels.flash_bwd_hopper import flash_bwd_hopper_dq_kernel
+from ..kernels.flash_bwd_hopper import DQ_BY_ROWS, flash_bwd_hopper_dq_kernel
 from ..kernels.tiles import compile_kernel
 from .inputs import SUPPORTED, check_attention_inputs, check_sm_scale, sink_logits, sink_probability
 from .registry import BACKWARD, FORWARD, backward_row, forward_row
@@ -126,11 +126,10 @@ HOPPER_BACKWARD_CONFIGS = {
     (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper"),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2): +1-7% over S = 1k-16k in the records' method,
     # -0.2…+5.8% under do_bench (issue 26, notes/bwd3.md; version 17).
-    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", policies=("row",) * 5),
+    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", policies=DQ_BY_ROWS),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2) and dV issued under dSᵀ: +3-13% at
     # D = 64 causal over S = 1k-16k in both timing methods (issue 26, notes/bwd3.md; versions 17, 14 and 18).
-    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True,
-                               policies=("row", "row", "row", "row", "row")),
+    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, policies=DQ_BY_ROWS),
 }
 # The deterministic backward's dQ kernel: (block_M queries, block_N keys per step) by head dim.
 HOPPER_DQ_TILES = {128: (128, 64), 64: (128, 128)}

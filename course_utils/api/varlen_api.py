@@ -18,7 +18,6 @@ gives a wrong answer for its sequence, never a read outside the cache.
 """
 
 import functools
-import math
 from typing import NamedTuple
 
 import torch
@@ -30,6 +29,7 @@ from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONF
 from ..kernels.flash_decode import (
     choose_num_splits,
     decode_config,
+    decode_row_tiles,
     decode_rows,
     flash_decode_kernel,
     flash_decode_merge_kernel,
@@ -172,7 +172,7 @@ def decode_num_splits(q, k_cache, *, block_table=None):
     rows = decode_rows(heads, heads_kv, seq_new)
     sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     return choose_num_splits(batch, heads_kv, capacity, num_sms=sms, config=config,
-                             row_tiles=1 if config.kv_heads_per_block > 1 else math.ceil(rows / config.block_M))
+                             row_tiles=decode_row_tiles(rows, config.block_M, config.kv_heads_per_block))
 
 
 def _wants_index_check(check_indices, *tensors):

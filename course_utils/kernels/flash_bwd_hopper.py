@@ -39,7 +39,7 @@ from .hopper_pieces import keep_stages_until_read
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
            "issue_scores", "issue_dq_then_dk", "stage_dq", "query_steps", "key_steps", "padded_rows",
-           "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "gemm_policies"]
+           "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS", "gemm_policies"]
 
 ACCUM = "float32"
 # The main kernel places its own barriers (consumer_barrier); TileLang must not add its conservative ones.
@@ -56,6 +56,10 @@ _DS_BARRIER, _DQ_BARRIER = 6, 5  # named barrier ids (TileLang's own syncs use 1
 # "square" lets TileLang pick by the output's aspect ratio (FlashAttention-3's AtomLayout* choices).
 GEMMS = ("s", "dp", "dv", "dk", "dq")
 WARP_POLICIES = {"row": T.GemmWarpPolicy.FullRow, "col": T.GemmWarpPolicy.FullCol, "square": T.GemmWarpPolicy.Square}
+# Every product split by rows, dQ included (FlashAttention-3's AtomLayoutMdQ = 2): at D = 64 dQ is 128 × 64, which
+# TileLang's square split puts side by side (128 × 32 each); the other products are split by key rows already, and
+# no other split lowers (the registers of Pᵀ and dSᵀ feed dV and dK as they are).
+DQ_BY_ROWS = ("row",) * len(GEMMS)
 
 
 def gemm_policies(policies, swap_dq):
@@ -128,7 +132,7 @@ def ds_t(dST, PT, dPT, delta, block_M, block_N):
 def _dq_policy(policy, swap_dq):
     if policy is not None:  # not ``policy or``: Square is 0
         return policy
-    return T.GemmWarpPolicy.FullRow if swap_dq else T.GemmWarpPolicy.Square
+    return gemm_policies(None, swap_dq)["dq"]
 
 
 @T.macro

@@ -47,7 +47,7 @@ from .flash_pieces import (
 )
 from .tiles import TileBackend
 
-__all__ = ["DecodeConfig", "DECODE_CONFIGS", "decode_config", "decode_rows", "flash_decode_kernel",
+__all__ = ["DecodeConfig", "DECODE_CONFIGS", "decode_config", "decode_rows", "decode_row_tiles", "flash_decode_kernel",
            "flash_decode_merge_kernel", "choose_num_splits", "blocks_per_sm", "MAX_SPLITS"]
 
 
@@ -92,6 +92,12 @@ MAX_SPLITS = 128
 def decode_rows(heads, heads_kv, seq_new):
     """Rows of one packed query tile: every query head of a K/V group, for every new token."""
     return heads // heads_kv * seq_new
+
+
+def decode_row_tiles(rows, block_M, kv_heads_per_block=1):
+    """Query tiles per block row of the grid: the packed ``rows`` in tiles of ``block_M``, or one tile holding
+    every row of its heads when a block owns ``kv_heads_per_block`` > 1 K/V heads."""
+    return 1 if kv_heads_per_block > 1 else (rows + block_M - 1) // block_M
 
 
 @functools.lru_cache(maxsize=64)  # called at every decoding step: the answer depends on these ints only
@@ -163,7 +169,7 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
     if hpb > 1 and block_M < hpb * rows:
         raise ValueError(f"kv_heads_per_block={hpb} needs every row of its {hpb} heads in one tile: block_M "
                          f"({block_M}) must be at least {hpb} × {rows}")
-    row_tiles = 1 if hpb > 1 else p_model.blocks(rows, block_M)
+    row_tiles = decode_row_tiles(rows, block_M, hpb)
     width = hpb * dim  # columns of a K/V tile: hpb heads side by side
     if page_size is not None and page_size % block_N:
         raise ValueError(f"block_N ({block_N}) must divide page_size ({page_size})")

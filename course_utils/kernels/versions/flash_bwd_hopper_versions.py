@@ -21,7 +21,7 @@ import tilelang.language as T
 import torch
 
 from ..flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from ..flash_bwd_hopper import PASS_CONFIGS, flash_bwd_hopper_kernel, issue_dq
+from ..flash_bwd_hopper import DQ_BY_ROWS, PASS_CONFIGS, flash_bwd_hopper_kernel, issue_dq
 from ..flash_pieces import LOG2E
 from ..tiles import TileBackend, compile_kernel
 from .version import Version, renamed
@@ -29,7 +29,7 @@ from .version import versions_for as _versions_for
 
 __all__ = ["Version", "VERSIONS", "SHIPPED_VERSION", "shipped_version", "versions_for", "flash_bwd_hopper_variant",
            "variant_pieces", "reversed_key_blocks", "every_tile", "dk_before_dq", "atomic_dq",
-           "fused_preprocess_kernel", "MANUAL_SYNC_PASS_CONFIGS", "DQ_BY_ROWS"]
+           "fused_preprocess_kernel", "MANUAL_SYNC_PASS_CONFIGS"]
 
 ACCUM = "float32"
 # With the kernel's own barriers (own_barriers, the shipped scheme) TileLang must not add its four.
@@ -219,10 +219,6 @@ def _helper_kernels(batch, heads, heads_kv, seq, seq_k, dim, dtype, fused):
 _BEFORE_7 = dict(ds_buffers=1, own_barriers=False, dv_under_ds=True, ds_from_float32_p=True)
 _ATOMIC_1 = dict(_BEFORE_7, reduce_dq=atomic_dq, issue=dk_before_dq, num_stages=1)
 _FA3_TILES = {(128, False): dict(block_M=80), 64: dict(block_M=128)}
-# The five products' warpgroup split (Sᵀ, dPᵀ, dV, dK, dQ) with dQ by query rows: at D = 64, 128 × 64, TileLang's
-# square split puts the warpgroups side by side (128 × 32 each); the other products are split by key rows
-# already, and no other split lowers (the registers of Pᵀ and dSᵀ feed dV and dK as they are).
-DQ_BY_ROWS = ("row", "row", "row", "row", "row")
 
 VERSIONS = [
     _backward(1, "chapter 05's kernel (synchronous T.gemm)", "every matmul waits; dQ by per-element atomics",
@@ -276,8 +272,8 @@ def versions_for(causal, dim=None):
 def shipped_version(dim, causal, config):
     """The version whose row in the ablation runs what ``flash_attention`` runs: the shipped kernel at
     ``config``'s tiling (a ``BackwardConfig``, or a (block_M, block_N) pair) with its options."""
-    options = dict(dv_under_ds=getattr(config, "dv_under_ds", False), policies=getattr(config, "policies", None))
     defaults = dict(dv_under_ds=False, policies=None)
+    options = {name: getattr(config, name, off) for name, off in defaults.items()}
     candidates = [v for v in VERSIONS if v.shipped_code and (causal or not v.causal_only) and dim in v.dims
                   and v.tiling(dim, causal) == tuple(config[:2])
                   and all(v.knobs_for(dim, causal).get(k, defaults[k]) == value for k, value in options.items())]
