@@ -58,8 +58,8 @@ from course_utils.pictures import plots, varlen_diagrams
 from course_utils.measure.benchmarks import RECORDS
 from course_utils.measure.benchmarks.ch09_varlen_decode import (DENSE_EQUAL, PACKED_GRID, PACKED_LIST, PAGED, SUM,
                                                         varlen_lengths)
-from course_utils.kernels.flash_decode import blocks_per_sm, choose_num_splits, decode_config, flash_decode_kernel, \
-    flash_decode_merge_kernel
+from course_utils.kernels.flash_decode import ONE_SPLIT_TILES, blocks_per_sm, choose_num_splits, decode_config, \
+    flash_decode_kernel, flash_decode_merge_kernel
 from course_utils.kernels.flash_pieces import with_lengths, zero_rows_past_end
 from course_utils.kernels.flash_varlen import flash_varlen_fwd_kernel, varlen_work_list
 from course_utils.core.labels import CUDNN, FA2, OURS
@@ -537,7 +537,10 @@ for what, change in bad.items():
 # give the merge more partials to read. `choose_num_splits` gives every SM one block: with
 # n = B · H_kv / c blocks before splitting (c K/V heads per block), it takes ⌊SMs ÷ n⌋ splits (each
 # with a few key tiles at least), and when n already covers the SMs it does not split (one kernel, no
-# merge). Two blocks fit on an SM here (by shared memory), and an earlier version filled that whole
+# merge). A short cache is not split either: up to `ONE_SPLIT_TILES` key tiles, one block streams
+# them in less time than the merge's extra launch costs a call issued from Python (the sweep below
+# has the 1k and 2k caches). In a CUDA graph, where launches cost nothing, splitting would pay sooner.
+# Two blocks fit on an SM here (by shared memory), and an earlier version filled that whole
 # *wave*; on the H100, with one K/V head per block, one block per SM read as fast at B = 1 (16 splits
 # against 33) and slightly faster at B = 8 (2 against 4; `notes/ch09_gpu_notes.md`). Like FlashAttention's heuristic, it looks at shapes only (the cache's
 # capacity), so choosing costs no wait for the GPU.
@@ -548,7 +551,8 @@ show_source(choose_num_splits)
 # %%
 # NBVAL_CHECK_OUTPUT
 h100 = decode_config("cuda", 64, 8, 64, 1)
-print(f"H100 (132 SMs), gpt-oss D=64: {blocks_per_sm(h100, 64)} blocks fit per SM; splits chosen:")
+print(f"H100 (132 SMs), gpt-oss D=64: {blocks_per_sm(h100, 64)} blocks fit per SM; one kernel up to "
+      f"{ONE_SPLIT_TILES} key tiles of {h100.block_N}; splits chosen:")
 print("   B  " + "".join(f"{plots.seq_label(s):>7}" for s in (1024, 8192, 32768, 131072)))
 for batch in (1, 8, 64):
     chosen = [choose_num_splits(batch, 8, s, num_sms=132, config=h100) for s in (1024, 8192, 32768, 131072)]

@@ -215,10 +215,11 @@ def test_one_split_kernel_matches_split_and_merge_and_the_reference(mask, sinks)
 
 
 def test_split_count_rule():
-    """One split (one kernel) once the blocks cover the SMs; otherwise one block per SM (the H100 sweep of
-    2026-11-26, one K/V head per block: B=8 2 splits, B=1 16, i.e. 128 blocks), with at least num_stages + 1
-    key tiles per split. The default at D=64 puts two K/V heads in a block: half the blocks, twice the splits."""
-    from course_utils.kernels.flash_decode import choose_num_splits, decode_config
+    """One split (one kernel) once the blocks cover the SMs, or when the cache has at most ONE_SPLIT_TILES key
+    tiles; otherwise one block per SM (the H100 sweep of 2026-11-26, one K/V head per block: B=8 2 splits, B=1
+    16, i.e. 128 blocks), with at least num_stages + 1 key tiles per split. The default at D=64 puts two K/V heads
+    in a block: half the blocks, twice the splits."""
+    from course_utils.kernels.flash_decode import ONE_SPLIT_TILES, choose_num_splits, decode_config
 
     for heads_per_block in (1, None):
         config = decode_config("cuda", 64, 8, 64, 1, kv_heads_per_block=heads_per_block)
@@ -229,15 +230,19 @@ def test_split_count_rule():
                 splits = choose_num_splits(batch, 8, capacity, num_sms=132, config=config)
                 tiles = -(-capacity // config.block_N)
                 assert splits == 1 or tiles // splits >= config.num_stages + 1, (batch, capacity, splits)
+                assert splits == 1 or tiles > ONE_SPLIT_TILES, (batch, capacity, splits)
                 assert splits * batch * blocks <= 132 or splits == 1, (batch, capacity, splits)
                 picked[batch, capacity] = splits
         if heads_per_block == 1:
             assert picked[1, 131072] == 16 and picked[8, 131072] == 2 and picked[16, 131072] == 1
-            assert picked[1, 1024] == 2  # 8 key tiles: two splits of four
+            assert picked[1, 1024] == 1 and picked[1, 8192] == 16  # 16 key tiles of 64: one kernel
         else:
             assert config.kv_heads_per_block == 2
             assert picked[1, 131072] == 33 and picked[8, 131072] == 4 and picked[16, 131072] == 2
-            assert picked[1, 1024] == 4  # 16 key tiles of 64: four splits of four
+            assert picked[1, 1024] == 1 and picked[8, 1024] == 1  # 16 key tiles of 64: one kernel
+            assert choose_num_splits(1, 8, 2048, num_sms=132, config=config) == 1  # 32 tiles: one kernel
+            assert choose_num_splits(1, 8, 4096, num_sms=132, config=config) == 16  # 64 tiles: 16 splits of 4
+            assert picked[1, 8192] == 32  # 128 tiles: 32 splits of four tiles (4 blocks × 32 ≤ 132 SMs)
         assert all(picked[64, c] == 1 for c in (128, 1024, 8192, 131072))
 
 

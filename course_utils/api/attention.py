@@ -113,6 +113,8 @@ class BackwardConfig(NamedTuple):
     # Chapter 08's kernel only: how its two consumer warpgroups split each product, five names ("row", "col",
     # "square") for Sᵀ, dPᵀ, dV, dK, dQ (``flash_bwd_hopper.gemm_policies``); None: the shipped split.
     policies: tuple | None = None
+    # Chapter 08's kernel only: dK and dV written through shared memory by TMA (the ablation's version 19).
+    dkdv_by_tma: bool = False
 
     tiling = ForwardConfig.tiling
 
@@ -122,8 +124,10 @@ TUNED_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
 # Chapter 08's Hopper backward, tiled per (head dim, causal or window mask) as FlashAttention-3 tiles
 # it (block_M queries per step, block_N resident keys), checked by chapter 08's ablation on the H100.
 HOPPER_BACKWARD_CONFIGS = {
-    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper"),
-    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper"),
+    # dV issued under dSᵀ, and dK and dV stored by TMA: +2.5-8.3% (fp16) and 0-5.8% (bf16) over version 9 at
+    # S = 2k-16k, both masks, 3 blocks of alternated rounds each (issue 26, notes/hopper_backward.md; version 20).
+    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
+    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2): +1-7% over S = 1k-16k in the records' method,
     # -0.2…+5.8% under do_bench (issue 26, notes/bwd3.md; version 17).
     (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", policies=DQ_BY_ROWS),

@@ -38,7 +38,7 @@ from .flash_pieces import (
 from .hopper_pieces import keep_stages_until_read
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
-           "issue_scores", "issue_dq_then_dk", "stage_dq", "query_steps", "key_steps", "padded_rows",
+           "issue_scores", "issue_dq_then_dk", "stage_dq", "store_dkdv_from_registers", "store_dkdv_by_tma", "query_steps", "key_steps", "padded_rows",
            "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS", "gemm_policies"]
 
 ACCUM = "float32"
@@ -49,7 +49,8 @@ ACCUM = "float32"
 # other is still reading (wrong dQ and dK in some runs; notes/hopper_backward.md).
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
                 tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True}
-_DS_BARRIER, _DQ_BARRIER = 6, 5  # named barrier ids (TileLang's own syncs use 1-3, chapter 07's ping-pong 8-9)
+# named barrier ids (TileLang's own syncs use 1-3, chapter 07's ping-pong 8-9)
+_DS_BARRIER, _DQ_BARRIER, _EPILOGUE_BARRIER = 6, 5, 7
 
 # The five products of one step, in issue order, and how their two consumer warpgroups may split each one's
 # output: "row" stacks the warpgroups along its rows (64 each), "col" puts them side by side along its columns,
@@ -171,12 +172,38 @@ def stage_dq(dq, dq_s, swap_dq, block_M, dim):
         T.copy(dq, dq_s)
 
 
+@T.macro
+def store_dkdv_from_registers(p, dk, dv, dK, dV, bz, kv_head, kb, block_N, dim, owned):
+    """dK and dV from registers. ``owned``: one block owns these rows (a plain copy); otherwise the query
+    heads of a GQA group add into one K/V head (float32, zero on entry)."""
+    if owned:
+        T.copy(dv, dV[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
+        T.copy(dk, dK[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
+    else:
+        for j, d in T.Parallel(block_N, dim):
+            if kb * block_N + j < p.seq_k:
+                T.atomic_add(dV[bz, kv_head, kb * block_N + j, d], dv[j, d])
+                T.atomic_add(dK[bz, kv_head, kb * block_N + j, d], dk[j, d])
+
+
+@T.macro
+def store_dkdv_by_tma(dk, dv, dK, dV, K_s, V_s, bz, kv_head, kb, block_N):
+    """dK and dV written by the copy engine from the K and V tiles' shared memory (FlashAttention-3's
+    epilogue): swizzled stmatrix stores and two TMA stores in place of every thread's scattered ones."""
+    consumer_barrier(_EPILOGUE_BARRIER)  # both warpgroups have finished reading K_s and V_s
+    T.copy(dv, V_s)
+    T.copy(dk, K_s)
+    consumer_barrier(_EPILOGUE_BARRIER)  # every thread's part is in shared memory, visible to the copy engine
+    T.copy(V_s, dV[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
+    T.copy(K_s, dK[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
+
+
 def flash_bwd_hopper_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, sm_scale=None,
     dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256, deterministic=False, dv_under_ds=False,
     ds_buffers=2, own_barriers=True, order=None, mask_when=needs_mask, lse_log2=False, ds_from_float32_p=False,
-    issue=None, reduce_dq=None, policies=None,
+    issue=None, reduce_dq=None, policies=None, dkdv_by_tma=False,
 ):
     """Return a ``@T.prim_func`` with chapter 05's contract: dK, dV and the float32 dQ accumulator.
 
@@ -205,7 +232,9 @@ def flash_bwd_hopper_kernel(
     under dK); ``reduce_dq(p, dQ_acc, dq, dq_s, bz, head, qb, block_M, dim, swap_dq)``: add dQ to the accumulator
     (shipped: one bulk reduce-add from shared memory by the copy engine). ``policies`` (a ``BackwardConfig``
     field): how the two consumer warpgroups split each of the five products (``gemm_policies``); None is the
-    shipped split.
+    shipped split. ``dkdv_by_tma`` (a ``BackwardConfig`` field, chapter 08's versions 19 and 20): where one
+    block owns its rows of dK and dV, write them through shared memory by TMA (``store_dkdv_by_tma``); off,
+    or with GQA's float32 accumulators, from registers.
     """
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
@@ -308,14 +337,10 @@ def flash_bwd_hopper_kernel(
         # region: epilogue
         for j, d in T.Parallel(block_N, dim):
             dk[j, d] *= p.sm_scale
-        if dkv_dtype == dtype:  # one block owns these rows of dK and dV
-            T.copy(dv, dV[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
-            T.copy(dk, dK[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
-        else:  # the query heads of a GQA group add into one K/V head
-            for j, d in T.Parallel(block_N, dim):
-                if kb * block_N + j < seq_k:
-                    T.atomic_add(dV[bz, kv_head, kb * block_N + j, d], dv[j, d])
-                    T.atomic_add(dK[bz, kv_head, kb * block_N + j, d], dk[j, d])
+        if dkdv_by_tma and dkv_dtype == dtype:
+            store_dkdv_by_tma(dk, dv, dK, dV, K_s, V_s, bz, kv_head, kb, block_N)
+        else:
+            store_dkdv_from_registers(p, dk, dv, dK, dV, bz, kv_head, kb, block_N, dim, dkv_dtype == dtype)
         # endregion
 
     grid = (n_kb, p.heads_kv if deterministic else heads, batch)

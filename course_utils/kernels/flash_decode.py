@@ -48,7 +48,7 @@ from .flash_pieces import (
 from .tiles import TileBackend
 
 __all__ = ["DecodeConfig", "DECODE_CONFIGS", "decode_config", "decode_rows", "decode_row_tiles", "flash_decode_kernel",
-           "flash_decode_merge_kernel", "choose_num_splits", "blocks_per_sm", "MAX_SPLITS"]
+           "flash_decode_merge_kernel", "choose_num_splits", "blocks_per_sm", "MAX_SPLITS", "ONE_SPLIT_TILES"]
 
 
 class DecodeConfig(NamedTuple):
@@ -87,6 +87,14 @@ DECODE_CONFIGS = {"c": DecodeConfig(block_N=16, num_stages=1, threads=1),
                   "cuda": DecodeConfig(block_N=128, num_stages=3, threads=128, warp_specialize=True, min_blocks=2,
                                        kv_heads_per_block=None)}
 MAX_SPLITS = 128
+# A cache of at most this many key tiles is read by one kernel (no merge). Calls issued from Python are
+# launch-bound there: on the H100 (gpt-oss heads, D = 64, tiles of 64 keys; figures/ch09_decode_splits_h100.json,
+# notes/ch09_gpu_notes.md) one kernel took 34-36 µs at 1k keys against 41-43 µs split (2026-11-26, 19:37 UTC),
+# and in a later run, on a slower host, 51-54 µs against 68-79 at 1k and 59-69 against 59-88 at 2k; at 4k one
+# kernel still won there (66-81 against 77-86), but its 64 tiles take about 58 µs of GPU time, more than the split
+# path's 42 µs on the faster host; at 8k splitting wins by far (115 µs against 43-55).
+# In a CUDA graph, where launches cost nothing, splitting pays sooner than this.
+ONE_SPLIT_TILES = 32
 
 
 def decode_rows(heads, heads_kv, seq_new):
@@ -412,14 +420,15 @@ def blocks_per_sm(config, dim, dtype_bytes=2, smem_per_sm=228 * 1024):
 
 
 def choose_num_splits(batch, heads_kv, capacity, *, num_sms, config, row_tiles=1, max_splits=MAX_SPLITS,
-                      min_blocks_per_split=None):
+                      min_blocks_per_split=None, one_split_tiles=ONE_SPLIT_TILES):
     """How many splits one decoding step uses, from (B, H_kv, cache capacity) and the GPU's SMs.
 
     Without splitting there are B·H_kv·row_tiles thread blocks (B·H_kv / ``kv_heads_per_block``). When there
     are as many as SMs already, splitting only adds merge work: 1 split, and one kernel (no merge launch).
-    Otherwise use as many splits as give every SM one block, but give every split at least ``min_blocks_per_split`` key
-    tiles (default: ``num_stages + 1``, so its pipeline fills; a split shorter than that is a launch
-    and a merge for a few loads).
+    A cache of at most ``one_split_tiles`` key tiles is read by one kernel too: the merge's launch costs
+    more than a block takes to stream that many tiles. Otherwise use as many splits as give every SM one
+    block, but give every split at least ``min_blocks_per_split`` key tiles (default: ``num_stages + 1``,
+    so its pipeline fills; a split shorter than that is a launch and a merge for a few loads).
 
     One block per SM, although two fit (``blocks_per_sm``): measured on the H100 (2026-11-26, gpt-oss
     heads, 32k and 128k keys, D 64 and 128, contiguous and paged; one K/V head per block), B = 8 read 1–3% faster
@@ -431,5 +440,7 @@ def choose_num_splits(batch, heads_kv, capacity, *, num_sms, config, row_tiles=1
         min_blocks_per_split = config.num_stages + 1
     blocks = batch * (heads_kv // config.kv_heads_per_block) * row_tiles
     key_blocks = math.ceil(capacity / config.block_N)
+    if key_blocks <= one_split_tiles:
+        return 1
     splits = num_sms // blocks
     return int(max(1, min(splits, max_splits, key_blocks // min_blocks_per_split)))

@@ -165,7 +165,8 @@ def decode_bandwidth(dims=DECODE_DIMS, batches=DECODE_BATCHES, contexts=DECODE_C
     return rows
 
 
-def decode_split_sweep(dim=64, cases=((1, 1024), (8, 1024), (64, 1024), (1, 8192), (8, 8192), (1, 32768),
+def decode_split_sweep(dim=64, cases=((1, 1024), (8, 1024), (64, 1024), (1, 2048), (8, 2048), (1, 4096), (8, 4096),
+                                      (1, 8192), (8, 8192), (1, 32768),
                                       (1, 131072), (8, 32768), (64, 8192)),
                        splits=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128), dtype=torch.bfloat16):
     """Time of one decoding step for each split count, and which one ``choose_num_splits`` picks
