@@ -119,20 +119,40 @@ def test_shipped_kernel_is_the_ablations_last_step(options):
 
 def test_version_14_is_a_config_field():
     """Version 14's change (dV issued under dSᵀ, dSᵀ from the rounded P) is ``dv_under_ds``: a field of
-    ``BackwardConfig`` that the registry passes to the kernel, off in every shipped config."""
+    ``BackwardConfig`` that the registry passes to the kernel, on at D=128 (version 20) and D=64 causal
+    (version 18)."""
     v14 = next(v for v in VERSIONS if v.number == 14)
-    assert [key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.dv_under_ds] == [(64, True)]
+    assert [key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.dv_under_ds] == [(128, False), (128, True),
+                                                                                   (64, True)]
     shape = dict(SHAPE, dim=128, block_M=80)
     on = cuda_source(flash_bwd_hopper_kernel(**shape, dv_under_ds=True), pass_configs=PASS_CONFIGS)
     version = cuda_source(v14.factory(**shape, **{k: v for k, v in v14.knobs_for(128, False).items()
                                                   if k != "block_M"}), pass_configs=PASS_CONFIGS)
     assert on == version
     assert on != cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
-    config = HOPPER_BACKWARD_CONFIGS[128, False]._replace(dv_under_ds=True)
+    config = HOPPER_BACKWARD_CONFIGS[128, False]._replace(dv_under_ds=True, dkdv_by_tma=False)
     problem = AttentionProblem(heads=4, heads_kv=4, dim=128, dtype="float16", target="cuda",
                                sm_scale=1 / math.sqrt(128), batch=2, seq_q=2048, seq_k=2048)
     built = cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS)
     assert built == on
+
+
+def test_dkdv_by_tma_is_a_config_field():
+    """Version 19's epilogue (dK and dV through shared memory, one TMA store each) is ``dkdv_by_tma``: the registry
+    passes it to the kernel, which then stores by TMA between two barriers; with GQA (float32 accumulators added
+    atomically) it keeps the register path, so the code is the same as with the field off."""
+    shape = dict(SHAPE, dim=128, block_M=80)
+    on = cuda_source(flash_bwd_hopper_kernel(**shape, dkdv_by_tma=True), pass_configs=PASS_CONFIGS)
+    off = cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
+    assert on != off and "tma_store(dV_desc" in on and "tma_store(dK_desc" in on and "tma_store(dV_desc" not in off
+    gqa = dict(shape, heads_kv=shape["heads"] // 2)
+    assert (cuda_source(flash_bwd_hopper_kernel(**gqa, dkdv_by_tma=True), pass_configs=PASS_CONFIGS)
+            == cuda_source(flash_bwd_hopper_kernel(**gqa), pass_configs=PASS_CONFIGS))
+    assert all(c.dkdv_by_tma == (dim == 128) for (dim, _), c in HOPPER_BACKWARD_CONFIGS.items())
+    config = HOPPER_BACKWARD_CONFIGS[128, False]._replace(dv_under_ds=False)
+    problem = AttentionProblem(heads=4, heads_kv=4, dim=128, dtype="float16", target="cuda",
+                               sm_scale=1 / math.sqrt(128), batch=2, seq_q=2048, seq_k=2048)
+    assert cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS) == on
 
 
 def test_warp_policies_are_a_config_field_and_change_only_dq_at_d64():
@@ -146,7 +166,7 @@ def test_warp_policies_are_a_config_field_and_change_only_dq_at_d64():
                                                                                                    (64, True)]
     assert shipped_version(64, True, HOPPER_BACKWARD_CONFIGS[64, True]) is v18
     assert shipped_version(64, False, HOPPER_BACKWARD_CONFIGS[64, False]) is v17
-    assert shipped_version(128, False, HOPPER_BACKWARD_CONFIGS[128, False]).number == SHIPPED_VERSION
+    assert shipped_version(128, False, HOPPER_BACKWARD_CONFIGS[128, False]).number == 20  # versions 14 + 19
     d64 = dict(SHAPE, dim=64, block_M=128, causal=True)
     shipped = cuda_source(flash_bwd_hopper_kernel(**d64), pass_configs=PASS_CONFIGS)
     spelled = ("row", "row", "row", "row", "square")

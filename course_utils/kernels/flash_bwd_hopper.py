@@ -38,7 +38,8 @@ from .flash_pieces import (
 from .hopper_pieces import keep_stages_until_read
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
-           "issue_scores", "issue_dq_then_dk", "stage_dq", "store_dkdv_from_registers", "store_dkdv_by_tma", "query_steps", "key_steps", "padded_rows",
+           "issue_scores", "issue_dq_then_dk", "stage_dq", "store_dkdv_from_registers", "store_dkdv_by_tma",
+           "query_steps", "key_steps", "padded_rows",
            "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS", "gemm_policies"]
 
 ACCUM = "float32"
