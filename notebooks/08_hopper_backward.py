@@ -441,7 +441,13 @@ for dtype in dtypes:
 #   than version 9 in all but one block of alternated timings (three blocks per case: fp16 and bf16,
 #   causal and not, S from 2k to 16k; issue 26, `notes/h100_2026-11-26c/call_h3/ab.json`, summed up in
 #   `notes/hopper_backward.md`); version 14 alone was not timed in those blocks, so
-#   how the gain divides between the two is not known. Their gradients pass the check. At D = 64 with the causal mask
+#   how the gain divides between the two is not known. Their gradients pass the check. One more option
+#   is measured but not yet the default: `BackwardConfig(..., longest_first=True)` launches every
+#   head's first key blocks first (FlashAttention-3's longest-first order; with the causal mask those
+#   see the most query blocks, so the last wave is of short ones). At D = 128 causal it was faster than
+#   version 20 in every block of alternated timings at S = 2k-8k and level at 16k; at D = 64 it was
+#   not (issue 26, `notes/hopper_backward.md`). It becomes the default once this chapter's records are
+#   re-measured with it. At D = 64 with the causal mask
 #   version 14 is the default too, together with version 17
 #   (dQ split between the warpgroups by query rows, as FlashAttention-3 splits it at D = 64, instead of
 #   TileLang's side-by-side split): version 18, faster than version 9 there at every S from 1k to 16k in

@@ -8,6 +8,7 @@ mkdir -p /tmp/h; pack() { tar czf $OUT/call_h.tgz -C /tmp/h .; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader | tee /tmp/h/gpu.txt
 python -c "import torch, tilelang; print(torch.__version__, torch.version.cuda, torch.backends.cudnn.version(), tilelang.__version__)" | tee -a /tmp/h/gpu.txt
 for part in ${PARTS:-splits fp16 bf16 long}; do
+  [ "$part" = lpt ] && { stamp lpt; OUT=/tmp/h timeout ${LIMIT:-200} python notes/bwd_lpt_ab_2026-11-26.py > /tmp/h/lpt.log 2>&1; echo "exit $?" >> /tmp/h/lpt.log; grep "TFLOP\|exit\|rror" /tmp/h/lpt.log; pack; continue; }
   [ "$part" = ab ] && { stamp ab; OUT=/tmp/h timeout ${LIMIT:-200} python notes/bwd_epilogue_ab_2026-11-26.py > /tmp/h/ab.log 2>&1; echo "exit $?" >> /tmp/h/ab.log; grep "TFLOP\|exit\|rror" /tmp/h/ab.log; pack; continue; }
   stamp "$part"
   OUT=/tmp/h timeout ${LIMIT:-200} python notes/bwd_epilogue_probe_2026-11-26.py $part > /tmp/h/$part.log 2>&1; echo "exit $?" >> /tmp/h/$part.log

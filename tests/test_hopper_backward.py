@@ -155,6 +155,26 @@ def test_dkdv_by_tma_is_a_config_field():
     assert cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS) == on
 
 
+def test_longest_first_is_a_config_field():
+    """``longest_first``: one launch index over (key block, head), the key block outermost, so every head's first
+    key blocks (with the causal mask, the longest) start first. Off in the shipped configs for now; the
+    deterministic kernel (one block per K/V head) ignores it; the registry passes it on."""
+    shape = dict(SHAPE, dim=128, block_M=64, causal=True)
+    on = cuda_source(flash_bwd_hopper_kernel(**shape, longest_first=True), pass_configs=PASS_CONFIGS)
+    off = cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
+    assert "blockIdx.z" in off and "blockIdx.z" not in on  # the batch moves to the grid's second axis
+    heads = SHAPE["heads"]
+    assert f"((int)blockIdx.x) >> {heads.bit_length() - 1}" in on or f"((int)blockIdx.x) / {heads}" in on
+    assert not any(c.longest_first for c in HOPPER_BACKWARD_CONFIGS.values())
+    assert (cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True, longest_first=True),
+                        pass_configs=PASS_CONFIGS)
+            == cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True), pass_configs=PASS_CONFIGS))
+    problem = AttentionProblem(heads=4, heads_kv=4, dim=128, dtype="float16", target="cuda", causal=True,
+                               sm_scale=1 / math.sqrt(128), batch=2, seq_q=2048, seq_k=2048)
+    config = HOPPER_BACKWARD_CONFIGS[128, True]._replace(dv_under_ds=False, dkdv_by_tma=False, longest_first=True)
+    assert cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS) == on
+
+
 def test_warp_policies_are_a_config_field_and_change_only_dq_at_d64():
     """``policies`` (a ``BackwardConfig`` field, version 17): None and the shipped split spelled out generate the
     same CUDA; dQ by rows changes the D=64 kernel (128 × 64 dQ) and not the D=128 causal one (64 rows: one

@@ -30,7 +30,8 @@ def _sm_count():
 
 
 # Config fields that only some kernels take (a row's ``options``), with the value that leaves each off.
-OPTION_OFF = {"pingpong": False, "dv_under_ds": False, "policies": None, "dkdv_by_tma": False}
+OPTION_OFF = {"pingpong": False, "dv_under_ds": False, "policies": None, "dkdv_by_tma": False,
+              "longest_first": False}
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ FORWARD = {row.name: row for row in (
 BACKWARD = {row.name: row for row in (
     KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel"),
     KernelRow("flash_bwd_hopper", flash_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
-              on_cpu=False, options=("dv_under_ds", "policies", "dkdv_by_tma"), deterministic=True,
+              on_cpu=False, options=("dv_under_ds", "policies", "dkdv_by_tma", "longest_first"),
+              deterministic=True,
               pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
 )}
 

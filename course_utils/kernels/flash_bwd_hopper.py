@@ -204,7 +204,7 @@ def flash_bwd_hopper_kernel(
     heads_kv=None, causal=False, window_size=None, sm_scale=None,
     dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256, deterministic=False, dv_under_ds=False,
     ds_buffers=2, own_barriers=True, order=None, mask_when=needs_mask, lse_log2=False, ds_from_float32_p=False,
-    issue=None, reduce_dq=None, policies=None, dkdv_by_tma=False,
+    issue=None, reduce_dq=None, policies=None, dkdv_by_tma=False, longest_first=False,
 ):
     """Return a ``@T.prim_func`` with chapter 05's contract: dK, dV and the float32 dQ accumulator.
 
@@ -235,7 +235,11 @@ def flash_bwd_hopper_kernel(
     field): how the two consumer warpgroups split each of the five products (``gemm_policies``); None is the
     shipped split. ``dkdv_by_tma`` (a ``BackwardConfig`` field, chapter 08's versions 19 and 20): where one
     block owns its rows of dK and dV, write them through shared memory by TMA (``store_dkdv_by_tma``); off,
-    or with GQA's float32 accumulators, from registers.
+    or with GQA's float32 accumulators, from registers. ``longest_first`` (a ``BackwardConfig`` field, off in
+    the shipped configs until chapter 08's records include it): launch key block 0 of every head, then key
+    block 1 of every head, and so on, instead of one head's key blocks after the other's; with the causal mask
+    the first key blocks see the most query blocks, so the longest blocks start first and the last wave is of
+    short ones (FlashAttention-3's LPT order).
     """
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
@@ -365,8 +369,12 @@ def flash_bwd_hopper_kernel(
         dO: T.Tensor(q_shape, dtype), LSE: T.Tensor(q_shape[:3], ACCUM), Delta: T.Tensor(q_shape[:3], ACCUM),
         dQ_acc: T.Tensor(q_shape, ACCUM), dK: T.Tensor(kv_shape, dkv_dtype), dV: T.Tensor(kv_shape, dkv_dtype),
     ):
-        with T.Kernel(*grid, threads=threads) as (bx, by, bz):
-            main_loop(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, bx, by, bz)
+        if longest_first:  # one launch index over (key block, head), the key block outermost
+            with T.Kernel(n_kb * heads, batch, threads=threads) as (bx, bz):
+                main_loop(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, bx // heads, bx % heads, bz)
+        else:
+            with T.Kernel(*grid, threads=threads) as (bx, by, bz):
+                main_loop(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, bx, by, bz)
 
     return flash_bwd_hopper
 

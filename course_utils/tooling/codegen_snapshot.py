@@ -149,7 +149,8 @@ def _cuda_jobs():
         jobs.append((f"bwd_hopper_d{dim}_{'masked' if masked else 'full'}", hopper,
                      lambda config=config, dim=dim, masked=masked: bwd_h.flash_bwd_hopper_kernel(
                          B, H, S, S, dim, causal=masked, **config.tiling(), dv_under_ds=config.dv_under_ds,
-                         policies=config.policies, dkdv_by_tma=config.dkdv_by_tma), bwd_h.PASS_CONFIGS))
+                         policies=config.policies, dkdv_by_tma=config.dkdv_by_tma, longest_first=config.longest_first),
+                     bwd_h.PASS_CONFIGS))
     config = att.HOPPER_BACKWARD_CONFIGS[128, True]
     jobs.append(("bwd_hopper_deterministic_d128_gqa_window", hopper,
                  lambda config=config: bwd_h.flash_bwd_hopper_kernel(
