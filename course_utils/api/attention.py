@@ -126,10 +126,11 @@ TUNED_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
 # Chapter 08's Hopper backward, tiled per (head dim, causal or window mask) as FlashAttention-3 tiles
 # it (block_M queries per step, block_N resident keys), checked by chapter 08's ablation on the H100.
 HOPPER_BACKWARD_CONFIGS = {
-    # dV issued under dSᵀ, and dK and dV stored by TMA: +2.5-8.3% (fp16) and 0-5.8% (bf16) over version 9 at
-    # S = 2k-16k, both masks, 3 blocks of alternated rounds each (issue 26, notes/hopper_backward.md; version 20).
+    # dV issued under dSᵀ, and dK and dV stored by TMA: +2.5…+8.3% (fp16), −3.9…+5.8% (bf16; 2 of 24 blocks below
+    # 0) over version 9 at S = 2k-16k, both masks, 3 blocks of alternated rounds each (issue 26,
+    # notes/hopper_backward.md; version 20).
     (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
-    # ``longest_first=True`` was faster still here (+3.9…+6.9% over this config at S = 2k-8k, −0.9…+1.4% at 16k;
+    # ``longest_first=True`` was faster still here (+0.8…+6.9% over this config at S = 2k-8k, −0.9…+1.4% at 16k;
     # issue 26, notes/hopper_backward.md); it becomes the default once chapter 08's records are re-measured with it.
     (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2): +1-7% over S = 1k-16k in the records' method,
