@@ -438,7 +438,7 @@ for dtype in dtypes:
 #   memory, then one TMA store each, in place of every thread's scattered stores). Each alone gained
 #   in some runs and not in others (version 14 over several sessions, version 19 in its first runs;
 #   this record has both ahead at D = 128, and version 19 behind at D = 64). Together they were faster
-#   than version 9 in all but one block of alternated timings (three blocks per case: fp16 and bf16,
+#   than version 9 in all but two blocks of alternated timings (three blocks per case: fp16 and bf16,
 #   causal and not, S from 2k to 16k; issue 26, `notes/h100_2026-11-26c/call_h3/ab.json`, summed up in
 #   `notes/hopper_backward.md`); version 14 alone was not timed in those blocks, so
 #   how the gain divides between the two is not known. Their gradients pass the check. One more option
