@@ -115,7 +115,8 @@ class BackwardConfig(NamedTuple):
     policies: tuple | None = None
     # Chapter 08's kernel only: dK and dV written through shared memory by TMA (the ablation's version 19).
     dkdv_by_tma: bool = False
-    # Chapter 08's kernel only: key block 0 of every head launched first, then key block 1... (version 21).
+    # Chapter 08's kernel only: key block 0 of every head launched first, then key block 1... (off in the shipped
+    # configs until chapter 08's records include it; notes/hopper_backward.md).
     longest_first: bool = False
 
     tiling = ForwardConfig.tiling

@@ -33,16 +33,19 @@ from .flash_pieces import (
     key_block_range,
     prelude,
     query_block_range,
+    store_dkv,
     visible,
 )
 from .hopper_pieces import keep_stages_until_read
+from .tiles import TileBackend
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
-           "issue_scores", "issue_dq_then_dk", "stage_dq", "store_dkdv_from_registers", "store_dkdv_by_tma",
+           "issue_scores", "issue_dq_then_dk", "stage_dq", "store_dkdv_by_tma",
            "query_steps", "key_steps", "padded_rows",
            "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS", "gemm_policies"]
 
 ACCUM = "float32"
+_GPU = TileBackend("cuda")  # for the pieces chapter 05's kernel shares with this one
 # The main kernel places its own barriers (consumer_barrier); TileLang must not add its conservative ones.
 # Nor may it reuse shared memory: its reuse plan counts on the barriers it would have added. When the
 # loop over query blocks has one iteration (a one-key window, or S_q ≤ block_M), TileLang unrolls it and
@@ -174,23 +177,12 @@ def stage_dq(dq, dq_s, swap_dq, block_M, dim):
 
 
 @T.macro
-def store_dkdv_from_registers(p, dk, dv, dK, dV, bz, kv_head, kb, block_N, dim, owned):
-    """dK and dV from registers. ``owned``: one block owns these rows (a plain copy); otherwise the query
-    heads of a GQA group add into one K/V head (float32, zero on entry)."""
-    if owned:
-        T.copy(dv, dV[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
-        T.copy(dk, dK[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
-    else:
-        for j, d in T.Parallel(block_N, dim):
-            if kb * block_N + j < p.seq_k:
-                T.atomic_add(dV[bz, kv_head, kb * block_N + j, d], dv[j, d])
-                T.atomic_add(dK[bz, kv_head, kb * block_N + j, d], dk[j, d])
-
-
-@T.macro
-def store_dkdv_by_tma(dk, dv, dK, dV, K_s, V_s, bz, kv_head, kb, block_N):
-    """dK and dV written by the copy engine from the K and V tiles' shared memory (FlashAttention-3's
-    epilogue): swizzled stmatrix stores and two TMA stores in place of every thread's scattered ones."""
+def store_dkdv_by_tma(p, dk, dv, dK, dV, K_s, V_s, bz, kv_head, kb, block_N, dim):
+    """Scale dK, then write dK and dV by the copy engine from the K and V tiles' shared memory
+    (FlashAttention-3's epilogue): swizzled stmatrix stores and two TMA stores in place of every thread's
+    scattered ones. Only where one block owns these rows (no GQA accumulators; else ``store_dkv``)."""
+    for j, d in T.Parallel(block_N, dim):
+        dk[j, d] *= p.sm_scale
     consumer_barrier(_EPILOGUE_BARRIER)  # both warpgroups have finished reading K_s and V_s
     T.copy(dv, V_s)
     T.copy(dk, K_s)
@@ -235,8 +227,8 @@ def flash_bwd_hopper_kernel(
     field): how the two consumer warpgroups split each of the five products (``gemm_policies``); None is the
     shipped split. ``dkdv_by_tma`` (a ``BackwardConfig`` field, chapter 08's versions 19 and 20): where one
     block owns its rows of dK and dV, write them through shared memory by TMA (``store_dkdv_by_tma``); off,
-    or with GQA's float32 accumulators, from registers. ``longest_first`` (a ``BackwardConfig`` field, off in
-    the shipped configs until chapter 08's records include it): launch key block 0 of every head, then key
+    or with GQA's float32 accumulators, from registers (``store_dkv``). ``longest_first`` (a ``BackwardConfig``
+    field, off in the shipped configs until chapter 08's records include it): launch key block 0 of every head, then key
     block 1 of every head, and so on, instead of one head's key blocks after the other's; with the causal mask
     the first key blocks see the most query blocks, so the longest blocks start first and the last wave is of
     short ones (FlashAttention-3's LPT order).
@@ -340,12 +332,11 @@ def flash_bwd_hopper_kernel(
             # endregion
 
         # region: epilogue
-        for j, d in T.Parallel(block_N, dim):
-            dk[j, d] *= p.sm_scale
-        if dkdv_by_tma and dkv_dtype == dtype:
-            store_dkdv_by_tma(dk, dv, dK, dV, K_s, V_s, bz, kv_head, kb, block_N)
+        owned = dkv_dtype == dtype  # one block owns these rows of dK and dV (no GQA accumulators)
+        if dkdv_by_tma and owned:
+            store_dkdv_by_tma(p, dk, dv, dK, dV, K_s, V_s, bz, kv_head, kb, block_N, dim)
         else:
-            store_dkdv_from_registers(p, dk, dv, dK, dV, bz, kv_head, kb, block_N, dim, dkv_dtype == dtype)
+            store_dkv(_GPU, p, dk, dv, dK, dV, (bz, kv_head, kb), block_N, dim, owned=owned)
         # endregion
 
     grid = (n_kb, p.heads_kv if deterministic else heads, batch)

@@ -290,17 +290,17 @@ def forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by,
 
 
 @T.macro
-def store_dkv(tb, p, dk, dv, dK, dV, block, block_N, dim):
+def store_dkv(tb, p, dk, dv, dK, dV, block, block_N, dim, owned=None):
     """Scale dK and store the rows of dK and dV of ``block`` = (batch, K/V head, key block).
 
-    Chapter 05's backward and the flex one. Without GQA one block owns these rows: a plain copy.
-    With GQA the query heads of a group add into one K/V head: float32 accumulators, zero on entry,
-    and only the rows before the keys' end. (``block`` is one tuple: a macro renames a loop variable
-    passed as an argument of its own, and the CPU's C names its loops after them.)
+    Chapter 05's and chapter 08's backwards and the flex one. Where one block owns these rows (``owned``;
+    None: without GQA), a plain copy. Otherwise the query heads of a group add into one K/V head: float32
+    accumulators, zero on entry, and only the rows before the keys' end. (``block`` is one tuple: a macro
+    renames a loop variable passed as an argument of its own, and the CPU's C names its loops after them.)
     """
     for j, d in tb.parallel(block_N, dim):
         dk[j, d] *= p.sm_scale
-    if p.group == 1:
+    if p.group == 1 if owned is None else owned:
         T.copy(dv, dV[block[0], block[1], block[2] * block_N:(block[2] + 1) * block_N, :])
         T.copy(dk, dK[block[0], block[1], block[2] * block_N:(block[2] + 1) * block_N, :])
     else:

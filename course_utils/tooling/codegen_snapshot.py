@@ -101,7 +101,7 @@ def _cuda_jobs():
     fwd, fwd_h, fwd_p = _module("flash_fwd"), _module("flash_fwd_hopper"), _module("flash_fwd_hopper_persistent")
     bwd, bwd_h = _module("flash_bwd"), _module("flash_bwd_hopper")
     var, dec = _module("flash_varlen"), _module("flash_decode")
-    vapi = _module("varlen_api")
+    vapi, reg = _module("varlen_api"), _module("registry")
     bench = _benchmarks()
     ch07 = importlib.import_module(f"{bench.__name__}.ch07_hopper")
     both, hopper = ("sm_80", "sm_90a"), ("sm_90a",)
@@ -148,8 +148,8 @@ def _cuda_jobs():
     for (dim, masked), config in att.HOPPER_BACKWARD_CONFIGS.items():
         jobs.append((f"bwd_hopper_d{dim}_{'masked' if masked else 'full'}", hopper,
                      lambda config=config, dim=dim, masked=masked: bwd_h.flash_bwd_hopper_kernel(
-                         B, H, S, S, dim, causal=masked, **config.tiling(), dv_under_ds=config.dv_under_ds,
-                         policies=config.policies, dkdv_by_tma=config.dkdv_by_tma, longest_first=config.longest_first),
+                         B, H, S, S, dim, causal=masked, **config.tiling(),
+                         **{o: getattr(config, o) for o in reg.BACKWARD[config.kernel].options}),
                      bwd_h.PASS_CONFIGS))
     config = att.HOPPER_BACKWARD_CONFIGS[128, True]
     jobs.append(("bwd_hopper_deterministic_d128_gqa_window", hopper,
