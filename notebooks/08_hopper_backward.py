@@ -294,7 +294,7 @@ print(f"{'chapter 05 ÷ cuDNN':58}" + "".join(f"{tf[labels[0], d, c] / tf[CUDNN,
 # %%
 # The judgements of the text below, each checked against the record: a step is its row ÷ the
 # unindented row above it, a variation its row ÷ the last unindented row (version 9; the shipped kernels
-# are variations of it: version 20 at D = 128, version 17 or 18 at D = 64).
+# are variations of it: version 20 or 21 at D = 128, version 17 or 18 at D = 64).
 by_number = {v.number: v.label for v in VERSIONS}
 
 
@@ -381,9 +381,10 @@ plots.save(fig, "ch08_ablation");
 #   tiles).
 # - **Not kept, but better in places**: the fastest row of each case is printed above; where it is
 #   not the shipped kernel it is a variation that is slower elsewhere. The shipped kernel is version 20
-#   at D = 128 and versions 17 (no mask) and 18 (causal) at D = 64: one skeleton, with the warp split
-#   of dQ, the order of dV and dSᵀ and the way dK and dV are written as config fields; the final record
-#   measures exactly these.
+#   at D = 128 (21, the same launched longest first, with the causal mask) and versions 17 (no mask)
+#   and 18 (causal) at D = 64: one skeleton, with the warp split of dQ, the order of dV and dSᵀ, the
+#   way dK and dV are written and the launch order as config fields; the final record measures exactly
+#   these.
 #
 # ## 7 · The final backward against FlashAttention-2 and cuDNN
 #
@@ -441,13 +442,12 @@ for dtype in dtypes:
 #   than version 9 in all but two blocks of alternated timings (three blocks per case: fp16 and bf16,
 #   causal and not, S from 2k to 16k; issue 26, `notes/h100_2026-11-26c/call_h3/ab.json`, summed up in
 #   `notes/hopper_backward.md`); version 14 alone was not timed in those blocks, so
-#   how the gain divides between the two is not known. Their gradients pass the check. One more option
-#   is measured but not yet the default: `BackwardConfig(..., longest_first=True)` launches every
-#   head's first key blocks first (FlashAttention-3's longest-first order; with the causal mask those
-#   see the most query blocks, so the last wave is of short ones). At D = 128 causal it was faster than
-#   version 20 in every block of alternated timings at S = 2k-8k and level at 16k; at D = 64 it was
-#   not (issue 26, `notes/hopper_backward.md`). It becomes the default once this chapter's records are
-#   re-measured with it. At D = 64 with the causal mask
+#   how the gain divides between the two is not known. Their gradients pass the check. With the causal
+#   mask at D = 128 the default is version 21: version 20 launched longest first
+#   (`BackwardConfig(..., longest_first=True)`: every head's first key blocks first, FlashAttention-3's
+#   order; with the causal mask those see the most query blocks, so the last wave is of short ones). It
+#   was faster than version 20 in every block of alternated timings at S = 2k-8k but one, and level at
+#   16k; at D = 64 it was not a gain (issue 26, `notes/hopper_backward.md`). At D = 64 with the causal mask
 #   version 14 is the default too, together with version 17
 #   (dQ split between the warpgroups by query rows, as FlashAttention-3 splits it at D = 64, instead of
 #   TileLang's side-by-side split): version 18, faster than version 9 there at every S from 1k to 16k in

@@ -157,7 +157,7 @@ def test_dkdv_by_tma_is_a_config_field():
 
 def test_longest_first_is_a_config_field():
     """``longest_first``: one launch index over (key block, head), the key block outermost, so every head's first
-    key blocks (with the causal mask, the longest) start first. Off in the shipped configs for now; the
+    key blocks (with the causal mask, the longest) start first. On only in the D=128 causal config (version 21); the
     deterministic kernel (one block per K/V head) ignores it; the registry passes it on."""
     shape = dict(SHAPE, dim=128, block_M=64, causal=True)
     on = cuda_source(flash_bwd_hopper_kernel(**shape, longest_first=True), pass_configs=PASS_CONFIGS)
@@ -165,7 +165,8 @@ def test_longest_first_is_a_config_field():
     assert "blockIdx.z" in off and "blockIdx.z" not in on  # the batch moves to the grid's second axis
     heads = SHAPE["heads"]
     assert f"((int)blockIdx.x) >> {heads.bit_length() - 1}" in on or f"((int)blockIdx.x) / {heads}" in on
-    assert not any(c.longest_first for c in HOPPER_BACKWARD_CONFIGS.values())
+    assert [key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.longest_first] == [(128, True)]
+    assert shipped_version(128, True, HOPPER_BACKWARD_CONFIGS[128, True]).number == 21
     assert (cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True, longest_first=True),
                         pass_configs=PASS_CONFIGS)
             == cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True), pass_configs=PASS_CONFIGS))

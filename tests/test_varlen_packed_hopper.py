@@ -2,6 +2,7 @@
 backward under the packed prelude) — their work list, when they are the default, and what their sm_90a code
 must and must not contain (lowered without a GPU). Their numbers: notes/ch09_gpu_notes.md."""
 
+import dataclasses
 import re
 
 import pytest
@@ -124,3 +125,42 @@ def test_packed_hopper_backward_code():
     source = cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, causal=True, block_M=64), pass_configs=PASS_CONFIGS)
     assert len(re.findall(r"fence_proxy_async\(\);\s*tl::__sync_thread_partial\(7, 256\)", source)) == 2
     assert source.count("__sync_thread_partial(7, 256)") == 2
+
+
+def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
+    """sm_90a lowering: the dense kernel's ``BackwardConfig`` fields mean the same in the packed backward.
+    ``dv_under_ds``: dV is issued before dSᵀ's barrier (three products before it, not two); ``dkdv_by_tma``: a block
+    whose keys are all its sequence's stores by TMA, a ragged one row by row (GQA's accumulators: row by row
+    always); ``longest_first``: the key block on the grid's second axis, (sequence, head) on its first; and
+    ``_varlen_backward`` passes the fields on."""
+    from course_utils.core.source import cuda_source
+    from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
+    from course_utils.kernels.flash_varlen import flash_varlen_bwd_hopper_kernel
+
+    def source(**kw):
+        return cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, causal=True, block_M=64, **kw),
+                           pass_configs=PASS_CONFIGS)
+
+    def products_before_ds_barrier(src):
+        return len(re.findall(r"wgmma_(?:ss|rs)<", src[:src.index("__sync_thread_partial(6, 256)")]))
+
+    plain, under, tma, first = (source(), source(dv_under_ds=True), source(dkdv_by_tma=True),
+                                source(longest_first=True))
+    assert (products_before_ds_barrier(plain), products_before_ds_barrier(under)) == (2, 3)
+    assert "tma_store(dK_desc" not in plain and "tma_store(dK_desc" in tma and "tma_store(dV_desc" in tma
+    guard = tma.index("if (128 <= keys_left)")
+    assert guard < tma.index("tma_store(dV_desc") < tma.index("keys_left_1 + 64")  # the ragged branch after it
+    gqa = cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, heads_kv=2, causal=True, block_M=64, dkdv_by_tma=True),
+                      pass_configs=PASS_CONFIGS)
+    assert "tma_store(dK_desc" not in gqa
+    assert "blockIdx.z" in plain and "blockIdx.z" not in first
+    assert "(i * 64), ((((int)blockIdx.y) * 128) + k0), (((int)blockIdx.x) & 3));" in first  # K at key block y
+    seen = {}
+    monkeypatch.setattr(varlen_api, "flash_varlen_bwd_hopper_kernel", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(varlen_api, "compile_kernel", lambda *a, **kw: None)
+    x = torch.empty(8, 4, 128, dtype=torch.float16)
+    problem = dataclasses.replace(varlen_api.AttentionProblem.packed(x, x, causal=True), target="cuda")
+    fields = dict(dv_under_ds=True, dkdv_by_tma=True, longest_first=True)
+    varlen_api._varlen_backward.__wrapped__(problem, BackwardConfig(64, 128, 2, 256, "flash_bwd_hopper", **fields),
+                                            "grid")
+    assert {name: seen[name] for name in fields} == fields

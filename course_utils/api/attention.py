@@ -115,8 +115,8 @@ class BackwardConfig(NamedTuple):
     policies: tuple | None = None
     # Chapter 08's kernel only: dK and dV written through shared memory by TMA (the ablation's version 19).
     dkdv_by_tma: bool = False
-    # Chapter 08's kernel only: key block 0 of every head launched first, then key block 1... (off in the shipped
-    # configs until chapter 08's records include it; notes/hopper_backward.md).
+    # Chapter 08's kernel only: key block 0 of every head launched first, then key block 1... (FlashAttention-3's
+    # longest-processing-time order for the causal mask; the ablation's version 21).
     longest_first: bool = False
 
     tiling = ForwardConfig.tiling
@@ -131,9 +131,10 @@ HOPPER_BACKWARD_CONFIGS = {
     # 0) over version 9 at S = 2k-16k, both masks, 3 blocks of alternated rounds each (issue 26,
     # notes/hopper_backward.md; version 20).
     (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
-    # ``longest_first=True`` was faster still here (+0.8…+6.9% over this config at S = 2k-8k, −0.9…+1.4% at 16k;
-    # issue 26, notes/hopper_backward.md); it becomes the default once chapter 08's records are re-measured with it.
-    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
+    # With the causal mask, every head's first (longest) key blocks launched first as well: +0.8…+6.9% over
+    # version 20 at S = 2k-8k, −0.9…+1.4% at 16k, 3 blocks each (issue 26, notes/hopper_backward.md; version 21).
+    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
+                                longest_first=True),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2): +1-7% over S = 1k-16k in the records' method,
     # -0.2…+5.8% under do_bench (issue 26, notes/bwd3.md; version 17).
     (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", policies=DQ_BY_ROWS),

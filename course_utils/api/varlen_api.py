@@ -381,9 +381,13 @@ VARLEN_CUDA_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
 # the dense kernel, this one 0.93-0.97x), backward 396 / 447 (chapter 05's loop 338 / 366).
 VARLEN_HOPPER_DIMS = (64, 128)
 VARLEN_PERSISTENT_CONFIG = ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True)
+# At D = 128 the dense kernel's newer fields as well (chapter 08's versions 20 and 21: dV under dSᵀ, dK and dV
+# stored by TMA where a tile is all one sequence's, and with the causal mask key block 0 of every sequence and head
+# launched first), measured against the plain step in notes/ch09_gpu_notes.md (issue 27, ninth session).
 VARLEN_HOPPER_BACKWARD_CONFIGS = {
-    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper"),
-    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
+    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
+                                longest_first=True),
     (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
     (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
 }
@@ -533,7 +537,8 @@ def _varlen_backward(pr, config, schedule):
                                               window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
                                               block_M=config.block_M, block_N=config.block_N,
                                               num_stages=config.num_stages, threads=config.threads,
-                                              schedule=schedule)
+                                              schedule=schedule, dv_under_ds=config.dv_under_ds,
+                                              dkdv_by_tma=config.dkdv_by_tma, longest_first=config.longest_first)
         return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype,
                               pass_configs=HOPPER_BACKWARD_PASS_CONFIGS)
     func = flash_varlen_bwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,

@@ -40,7 +40,7 @@ from .hopper_pieces import keep_stages_until_read
 from .tiles import TileBackend
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
-           "issue_scores", "issue_dq_then_dk", "stage_dq", "store_dkdv_by_tma",
+           "issue_scores", "probabilities_then_ds", "issue_dq_then_dk", "stage_dq", "store_dkdv_by_tma",
            "query_steps", "key_steps", "padded_rows",
            "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS", "gemm_policies"]
 
@@ -177,18 +177,36 @@ def stage_dq(dq, dq_s, swap_dq, block_M, dim):
 
 
 @T.macro
-def store_dkdv_by_tma(p, dk, dv, dK, dV, K_s, V_s, bz, kv_head, kb, block_N, dim):
+def probabilities_then_ds(PT, PT_cast, dPT, dST_cast, dO_s, dv, delta, block_M, block_N, dv_under_ds,
+                          dv_policy=T.GemmWarpPolicy.FullRow, ds_from_float32_p=False):
+    """After ``probabilities_t``: wait for dPᵀ, form dSᵀ and the 16-bit Pᵀ. ``dv_under_ds``: dV += Pᵀ dO is
+    issued first, from the rounded Pᵀ, and dSᵀ formed while it runs (from that Pᵀ, or the float32 one with
+    ``ds_from_float32_p``); else the caller issues dV later (FlashAttention-3's order)."""
+    if dv_under_ds:
+        T.copy(PT, PT_cast)
+        T.wait_wgmma(0)
+        T.wgmma_gemm(PT_cast, dO_s, dv, policy=dv_policy)
+        ds_t(dST_cast, PT if ds_from_float32_p else PT_cast, dPT, delta, block_M, block_N)
+    else:
+        T.wait_wgmma(0)
+        ds_t(dST_cast, PT, dPT, delta, block_M, block_N)
+        T.copy(PT, PT_cast)
+
+
+@T.macro
+def store_dkdv_by_tma(p, dk, dv, dK_tile, dV_tile, K_s, V_s, block_N, dim):
     """Scale dK, then write dK and dV by the copy engine from the K and V tiles' shared memory
     (FlashAttention-3's epilogue): swizzled stmatrix stores and two TMA stores in place of every thread's
-    scattered ones. Only where one block owns these rows (no GQA accumulators; else ``store_dkv``)."""
+    scattered ones. ``dK_tile``, ``dV_tile``: this block's ``block_N`` rows of dK and dV. Only where one
+    block owns these rows (no GQA accumulators; else ``store_dkv``)."""
     for j, d in T.Parallel(block_N, dim):
         dk[j, d] *= p.sm_scale
     consumer_barrier(_EPILOGUE_BARRIER)  # both warpgroups have finished reading K_s and V_s
     T.copy(dv, V_s)
     T.copy(dk, K_s)
     consumer_barrier(_EPILOGUE_BARRIER)  # every thread's part is in shared memory, visible to the copy engine
-    T.copy(V_s, dV[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
-    T.copy(K_s, dK[bz, kv_head, kb * block_N:(kb + 1) * block_N, :])
+    T.copy(V_s, dV_tile)
+    T.copy(K_s, dK_tile)
 
 
 def flash_bwd_hopper_kernel(
@@ -228,7 +246,7 @@ def flash_bwd_hopper_kernel(
     shipped split. ``dkdv_by_tma`` (a ``BackwardConfig`` field, chapter 08's versions 19 and 20): where one
     block owns its rows of dK and dV, write them through shared memory by TMA (``store_dkdv_by_tma``); off,
     or with GQA's float32 accumulators, from registers (``store_dkv``). ``longest_first`` (a ``BackwardConfig``
-    field, off in the shipped configs until chapter 08's records include it): launch key block 0 of every head, then key
+    field, chapter 08's version 21, shipped at D = 128 with the causal mask): launch key block 0 of every head, then key
     block 1 of every head, and so on, instead of one head's key blocks after the other's; with the causal mask
     the first key blocks see the most query blocks, so the longest blocks start first and the last wave is of
     short ones (FlashAttention-3's LPT order).
@@ -298,15 +316,8 @@ def flash_bwd_hopper_kernel(
             # region: one step
             issue_scores(K_s, V_s, Q_s, dO_s, PT, dPT, policy["s"], policy["dp"])
             probabilities_t(p, PT, lse, qb, kb, block_M, block_N, lse_scale, mask_when)
-            if dv_under_ds:  # dV += Pᵀ dO issued first; dSᵀ formed while it runs
-                T.copy(PT, PT_cast)
-                T.wait_wgmma(0)
-                T.wgmma_gemm(PT_cast, dO_s, dv, policy=policy["dv"])
-                ds_t(dST_cast, PT if ds_from_float32_p else PT_cast, dPT, delta, block_M, block_N)
-            else:
-                T.wait_wgmma(0)
-                ds_t(dST_cast, PT, dPT, delta, block_M, block_N)
-                T.copy(PT, PT_cast)
+            probabilities_then_ds(PT, PT_cast, dPT, dST_cast, dO_s, dv, delta, block_M, block_N, dv_under_ds,
+                                  policy["dv"], ds_from_float32_p)
             if not deterministic:
                 T.copy(dST_cast, dST_s[buf, :, :])
                 if own_barriers:
@@ -334,7 +345,8 @@ def flash_bwd_hopper_kernel(
         # region: epilogue
         owned = dkv_dtype == dtype  # one block owns these rows of dK and dV (no GQA accumulators)
         if dkdv_by_tma and owned:
-            store_dkdv_by_tma(p, dk, dv, dK, dV, K_s, V_s, bz, kv_head, kb, block_N, dim)
+            rows = slice(kb * block_N, (kb + 1) * block_N)
+            store_dkdv_by_tma(p, dk, dv, dK[bz, kv_head, rows, :], dV[bz, kv_head, rows, :], K_s, V_s, block_N, dim)
         else:
             store_dkv(_GPU, p, dk, dv, dK, dV, (bz, kv_head, kb), block_N, dim, owned=owned)
         # endregion

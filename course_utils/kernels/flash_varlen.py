@@ -624,7 +624,7 @@ _ZERO_BARRIER = 7  # the Hopper backward's barrier after zeroing rows past a seq
 
 def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, window_size=None, sm_scale=None,
                                    dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256,
-                                   schedule="grid"):
+                                   schedule="grid", dv_under_ds=False, dkdv_by_tma=False, longest_first=False):
     """Return a ``@T.prim_func`` with ``flash_varlen_bwd_kernel``'s contract, built on chapter 08's Hopper loop.
 
     ``flash_bwd_hopper_kernel``'s step (Sᵀ and dPᵀ issued together, dSᵀ through two shared buffers, dQ
@@ -634,17 +634,23 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
     end), and of dQ (zero rows added, so a NaN of this sequence reaches no other) are another
     sequence's; each zeroing is followed by a barrier of the 256 consumer threads, on those tiles only.
     dK and dV are stored row by row, only this sequence's rows. sm_90 only.
+
+    The dense kernel's ``BackwardConfig`` fields, with the same meaning: ``dv_under_ds`` (dV issued under dSᵀ),
+    ``dkdv_by_tma`` (a block whose keys all belong to its sequence writes dK and dV by TMA; a sequence's last,
+    ragged block row by row) and ``longest_first`` (the "grid" schedule only: key block 0 of every sequence and
+    head is launched first, then key block 1...; the "list" schedule has its own order).
     """
     from .flash_bwd_hopper import (
         _DQ_BARRIER,
         _DS_BARRIER,
-        ds_t,
         issue_dq_then_dk,
         issue_scores,
         padded_rows,
         probabilities_t,
+        probabilities_then_ds,
         query_steps,
         stage_dq,
+        store_dkdv_by_tma,
     )
 
     if schedule not in SCHEDULES:
@@ -660,6 +666,20 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
     rows_padded = T.dynamic("rows_padded")
     batch = num_bounds - 1
     q_shape, kv_shape = [total_q, heads, dim], [total_k, p_model.heads_kv, dim]
+
+    @T.macro
+    def store_rows(p, dk, dv, dK, dV, keys_left, key_row, kv_head):
+        """Scale dK; store the first ``keys_left`` rows of dK and dV (added, with GQA's accumulators)."""
+        for j, d in T.Parallel(block_N, dim):
+            dk[j, d] *= p.sm_scale
+        for j, d in T.Parallel(block_N, dim):
+            if j < keys_left:
+                if p.group == 1:
+                    dV[key_row + j, kv_head, d] = T.cast(dv[j, d], dkv_dtype)
+                    dK[key_row + j, kv_head, d] = T.cast(dk[j, d], dkv_dtype)
+                else:
+                    T.atomic_add(dV[key_row + j, kv_head, d], dv[j, d])
+                    T.atomic_add(dK[key_row + j, kv_head, d], dk[j, d])
 
     @T.macro
     def backward_block(Q, K, V, dO, LSE, Delta, CuSeqlensQ, CuSeqlensK, dQ_acc, dK, dV, b, kb, head):
@@ -712,12 +732,11 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
             # endregion
             issue_scores(K_s, V_s, Q_s, dO_s, PT, dPT)
             probabilities_t(p, PT, lse, qb, kb, block_M, block_N)  # needs_mask: a run-time length may be ragged
-            T.wait_wgmma(0)
-            ds_t(dST_cast, PT, dPT, delta, block_M, block_N)
-            T.copy(PT, PT_cast)
+            probabilities_then_ds(PT, PT_cast, dPT, dST_cast, dO_s, dv, delta, block_M, block_N, dv_under_ds)
             T.copy(dST_cast, dST_s[step % 2, :, :])
             consumer_barrier(_DS_BARRIER)
-            T.wgmma_gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
+            if not dv_under_ds:
+                T.wgmma_gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
             issue_dq_then_dk(K_s, Q_s, dST_s[step % 2, :, :], dST_cast, dq, dk, swap_dq)
             stage_dq(dq, dq_s, swap_dq, block_M, dim)
             consumer_barrier(_DQ_BARRIER)
@@ -732,18 +751,16 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
             keep_stages_until_read(stage_in_use, Q_s, dO_s)
 
         # region: guarded stores
-        for j, d in T.Parallel(block_N, dim):
-            dk[j, d] *= p.sm_scale
         keys_left = T.if_then_else(active, p.seq_k - kb * block_N, 0)
         key_row = k0 + kb * block_N
-        for j, d in T.Parallel(block_N, dim):
-            if j < keys_left:
-                if p.group == 1:
-                    dV[key_row + j, kv_head, d] = T.cast(dv[j, d], dkv_dtype)
-                    dK[key_row + j, kv_head, d] = T.cast(dk[j, d], dkv_dtype)
-                else:
-                    T.atomic_add(dV[key_row + j, kv_head, d], dv[j, d])
-                    T.atomic_add(dK[key_row + j, kv_head, d], dk[j, d])
+        if dkdv_by_tma and p.group == 1:
+            if keys_left >= block_N:  # every row of the tile is this sequence's
+                rows = slice(key_row, key_row + block_N)
+                store_dkdv_by_tma(p, dk, dv, dK[rows, kv_head, :], dV[rows, kv_head, :], K_s, V_s, block_N, dim)
+            else:
+                store_rows(p, dk, dv, dK, dV, keys_left, key_row, kv_head)
+        else:
+            store_rows(p, dk, dv, dK, dV, keys_left, key_row, kv_head)
         # endregion
 
     if schedule == "grid":
@@ -756,8 +773,13 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
             MaxSeqlenK: T.int32, dQ_acc: T.Tensor(q_shape, ACCUM),
             dK: T.Tensor(kv_shape, dkv_dtype), dV: T.Tensor(kv_shape, dkv_dtype),
         ):
-            with T.Kernel(T.ceildiv(MaxSeqlenK, block_N), heads, batch, threads=threads) as (bx, by, bz):
-                backward_block(Q, K, V, dO, LSE, Delta, CuSeqlensQ, CuSeqlensK, dQ_acc, dK, dV, bz, bx, by)
+            if longest_first:  # (sequence, head) on the grid's first axis: blocks launch key block by key block
+                with T.Kernel(batch * heads, T.ceildiv(MaxSeqlenK, block_N), threads=threads) as (bx, by):
+                    backward_block(Q, K, V, dO, LSE, Delta, CuSeqlensQ, CuSeqlensK, dQ_acc, dK, dV,
+                                   bx // heads, by, bx % heads)
+            else:
+                with T.Kernel(T.ceildiv(MaxSeqlenK, block_N), heads, batch, threads=threads) as (bx, by, bz):
+                    backward_block(Q, K, V, dO, LSE, Delta, CuSeqlensQ, CuSeqlensK, dQ_acc, dK, dV, bz, bx, by)
     else:
         @T.prim_func
         def flash_varlen_bwd_hopper(
