@@ -222,6 +222,23 @@ def test_varlen_gpt_oss_window_sinks():
     check_backward(q, k, v, d_out, grads, refs=refs, name="gpt-oss window 128 + sinks")
 
 
+def test_varlen_window_d128_full_tiles_by_tma():
+    """D = 128 without GQA: the packed backward's default writes a key tile that is all its sequence's by TMA and a
+    ragged one row by row (``dkdv_by_tma``), here with a window and more keys than queries, and sinks."""
+    lengths_k = [n + 50 for n in LENGTHS]
+    q, _, _, cu_q = _packed(LENGTHS, 16, 16, 128, torch.float16)
+    _, k, v, cu_k = _packed(lengths_k, 16, 16, 128, torch.float16)
+    sinks = torch.randn(16, device="cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = flash_attention_varlen(*leaves[:3], cu_q, cu_k, max(LENGTHS), max(lengths_k), window_size=200,
+                                      sinks=leaves[3], return_lse=True)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    refs = varlen_references(q, k, v, cu_q, cu_k, d_out=d_out, window_size=200, sinks=sinks)
+    check_forward(q, k, v, out, lse, refs=refs, name="D=128 window 200 + sinks")
+    check_backward(q, k, v, d_out, grads, refs=refs, name="D=128 window 200 + sinks")
+
+
 def precompile():
     """Compile the kernels these tests use that the chapter 09 records do not, in parallel threads."""
     from course_utils.api.varlen_api import _varlen_small_kernels, decode_kernels, decode_single_kernel, varlen_kernels
