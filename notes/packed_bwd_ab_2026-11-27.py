@@ -1,10 +1,14 @@
 """Issue 27, ninth session: the packed backward with the dense kernel's newer BackwardConfig fields.
 
+``python notes/packed_bwd_ab_2026-11-27.py OUT.json [fields|order]``: "order" (call N7) times only the causal
+shipped config against it launched longest first within each sequence.
+
 A/B on the H100 for chapter 09's record batch (64k tokens in 128-8k, H=16, D=128, fp16): the packed
 backward with version 9's step (the default before this session) against dv_under_ds, + dkdv_by_tma,
-+ longest_first (causal), and our dense backward on equal lengths, all through flash_attention_varlen's public call with backward_config=..., each
-checked on every sequence and head against the float64 reference first; interleaved rounds
-(time_side_by_side), three blocks, the ratio to the dense kernel per block.
++ longest_first (causal), and our dense backward on equal lengths, all through flash_attention_varlen's public
+call with backward_config=..., each checked on every sequence and head against the float64 reference first;
+interleaved rounds (time_side_by_side), three blocks, the ratio to the dense kernel per block. In call N2
+longest_first was the kernel's first version of it: key block 0 of all (sequence, head) pairs first.
 """
 import json
 import sys
@@ -33,7 +37,14 @@ dq, dk, dv = (torch.randn(dense_batch, heads, dense_seq, dim, device="cuda", dty
               for _ in range(3))
 
 
+PART = sys.argv[2] if len(sys.argv) > 2 else "fields"  # "fields" (call N2) or "order" (call N7)
+
+
 def variants_for(causal):
+    if PART == "order":  # the shipped packed config, and the same launched as the dense longest_first does
+        shipped = VARLEN_HOPPER_BACKWARD_CONFIGS[dim, causal]
+        return {"shipped (dv_under_ds+tma)": shipped, "+ longest_first per sequence":
+                shipped._replace(longest_first=True)}
     base = VARLEN_HOPPER_BACKWARD_CONFIGS[dim, causal]._replace(dv_under_ds=False, dkdv_by_tma=False,
                                                                 longest_first=False)
     variants = {"plain step (version 9's)": base, "dv_under_ds": base._replace(dv_under_ds=True),
@@ -46,12 +57,13 @@ def variants_for(causal):
 
 
 t0 = time.time()  # every kernel compiled first, in threads (TileLang compiles release the GIL)
-jobs = [(causal, c) for causal in (True, False) for c in variants_for(causal).values()]
+CAUSAL = (True,) if PART == "order" else (True, False)
+jobs = [(causal, c) for causal in CAUSAL for c in variants_for(causal).values()]
 in_parallel(lambda job: varlen_kernels(q, k, causal=job[0], backward_config=job[1]), jobs)
-in_parallel(lambda causal: backward_kernels(dq, dk, causal=causal), [True, False])
+in_parallel(lambda causal: backward_kernels(dq, dk, causal=causal), CAUSAL)
 print(f"compiled {len(jobs)} packed backward configurations ({time.time() - t0:.0f} s)", flush=True)
 rows = []
-for causal in (True, False):
+for causal in CAUSAL:
     variants = variants_for(causal)
     fns, refs = {}, None
     for name, config in variants.items():

@@ -131,7 +131,7 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     """sm_90a lowering: the dense kernel's ``BackwardConfig`` fields mean the same in the packed backward.
     ``dv_under_ds``: dV is issued before dSᵀ's barrier (three products before it, not two); ``dkdv_by_tma``: a block
     whose keys are all its sequence's stores by TMA, a ragged one row by row (GQA's accumulators: row by row
-    always); ``longest_first``: the key block on the grid's second axis, (sequence, head) on its first; and
+    always); ``longest_first``: the key block on the grid's second axis, the head on its first (as dense); and
     ``_varlen_backward`` passes the fields on."""
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
@@ -153,8 +153,8 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     gqa = cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, heads_kv=2, causal=True, block_M=64, dkdv_by_tma=True),
                       pass_configs=PASS_CONFIGS)
     assert "tma_store(dK_desc" not in gqa
-    assert "blockIdx.z" in plain and "blockIdx.z" not in first
-    assert "(i * 64), ((((int)blockIdx.y) * 128) + k0), (((int)blockIdx.x) & 3));" in first  # K at key block y
+    assert "(i * 64), ((((int)blockIdx.x) * 128) + k0), ((int)blockIdx.y));" in plain  # K: key block x, head y
+    assert "(i * 64), ((((int)blockIdx.y) * 128) + k0), ((int)blockIdx.x));" in first  # key block y, head x
     seen = {}
     monkeypatch.setattr(varlen_api, "flash_varlen_bwd_hopper_kernel", lambda *a, **kw: seen.update(kw))
     monkeypatch.setattr(varlen_api, "compile_kernel", lambda *a, **kw: None)

@@ -637,8 +637,9 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
 
     The dense kernel's ``BackwardConfig`` fields, with the same meaning: ``dv_under_ds`` (dV issued under dSᵀ),
     ``dkdv_by_tma`` (a block whose keys all belong to its sequence writes dK and dV by TMA; a sequence's last,
-    ragged block row by row) and ``longest_first`` (the "grid" schedule only: key block 0 of every sequence and
-    head is launched first, then key block 1...; the "list" schedule has its own order).
+    ragged block row by row) and ``longest_first`` (the "grid" schedule only: as in the dense kernel, one
+    sequence after the other, and within it key block 0 of every head first, then key block 1...; the "list"
+    schedule has its own order).
     """
     from .flash_bwd_hopper import (
         _DQ_BARRIER,
@@ -773,10 +774,9 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
             MaxSeqlenK: T.int32, dQ_acc: T.Tensor(q_shape, ACCUM),
             dK: T.Tensor(kv_shape, dkv_dtype), dV: T.Tensor(kv_shape, dkv_dtype),
         ):
-            if longest_first:  # (sequence, head) on the grid's first axis: blocks launch key block by key block
-                with T.Kernel(batch * heads, T.ceildiv(MaxSeqlenK, block_N), threads=threads) as (bx, by):
-                    backward_block(Q, K, V, dO, LSE, Delta, CuSeqlensQ, CuSeqlensK, dQ_acc, dK, dV,
-                                   bx // heads, by, bx % heads)
+            if longest_first:  # within a sequence, key block 0 of every head first, then key block 1...
+                with T.Kernel(heads, T.ceildiv(MaxSeqlenK, block_N), batch, threads=threads) as (bx, by, bz):
+                    backward_block(Q, K, V, dO, LSE, Delta, CuSeqlensQ, CuSeqlensK, dQ_acc, dK, dV, bz, by, bx)
             else:
                 with T.Kernel(T.ceildiv(MaxSeqlenK, block_N), heads, batch, threads=threads) as (bx, by, bz):
                     backward_block(Q, K, V, dO, LSE, Delta, CuSeqlensQ, CuSeqlensK, dQ_acc, dK, dV, bz, bx, by)
