@@ -383,8 +383,9 @@ VARLEN_HOPPER_DIMS = (64, 128)
 VARLEN_PERSISTENT_CONFIG = ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True)
 # At D = 128 the dense kernel's newer fields as well (chapter 08's versions 20 and 21: dV under dSᵀ, dK and dV
 # stored by TMA where a tile is all one sequence's), measured against the plain step in notes/ch09_gpu_notes.md
-# (issue 27, ninth session). Not ``longest_first``: key block 0 of all 288 (sequence, head) pairs first left
-# no two running blocks sharing their Q and dO, and the causal backward took 1.7 times as long.
+# (issue 27, ninth session). Not ``longest_first``: launched as the dense kernel launches it (per sequence, key
+# block 0 of every head first) it was +0.6…+2.4% causal, under the 2% bar in two of three blocks; key block 0 of
+# all (sequence, head) pairs first had taken 1.6 times as long (no two running blocks shared their Q and dO).
 VARLEN_HOPPER_BACKWARD_CONFIGS = {
     (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
     (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
