@@ -350,7 +350,8 @@ if rec_v is not None:
 # choices at D = 128: dV issued under dSᵀ, and dK and dV written by TMA where a key tile is all one
 # sequence's (a sequence's last, ragged tile row by row); measured against the plain step they lifted
 # it from below the target to above it (`notes/ch09_gpu_notes.md`). The dense kernel's longest-first
-# launch order is not used here: with key block 0 of every sequence and head first, no two running
+# launch order is not used here: launched as the dense kernel launches it (per sequence) it gained
+# too little to tell from noise, and with key block 0 of every sequence and head first no two running
 # blocks shared their queries, and the causal backward took far longer. The `"list"` schedule is slower in the forward although the
 # persistent forward ignores the schedule: the list is made on the host from `cu_seqlens`, a read
 # back to the host (and a wait for the GPU) in every call, which the grid never does. Against the
