@@ -115,6 +115,20 @@ def test_persistent_packed_forward_code():
     assert "tma_store" not in source  # O leaves row by row: a tile store would write the next sequence's rows
 
 
+def test_persistent_packed_forward_stores_full_tiles_by_tma():
+    """``o_by_tma``: a tile whose 128 rows are all its sequence's goes through shared memory by TMA (after the
+    previous store has read it), a ragged one row by row; the block waits for its last store before it exits."""
+    from course_utils.core.source import cuda_source
+    from course_utils.kernels.flash_varlen import flash_varlen_fwd_persistent_kernel
+
+    source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True, pingpong=False, o_by_tma=True))
+    full = source.index("if (128 <= rows_left) {")
+    wait, store = source.index("tma_store_wait<0, true>();", full), source.index("tma_store(Output_desc", full)
+    ragged = source.index("} else {", store)
+    assert full < wait < store < ragged < source.index("< (rows_left_1 + 64)", ragged)
+    assert source.rindex("tma_store_wait<0, true>();") > source.rindex("LSE[")
+
+
 def test_packed_hopper_backward_code():
     """sm_90a lowering: the barrier after zeroing rows of another sequence sits only in the two branches that
     zero them (K/V on a block's first step, Q/dO on a query block past the end), each after its fence."""

@@ -476,7 +476,7 @@ def varlen_pair_list(cu_seqlens_q, cu_seqlens_k, heads, block_M, max_seqlen_q):
 
 def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=False, window_size=None, sm_scale=None,
                                        dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256,
-                                       pingpong=False, num_ctas=132):
+                                       pingpong=False, num_ctas=132, o_by_tma=False):
     """Return a ``@T.prim_func`` computing O and LSE of packed sequences with chapter 07's persistent kernel.
 
     ``flash_fwd_hopper_persistent_kernel`` (its producer/consumer protocol, peeled rotated loop and
@@ -493,7 +493,9 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
     zeroed by the producer, on the tile that holds them only: it waits for that tile's load itself,
     zeroes, fences and only then signals the consumers, who never meet in a barrier of their own;
     (2) O and the LSE are stored from registers, row by row, only this sequence's rows (a TMA store of
-    the whole tile would write the next sequence's rows, which another block owns).
+    the whole tile would write the next sequence's rows, which another block owns). ``o_by_tma``: a tile
+    whose rows are all its sequence's stores O as the dense kernel does, through shared memory by TMA, the
+    store left in flight under the next tile; only a sequence's last, ragged tile row by row.
     """
     if threads != 2 * block_M or block_M % 64:
         raise ValueError(f"the persistent kernel runs one consumer warpgroup per 64 query rows: block_M must be "
@@ -504,6 +506,12 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
     consumers = block_M // 64
     total_q, total_k, num_bounds, num_pairs = T.dynamic("total_q, total_k, num_bounds, num_pairs")
     q_shape, kv_shape = [total_q, heads, dim], [total_k, p_model.heads_kv, dim]
+
+    @T.macro
+    def store_rows_from_registers(acc_o, Output, rows_left, out_row, out_head):
+        for i, d in T.Parallel(block_M, dim):
+            if i < rows_left:
+                Output[out_row + i, out_head, d] = T.cast(acc_o[i, d], dtype)
 
     @T.prim_func
     def flash_varlen_fwd_persistent(
@@ -525,6 +533,8 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
             alpha = T.alloc_fragment([block_M], ACCUM)
             row_sum = T.alloc_fragment([block_M], ACCUM)
             l = T.alloc_fragment([block_M], ACCUM)  # noqa: E741
+            if o_by_tma:
+                O_s = T.alloc_shared([block_M, dim], dtype)
             q_full = T.alloc_barrier(128)
             q_empty = T.alloc_barrier(threads)
             k_full = T.alloc_barrier([128] * num_stages)
@@ -607,14 +617,22 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
                         rows_left = p.seq_q - qb * block_M
                         out_row = q0 + qb * block_M
                         out_head = head
-                        for i, d in T.Parallel(block_M, dim):
-                            if i < rows_left:
-                                Output[out_row + i, out_head, d] = T.cast(acc_o[i, d], dtype)
+                        if o_by_tma:
+                            if rows_left >= block_M:  # every row is this sequence's: the dense kernel's store
+                                T.tma_store_wait()  # the previous tile's store has read O_s
+                                T.copy(acc_o, O_s)
+                                T.tma_copy(O_s, Output[out_row:out_row + block_M, out_head, :])
+                            else:
+                                store_rows_from_registers(acc_o, Output, rows_left, out_row, out_head)
+                        else:
+                            store_rows_from_registers(acc_o, Output, rows_left, out_row, out_head)
                         for i in T.Parallel(block_M):
                             if i < rows_left:
                                 LSE[out_head, out_row + i] = natural_lse(l[i], shift[i])
                         # endregion
                         done = done + 1
+                if o_by_tma:
+                    T.tma_store_wait()  # the last O store must have read shared memory before the block exits
 
     return flash_varlen_fwd_persistent
 
