@@ -106,13 +106,13 @@ def test_persistent_packed_forward_code():
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_varlen import flash_varlen_fwd_persistent_kernel
 
-    source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True, pingpong=False))
+    source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True, pingpong=False, o_by_tma=False))
     assert not re.search(r"__sync_thread_partial\([^;]*, 256\)", source)  # no consumer barrier
     assert source.count("__syncthreads()") == 1  # the barriers' initialisation, before the roles split
     edge = source.index("v_edge[0].wait(")
     zero, fence = source.index("half_t(0x0p+0f", edge), source.index("tl::fence_proxy_async();", edge)
     assert edge < zero < fence < source.index(".arrive();", fence)
-    assert "tma_store" not in source  # O leaves row by row: a tile store would write the next sequence's rows
+    assert "tma_store" not in source  # o_by_tma=False: O leaves row by row, every tile
 
 
 def test_persistent_packed_forward_stores_full_tiles_by_tma():
@@ -121,7 +121,7 @@ def test_persistent_packed_forward_stores_full_tiles_by_tma():
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_varlen import flash_varlen_fwd_persistent_kernel
 
-    source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True, pingpong=False, o_by_tma=True))
+    source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True, pingpong=False))  # the default
     full = source.index("if (128 <= rows_left) {")
     wait, store = source.index("tma_store_wait<0, true>();", full), source.index("tma_store(Output_desc", full)
     ragged = source.index("} else {", store)
