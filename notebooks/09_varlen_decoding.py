@@ -310,10 +310,10 @@ if rec_v is not None:
     grid_vs_dense = {(m, c): tf_of(GRID, m, c) / tf_of(DENSE, m, c) for m in modes_v for c in (True, False)}
     cu.claim_ratio("packed (grid) ÷ dense, backward", {c: r for (m, c), r in grid_vs_dense.items() if m == "bwd"},
                    target=0.9, says="met")
-    cu.claim_ratio("packed (grid) ÷ dense, forward without a mask", {"full": grid_vs_dense["fwd", False]},
-                   target=0.9, says="met")
-    cu.claim_ratio("packed (grid) ÷ dense, causal forward", {"causal": grid_vs_dense["fwd", True]},
-                   target=0.9, says="not met")
+    cu.claim_ratio("packed (grid) ÷ dense, forward", {c: r for (m, c), r in grid_vs_dense.items() if m == "fwd"},
+                   target=0.9, says="partly met")
+    cu.claim_ratio("the forward's missed case ÷ the 0.9 target", [r / 0.9 for (m, c), r in grid_vs_dense.items()
+                                                                 if m == "fwd" and r < 0.9], says="near 1", near=0.03)
     cu.claim_ratio("list ÷ grid time, backward", {c: ms_of(LIST, "bwd", c) / ms_of(GRID, "bwd", c)
                                                   for c in (True, False)}, says="near 1")
     cu.claim_ratio("list ÷ grid time, forward", {c: ms_of(LIST, "fwd", c) / ms_of(GRID, "fwd", c)
@@ -344,9 +344,11 @@ if rec_v is not None:
 
 # %% [markdown]
 # Reading the record (the claims above check each judgement): with the default schedule, `"grid"`,
-# the packed batch meets the 0.9× target in the backward, causal or not, and in the forward without
-# a mask; the causal forward stays just below it (printed above). That is the target the issue set,
-# missed in one of four cases. The packed backward runs chapter 08's step with the dense kernel's
+# the packed batch meets the 0.9× target in the backward, causal or not; the forward meets it with
+# one mask and misses it narrowly with the other (printed above: which one misses has changed from
+# record to record, as the dense kernel's own speed moves by about as much). That is the target the
+# issue set, missed in one of four cases. Since this session the packed forward stores O as the dense
+# kernel does, by TMA, on every tile that is all one sequence's. The packed backward runs chapter 08's step with the dense kernel's
 # choices at D = 128: dV issued under dSᵀ, and dK and dV written by TMA where a key tile is all one
 # sequence's (a sequence's last, ragged tile row by row); measured against the plain step they lifted
 # it from below the target to above it (`notes/ch09_gpu_notes.md`). The dense kernel's longest-first
