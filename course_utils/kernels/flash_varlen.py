@@ -508,12 +508,6 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
     total_q, total_k, num_bounds, num_pairs = T.dynamic("total_q, total_k, num_bounds, num_pairs")
     q_shape, kv_shape = [total_q, heads, dim], [total_k, p_model.heads_kv, dim]
 
-    @T.macro
-    def store_rows_from_registers(acc_o, Output, rows_left, out_row, out_head):
-        for i, d in T.Parallel(block_M, dim):
-            if i < rows_left:
-                Output[out_row + i, out_head, d] = T.cast(acc_o[i, d], dtype)
-
     @T.prim_func
     def flash_varlen_fwd_persistent(
         Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype),
@@ -618,15 +612,14 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
                         rows_left = p.seq_q - qb * block_M
                         out_row = q0 + qb * block_M
                         out_head = head
-                        if o_by_tma:
-                            if rows_left >= block_M:  # every row is this sequence's: the dense kernel's store
-                                T.tma_store_wait()  # the previous tile's store has read O_s
-                                T.copy(acc_o, O_s)
-                                T.tma_copy(O_s, Output[out_row:out_row + block_M, out_head, :])
-                            else:
-                                store_rows_from_registers(acc_o, Output, rows_left, out_row, out_head)
+                        if o_by_tma and rows_left >= block_M:  # every row is this sequence's: the dense store
+                            T.tma_store_wait()  # the previous tile's store has read O_s
+                            T.copy(acc_o, O_s)
+                            T.tma_copy(O_s, Output[out_row:out_row + block_M, out_head, :])
                         else:
-                            store_rows_from_registers(acc_o, Output, rows_left, out_row, out_head)
+                            for i, d in T.Parallel(block_M, dim):
+                                if i < rows_left:
+                                    Output[out_row + i, out_head, d] = T.cast(acc_o[i, d], dtype)
                         for i in T.Parallel(block_M):
                             if i < rows_left:
                                 LSE[out_head, out_row + i] = natural_lse(l[i], shift[i])
@@ -686,20 +679,6 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
     rows_padded = T.dynamic("rows_padded")
     batch = num_bounds - 1
     q_shape, kv_shape = [total_q, heads, dim], [total_k, p_model.heads_kv, dim]
-
-    @T.macro
-    def store_rows(p, dk, dv, dK, dV, keys_left, key_row, kv_head):
-        """Scale dK; store the first ``keys_left`` rows of dK and dV (added, with GQA's accumulators)."""
-        for j, d in T.Parallel(block_N, dim):
-            dk[j, d] *= p.sm_scale
-        for j, d in T.Parallel(block_N, dim):
-            if j < keys_left:
-                if p.group == 1:
-                    dV[key_row + j, kv_head, d] = T.cast(dv[j, d], dkv_dtype)
-                    dK[key_row + j, kv_head, d] = T.cast(dk[j, d], dkv_dtype)
-                else:
-                    T.atomic_add(dV[key_row + j, kv_head, d], dv[j, d])
-                    T.atomic_add(dK[key_row + j, kv_head, d], dk[j, d])
 
     @T.macro
     def backward_block(Q, K, V, dO, LSE, Delta, CuSeqlensQ, CuSeqlensK, dQ_acc, dK, dV, b, kb, head):
@@ -773,14 +752,20 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
         # region: guarded stores
         keys_left = T.if_then_else(active, p.seq_k - kb * block_N, 0)
         key_row = k0 + kb * block_N
-        if dkdv_by_tma and p.group == 1:
-            if keys_left >= block_N:  # every row of the tile is this sequence's
-                rows = slice(key_row, key_row + block_N)
-                store_dkdv_by_tma(p, dk, dv, dK[rows, kv_head, :], dV[rows, kv_head, :], K_s, V_s, block_N, dim)
-            else:
-                store_rows(p, dk, dv, dK, dV, keys_left, key_row, kv_head)
+        if dkdv_by_tma and p.group == 1 and keys_left >= block_N:  # every row of the tile is this sequence's
+            rows = slice(key_row, key_row + block_N)
+            store_dkdv_by_tma(p, dk, dv, dK[rows, kv_head, :], dV[rows, kv_head, :], K_s, V_s, block_N, dim)
         else:
-            store_rows(p, dk, dv, dK, dV, keys_left, key_row, kv_head)
+            for j, d in T.Parallel(block_N, dim):
+                dk[j, d] *= p.sm_scale
+            for j, d in T.Parallel(block_N, dim):
+                if j < keys_left:
+                    if p.group == 1:
+                        dV[key_row + j, kv_head, d] = T.cast(dv[j, d], dkv_dtype)
+                        dK[key_row + j, kv_head, d] = T.cast(dk[j, d], dkv_dtype)
+                    else:
+                        T.atomic_add(dV[key_row + j, kv_head, d], dv[j, d])
+                        T.atomic_add(dK[key_row + j, kv_head, d], dk[j, d])
         # endregion
 
     if schedule == "grid":
