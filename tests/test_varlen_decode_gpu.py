@@ -207,36 +207,26 @@ def test_varlen_query_blocks_without_keys(causal, lengths_q, lengths_k, config):
     check_backward(q, k, v, d_out, grads, refs=refs, name=f"no keys causal={causal}")
 
 
-def test_varlen_gpt_oss_window_sinks():
+@pytest.mark.parametrize("heads, heads_kv, dim, dtype, window", [
+    (64, 8, 64, torch.bfloat16, 128),  # gpt-oss
+    # D = 128 without GQA: the packed backward's default writes a key tile that is all its sequence's by TMA and a
+    # ragged one row by row (``dkdv_by_tma``); the forward likewise stores O of a full tile by TMA (``o_by_tma``).
+    (16, 16, 128, torch.float16, 200),
+], ids=["gpt-oss", "d128-tma"])
+def test_varlen_window_sinks(heads, heads_kv, dim, dtype, window):
     lengths_k = [n + 50 for n in LENGTHS]  # more keys than queries: the diagonal aligned bottom-right
-    q, _, _, cu_q = _packed(LENGTHS, 64, 8, 64, torch.bfloat16)
-    _, k, v, cu_k = _packed(lengths_k, 64, 8, 64, torch.bfloat16)
-    sinks = torch.randn(64, device="cuda")
+    q, _, _, cu_q = _packed(LENGTHS, heads, heads_kv, dim, dtype)
+    _, k, v, cu_k = _packed(lengths_k, heads, heads_kv, dim, dtype)
+    sinks = torch.randn(heads, device="cuda")
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    out, lse = flash_attention_varlen(*leaves[:3], cu_q, cu_k, max(LENGTHS), max(lengths_k), window_size=128,
+    out, lse = flash_attention_varlen(*leaves[:3], cu_q, cu_k, max(LENGTHS), max(lengths_k), window_size=window,
                                       sinks=leaves[3], return_lse=True)
     d_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, d_out)
-    refs = varlen_references(q, k, v, cu_q, cu_k, d_out=d_out, window_size=128, sinks=sinks)
-    check_forward(q, k, v, out, lse, refs=refs, name="gpt-oss window 128 + sinks")
-    check_backward(q, k, v, d_out, grads, refs=refs, name="gpt-oss window 128 + sinks")
-
-
-def test_varlen_window_d128_full_tiles_by_tma():
-    """D = 128 without GQA: the packed backward's default writes a key tile that is all its sequence's by TMA and a
-    ragged one row by row (``dkdv_by_tma``), here with a window and more keys than queries, and sinks."""
-    lengths_k = [n + 50 for n in LENGTHS]
-    q, _, _, cu_q = _packed(LENGTHS, 16, 16, 128, torch.float16)
-    _, k, v, cu_k = _packed(lengths_k, 16, 16, 128, torch.float16)
-    sinks = torch.randn(16, device="cuda")
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    out, lse = flash_attention_varlen(*leaves[:3], cu_q, cu_k, max(LENGTHS), max(lengths_k), window_size=200,
-                                      sinks=leaves[3], return_lse=True)
-    d_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, d_out)
-    refs = varlen_references(q, k, v, cu_q, cu_k, d_out=d_out, window_size=200, sinks=sinks)
-    check_forward(q, k, v, out, lse, refs=refs, name="D=128 window 200 + sinks")
-    check_backward(q, k, v, d_out, grads, refs=refs, name="D=128 window 200 + sinks")
+    refs = varlen_references(q, k, v, cu_q, cu_k, d_out=d_out, window_size=window, sinks=sinks)
+    name = f"D={dim} window {window} + sinks"
+    check_forward(q, k, v, out, lse, refs=refs, name=name)
+    check_backward(q, k, v, d_out, grads, refs=refs, name=name)
 
 
 def precompile():
