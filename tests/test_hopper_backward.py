@@ -16,13 +16,16 @@ from course_utils.api.registry import BACKWARD
 from course_utils.core.problem import AttentionProblem
 from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_bwd_hopper import (
+    _DS_BARRIER,
     PASS_CONFIGS,
     flash_bwd_hopper_dq_kernel,
     flash_bwd_hopper_kernel,
     needs_mask,
     query_steps,
 )
+from course_utils.api.varlen_api import VARLEN_HOPPER_BACKWARD_CONFIGS
 from course_utils.kernels.flash_pieces import prelude
+from course_utils.kernels.generated_code import _EARLY_WAIT, MOVED_WAIT, drop_early_waits
 from course_utils.kernels.versions.flash_bwd_hopper_versions import (
     SHIPPED_VERSION,
     VERSIONS,
@@ -130,7 +133,7 @@ def test_version_14_is_a_config_field():
                                                   if k != "block_M"}), pass_configs=PASS_CONFIGS)
     assert on == version
     assert on != cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
-    config = HOPPER_BACKWARD_CONFIGS[128, False]._replace(dv_under_ds=True, dkdv_by_tma=False)
+    config = HOPPER_BACKWARD_CONFIGS[128, False]._replace(dv_under_ds=True, dkdv_by_tma=False, defer_dq_wait=False)
     problem = AttentionProblem(heads=4, heads_kv=4, dim=128, dtype="float16", target="cuda",
                                sm_scale=1 / math.sqrt(128), batch=2, seq_q=2048, seq_k=2048)
     built = cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS)
@@ -149,7 +152,7 @@ def test_dkdv_by_tma_is_a_config_field():
     assert (cuda_source(flash_bwd_hopper_kernel(**gqa, dkdv_by_tma=True), pass_configs=PASS_CONFIGS)
             == cuda_source(flash_bwd_hopper_kernel(**gqa), pass_configs=PASS_CONFIGS))
     assert all(c.dkdv_by_tma == (dim == 128) for (dim, _), c in HOPPER_BACKWARD_CONFIGS.items())
-    config = HOPPER_BACKWARD_CONFIGS[128, False]._replace(dv_under_ds=False)
+    config = HOPPER_BACKWARD_CONFIGS[128, False]._replace(dv_under_ds=False, defer_dq_wait=False)
     problem = AttentionProblem(heads=4, heads_kv=4, dim=128, dtype="float16", target="cuda",
                                sm_scale=1 / math.sqrt(128), batch=2, seq_q=2048, seq_k=2048)
     assert cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS) == on
@@ -166,14 +169,51 @@ def test_longest_first_is_a_config_field():
     heads = SHAPE["heads"]
     assert f"((int)blockIdx.x) >> {heads.bit_length() - 1}" in on or f"((int)blockIdx.x) / {heads}" in on
     assert [key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.longest_first] == [(128, True)]
-    assert shipped_version(128, True, HOPPER_BACKWARD_CONFIGS[128, True]).number == 21
+    assert shipped_version(128, True, HOPPER_BACKWARD_CONFIGS[128, True]._replace(defer_dq_wait=False)).number == 21
     assert (cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True, longest_first=True),
                         pass_configs=PASS_CONFIGS)
             == cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True), pass_configs=PASS_CONFIGS))
     problem = AttentionProblem(heads=4, heads_kv=4, dim=128, dtype="float16", target="cuda", causal=True,
                                sm_scale=1 / math.sqrt(128), batch=2, seq_q=2048, seq_k=2048)
-    config = HOPPER_BACKWARD_CONFIGS[128, True]._replace(dv_under_ds=False, dkdv_by_tma=False, longest_first=True)
+    config = HOPPER_BACKWARD_CONFIGS[128, True]._replace(dv_under_ds=False, dkdv_by_tma=False, longest_first=True,
+                                                         defer_dq_wait=False)
     assert cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS) == on
+
+
+def _reduce_waits(code):
+    """(waits right after a dQ reduce-add, waits right before a consumer barrier) in generated CUDA."""
+    early = len(re.findall(r"tl::tma_store_add\([^;]*\);\s*(?:\}\s*)?tl::tma_store_arrive\(\);\s*"
+                           r"tl::tma_store_wait<0, true>", code))
+    return early, len(MOVED_WAIT.findall(code))
+
+
+def test_defer_dq_wait_moves_the_reduce_wait_and_edits_nothing_else():
+    """``defer_dq_wait`` (version 22, every Hopper config, dense and packed): the wait for the copy engine's read of
+    dQ's staging tile stands before the next step's dSᵀ barrier, and ``generated_code`` drops the one TileLang puts
+    right after the reduce-add; with the field off, or in any other kernel, the code is TileLang's, untouched. The
+    edit never drops a wait from code that has no moved wait (that would be a race on dq_s)."""
+    shape = dict(SHAPE, dim=128, block_M=80)
+    on = cuda_source(flash_bwd_hopper_kernel(**shape, defer_dq_wait=True), pass_configs=PASS_CONFIGS)
+    off = cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
+    assert _reduce_waits(off) == (1, 0) and _reduce_waits(on) == (0, 1)
+    assert drop_early_waits(off) == off  # no moved wait: nothing dropped
+    loop = on[on.index("for (int qb"):on.rindex("stage_in_use[0] =")]
+    assert loop.index("tma_store_wait<0, true>") < loop.index(f"__sync_thread_partial({_DS_BARRIER}, 256)") \
+        < loop.index("tma_store_add(dQ_acc_desc")
+    # planted: the moved wait left out but TileLang's dropped (a race) cannot come out of the edit
+    racy = _EARLY_WAIT.sub(r"\1", off)
+    assert _reduce_waits(racy) == (0, 0) and drop_early_waits(racy) == racy
+    assert all(c.defer_dq_wait for c in (*HOPPER_BACKWARD_CONFIGS.values(), *VARLEN_HOPPER_BACKWARD_CONFIGS.values()))
+    assert {shipped_version(d, c, cfg).number for (d, c), cfg in HOPPER_BACKWARD_CONFIGS.items()} == {22}
+    problem = AttentionProblem(heads=4, heads_kv=4, dim=128, dtype="float16", target="cuda",
+                               sm_scale=1 / math.sqrt(128), batch=2, seq_q=2048, seq_k=2048)
+    config = BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True)
+    assert cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS) == on
+    deterministic = dict(shape, deterministic=True)  # no dQ to add: the field changes nothing
+    assert (cuda_source(flash_bwd_hopper_kernel(**deterministic, defer_dq_wait=True), pass_configs=PASS_CONFIGS)
+            == cuda_source(flash_bwd_hopper_kernel(**deterministic), pass_configs=PASS_CONFIGS))
+    with pytest.raises(ValueError, match="own_barriers"):
+        flash_bwd_hopper_kernel(**shape, defer_dq_wait=True, own_barriers=False, ds_buffers=2)
 
 
 def test_warp_policies_are_a_config_field_and_change_only_dq_at_d64():
@@ -185,9 +225,10 @@ def test_warp_policies_are_a_config_field_and_change_only_dq_at_d64():
     v17, v18 = (next(v for v in VERSIONS if v.number == n) for n in (17, 18))
     assert sorted(key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.policies is not None) == [(64, False),
                                                                                                    (64, True)]
-    assert shipped_version(64, True, HOPPER_BACKWARD_CONFIGS[64, True]) is v18
-    assert shipped_version(64, False, HOPPER_BACKWARD_CONFIGS[64, False]) is v17
-    assert shipped_version(128, False, HOPPER_BACKWARD_CONFIGS[128, False]).number == 20  # versions 14 + 19
+    without = {key: c._replace(defer_dq_wait=False) for key, c in HOPPER_BACKWARD_CONFIGS.items()}
+    assert shipped_version(64, True, without[64, True]) is v18
+    assert shipped_version(64, False, without[64, False]) is v17
+    assert shipped_version(128, False, without[128, False]).number == 20  # versions 14 + 19
     d64 = dict(SHAPE, dim=64, block_M=128, causal=True)
     shipped = cuda_source(flash_bwd_hopper_kernel(**d64), pass_configs=PASS_CONFIGS)
     spelled = ("row", "row", "row", "row", "square")

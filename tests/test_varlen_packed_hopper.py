@@ -145,7 +145,8 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     """sm_90a lowering: the dense kernel's ``BackwardConfig`` fields mean the same in the packed backward.
     ``dv_under_ds``: dV is issued before dSᵀ's barrier (three products before it, not two); ``dkdv_by_tma``: a block
     whose keys are all its sequence's stores by TMA, a ragged one row by row (GQA's accumulators: row by row
-    always); ``longest_first``: the key block on the grid's second axis, the head on its first (as dense); and
+    always); ``longest_first``: the key block on the grid's second axis, the head on its first (as dense);
+    ``defer_dq_wait``: the dQ reduce's wait before the next dSᵀ barrier, none right after it; and
     ``_varlen_backward`` passes the fields on."""
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
@@ -167,6 +168,10 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     gqa = cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, heads_kv=2, causal=True, block_M=64, dkdv_by_tma=True),
                       pass_configs=PASS_CONFIGS)
     assert "tma_store(dK_desc" not in gqa
+    deferred = source(defer_dq_wait=True)
+    early = r"tl::tma_store_add\([^;]*\);\s*(?:\}\s*)?tl::tma_store_arrive\(\);\s*tl::tma_store_wait<0, true>"
+    moved = r"tl::tma_store_wait<0, true>\(\);\s*tl::fence_proxy_async\(\);\s*tl::__sync_thread_partial\(6, 256\)"
+    assert [len(re.findall(pattern, src)) for src in (plain, deferred) for pattern in (early, moved)] == [1, 0, 0, 1]
     assert "(i * 64), ((((int)blockIdx.x) * 128) + k0), ((int)blockIdx.y));" in plain  # K: key block x, head y
     assert "(i * 64), ((((int)blockIdx.y) * 128) + k0), ((int)blockIdx.x));" in first  # key block y, head x
     seen = {}
@@ -174,7 +179,7 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     monkeypatch.setattr(varlen_api, "compile_kernel", lambda *a, **kw: None)
     x = torch.empty(8, 4, 128, dtype=torch.float16)
     problem = dataclasses.replace(varlen_api.AttentionProblem.packed(x, x, causal=True), target="cuda")
-    fields = dict(dv_under_ds=True, dkdv_by_tma=True, longest_first=True)
+    fields = dict(dv_under_ds=True, dkdv_by_tma=True, longest_first=True, defer_dq_wait=True)
     varlen_api._varlen_backward.__wrapped__(problem, BackwardConfig(64, 128, 2, 256, "flash_bwd_hopper", **fields),
                                             "grid")
     assert {name: seen[name] for name in fields} == fields

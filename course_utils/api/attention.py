@@ -118,6 +118,9 @@ class BackwardConfig(NamedTuple):
     # Chapter 08's kernel only: key block 0 of every head launched first, then key block 1... (FlashAttention-3's
     # longest-processing-time order for the causal mask; the ablation's version 21).
     longest_first: bool = False
+    # Chapter 08's kernel only: the dQ reduce-add's wait moved from right after it to the next step's dSᵀ barrier
+    # (the ablation's version 22; kernels/generated_code.py).
+    defer_dq_wait: bool = False
 
     tiling = ForwardConfig.tiling
 
@@ -127,20 +130,25 @@ TUNED_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
 # Chapter 08's Hopper backward, tiled per (head dim, causal or window mask) as FlashAttention-3 tiles
 # it (block_M queries per step, block_N resident keys), checked by chapter 08's ablation on the H100.
 HOPPER_BACKWARD_CONFIGS = {
+    # Every config: dQ's reduce-add waited for at the next step's dSᵀ barrier, not right after it (version 22):
+    # +10…+14% at D = 128 without a mask, +1…+9% with it, +4…+8% at D = 64, S = 4k and 16k, 3 blocks each (issue 26,
+    # notes/hopper_backward.md, tenth session).
     # dV issued under dSᵀ, and dK and dV stored by TMA: +2.5…+8.3% (fp16), −3.9…+5.8% (bf16; 2 of 24 blocks below
     # 0) over version 9 at S = 2k-16k, both masks, 3 blocks of alternated rounds each (issue 26,
     # notes/hopper_backward.md; version 20).
-    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
+    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
+                                 defer_dq_wait=True),
     # With the causal mask, every head's first (longest) key blocks launched first as well: +0.8…+6.9% over
     # version 20 at S = 2k-8k, −0.9…+1.4% at 16k, 3 blocks each (issue 26, notes/hopper_backward.md; version 21).
     (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
-                                longest_first=True),
+                                longest_first=True, defer_dq_wait=True),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2): +1-7% over S = 1k-16k in the records' method,
     # -0.2…+5.8% under do_bench (issue 26, notes/bwd3.md; version 17).
-    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", policies=DQ_BY_ROWS),
+    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", policies=DQ_BY_ROWS, defer_dq_wait=True),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2) and dV issued under dSᵀ: +3-13% at
     # D = 64 causal over S = 1k-16k in both timing methods (issue 26, notes/bwd3.md; versions 17, 14 and 18).
-    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, policies=DQ_BY_ROWS),
+    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, policies=DQ_BY_ROWS,
+                               defer_dq_wait=True),
 }
 # The deterministic backward's dQ kernel: (block_M queries, block_N keys per step) by head dim.
 HOPPER_DQ_TILES = {128: (128, 64), 64: (128, 128)}

@@ -31,7 +31,7 @@ def _sm_count():
 
 # Config fields that only some kernels take (a row's ``options``), with the value that leaves each off.
 OPTION_OFF = {"pingpong": False, "dv_under_ds": False, "policies": None, "dkdv_by_tma": False,
-              "longest_first": False}
+              "longest_first": False, "defer_dq_wait": False}
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ FORWARD = {row.name: row for row in (
 BACKWARD = {row.name: row for row in (
     KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel"),
     KernelRow("flash_bwd_hopper", flash_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
-              on_cpu=False, options=("dv_under_ds", "policies", "dkdv_by_tma", "longest_first"),
+              on_cpu=False, options=("dv_under_ds", "policies", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
               deterministic=True,
               pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
 )}

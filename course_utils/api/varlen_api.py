@@ -386,11 +386,14 @@ VARLEN_PERSISTENT_CONFIG = ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hop
 # (issue 27, ninth session). Not ``longest_first``: launched as the dense kernel launches it (per sequence, key
 # block 0 of every head first) it was +0.6…+2.4% causal, under the 2% bar in two of three blocks; key block 0 of
 # all (sequence, head) pairs first had taken 1.6 times as long (no two running blocks shared their Q and dO).
+# ``defer_dq_wait`` as in the dense configs (version 22), so that packed and dense run the same step.
 VARLEN_HOPPER_BACKWARD_CONFIGS = {
-    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
-    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True),
-    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
-    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper"),
+    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
+                                 defer_dq_wait=True),
+    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
+                                defer_dq_wait=True),
+    (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True),
+    (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True),
 }
 VARLEN_FORWARD_KERNELS = ("flash_fwd", "flash_fwd_hopper", "flash_fwd_hopper_persistent")
 VARLEN_BACKWARD_KERNELS = ("flash_bwd", "flash_bwd_hopper")
@@ -539,7 +542,8 @@ def _varlen_backward(pr, config, schedule):
                                               block_M=config.block_M, block_N=config.block_N,
                                               num_stages=config.num_stages, threads=config.threads,
                                               schedule=schedule, dv_under_ds=config.dv_under_ds,
-                                              dkdv_by_tma=config.dkdv_by_tma, longest_first=config.longest_first)
+                                              dkdv_by_tma=config.dkdv_by_tma, longest_first=config.longest_first,
+                                              defer_dq_wait=config.defer_dq_wait)
         return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype,
                               pass_configs=HOPPER_BACKWARD_PASS_CONFIGS)
     func = flash_varlen_bwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,

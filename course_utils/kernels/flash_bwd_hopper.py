@@ -36,13 +36,14 @@ from .flash_pieces import (
     store_dkv,
     visible,
 )
+from .generated_code import register as register_generated_code_edit
 from .hopper_pieces import keep_stages_until_read
 from .tiles import TileBackend
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
            "issue_scores", "probabilities_then_ds", "issue_dq_then_dk", "stage_dq", "store_dkdv_by_tma",
            "query_steps", "key_steps", "padded_rows",
-           "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS", "gemm_policies"]
+           "consumer_barrier", "wait_for_reduce_read", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS", "gemm_policies"]
 
 ACCUM = "float32"
 _GPU = TileBackend("cuda")  # for the pieces chapter 05's kernel shares with this one
@@ -53,6 +54,7 @@ _GPU = TileBackend("cuda")  # for the pieces chapter 05's kernel shares with thi
 # other is still reading (wrong dQ and dK in some runs; notes/hopper_backward.md).
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
                 tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True}
+register_generated_code_edit()  # defer_dq_wait: TileLang's own wait after the dQ reduce-add goes
 # named barrier ids (TileLang's own syncs use 1-3, chapter 07's ping-pong 8-9)
 _DS_BARRIER, _DQ_BARRIER, _EPILOGUE_BARRIER = 6, 5, 7
 
@@ -109,6 +111,14 @@ def query_steps(p, kb, block_M, block_N):
     """
     q_start, q_end = query_block_range(p, kb, block_M, block_N)
     return (0, q_end - q_start, q_start) if p.window_size == 1 else (q_start, q_end, 0)
+
+
+@T.macro
+def wait_for_reduce_read():
+    """Wait until the copy engine has read the shared tile of this thread's last bulk reduce-add (a thread that
+    issued none passes at once). Placed before the barrier after which that tile is written again, with
+    ``generated_code`` deleting TileLang's own wait right after the reduce-add."""
+    T.tma_store_wait(0, True)
 
 
 @T.macro
@@ -214,7 +224,7 @@ def flash_bwd_hopper_kernel(
     heads_kv=None, causal=False, window_size=None, sm_scale=None,
     dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256, deterministic=False, dv_under_ds=False,
     ds_buffers=2, own_barriers=True, order=None, mask_when=needs_mask, lse_log2=False, ds_from_float32_p=False,
-    issue=None, reduce_dq=None, policies=None, dkdv_by_tma=False, longest_first=False,
+    issue=None, reduce_dq=None, policies=None, dkdv_by_tma=False, longest_first=False, defer_dq_wait=False,
 ):
     """Return a ``@T.prim_func`` with chapter 05's contract: dK, dV and the float32 dQ accumulator.
 
@@ -249,13 +259,19 @@ def flash_bwd_hopper_kernel(
     field, chapter 08's version 21, shipped at D = 128 with the causal mask): launch key block 0 of every head, then key
     block 1 of every head, and so on, instead of one head's key blocks after the other's; with the causal mask
     the first key blocks see the most query blocks, so the longest blocks start first and the last wave is of
-    short ones (FlashAttention-3's LPT order).
+    short ones (FlashAttention-3's LPT order). ``defer_dq_wait`` (a ``BackwardConfig`` field, chapter 08's
+    version 22): the thread that issued dQ's reduce-add waits for the copy engine's read of the staging tile at the
+    next step's dSᵀ barrier, not right after issuing it (``generated_code``).
     """
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
     if own_barriers and ds_buffers != 2 and not deterministic:
         raise ValueError(f"own_barriers drops the barrier before the dSᵀ store: it needs ds_buffers=2; "
                          f"got ds_buffers={ds_buffers}")
+    if defer_dq_wait and not (own_barriers and reduce_dq is None):
+        raise ValueError("defer_dq_wait moves the dQ reduce's wait to the kernel's own dSᵀ barrier: it needs "
+                         "own_barriers=True and the shipped reduce_dq")
+    defer_dq_wait = defer_dq_wait and not deterministic  # no dQ to add
     swap_dq = block_M % 64 != 0
     policy = gemm_policies(policies, swap_dq)
     stat_rows = padded_rows(block_M)
@@ -320,6 +336,8 @@ def flash_bwd_hopper_kernel(
                                   policy["dv"], ds_from_float32_p)
             if not deterministic:
                 T.copy(dST_cast, dST_s[buf, :, :])
+                if defer_dq_wait:  # the last step's dQ tile read: dq_s is written again after this barrier
+                    wait_for_reduce_read()
                 if own_barriers:
                     consumer_barrier(_DS_BARRIER)
             if not dv_under_ds:
@@ -341,6 +359,8 @@ def flash_bwd_hopper_kernel(
             T.wait_wgmma(0)
             keep_stages_until_read(stage_in_use, Q_s, dO_s)
             # endregion
+        if defer_dq_wait:  # the last reduce-add reads shared memory that must outlive it
+            wait_for_reduce_read()
 
         # region: epilogue
         owned = dkv_dtype == dtype  # one block owns these rows of dK and dV (no GQA accumulators)

@@ -636,7 +636,8 @@ _ZERO_BARRIER = 7  # the Hopper backward's barrier after zeroing rows past a seq
 
 def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, window_size=None, sm_scale=None,
                                    dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256,
-                                   schedule="grid", dv_under_ds=False, dkdv_by_tma=False, longest_first=False):
+                                   schedule="grid", dv_under_ds=False, dkdv_by_tma=False, longest_first=False,
+                                   defer_dq_wait=False):
     """Return a ``@T.prim_func`` with ``flash_varlen_bwd_kernel``'s contract, built on chapter 08's Hopper loop.
 
     ``flash_bwd_hopper_kernel``'s step (Sᵀ and dPᵀ issued together, dSᵀ through two shared buffers, dQ
@@ -651,7 +652,7 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
     ``dkdv_by_tma`` (a block whose keys all belong to its sequence writes dK and dV by TMA; a sequence's last,
     ragged block row by row) and ``longest_first`` (the "grid" schedule only: as in the dense kernel, one
     sequence after the other, and within it key block 0 of every head first, then key block 1...; the "list"
-    schedule has its own order).
+    schedule has its own order) and ``defer_dq_wait`` (dQ's reduce-add waited for at the next dSᵀ barrier).
     """
     from .flash_bwd_hopper import (
         _DQ_BARRIER,
@@ -664,6 +665,7 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
         query_steps,
         stage_dq,
         store_dkdv_by_tma,
+        wait_for_reduce_read,
     )
 
     if schedule not in SCHEDULES:
@@ -733,6 +735,8 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
             probabilities_t(p, PT, lse, qb, kb, block_M, block_N)  # needs_mask: a run-time length may be ragged
             probabilities_then_ds(PT, PT_cast, dPT, dST_cast, dO_s, dv, delta, block_M, block_N, dv_under_ds)
             T.copy(dST_cast, dST_s[step % 2, :, :])
+            if defer_dq_wait:  # the last step's dQ tile read: dq_s is written again after this barrier
+                wait_for_reduce_read()
             consumer_barrier(_DS_BARRIER)
             if not dv_under_ds:
                 T.wgmma_gemm(PT_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
@@ -748,6 +752,8 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
             T.atomic_add(dQ_acc[q0 + qb * block_M:q0 + (qb + 1) * block_M, head, :], dq_s, use_tma=True)
             T.wait_wgmma(0)
             keep_stages_until_read(stage_in_use, Q_s, dO_s)
+        if defer_dq_wait:  # the last reduce-add reads shared memory that must outlive it
+            wait_for_reduce_read()
 
         # region: guarded stores
         keys_left = T.if_then_else(active, p.seq_k - kb * block_N, 0)

@@ -219,6 +219,8 @@ def _helper_kernels(batch, heads, heads_kv, seq, seq_k, dim, dtype, fused):
 _BEFORE_7 = dict(ds_buffers=1, own_barriers=False, dv_under_ds=True, ds_from_float32_p=True)
 _ATOMIC_1 = dict(_BEFORE_7, reduce_dq=atomic_dq, issue=dk_before_dq, num_stages=1)
 _FA3_TILES = {(128, False): dict(block_M=80), 64: dict(block_M=128)}
+_V17 = dict(block_M=128, policies=DQ_BY_ROWS)  # version 17's knobs at D = 64
+_V20 = dict(dv_under_ds=True, dkdv_by_tma=True)  # version 20's at D = 128 (80 query rows without a mask)
 
 VERSIONS = [
     _backward(1, "chapter 05's kernel (synchronous T.gemm)", "every matmul waits; dQ by per-element atomics",
@@ -271,6 +273,11 @@ VERSIONS = [
               "FlashAttention-3's longest-first order over (key block, head); +0.8-6.9% over version 20 at S = 2k-8k",
               knobs={128: dict(dv_under_ds=True, dkdv_by_tma=True, longest_first=True)}, kept=False, dims=(128,),
               causal_only=True, shipped_code=True),
+    _backward(22, "  (dQ's reduce waited for one step later: shipped everywhere)",
+              "the copy engine reads dQ's tile under the next Sᵀ and dPᵀ, not while its issuing warp waits",
+              knobs={(128, False): dict(_V20, block_M=80, defer_dq_wait=True), (128, True): dict(_V20, longest_first=True,
+                     defer_dq_wait=True), (64, False): dict(_V17, defer_dq_wait=True),
+                     (64, True): dict(_V17, dv_under_ds=True, defer_dq_wait=True)}, kept=False, shipped_code=True),
 ]
 SHIPPED_VERSION = 9
 
@@ -283,7 +290,7 @@ def versions_for(causal, dim=None):
 def shipped_version(dim, causal, config):
     """The version whose row in the ablation runs what ``flash_attention`` runs: the shipped kernel at
     ``config``'s tiling (a ``BackwardConfig``, or a (block_M, block_N) pair) with its options."""
-    defaults = dict(dv_under_ds=False, policies=None, dkdv_by_tma=False, longest_first=False)
+    defaults = dict(dv_under_ds=False, policies=None, dkdv_by_tma=False, longest_first=False, defer_dq_wait=False)
     options = {name: getattr(config, name, off) for name, off in defaults.items()}
     candidates = [v for v in VERSIONS if v.shipped_code and (causal or not v.causal_only) and dim in v.dims
                   and v.tiling(dim, causal) == tuple(config[:2])
