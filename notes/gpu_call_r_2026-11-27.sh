@@ -3,7 +3,8 @@
 #   R1: the rotated query loop A/B (notes/bwd_rotate_ab_2026-11-27.py); the packed window+sinks GPU tests;
 #   R2: the deferred dQ-wait A/B (notes/bwd_dq_wait_ab_2026-11-27.py);
 #   R3: chapter 08's records (40 cases, deterministic, feature checks) with the winners as defaults;
-#   R4: chapter 08's ablation, chapters 08 and 09 executed in place.
+#   R4: chapter 09's packed record, chapter 08's ablation, chapter 08 executed in place;
+#   R5: chapters 08 and 09 executed in place, the backward's and packed batches' GPU tests.
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 T0=$(date +%s); stamp() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -26,6 +27,6 @@ case ${PART:?} in
   R2) stamp "dQ wait A/B"; timeout 400 python notes/bwd_dq_wait_ab_2026-11-27.py /tmp/n/dq_wait_ab.json 2>&1 | grep -v Warning | tee /tmp/n/dq_wait_ab.log | tail -n 16; pack ;;
   R3) record ch08_backward_vs_peers_h100 300; record ch08_deterministic_h100 110; record ch08_feature_checks_h100 150 ;;
   R4) record ch09_varlen_h100 200; record ch08_backward_ablation_h100 180; notebook 08 150 ;;
-  R5) notebook 09 150; stamp "GPU tests"; timeout 300 python -m pytest -q tests/test_varlen_decode_gpu.py tests/test_gpu.py -k "backward or varlen or bwd" 2>&1 | tail -n 6 | tee /tmp/n/gpu_tests.log; pack ;;
+  R5) notebook 08 150; notebook 09 120; stamp "GPU tests"; timeout 280 python -m pytest -q -x tests/test_gpu.py -k "backward or bwd or packed or varlen" tests/test_varlen_decode_gpu.py 2>&1 | tail -n 6 | tee /tmp/n/gpu_tests.log; pack ;;
 esac
 stamp done

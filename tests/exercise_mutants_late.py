@@ -183,7 +183,7 @@ EXERCISES["ch08_backward_step"] = Exercise("08_hopper_backward",
                                            "ch08:check_backward_step", "key_block_backward", HOPPER_PRELUDE)
 _STEP = "        issue_scores_t(K_s, Q_s, PT)\n        issue_dp_t(V_s, dO_s, dPT)\n"
 MUTANTS += [
-    # --- chapter 08 (d): one step of the Hopper backward (all but the first two fail only when lowered for sm_90a) ---
+    # --- chapter 08 (e): one step of the Hopper backward (all but the first two fail only when lowered for sm_90a) ---
     Mutant("ch08_backward_step", "dSᵀ formed before the exponentials",
            (("        probabilities(PT, lse)\n        wait(0)\n        form_ds(PT, dPT, delta, dST, PT_cast)\n",
              "        wait(0)\n        form_ds(PT, dPT, delta, dST, PT_cast)\n        probabilities(PT, lse)\n"),),
@@ -229,4 +229,20 @@ VARIANTS += [
     Mutant("ch08_backward_step", "dQ issued before dV (dK still last, so wait(1) retires both)",
            (("        issue_dv(PT_cast, dO_s, dv)\n        issue_dq(dST_s, K_s, dq)\n",
              "        issue_dq(dST_s, K_s, dq)\n        issue_dv(PT_cast, dO_s, dv)\n"),), ""),
+]
+
+EXERCISES["ch08_reduce_wait"] = Exercise("08_hopper_backward", ("reduce_wait_before",), "ch08:check_reduce_wait",
+                                         "reduce_wait_before")
+_ANSWER = 'return "dSᵀ barrier"'
+MUTANTS += [
+    # --- chapter 08 (d): where the copy engine's read of dq_s is waited for ---
+    Mutant("ch08_reduce_wait", "at the start of the step (safe, TileLang's stall moved only a little)",
+           ((_ANSWER, 'return "issue Sᵀ and dPᵀ"'),), "earlier than it needs to be"),
+    Mutant("ch08_reduce_wait", "right before the store of dq_s (no barrier after the wait: a race)",
+           ((_ANSWER, 'return "store dQ to dq_s"'),), "a race"),
+    Mutant("ch08_reduce_wait", "after the dSᵀ barrier (a race)", ((_ANSWER, 'return "issue dV, dQ, dK"'),), "a race"),
+    Mutant("ch08_reduce_wait", "at the dQ barrier (dq_s already rewritten)", ((_ANSWER, 'return "dQ barrier"'),),
+           "too late"),
+    Mutant("ch08_reduce_wait", "not an event of the step", ((_ANSWER, 'return "after the loop"'),),
+           "return one of the events"),
 ]

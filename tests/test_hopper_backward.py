@@ -13,6 +13,7 @@ from tilelang import tvm
 from course_utils import flash_attention
 from course_utils.api.attention import HOPPER_BACKWARD_CONFIGS, BackwardConfig, default_backward_config
 from course_utils.api.registry import BACKWARD
+from course_utils.api.varlen_api import VARLEN_HOPPER_BACKWARD_CONFIGS
 from course_utils.core.problem import AttentionProblem
 from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_bwd_hopper import (
@@ -23,7 +24,6 @@ from course_utils.kernels.flash_bwd_hopper import (
     needs_mask,
     query_steps,
 )
-from course_utils.api.varlen_api import VARLEN_HOPPER_BACKWARD_CONFIGS
 from course_utils.kernels.flash_pieces import prelude
 from course_utils.kernels.generated_code import _EARLY_WAIT, MOVED_WAIT, drop_early_waits
 from course_utils.kernels.versions.flash_bwd_hopper_versions import (

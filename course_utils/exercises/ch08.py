@@ -17,7 +17,7 @@ from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 from .late_tools import c_lowering, lowered_steps, surfacing_warnings
 
 __all__ = ["check_dq_reduce_bytes", "check_fixed_order_sum", "check_wait_before_dq_store", "check_backward_step",
-           "HINTS"]
+           "check_reduce_wait", "NEXT_STEP", "HINTS"]
 
 HINTS = {
     "a": ["Every key block adds a float32 contribution to every element of dQ.",
@@ -29,7 +29,12 @@ HINTS = {
           "tensors one by one in that order (clone the first so the caller's tensor is not changed)."],
     "c": ["wait_group n lets the n newest batches keep running; dQ must be finished before it is stored.",
           "Exercise 07 (b)'s rule: n is the number of batches issued after the one you read; list them."],
-    "d": ["Section 3's step: issue Sᵀ and dPᵀ together, wait only for Sᵀ and compute Pᵀ while dPᵀ runs, wait for "
+    "d": ["One thread issued the reduce-add and only that thread can wait for it; the other 255 write their parts "
+          "of dq_s too. How can they know that the copy engine has finished reading it?",
+          "They learn it only at a barrier that all of them pass after the issuing thread's wait. Find the store of "
+          "dq_s in NEXT_STEP, walk back to the last barrier before it: the wait goes directly before that barrier "
+          "(in the kernel: T.tma_store_wait(0, True), then consumer_barrier)."],
+    "e": ["Section 3's step: issue Sᵀ and dPᵀ together, wait only for Sᵀ and compute Pᵀ while dPᵀ runs, wait for "
           "dPᵀ before forming dSᵀ. dQ reads dSᵀ from shared memory, half of it written by the other consumer: "
           "store, then meet, then issue. Issue dV, dQ, dK together and wait for dQ only; the copy engine reads dq_s, "
           "half of it the other consumer's: store, meet, reduce-add. Last, wait for everything and read Q_s and "
@@ -118,7 +123,42 @@ def check_wait_before_dq_store(fn):
     print(f"✓ wait_before_dq_store: wait_wgmma({n}); {issued[-1]} may still run while dQ is stored")
 
 
-# --- Exercise (d): one step of the Hopper backward, its waits and barriers ----------------------------
+# --- Exercise (d): where the copy engine's read of dq_s is waited for ----------------------------------
+
+# The consumer threads' events in one step, in order (section 3); the reduce-add of the step before is in flight.
+NEXT_STEP = ("issue Sᵀ and dPᵀ", "exponentials", "form dSᵀ", "store dSᵀ", "dSᵀ barrier", "issue dV, dQ, dK",
+             "wait for dQ", "store dQ to dq_s", "dQ barrier", "reduce-add")
+
+
+def check_reduce_wait(fn):
+    """``fn() -> event``: the event of ``NEXT_STEP`` that the issuing thread's wait for the last reduce-add's read
+    must come directly before, as late as is safe (chapter 08's version 22)."""
+    try:
+        got = fn()
+    except NotImplementedError:
+        raise ExerciseIncomplete("reduce_wait_before: not written yet — replace the `raise NotImplementedError` "
+                                 "line with your code and run the cell again.") from None
+    if got not in NEXT_STEP:
+        raise ExerciseWrong(f"reduce_wait_before: got {got!r}; return one of the events of NEXT_STEP: "
+                            + ", ".join(repr(e) for e in NEXT_STEP))
+    at, barrier, store = (NEXT_STEP.index(e) for e in (got, "dSᵀ barrier", "store dQ to dq_s"))
+    if at < barrier:
+        raise ExerciseWrong(f"reduce_wait_before: {got!r} is safe but earlier than it needs to be: the copy engine's "
+                            f"read could still run under every event from {got!r} to the dSᵀ barrier. Which is the "
+                            "last event that every thread passes before any of them writes dq_s?")
+    if barrier < at <= store:
+        raise ExerciseWrong(f"reduce_wait_before: a race. Only the issuing thread waits; the others learn that the "
+                            f"read has ended only at a barrier they pass after that wait, and between {got!r} and "
+                            "'store dQ to dq_s' there is none: they may overwrite dq_s while the engine reads it.")
+    if at > store:
+        raise ExerciseWrong(f"reduce_wait_before: too late — dq_s has already been rewritten at 'store dQ to dq_s', "
+                            f"before {got!r}, while the copy engine may still be reading the last step's tile.")
+    print("✓ reduce_wait_before: the issuing thread waits right before the dSᵀ barrier; every thread passes that "
+          "barrier after the wait and before it writes dq_s, and the engine's read runs under Sᵀ, dPᵀ and the "
+          "exponentials (version 22)")
+
+
+# --- Exercise (e): one step of the Hopper backward, its waits and barriers ----------------------------
 
 def _backward_model(q, k, v, d_out, *, ds_before_p=False, dk_from_p=False, dv_from_ds=False):
     """dQ, dK, dV in float64 ([B, S, D] inputs, no mask), with one bug: dSᵀ (and the Pᵀ copy dV reads)

@@ -42,8 +42,8 @@ from .tiles import TileBackend
 
 __all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
            "issue_scores", "probabilities_then_ds", "issue_dq_then_dk", "stage_dq", "store_dkdv_by_tma",
-           "query_steps", "key_steps", "padded_rows",
-           "consumer_barrier", "wait_for_reduce_read", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS", "gemm_policies"]
+           "query_steps", "key_steps", "padded_rows", "wait_for_reduce_read",
+           "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS", "gemm_policies"]
 
 ACCUM = "float32"
 _GPU = TileBackend("cuda")  # for the pieces chapter 05's kernel shares with this one

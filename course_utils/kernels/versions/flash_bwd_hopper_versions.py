@@ -275,8 +275,9 @@ VERSIONS = [
               causal_only=True, shipped_code=True),
     _backward(22, "  (dQ's reduce waited for one step later: shipped everywhere)",
               "the copy engine reads dQ's tile under the next Sᵀ and dPᵀ, not while its issuing warp waits",
-              knobs={(128, False): dict(_V20, block_M=80, defer_dq_wait=True), (128, True): dict(_V20, longest_first=True,
-                     defer_dq_wait=True), (64, False): dict(_V17, defer_dq_wait=True),
+              knobs={(128, False): dict(_V20, block_M=80, defer_dq_wait=True),
+                     (128, True): dict(_V20, longest_first=True, defer_dq_wait=True),
+                     (64, False): dict(_V17, defer_dq_wait=True),
                      (64, True): dict(_V17, dv_under_ds=True, defer_dq_wait=True)}, kept=False, shipped_code=True),
 ]
 SHIPPED_VERSION = 9
