@@ -347,11 +347,13 @@ if rec_v is not None:
 # the packed batch meets the 0.9× target in the backward, causal or not; the forward meets it with
 # one mask and misses it narrowly with the other (printed above: which one misses has changed from
 # record to record, as the dense kernel's own speed moves by about as much). That is the target the
-# issue set, missed in one of four cases. Since this session the packed forward stores O as the dense
-# kernel does, by TMA, on every tile that is all one sequence's. The packed backward runs chapter 08's step with the dense kernel's
-# choices at D = 128: dV issued under dSᵀ, and dK and dV written by TMA where a key tile is all one
-# sequence's (a sequence's last, ragged tile row by row); measured against the plain step they lifted
-# it from below the target to above it (`notes/ch09_gpu_notes.md`). The dense kernel's longest-first
+# issue set, missed in one of four cases. The packed forward stores O as the dense kernel does, by
+# TMA, on every tile that is all one sequence's. The packed backward runs chapter 08's step with the
+# dense kernel's choices at D = 128: dV issued under dSᵀ, and dK and dV written by TMA where a key tile
+# is all one sequence's (a sequence's last, ragged tile row by row); measured against the plain step
+# they lifted it from below the target to above it (`notes/ch09_gpu_notes.md`). At every head dim it
+# waits for dQ's reduce-add where the dense kernel does (chapter 08's version 22), so that packed and
+# dense run the same step. The dense kernel's longest-first
 # launch order is not used here: launched as the dense kernel launches it (per sequence) it gained
 # too little to tell from noise, and with key block 0 of every sequence and head first no two running
 # blocks shared their queries, and the causal backward took far longer. The `"list"` schedule is slower in the forward although the
