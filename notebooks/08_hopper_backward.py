@@ -399,7 +399,23 @@ plots.save(fig, "ch08_ablation");
 #   `T.tma_store_wait` there (`defer_dq_wait=True`); TileLang cannot be told to leave out its own wait, so
 #   `kernels/generated_code.py` deletes it from the generated CUDA, and only from a kernel that has
 #   the moved one (the course's tests check both, and that a planted copy without the moved wait is
-#   left alone). FlashAttention-3 reaches the same overlap with a warp of its own for dQ.
+#   left alone). FlashAttention-3 reaches the same overlap with a warp of its own for dQ. In section 3's
+#   model of one warpgroup (illustrative durations, not measured):
+
+# %%
+models = {name: step_schedule(3, asynchronous=True, read_wait=wait) for name, wait in
+          (("TileLang's wait for the copy engine's read (grey), right after the reduce-add", 0.35),
+           ("version 22: the wait moved into the next step", None))}
+xmax = max(total for _, total in models.values())
+fig, axes = plt.subplots(2, 1, figsize=(12, 3.8), sharex=True)
+for ax, (name, (events, total)) in zip(axes, models.items()):
+    schedules.pipeline_timeline(ax, events, lanes=LANES, xmax=xmax, title=f"{name} — 3 steps in {total:g} units")
+axes[-1].set_xlabel("time (model units)")
+fig.tight_layout()
+before, after = (total for _, total in models.values())
+cu.check_true(after < before, f"the moved wait shortens the modelled steps: {after:g} < {before:g} units")
+
+# %% [markdown]
 # - The shipped kernel is thus version 22, with version 20's or 21's fields at D = 128 and version 17's
 #   or 18's at D = 64: one skeleton, with the warp split of dQ, the order of dV and dSᵀ, the
 #   way dK and dV are written, the launch order and the place of dQ's wait as config fields; the final

@@ -90,7 +90,7 @@ def dataflow(ax, *, block_M=64, block_N=128, dim=128):
 LANES = ("tensor cores", "FP32 + SFU", "copy engine")
 
 
-def step_schedule(n_steps, *, asynchronous, gemm=1.0, exp=0.8, ds=0.4, dq_store=0.4, reduce=0.6):
+def step_schedule(n_steps, *, asynchronous, gemm=1.0, exp=0.8, ds=0.4, dq_store=0.4, reduce=0.6, read_wait=None):
     """Events ``(lane, start, duration, label, 0)`` and the total time of ``n_steps`` steps of one
     consumer warpgroup, in model units (illustrative, not measured).
 
@@ -98,6 +98,8 @@ def step_schedule(n_steps, *, asynchronous, gemm=1.0, exp=0.8, ds=0.4, dq_store=
     after the other. Asynchronous (chapter 08): Sᵀ and dPᵀ issued together, the exponentials start
     when Sᵀ is done; dSᵀ when both are; dV, dQ and dK issued together; dQ goes to shared memory while
     dK runs, and the copy engine adds it to global memory while the next step starts.
+    ``read_wait``: the warpgroup first waits that long for the copy engine to read dQ's tile (TileLang's wait
+    right after the reduce-add, chapter 08's versions before 22); None: the read runs under the next step.
     """
     events, t = [], 0.0
     tc, alu, copy = LANES
@@ -118,4 +120,7 @@ def step_schedule(n_steps, *, asynchronous, gemm=1.0, exp=0.8, ds=0.4, dq_store=
         t_store = max(t_mm + 2 * gemm + dq_store, t_mm + 3 * gemm)
         events.append((copy, t_store, reduce, "reduce-add", 0))
         t = t_store
+        if read_wait:
+            events.append((alu, t_store, read_wait, "wait", 0))
+            t += read_wait
     return events, t + (reduce if asynchronous else 0)
