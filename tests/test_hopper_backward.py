@@ -182,9 +182,7 @@ def test_longest_first_is_a_config_field():
 
 def _reduce_waits(code):
     """(waits right after a dQ reduce-add, waits right before a consumer barrier) in generated CUDA."""
-    early = len(re.findall(r"tl::tma_store_add\([^;]*\);\s*(?:\}\s*)?tl::tma_store_arrive\(\);\s*"
-                           r"tl::tma_store_wait<0, true>", code))
-    return early, len(MOVED_WAIT.findall(code))
+    return len(_EARLY_WAIT.findall(code)), len(MOVED_WAIT.findall(code))
 
 
 def test_defer_dq_wait_moves_the_reduce_wait_and_edits_nothing_else():

@@ -151,6 +151,7 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
     from course_utils.kernels.flash_varlen import flash_varlen_bwd_hopper_kernel
+    from course_utils.kernels.generated_code import _EARLY_WAIT, MOVED_WAIT
 
     def source(**kw):
         return cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, causal=True, block_M=64, **kw),
@@ -169,8 +170,7 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
                       pass_configs=PASS_CONFIGS)
     assert "tma_store(dK_desc" not in gqa
     deferred = source(defer_dq_wait=True)
-    early = r"tl::tma_store_add\([^;]*\);\s*(?:\}\s*)?tl::tma_store_arrive\(\);\s*tl::tma_store_wait<0, true>"
-    moved = r"tl::tma_store_wait<0, true>\(\);\s*tl::fence_proxy_async\(\);\s*tl::__sync_thread_partial\(6, 256\)"
+    early, moved = _EARLY_WAIT.pattern, MOVED_WAIT.pattern + r"6, 256\)"  # moved: before the dSᵀ barrier
     assert [len(re.findall(pattern, src)) for src in (plain, deferred) for pattern in (early, moved)] == [1, 0, 0, 1]
     assert "(i * 64), ((((int)blockIdx.x) * 128) + k0), ((int)blockIdx.y));" in plain  # K: key block x, head y
     assert "(i * 64), ((((int)blockIdx.y) * 128) + k0), ((int)blockIdx.x));" in first  # key block y, head x
