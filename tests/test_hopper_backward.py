@@ -169,14 +169,15 @@ def test_longest_first_is_a_config_field():
     heads = SHAPE["heads"]
     assert f"((int)blockIdx.x) >> {heads.bit_length() - 1}" in on or f"((int)blockIdx.x) / {heads}" in on
     assert [key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.longest_first] == [(128, True)]
-    assert shipped_version(128, True, HOPPER_BACKWARD_CONFIGS[128, True]._replace(defer_dq_wait=False)).number == 21
+    version_21 = HOPPER_BACKWARD_CONFIGS[128, True]._replace(block_M=64, defer_dq_wait=False)
+    assert shipped_version(128, True, version_21).number == 21
     assert (cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True, longest_first=True),
                         pass_configs=PASS_CONFIGS)
             == cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True), pass_configs=PASS_CONFIGS))
     problem = AttentionProblem(heads=4, heads_kv=4, dim=128, dtype="float16", target="cuda", causal=True,
                                sm_scale=1 / math.sqrt(128), batch=2, seq_q=2048, seq_k=2048)
-    config = HOPPER_BACKWARD_CONFIGS[128, True]._replace(dv_under_ds=False, dkdv_by_tma=False, longest_first=True,
-                                                         defer_dq_wait=False)
+    config = HOPPER_BACKWARD_CONFIGS[128, True]._replace(block_M=64, dv_under_ds=False, dkdv_by_tma=False,
+                                                         longest_first=True, defer_dq_wait=False)
     assert cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS) == on
 
 
@@ -202,7 +203,8 @@ def test_defer_dq_wait_moves_the_reduce_wait_and_edits_nothing_else():
     racy = _EARLY_WAIT.sub(r"\1", off)
     assert _reduce_waits(racy) == (0, 0) and drop_early_waits(racy) == racy
     assert all(c.defer_dq_wait for c in (*HOPPER_BACKWARD_CONFIGS.values(), *VARLEN_HOPPER_BACKWARD_CONFIGS.values()))
-    assert {shipped_version(d, c, cfg).number for (d, c), cfg in HOPPER_BACKWARD_CONFIGS.items()} == {22}
+    shipped = {key: shipped_version(*key, cfg).number for key, cfg in HOPPER_BACKWARD_CONFIGS.items()}
+    assert shipped == {(128, False): 22, (128, True): 23, (64, False): 22, (64, True): 22}  # 23: 80 rows, causal
     problem = AttentionProblem(heads=4, heads_kv=4, dim=128, dtype="float16", target="cuda",
                                sm_scale=1 / math.sqrt(128), batch=2, seq_q=2048, seq_k=2048)
     config = BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True)
