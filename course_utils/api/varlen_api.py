@@ -386,11 +386,13 @@ VARLEN_PERSISTENT_CONFIG = ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hop
 # (issue 27, ninth session). Not ``longest_first``: launched as the dense kernel launches it (per sequence, key
 # block 0 of every head first) it was +0.6…+2.4% causal, under the 2% bar in two of three blocks; key block 0 of
 # all (sequence, head) pairs first had taken 1.6 times as long (no two running blocks shared their Q and dO).
-# ``defer_dq_wait`` as in the dense configs (version 22), so that packed and dense run the same step.
+# ``defer_dq_wait`` as in the dense configs (version 22), so that packed and dense run the same step. With the
+# causal mask 80 query rows, as the dense config (version 23): 0.94-0.97× the dense kernel on chapter 09's record
+# batch against 0.81-0.82× with 64 rows, 3 blocks (issue 27, eleventh session, notes/ch09_gpu_notes.md).
 VARLEN_HOPPER_BACKWARD_CONFIGS = {
     (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
                                  defer_dq_wait=True),
-    (128, True): BackwardConfig(64, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
+    (128, True): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
                                 defer_dq_wait=True),
     (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True),
     (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True),
