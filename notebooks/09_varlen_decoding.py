@@ -303,17 +303,17 @@ if rec_v is not None:
                     for p in (r["impl"] for r in rows_v if r["impl"].endswith("padded") and r["mode"] == mode
                               and r["causal"]))
             print(line)
-    for packed in (GRID, LIST):
+    for packed, says in ((GRID, "met"), (LIST, "partly met")):
         cu.claim_ratio(f"packed ({packed.split('(')[-1][:-1]}) ÷ dense TFLOP/s, forward and backward",
                        {(m, c): tf_of(packed, m, c) / tf_of(DENSE, m, c) for m in modes_v for c in (True, False)},
-                       target=0.9, says="partly met")
+                       target=0.9, says=says)
     grid_vs_dense = {(m, c): tf_of(GRID, m, c) / tf_of(DENSE, m, c) for m in modes_v for c in (True, False)}
     cu.claim_ratio("packed (grid) ÷ dense, backward", {c: r for (m, c), r in grid_vs_dense.items() if m == "bwd"},
                    target=0.9, says="met")
     cu.claim_ratio("packed (grid) ÷ dense, forward", {c: r for (m, c), r in grid_vs_dense.items() if m == "fwd"},
-                   target=0.9, says="partly met")
-    cu.claim_ratio("the forward's missed case ÷ the 0.9 target", [r / 0.9 for (m, c), r in grid_vs_dense.items()
-                                                                 if m == "fwd" and r < 0.9], says="near 1", near=0.03)
+                   target=0.9, says="met")
+    cu.claim_ratio("the forward's margin: packed (grid) ÷ dense ÷ the 0.9 target",
+                   {c: r / 0.9 for (m, c), r in grid_vs_dense.items() if m == "fwd"}, says="near 1", near=0.03)
     cu.claim_ratio("list ÷ grid time, backward", {c: ms_of(LIST, "bwd", c) / ms_of(GRID, "bwd", c)
                                                   for c in (True, False)}, says="near 1")
     cu.claim_ratio("list ÷ grid time, forward", {c: ms_of(LIST, "fwd", c) / ms_of(GRID, "fwd", c)
@@ -344,16 +344,19 @@ if rec_v is not None:
 
 # %% [markdown]
 # Reading the record (the claims above check each judgement): with the default schedule, `"grid"`,
-# the packed batch meets the 0.9× target in the backward, causal or not; the forward meets it with
-# one mask and misses it narrowly with the other (printed above: which one misses has changed from
-# record to record, as the dense kernel's own speed moves by about as much). That is the target the
-# issue set, missed in one of four cases. The packed forward stores O as the dense kernel does, by
-# TMA, on every tile that is all one sequence's. The packed backward runs chapter 08's step with the
-# dense kernel's choices at D = 128: dV issued under dSᵀ, and dK and dV written by TMA where a key tile
+# the packed batch meets the 0.9× target in all four cases, the issue's target. The forward meets it
+# by a narrow margin (the claim above): its kernel is the one of an earlier record in which one mask
+# missed the target by about as little, and which mask missed changed from record to record, as the
+# dense kernel's own speed moves by about as much (`notes/ch09_gpu_notes.md`). The packed forward
+# stores O as the dense kernel does, by TMA, on every tile that is all one sequence's. The packed
+# backward runs chapter 08's step with the dense kernel's choices at D = 128: dV issued under dSᵀ,
+# and dK and dV written by TMA where a key tile
 # is all one sequence's (a sequence's last, ragged tile row by row); measured against the plain step
 # they lifted it from below the target to above it (`notes/ch09_gpu_notes.md`). At every head dim it
 # waits for dQ's reduce-add where the dense kernel does (chapter 08's version 22), so that packed and
-# dense run the same step. The dense kernel's longest-first
+# dense run the same step, and with the causal mask at D = 128 it takes 80 query rows per step, as the
+# dense kernel does since chapter 08's version 23: with 64 rows the packed causal backward fell below
+# the target once the dense kernel took 80 (`notes/ch09_gpu_notes.md`). The dense kernel's longest-first
 # launch order is not used here: launched as the dense kernel launches it (per sequence) it gained
 # too little to tell from noise, and with key block 0 of every sequence and head first no two running
 # blocks shared their queries, and the causal backward took far longer. The `"list"` schedule is slower in the forward although the
