@@ -1,0 +1,39 @@
+"""Shared pieces of the course's device A/B scripts (notes/*_ab_*.py), so each script holds only its question.
+
+``machine()`` says what ran; ``blocks(fns, ...)`` times interleaved rounds in several blocks and prints each block's
+milliseconds and the ratios to a baseline; ``save(path, **parts)`` rewrites one JSON file after every part, so a
+call cut off by its time limit still returns what it measured.
+"""
+import json
+import time
+
+import torch
+
+from course_utils.measure.bench import time_side_by_side
+
+
+def machine():
+    import tilelang
+    p = torch.cuda.get_device_properties(0)
+    return dict(gpu=p.name, sms=p.multi_processor_count, torch=torch.__version__, tilelang=tilelang.__version__,
+                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
+def blocks(fns, *, label, base, work=None, n_blocks=3, rounds=4, rep=5, warmup=3):
+    """Time ``fns`` (name -> callable) in ``n_blocks`` blocks of interleaved rounds; ratios are base's time ÷ each
+    one's (above 1: faster than base), scaled by ``work[name] / work[base]`` when the work differs."""
+    rows = []
+    for block in range(n_blocks):
+        ms = time_side_by_side(fns, warmup=warmup, rounds=rounds, rep=rep)
+        scale = {n: (work[n] / work[base]) if work else 1.0 for n in ms}
+        ratio = {n: ms[base] / t * scale[n] for n, t in ms.items()}
+        print(f"{label} block {block}: " + " ".join(f"{n}={t:.4f}" for n, t in ms.items()) + f" | ÷{base} "
+              + " ".join(f"{n}={r:.3f}" for n, r in ratio.items() if n != base), flush=True)
+        rows.append(dict(label=label, block=block, ms=ms, ratio_to_base=ratio))
+    return rows
+
+
+def save(path, **parts):
+    with open(path, "w") as f:
+        json.dump(parts, f, indent=1)
