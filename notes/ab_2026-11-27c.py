@@ -3,6 +3,9 @@
 P: where the packed forward's gap to the dense kernel is (chapter 09's record batch against the same tokens in
    12 equal sequences of 5376 (no ragged tile) and of 5300 (ragged tiles)), and whether reading the next pair's
    work-list row and sequence bounds ahead (``prefetch_tiles``) closes part of it. O and LSE checked on every head.
+   As run in call S1 the kernel had a ``prefetch_tiles`` field (consumers: the next pair's ``Pairs`` row read at
+   the top of a pair's first tile, its ``cu_seqlens`` bounds at the top of its second, into registers); it gained
+   nothing and was removed, so part P needs it put back to run again (notes/ch09_gpu_notes.md, eleventh session).
 F: chapter 07's D=64 forward at S = 1k/2k with the causal mask and 1k without (the cases below cuDNN): the shipped
    tiling against wider key tiles, a third stage and no ping-pong, beside cuDNN. Checked against float64.
 B: chapter 08's D=128 backward at 8k and 16k (the cases below 0.95× cuDNN): block_M 64 against 80, beside cuDNN;
