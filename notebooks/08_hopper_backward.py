@@ -174,8 +174,9 @@ cu.check_true(runs[True][1] < runs[False][1], f"the asynchronous steps are short
 #   TileLang from adding its own, more conservative barriers (section 5 counts them).
 # - **Stage release.** As in chapter 07, `keep_stages_until_read` reads Q and dO after the last
 #   wait, so the producer refills a stage only when the wgmmas that read it are done.
-# - **80 queries per step** at D = 128 without a mask (FlashAttention-3's tile): a warpgroup's
-#   wgmma owns 64 rows of its output, so 80 query rows cannot be split between the consumers.
+# - **80 queries per step** at D = 128: FlashAttention-3's tile without a mask, and this kernel's
+#   with the causal mask too (version 23, section 6). A warpgroup's wgmma owns 64 rows of its
+#   output, so 80 query rows cannot be split between the consumers.
 #   The kernel computes dQᵀ = Kᵀ dSᵀ instead (128 rows of D) and transposes it on its way into
 #   shared memory.
 #
