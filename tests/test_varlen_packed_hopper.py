@@ -74,6 +74,18 @@ def test_hopper_defaults_for_packed_batches(monkeypatch, dim, masked):
         varlen_api.VARLEN_CUDA_CONFIG, varlen_api.VARLEN_CUDA_BACKWARD_CONFIG)
 
 
+def test_packed_and_dense_backward_share_the_step_at_d128():
+    """At D = 128 the packed backward runs the dense default's step and tile height, causal or not (versions 20, 22
+    and 23; measured on chapter 09's batch, notes/ch09_gpu_notes.md): a change to one config must reach the other.
+    Only ``longest_first`` differs (measured a loss or no gain for packed batches)."""
+    from course_utils.api.attention import HOPPER_BACKWARD_CONFIGS
+
+    for masked in (False, True):
+        packed, dense = varlen_api.VARLEN_HOPPER_BACKWARD_CONFIGS[128, masked], HOPPER_BACKWARD_CONFIGS[128, masked]
+        assert packed == dense._replace(longest_first=False)
+        assert packed.block_M == 80
+
+
 def _args():
     lengths = [5, 0, 11]
     cu = torch.tensor([0, 5, 5, 16], dtype=torch.int32)
