@@ -141,8 +141,8 @@ HOPPER_BACKWARD_CONFIGS = {
     # With the causal mask, every head's first (longest) key blocks launched first as well: +0.8…+6.9% over
     # version 20 at S = 2k-8k, −0.9…+1.4% at 16k, 3 blocks each (issue 26, notes/hopper_backward.md; version 21).
     # And 80 query rows per step, as without a mask (version 23): once dQ's wait moved (version 22) they gain over
-    # 64 rows at every length, +1.6…+2.1% at 1k, +3.6…+5.4% at 2k, +7…+8.5% at 4k, +10…+16% at 8k-16k, fp16 and
-    # bf16, 2 blocks each (issue 26, eleventh session, notes/hopper_backward.md).
+    # 64 rows at every length, +1.6…+2.1% at 1k, +3.6…+5.4% at 2k, +7…+8.5% at 4k, +9…+16% at 8k-16k, fp16 and
+    # bf16, 2-5 blocks each (issue 26, eleventh session, notes/hopper_backward.md).
     (128, True): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
                                 longest_first=True, defer_dq_wait=True),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2): +1-7% over S = 1k-16k in the records' method,
