@@ -48,7 +48,13 @@ from ..kernels.flash_varlen import (
     varlen_work_list,
 )
 from ..kernels.tiles import compile_kernel, launcher
-from .attention import BackwardConfig, ForwardConfig, default_backward_config, default_forward_config
+from .attention import (
+    HOPPER_BACKWARD_CONFIGS,
+    BackwardConfig,
+    ForwardConfig,
+    default_backward_config,
+    default_forward_config,
+)
 from .inputs import check_attention_inputs, sink_logits, sink_probability
 
 __all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_single_kernel",
@@ -381,19 +387,16 @@ VARLEN_CUDA_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
 # the dense kernel, this one 0.93-0.97x), backward 396 / 447 (chapter 05's loop 338 / 366).
 VARLEN_HOPPER_DIMS = (64, 128)
 VARLEN_PERSISTENT_CONFIG = ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True)
-# At D = 128 the dense kernel's newer fields as well (chapter 08's versions 20 and 21: dV under dSᵀ, dK and dV
-# stored by TMA where a tile is all one sequence's), measured against the plain step in notes/ch09_gpu_notes.md
-# (issue 27, ninth session). Not ``longest_first``: launched as the dense kernel launches it (per sequence, key
-# block 0 of every head first) it was +0.6…+2.4% causal, under the 2% bar in two of three blocks; key block 0 of
-# all (sequence, head) pairs first had taken 1.6 times as long (no two running blocks shared their Q and dO).
-# ``defer_dq_wait`` as in the dense configs (version 22), so that packed and dense run the same step. With the
-# causal mask 80 query rows, as the dense config (version 23): 0.94-0.97× the dense kernel on chapter 09's record
-# batch against 0.81-0.82× with 64 rows, 3 blocks (issue 27, eleventh session, notes/ch09_gpu_notes.md).
+# At D = 128 the dense kernel's config itself, but for its launch order (so a change to one reaches the other).
+# Its fields (chapter 08's version 20: dV under dSᵀ, dK and dV stored by TMA where a tile is all one sequence's) were
+# measured against the plain step in notes/ch09_gpu_notes.md (issue 27, ninth session). Not ``longest_first``:
+# launched as the dense kernel launches it (per sequence, key block 0 of every head first) it was +0.6…+2.4% causal,
+# under the 2% bar in two of three blocks; key block 0 of all (sequence, head) pairs first had taken 1.6 times as long
+# (no two running blocks shared their Q and dO). ``defer_dq_wait`` (version 22) so that packed and dense run the same
+# step. With the causal mask 80 query rows (version 23): 0.94-0.97× the dense kernel on chapter 09's record batch
+# against 0.81-0.82× with 64 rows, 3 blocks (issue 27, eleventh session, notes/ch09_gpu_notes.md).
 VARLEN_HOPPER_BACKWARD_CONFIGS = {
-    (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
-                                 defer_dq_wait=True),
-    (128, True): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
-                                defer_dq_wait=True),
+    **{(128, masked): HOPPER_BACKWARD_CONFIGS[128, masked]._replace(longest_first=False) for masked in (False, True)},
     (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True),
     (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True),
 }

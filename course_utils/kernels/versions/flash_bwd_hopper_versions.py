@@ -221,6 +221,10 @@ _ATOMIC_1 = dict(_BEFORE_7, reduce_dq=atomic_dq, issue=dk_before_dq, num_stages=
 _FA3_TILES = {(128, False): dict(block_M=80), 64: dict(block_M=128)}
 _V17 = dict(block_M=128, policies=DQ_BY_ROWS)  # version 17's knobs at D = 64
 _V20 = dict(dv_under_ds=True, dkdv_by_tma=True)  # version 20's at D = 128 (80 query rows without a mask)
+_V22 = {(128, False): dict(_V20, block_M=80, defer_dq_wait=True),  # version 22's: every shipped kernel's,
+        (128, True): dict(_V20, longest_first=True, defer_dq_wait=True),  # dQ's wait moved
+        (64, False): dict(_V17, defer_dq_wait=True),
+        (64, True): dict(_V17, dv_under_ds=True, defer_dq_wait=True)}
 
 VERSIONS = [
     _backward(1, "chapter 05's kernel (synchronous T.gemm)", "every matmul waits; dQ by per-element atomics",
@@ -275,13 +279,10 @@ VERSIONS = [
               causal_only=True, shipped_code=True),
     _backward(22, "  (dQ's reduce waited for one step later: shipped everywhere)",
               "the copy engine reads dQ's tile under the next Sᵀ and dPᵀ, not while its issuing warp waits",
-              knobs={(128, False): dict(_V20, block_M=80, defer_dq_wait=True),
-                     (128, True): dict(_V20, longest_first=True, defer_dq_wait=True),
-                     (64, False): dict(_V17, defer_dq_wait=True),
-                     (64, True): dict(_V17, dv_under_ds=True, defer_dq_wait=True)}, kept=False, shipped_code=True),
+              knobs=_V22, kept=False, shipped_code=True),
     _backward(23, "  (80 × 128 tiles with the causal mask after all: shipped at D=128 causal)",
               "version 15's tiles on version 22's step; +1.6-16% over 64 rows at S = 1k-16k, more the longer",
-              knobs={(128, True): dict(_V20, block_M=80, longest_first=True, defer_dq_wait=True)}, kept=False,
+              knobs={(128, True): dict(_V22[128, True], block_M=80)}, kept=False,
               dims=(128,), causal_only=True, shipped_code=True),
 ]
 SHIPPED_VERSION = 9
