@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, "notes")
-from device_ab import blocks, machine, save  # noqa: E402
+from device_ab import blocks, machine, packed_batch, save  # noqa: E402
 
 from course_utils import flash_attention  # noqa: E402
 from course_utils.api.attention import HOPPER_BACKWARD_CONFIGS, hopper_forward_config  # noqa: E402
@@ -63,9 +63,7 @@ def part_packed():
                "12x5300": [5300] * 12}
     logits = sink_logits(None, heads, "cuda")
     for name, lengths in batches.items():
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        total, longest = sum(lengths), max(lengths)
-        q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+        cu, longest, q, k, v = packed_batch(lengths, heads, dim, g)
         for causal in ((False, True) if name == "mixed" else (False,)):
             fns = {}
             refs = varlen_references(q, k, v, cu, cu, causal=causal) if name == "mixed" else None
@@ -168,15 +166,13 @@ def part_packed_backward():
     sh = VARLEN_SHAPE
     heads, dim = sh["heads"], sh["dim"]
     lengths = varlen_lengths(sh["tokens"], sh["shortest"], sh["longest"])
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    total, longest = sum(lengths), max(lengths)
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    cu, longest, q, k, v = packed_batch(lengths, heads, dim, g)
     dense_batch, dense_seq = _equal_lengths(lengths)
     dq, dk, dv = (torch.randn(dense_batch, heads, dense_seq, dim, device="cuda", dtype=torch.float16, generator=g)
                   for _ in range(3))
-    shipped = VARLEN_HOPPER_BACKWARD_CONFIGS[dim, True]
-    variants = {f"block_M={shipped.block_M} (shipped)": shipped, "block_M=80": shipped._replace(block_M=80)}
+    config = VARLEN_HOPPER_BACKWARD_CONFIGS[dim, True]  # 64 rows when call S3 ran, 80 since
+    variants = {"block_M=64 (shipped)": config._replace(block_M=64), "block_M=80": config._replace(block_M=80)}
     in_parallel(lambda c: varlen_kernels(q, k, causal=True, backward_config=c), list(variants.values()))
     backward_kernels(dq, dk, causal=True)
     print(f"D compiled {time.time() - t0:.0f}s", flush=True)

@@ -1,9 +1,11 @@
 """Shared pieces of the course's device A/B scripts (notes/*_ab_*.py), so each script holds only its question.
 
-``machine()`` says what ran; ``blocks(fns, ...)`` times interleaved rounds in several blocks and prints each block's
+``machine()`` says what ran; ``packed_batch(lengths, ...)`` makes a packed batch's cu_seqlens and inputs;
+``blocks(fns, ...)`` times interleaved rounds in several blocks and prints each block's
 milliseconds and the ratios to a baseline; ``save(path, **parts)`` rewrites one JSON file after every part, so a
 call cut off by its time limit still returns what it measured.
 """
+import itertools
 import json
 import time
 
@@ -18,6 +20,13 @@ def machine():
     return dict(gpu=p.name, sms=p.multi_processor_count, torch=torch.__version__, tilelang=tilelang.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
+def packed_batch(lengths, heads, dim, generator, dtype=torch.float16):
+    """(cu_seqlens int32, longest length, q, k, v [total, heads, dim]) on the GPU, inputs standard normal."""
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lengths), heads, dim, device="cuda", dtype=dtype, generator=generator) for _ in range(3))
+    return cu, max(lengths), q, k, v
 
 
 def blocks(fns, *, label, base, work=None, n_blocks=3, rounds=4, rep=5, warmup=3):
