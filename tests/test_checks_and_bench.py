@@ -61,3 +61,35 @@ def test_exercise_checker_messages():
         check_exercise("double", lambda x: x * 3, ref, [(torch.ones(3),)])
     with pytest.raises(ExerciseWrong, match="returned None"):
         check_exercise("double", lambda x: None, ref, [(torch.ones(3),)])
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_round_orders_give_every_implementation_every_predecessor(count):
+    """Under the H100's power cap a kernel timed right after a cooler one gets a higher clock: no
+    implementation may always follow the same one (issue 26, twelfth session)."""
+    from collections import Counter
+
+    from course_utils.measure.bench import round_orders
+    names = "ABCD"[:count]
+    orders = round_orders(names, 6 if count == 3 else 2 * count)
+    assert all(sorted(order) == list(names) for order in orders)
+    if count == 3:
+        assert len({tuple(o) for o in orders}) == 6  # the six orders of three
+    before = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    for a, b in before:  # whoever precedes whom in some round also follows it as often
+        assert before[a, b] == before[b, a], (a, b, before)
+    firsts = Counter(order[0] for order in orders)
+    assert set(firsts) == set(names)
+
+
+def test_time_side_by_side_times_in_the_changing_orders(monkeypatch):
+    """The timing loop runs the rounds in ``round_orders``' orders (a fixed order would fail here)."""
+    import course_utils.measure.bench as bench
+    calls = []
+    monkeypatch.setattr(bench, "HAS_GPU", True)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "_samples", lambda fn, rep: calls.append(fn()) or [1.0] * rep)
+    fns = {name: (lambda n=name: n) for name in ("ours", "FA2", "cuDNN")}
+    ms = bench.time_side_by_side(fns, warmup=0, rounds=6, rep=2)
+    assert ms == {"ours": 1.0, "FA2": 1.0, "cuDNN": 1.0}
+    assert [calls[i:i + 3] for i in range(0, 18, 3)] == bench.round_orders(fns, 6)

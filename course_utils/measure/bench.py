@@ -23,8 +23,8 @@ from ..core.device import HAS_GPU, machine_info
 from ..core.reference import visibility_mask
 
 __all__ = [
-    "FIGURES", "attention_flops", "time_cuda", "time_side_by_side", "tflops", "save_record", "load_record",
-    "measured", "stored_record", "refreshing", "TIMING_METHOD", "H100_MATMUL_TFLOPS", "H100_SFU_TFLOPS",
+    "FIGURES", "attention_flops", "time_cuda", "time_side_by_side", "round_orders", "tflops", "save_record",
+    "load_record", "measured", "stored_record", "refreshing", "TIMING_METHOD", "H100_MATMUL_TFLOPS", "H100_SFU_TFLOPS",
 ]
 
 FIGURES = Path(__file__).resolve().parents[2] / "figures"  # the repository's (this file is course_utils/measure/…)
@@ -54,7 +54,9 @@ def tflops(flops, ms):
 # How the records' times are taken. Records without a "timing" field (measured before
 # 2026-11-22 16:30 UTC) synchronised after every call, which also counts the Python launch overhead.
 TIMING_METHOD = ("median of per-call CUDA-event times; calls issued back to back (one synchronisation "
-                 "per batch), so the host's launch overhead overlaps the previous call as in a real model")
+                 "per batch), so the host's launch overhead overlaps the previous call as in a real model; "
+                 "implementations take turns in rounds whose order changes (rotations, every other one reversed), "
+                 "so none always follows the same one")
 
 
 def _samples(fn, rep):
@@ -77,11 +79,32 @@ def time_cuda(fn, *, warmup=5, rep=30):
     return statistics.median(_samples(fn, rep))
 
 
-def time_side_by_side(fns, *, warmup=5, rounds=6, rep=8):
+def round_orders(names, rounds):
+    """The order of each of ``rounds`` rounds: rotations of ``names``, every other one reversed.
+
+    Each name runs right after each of its neighbours as often as before it; with three names, six
+    rounds are the six orders. Why it matters: under attention the H100 runs at its 700 W power cap,
+    and a kernel timed right after a slower, cooler one (FlashAttention-2) starts at a higher clock.
+    The fixed order (ours, FlashAttention-2, cuDNN) put our backward 3–8% lower against cuDNN than
+    timing the two alone did, at S = 4k-16k (issue 26, notes/hopper_backward.md, twelfth session).
+    """
+    names = list(names)
+    orders = []
+    for r in range(rounds):
+        shift = (r // 2) % len(names)
+        order = names[shift:] + names[:shift]
+        orders.append(order[::-1] if r % 2 else order)
+    return orders
+
+
+def time_side_by_side(fns, *, warmup=5, rounds=6, rep=8, balanced=True):
     """Median milliseconds of each function in ``fns`` (a dict), timed in interleaved rounds.
 
     Taking turns spreads clock and temperature drift over every implementation alike, so their
-    ratios are steadier than when each is timed in one block.
+    ratios are steadier than when each is timed in one block; the turns change order from round
+    to round (``round_orders``), so no implementation always inherits the same predecessor's clock.
+    ``balanced=False`` keeps the dict's order in every round (the records' method before
+    2026-11-27, kept to measure what the order does: chapter 08's ``timing_order``).
     """
     if not HAS_GPU:
         raise RuntimeError("time_side_by_side needs a CUDA GPU")
@@ -90,9 +113,9 @@ def time_side_by_side(fns, *, warmup=5, rounds=6, rep=8):
             fn()
     torch.cuda.synchronize()
     samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name] += _samples(fn, rep)
+    for order in round_orders(fns, rounds) if balanced else [list(fns)] * rounds:
+        for name in order:
+            samples[name] += _samples(fns[name], rep)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
