@@ -16,8 +16,8 @@ import numpy as np
 from ..core.labels import CUDNN, FA2, NAIVE, OURS
 from ..measure.bench import FIGURES
 
-__all__ = ["COLORS", "IMPL_COLORS", "style", "save", "heatmap", "line_chart", "speedup_bars", "roofline",
-           "record_caption", "seq_label", "roofline_series", "text_table", "forward_comparison_panels",
+__all__ = ["COLORS", "IMPL_COLORS", "style", "save", "heatmap", "line_chart", "speedup_bars", "order_effect_bars",
+           "roofline", "record_caption", "seq_label", "roofline_series", "text_table", "forward_comparison_panels",
            "peer_ratio_heatmaps", "kernel_timeline"]
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
@@ -125,6 +125,26 @@ def peer_ratio_heatmaps(rows, combos, seqs, peers, ours=OURS):
         ax.set_xticks(range(len(seqs)), labels=[seq_label(s) for s in seqs])
         ax.set_yticks(range(len(combos)),
                       labels=[f"{_DTYPE_SHORT.get(d, d)} D={dim}{' causal' if c else ''}" for d, dim, c in combos])
+    fig.tight_layout()
+    return fig
+
+
+def order_effect_bars(rows, orders):
+    """Grouped bars of cuDNN's time ÷ ours (above 1: ours faster), one group per case, one bar per way of
+    taking turns in ``orders`` (chapter 08's ``timing_order`` record). Returns the figure."""
+    cases = list(dict.fromkeys((r["dtype"], r["dim"], r["causal"], r["seq"]) for r in rows))
+    value = {(r["dtype"], r["dim"], r["causal"], r["seq"], r["order"]): r["cudnn_over_ours"] for r in rows}
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    width = 0.8 / len(orders)
+    for k, order in enumerate(orders):
+        xs = np.arange(len(cases)) + (k - (len(orders) - 1) / 2) * width
+        ax.bar(xs, [value[(*c, order)] for c in cases], width, label=order, color=COLORS[k % len(COLORS)])
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(cases)), labels=[f"{_DTYPE_SHORT.get(d, d)} D={dim}{' causal' if c else ''} "
+                                             f"S={seq_label(s)}" for d, dim, c, s in cases])
+    ax.set(ylabel="cuDNN's time ÷ ours", ylim=(0.85, 1.15),
+           title="the same kernels, timed in turns of different order")
+    ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     fig.tight_layout()
     return fig
 

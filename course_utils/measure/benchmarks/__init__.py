@@ -16,7 +16,7 @@ from .ch03_forward import forward_config_sweep, forward_vs_peers
 from .ch05_backward import backward_config_sweep, backward_vs_peers
 from .ch06_gpt_oss import GPT_OSS_SHAPE, gpt_oss_vs_peers, gqa_backward_strategies
 from .ch07_hopper import forward_ablation, hopper_tiling_sweep, persistent_vs_rotated
-from .ch08_hopper_backward import backward_ablation, deterministic_cost, feature_checks
+from .ch08_hopper_backward import TIMING_ORDERS, backward_ablation, deterministic_cost, feature_checks, timing_order
 from .ch09_varlen_decode import decode_bandwidth, decode_split_sweep, varlen_vs_dense
 from .ch10_ring import RECORD as CH10_RING_RECORD
 from .ch10_ring import ring_vs_one_gpu
@@ -27,8 +27,8 @@ __all__ = ["RECORDS", "MULTI_GPU_RECORDS", "CH03_FORWARD_CONFIG", "CH05_BACKWARD
            "comparison_shapes", "naive_attention", "naive_vs_sdpa", "forward_vs_peers", "forward_config_sweep",
            "backward_config_sweep", "backward_vs_peers", "GPT_OSS_SHAPE", "gpt_oss_vs_peers", "gqa_backward_strategies",
            "forward_ablation", "hopper_tiling_sweep", "persistent_vs_rotated", "backward_ablation",
-           "deterministic_cost", "feature_checks", "CH08_SEQS", "decode_bandwidth", "decode_split_sweep",
-           "varlen_vs_dense", "ring_vs_one_gpu", "flex_vs_peers"]
+           "deterministic_cost", "feature_checks", "timing_order", "TIMING_ORDERS", "CH08_SEQS", "decode_bandwidth",
+           "decode_split_sweep", "varlen_vs_dense", "ring_vs_one_gpu", "flex_vs_peers"]
 
 # Chapter 03's kernel as the chapter writes it (two pipeline stages), and chapter 05's backward.
 CH03_FORWARD_CONFIG = ForwardConfig(128, 128, 2, 256)
@@ -61,6 +61,7 @@ RECORDS = {
     "ch08_feature_checks_h100": feature_checks,
     "ch08_backward_ablation_h100": backward_ablation,
     "ch08_deterministic_h100": deterministic_cost,
+    "ch08_timing_order_h100": timing_order,
     "ch08_backward_vs_peers_h100": lambda: backward_vs_peers(
         shapes=comparison_shapes(seq_lens=CH08_SEQS, dim=128) + comparison_shapes(seq_lens=CH08_SEQS, dim=64),
         dtypes=("float16", "bfloat16"), modes=("bwd",)),

@@ -10,6 +10,7 @@ import torch
 
 from ...api.attention import backward_kernels, flash_attention, forward_kernel
 from ...checking.validation import check_backward, references
+from ...core.labels import CUDNN, FA2
 from ...kernels.versions.flash_bwd_hopper_versions import SHIPPED_VERSION, versions_for
 from ..bench import attention_flops, tflops, time_side_by_side
 from .common import (
@@ -23,7 +24,8 @@ from .common import (
     sdpa,
 )
 
-__all__ = ["backward_ablation", "deterministic_cost", "FEATURE_CASES", "feature_checks"]
+__all__ = ["backward_ablation", "deterministic_cost", "FEATURE_CASES", "feature_checks", "TIMING_ORDERS",
+           "timing_order"]
 
 
 def backward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(False, True), seq=4096, versions=None):
@@ -49,6 +51,48 @@ def backward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(Fals
     return ablation(itertools.product(dims, causal_options),
                     versions_for if versions is None else (lambda causal, dim: versions), prepare,
                     mode="bwd", dtype_name=dtype_name, seq=seq)
+
+
+# What the order of the turns does (issue 26, twelfth session): the records' order before 2026-11-27, its
+# reverse, ours and cuDNN alone both ways, and the changing order (``bench.round_orders``) the records use now.
+TIMING_ORDERS = {"fixed: ours, FA2, cuDNN": (("ours", "FA2", "cuDNN"), False),
+                 "fixed: cuDNN, FA2, ours": (("cuDNN", "FA2", "ours"), False),
+                 "fixed: ours, cuDNN": (("ours", "cuDNN"), False),
+                 "fixed: cuDNN, ours": (("cuDNN", "ours"), False),
+                 "changing (the records' method)": (("ours", "FA2", "cuDNN"), True)}
+
+
+def timing_order(cases=(("bfloat16", 128, False, 16384), ("float16", 128, False, 8192),
+                        ("bfloat16", 64, True, 16384), ("float16", 128, False, 4096))):
+    """cuDNN's backward time ÷ ours (above 1: ours faster) when the calls take turns in each of ``TIMING_ORDERS``.
+
+    Under attention the H100 runs at its power cap, so its clock depends on what ran just before; a kernel
+    timed right after FlashAttention-2 (half the tensor-core rate, less power) starts faster.
+    """
+    jobs = [(dtype, comparison_shapes(seq_lens=(seq,), dim=dim)[0], causal) for dtype, dim, causal, seq in cases]
+
+    def build(job):
+        dtype, shape, causal = job
+        q = torch.empty(shape["batch"], shape["heads"], shape["seq"], shape["dim"], device="cuda",
+                        dtype=getattr(torch, dtype))
+        forward_kernel(q, q, causal=causal)
+        backward_kernels(q, q, causal=causal)
+
+    in_parallel(build, jobs)
+    rows = []
+    for dtype, shape, causal in jobs:
+        q, k, v = random_inputs(shape, getattr(torch, dtype))
+        attns = {"ours": lambda a, b, c: flash_attention(a, b, c, causal=causal)}
+        attns.update({short: (lambda a, b, c, b_=SDPA_PEERS[name]: sdpa(a, b, c, causal, b_))
+                      for short, name in (("FA2", FA2), ("cuDNN", CUDNN))})
+        fns = {name: backward_timer(attn, q, k, v)[0] for name, attn in attns.items()}
+        for label, (order, balanced) in TIMING_ORDERS.items():
+            ms = time_side_by_side({name: fns[name] for name in order}, balanced=balanced)
+            rows.append(dict(dtype=dtype, causal=causal, order=label, ms=ms, cudnn_over_ours=ms["cuDNN"] / ms["ours"],
+                             **shape))
+            print(f"{dtype} D={shape['dim']} causal={causal!s:5} S={shape['seq']:>5} {label:32}: cuDNN ÷ ours "
+                  f"{rows[-1]['cudnn_over_ours']:.3f}", flush=True)
+    return rows
 
 
 def deterministic_cost(dims=(128, 64), causal_options=(False, True), seq=4096, dtype_name="float16", repeats=3):
