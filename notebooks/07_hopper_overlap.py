@@ -612,10 +612,11 @@ print("below 1.0× cuDNN: " + ", ".join(f"{case} {r:.2f}" for case, r in sorted(
 #   three-warpgroup thresholds); each tile has only a few key blocks, and at D = 64 every one of them
 #   is as much exponential work as matmul work (section 5: even a free exponential would not close
 #   the gap there);
-# - D = 64, causal, S = 8k in bf16, within a few percent: the odd number of 192-row tiles per head
-#   that breaks the folded pairs (section 4b);
-# - D = 128 without a mask at S = 16k (and at S = 1k), within a few percent: the wider key
-#   blocks FlashAttention-3 uses there need the shared memory of O's staging tile.
+# - D = 64, causal, S = 8k, within a few percent: the odd number of 192-row tiles per head that
+#   breaks the folded pairs (section 4b);
+# - D = 128 without a mask at S = 1k, by about one percent or less: within the spread between two
+#   runs of this comparison (chapter 08, section 7, measures that spread and what the order of the
+#   turns does to it).
 #
 # ## 7 · Where the rest of the time goes
 #
