@@ -231,6 +231,10 @@ def readme_claims() -> str:
     records = sorted(FIGURES.glob("*.json"))
     lines.append("- " + _quiet(claim_count, "records that time calls issued back to back",
                                ["back to back" in (load_record(p.stem).get("timing") or "") for p in records],
+                               cases="records in `figures/`") + ";")
+    lines.append("- " + _quiet(claim_count, "records whose implementations take turns in changing orders (the method "
+                               "since 2026-11-27; chapter 08, section 7)",
+                               ["order changes" in (load_record(p.stem).get("timing") or "") for p in records],
                                cases="records in `figures/`") + ".")
     return "\n".join(lines)
 

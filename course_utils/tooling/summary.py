@@ -33,7 +33,9 @@ def headline_table():
             lines.append(f"| {label}, {'causal' if causal else 'non-causal'} | {ours:.0f} | {fa2:.0f} | {cudnn:.0f} "
                          f"| {ours / fa2:.2f}× | {ours / cudnn:.2f}× |")
         m = record["machine"]
-        timing = "calls back to back" if record.get("timing") else "synchronised after each call"
+        timing = record.get("timing") or ""
+        timing = ("synchronised after each call" if not timing else
+                  "calls back to back, in changing orders" if "order changes" in timing else "calls back to back")
         sources.append(f"`figures/{name}.json` ({m['gpu']}, {m['date']}, {timing})")
     m = record["machine"]
     lines.append("")
