@@ -497,8 +497,8 @@ cu.claim_count("ours at least 0.95× cuDNN", {c: btf[(OURS, *c)] >= 0.95 * btf[(
 # most cases (the counts above), at both head dims, and within a few percent of it in the others.
 # The target of cuDNN's speed at S = 4k in every case is met in most of them, **not in all** (the
 # lines above give the ratios); the misses are within the spread of one run to the next (section 7's
-# last cell shows how large that is). What could still separate the two, as far as this chapter's
-# measurements show:
+# last cell shows how large that is). Where more speed could still come from, and how the defaults
+# were chosen:
 #
 # - **dQ's path still runs on the compute warpgroups.** Since version 22 the issuing thread no longer
 #   waits for the copy engine right after the reduce-add, but the consumers still stage dQ in shared
@@ -509,7 +509,7 @@ cu.claim_count("ours at least 0.95× cuDNN", {c: btf[(OURS, *c)] >= 0.95 * btf[(
 # - **Two block-wide barriers per step** keep the two consumer warpgroups in lockstep.
 # - **No persistent scheduling**: every block starts cold, loads K and V, and ends with its dK/dV
 #   epilogue; with the causal mask, blocks of very different lengths share the machine.
-# - The best variations of the ablation per case close part of the gap, not all of it. Every default
+# - **The defaults are the best variations of the ablation per case.** Every default
 #   is version 22 (dQ's wait moved, section 6) on top of the following. At D = 128
 #   without a mask it is version 20: version 14 (dV issued under dSᵀ, dSᵀ from the 16-bit P) together
 #   with version 19 (dK and dV written as FlashAttention-3 writes them: into the K and V tiles' shared
