@@ -85,7 +85,7 @@ def round_orders(names, rounds):
     Each name runs right after each of its neighbours as often as before it; with three names, six
     rounds are the six orders. Why it matters: under attention the H100 runs at its 700 W power cap,
     and a kernel timed right after a slower, cooler one (FlashAttention-2) starts at a higher clock.
-    The fixed order (ours, FlashAttention-2, cuDNN) put our backward 3–8% lower against cuDNN than
+    The fixed order (ours, FlashAttention-2, cuDNN) put our backward 2–9% lower against cuDNN than
     timing the two alone did, at S = 4k-16k (issue 26, notes/hopper_backward.md, twelfth session).
     """
     names = list(names)
