@@ -67,7 +67,7 @@ from ...api.ring import (
 )
 from ...checking.validation import check_backward, check_forward, references
 from ...core.labels import CUDNN, FA2, OURS
-from ..bench import attention_flops, save_record, tflops, time_side_by_side
+from ..bench import attention_flops, round_orders, save_record, tflops, time_side_by_side
 from .common import SDPA_PEERS, sdpa
 
 RECORD = "ch10_ring_attention_h200x2"
@@ -181,16 +181,17 @@ def _gather_sequence(local, layout):
 
 def _time_side_by_side(me, fns, rounds, rep):
     """Median ms of each function, in interleaved rounds (CUDA events on the GPU, the wall clock on the
-    CPU), the warm-up already done; every rank runs the same functions in the same order."""
+    CPU), the warm-up already done; every rank runs the same functions in the same orders
+    (``round_orders`` depends on the names and the round count only)."""
     me.sync()
     if not me.dry:
         return time_side_by_side(fns, warmup=0, rounds=rounds, rep=rep)
     samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for order in round_orders(fns, rounds):
+        for name in order:
             for _ in range(rep):
                 t0 = time.perf_counter()
-                fn()
+                fns[name]()
                 samples[name].append((time.perf_counter() - t0) * 1e3)
     return {name: statistics.median(s) for name, s in samples.items()}
 
