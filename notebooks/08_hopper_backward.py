@@ -537,9 +537,9 @@ cu.claim_count("ours at least 0.95× cuDNN", {c: btf[(OURS, *c)] >= 0.95 * btf[(
 
 # %% [markdown]
 # **A power-capped GPU remembers what ran before.** Under attention the H100 draws its full 700 W and
-# lowers its clock to stay there (nvidia-smi, sampled every 50 ms while this record was measured: 690 to
-# 710 W, at 1.46 to 1.97 GHz of its 1.98, 1.71 at the median). A kernel timed right after a slower, cooler one, here
-# FlashAttention-2 at half the tensor-core rate, starts at a higher clock. Until 2026-11-27 the records
+# lowers its clock to stay there (nvidia-smi, sampled every 50 ms while this record was measured: about
+# 700 W, at 1.46 to 1.97 GHz of its 1.98, 1.71 at the median). A kernel timed right after a slower,
+# cooler one, here FlashAttention-2 at half the tensor-core rate, starts at a higher clock. Until 2026-11-27 the records
 # took turns in one fixed order, ours, FlashAttention-2, cuDNN, so cuDNN always came right after
 # FlashAttention-2. The same kernels, timed in five ways (`timing_order`: that order, its reverse, the
 # two alone in both orders, and the changing order `bench.round_orders` the records use now):
