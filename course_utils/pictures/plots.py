@@ -95,6 +95,10 @@ def line_chart(ax, rows, *, x, y, group="impl", title=None, xlabel=None, ylabel=
 _DTYPE_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
 
 
+def _case_label(dtype, dim, causal):
+    return f"{_DTYPE_SHORT.get(dtype, dtype)} D={dim}{' causal' if causal else ''}"
+
+
 def forward_comparison_panels(record, dims=(64, 128), dtypes=("float16", "bfloat16")):
     """TFLOP/s against S for every implementation of a forward comparison record: one panel per
     (dtype, D, causal), with the record's machine as caption. Returns the figure."""
@@ -124,7 +128,7 @@ def peer_ratio_heatmaps(rows, combos, seqs, peers, ours=OURS):
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(seqs)), labels=[seq_label(s) for s in seqs])
         ax.set_yticks(range(len(combos)),
-                      labels=[f"{_DTYPE_SHORT.get(d, d)} D={dim}{' causal' if c else ''}" for d, dim, c in combos])
+                      labels=[_case_label(*c) for c in combos])
     fig.tight_layout()
     return fig
 
@@ -140,8 +144,7 @@ def order_effect_bars(rows, orders):
         xs = np.arange(len(cases)) + (k - (len(orders) - 1) / 2) * width
         ax.bar(xs, [value[(*c, order)] for c in cases], width, label=order, color=COLORS[k % len(COLORS)])
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
-    ax.set_xticks(range(len(cases)), labels=[f"{_DTYPE_SHORT.get(d, d)} D={dim}{' causal' if c else ''} "
-                                             f"S={seq_label(s)}" for d, dim, c, s in cases])
+    ax.set_xticks(range(len(cases)), labels=[f"{_case_label(*c[:3])} S={seq_label(c[3])}" for c in cases])
     ax.set(ylabel="cuDNN's time ÷ ours", ylim=(0.85, 1.15),
            title="the same kernels, timed in turns of different order")
     ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))

@@ -19,6 +19,7 @@ from .common import (
     ablation,
     backward_timer,
     comparison_shapes,
+    empty_query,
     in_parallel,
     random_inputs,
     sdpa,
@@ -73,8 +74,7 @@ def timing_order(cases=(("bfloat16", 128, False, 16384), ("float16", 128, False,
 
     def build(job):
         dtype, shape, causal = job
-        q = torch.empty(shape["batch"], shape["heads"], shape["seq"], shape["dim"], device="cuda",
-                        dtype=getattr(torch, dtype))
+        q = empty_query(shape, dtype)
         forward_kernel(q, q, causal=causal)
         backward_kernels(q, q, causal=causal)
 
