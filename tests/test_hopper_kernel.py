@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from course_utils import flash_attention
-from course_utils.api.attention import HOPPER_FORWARD_CONFIGS, ForwardConfig, default_forward_config, is_hopper
+from course_utils.api.attention import (
+    HOPPER_FORWARD_CONFIGS,
+    ForwardConfig,
+    default_forward_config,
+    hopper_forward_config,
+    is_hopper,
+)
 from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
 from course_utils.kernels.versions.flash_fwd_hopper_versions import flash_fwd_hopper_variant
@@ -100,6 +106,9 @@ PERSISTENT = {
     "D=128": dict(dim=128),
     "D=64, 3 warpgroups, causal, ping-pong": dict(dim=64, heads=8, block_M=192, threads=384, causal=True,
                                                    pingpong=True),
+    "D=64, 1 warpgroup, 2 blocks per SM": dict(dim=64, heads=8, block_M=64, threads=128, blocks_per_sm=2),
+    "D=64, 1 warpgroup, 64-key tiles, 3 blocks per SM, causal": dict(dim=64, heads=8, block_M=64, block_N=64,
+                                                                     threads=128, blocks_per_sm=3, causal=True),
 }
 
 
@@ -138,3 +147,49 @@ def test_persistent_kernel_rejects_a_thread_count_that_is_not_one_warpgroup_per_
 
     with pytest.raises(ValueError, match="one consumer warpgroup per 64 query rows"):
         flash_fwd_hopper_persistent_kernel(1, 2, 256, 256, 64, block_M=128, threads=384)
+
+
+@pytest.mark.parametrize("name", [n for n in PERSISTENT if "blocks per SM" in n])
+def test_several_blocks_per_sm_fit_the_register_file(name):
+    """Two or three blocks of 256 threads share an SM's 65536 registers: the launch asks for that many,
+    ptxas stays within 65536 / (blocks * 256) a thread, and the consumers get the producer's spare ones."""
+    blocks = PERSISTENT[name]["blocks_per_sm"]
+    source = _persistent_source(name)
+    assert f"__launch_bounds__(256, {blocks})" in source
+    launch = 65536 // (blocks * 256) // 8 * 8
+    assert f"warpgroup_reg_alloc<{2 * launch - 24}>" in source and "warpgroup_reg_dealloc<24>" in source
+    report = ptxas_report(source)
+    if report is None:
+        pytest.skip("nvcc is not installed")
+    used = int(re.search(r"Used (\d+) registers", " ".join(report)).group(1))
+    assert used <= launch, report
+
+
+def test_several_blocks_per_sm_need_one_consumer_warpgroup():
+    from course_utils.kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
+
+    with pytest.raises(ValueError, match="one consumer warpgroup"):
+        flash_fwd_hopper_persistent_kernel(1, 2, 256, 256, 64, block_M=128, threads=256, blocks_per_sm=2)
+    with pytest.raises(ValueError, match="two or three"):
+        flash_fwd_hopper_persistent_kernel(1, 2, 256, 256, 64, block_M=64, threads=128, blocks_per_sm=4)
+    q = torch.randn(1, 2, 32, 16)
+    with pytest.raises(ValueError, match=r"blocks_per_sm=2\) needs a kernel that takes it"):
+        flash_attention(q, q, q, config=ForwardConfig(16, 16, 1, 1, blocks_per_sm=2))
+
+
+@pytest.mark.parametrize("masked, seq, expected", [
+    (False, 512, (64, 128, 2, 2)), (False, 1024, (64, 128, 2, 2)), (False, 2048, (192, 128, 2, 1)),
+    (True, 1024, (64, 64, 2, 3)), (True, 2048, (64, 128, 3, 2)), (True, 3072, (192, 128, 2, 1)),
+    (True, None, (192, 128, 2, 1))])
+def test_d64_tiling_by_length(masked, seq, expected):
+    """At D = 64: three consumer warpgroups from the thresholds on, one per block (several blocks per SM) below."""
+    config = hopper_forward_config(64, masked, seq_len=seq)
+    assert (config.block_M, config.block_N, config.num_stages, config.blocks_per_sm) == expected
+    assert config.threads == 2 * config.block_M and config.kernel == "flash_fwd_hopper_persistent"
+
+
+def test_window_and_d128_keep_their_tiling():
+    assert hopper_forward_config(64, True, seq_len=1024, window=True) == HOPPER_FORWARD_CONFIGS[64, True]._replace(
+        block_M=128, threads=256)
+    for seq in (1024, 4096):
+        assert hopper_forward_config(128, True, seq_len=seq) == HOPPER_FORWARD_CONFIGS[128, True]

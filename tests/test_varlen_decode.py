@@ -323,6 +323,9 @@ def test_varlen_rejects_bad_sinks_and_windows():
         flash_attention_varlen(*args, window_size=0)
     with pytest.raises(ValueError, match="pingpong"):  # it never finished on the H100: refused, not run
         flash_attention_varlen(*args, config=ForwardConfig(16, 16, 1, 1, pingpong=True))
+    with pytest.raises(ValueError, match="blocks_per_sm"):  # the packed persistent forward runs one block per SM
+        flash_attention_varlen(*args, config=ForwardConfig(64, 128, 2, 128, kernel="flash_fwd_hopper_persistent",
+                                                           blocks_per_sm=2))
 
 
 def _decode_args(paged=False):

@@ -30,7 +30,7 @@ def _sm_count():
 
 
 # Config fields that only some kernels take (a row's ``options``), with the value that leaves each off.
-OPTION_OFF = {"pingpong": False, "dv_under_ds": False, "policies": None, "dkdv_by_tma": False,
+OPTION_OFF = {"pingpong": False, "blocks_per_sm": 1, "dv_under_ds": False, "policies": None, "dkdv_by_tma": False,
               "longest_first": False, "defer_dq_wait": False}
 
 
@@ -106,7 +106,7 @@ FORWARD = {row.name: row for row in (
     KernelRow("flash_fwd_hopper", flash_fwd_hopper_kernel, (4, 5), _HOPPER_FORWARD, hopper_only=True, on_cpu=False,
               sinks=True, options=("pingpong",)),
     KernelRow("flash_fwd_hopper_persistent", flash_fwd_hopper_persistent_kernel, (4, 5), _HOPPER_FORWARD,
-              hopper_only=True, on_cpu=False, sinks=True, options=("pingpong",), per_device=_sm_count),
+              hopper_only=True, on_cpu=False, sinks=True, options=("pingpong", "blocks_per_sm"), per_device=_sm_count),
 )}
 BACKWARD = {row.name: row for row in (
     KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel"),

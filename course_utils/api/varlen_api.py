@@ -481,6 +481,8 @@ def _varlen_configs(target, dim, masked, config, backward_config):
             raise ValueError("config.pingpong is available for packed batches only with kernel="
                              "'flash_fwd_hopper_persistent': the packed ping-pong of the rotated loop never finished "
                              "on the H100 (2026-11-23)")
+        if fwd.blocks_per_sm != 1:
+            raise ValueError(f"config.blocks_per_sm={fwd.blocks_per_sm!r}: the packed forward runs one block per SM")
     elif target == "cuda" and is_hopper() and dim in VARLEN_HOPPER_DIMS:
         fwd = VARLEN_PERSISTENT_CONFIG
     elif target == "cuda":

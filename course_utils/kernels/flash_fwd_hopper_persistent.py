@@ -207,7 +207,7 @@ def flash_fwd_hopper_persistent_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
     dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, pingpong=False, num_ctas=H100_SMS,
-    order=tile_order, exp2=None, row_sums=None,
+    order=tile_order, exp2=None, row_sums=None, blocks_per_sm=1,
 ):
     """Return a ``@T.prim_func`` computing O and LSE; parameters as in ``flash_fwd_hopper_kernel``.
 
@@ -220,17 +220,26 @@ def flash_fwd_hopper_persistent_kernel(
     ``exp2`` and ``row_sums`` are ``online_softmax``'s exponential and its fold of the row sums into
     the denominator (``row_sums``: a ``RowSums`` of ``kernels.versions``, with tiles of its own, zeroed
     per tile and finished before the epilogue).
+
+    ``blocks_per_sm`` of 2 or 3 (one consumer warpgroup only) asks for that many resident blocks per SM:
+    the launch fits 65536 registers shared among them (128 a thread for two), and the producer hands all
+    but 24 of its own to the consumers (232 for two).
     """
     if threads != 2 * block_M or block_M % 64:
         raise ValueError(f"the persistent kernel runs one consumer warpgroup per 64 query rows: block_M must be "
                          f"a multiple of 64 and threads = 2 * block_M; got block_M={block_M}, threads={threads}")
+    if blocks_per_sm not in (1, 2, 3) or (blocks_per_sm > 1 and block_M != 64):
+        raise ValueError(f"several blocks per SM fit only one consumer warpgroup (block_M = 64), two or three of "
+                         f"them; got block_M={block_M}, blocks_per_sm={blocks_per_sm}")
     tb = TileBackend("cuda")
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
     consumers = block_M // 64
     n_kb = p.blocks(seq_k, block_N)
     total = tile_count(p, batch, block_M)
-    num_ctas = max(1, min(num_ctas, (total + 1) // 2))
+    num_ctas = max(1, min(num_ctas * blocks_per_sm, (total + 1) // 2))
+    launch_regs = 65536 // (blocks_per_sm * (threads + 128)) // 8 * 8
+    consumer_regs = 2 * launch_regs - 24 if blocks_per_sm > 1 else 240 if consumers == 2 else 160
     add_row_sums = None if row_sums is None else row_sums.add
 
     @T.prim_func
@@ -243,6 +252,8 @@ def flash_fwd_hopper_persistent_kernel(
         LSE: T.Tensor([batch, heads, seq_q], ACCUM),
     ):
         with T.Kernel(num_ctas, threads=threads + 128) as cta:
+            if blocks_per_sm > 1:
+                T.annotate_min_blocks_per_sm(blocks_per_sm)
             Q_s = T.alloc_shared([block_M, dim], dtype)
             K_s = T.alloc_shared([num_stages, block_N, dim], dtype)
             V_s = T.alloc_shared([num_stages, block_N, dim], dtype)
@@ -281,7 +292,7 @@ def flash_fwd_hopper_persistent_kernel(
                                        k_full, k_empty, v_empty, it, k_start, k_end, n_kb, num_stages)
                 # endregion
             else:
-                T.set_max_nreg(240 if consumers == 2 else 160, 1)
+                T.set_max_nreg(consumer_regs, 1)
                 if pingpong:
                     first_turn(consumers)
                 for w in T.serial(tiles_per_block(total, num_ctas, cta)):
