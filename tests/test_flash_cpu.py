@@ -119,3 +119,40 @@ def test_a_wrong_backward_kernel_fails_the_check():
 def test_flash_attention_rejects_bad_input(make, message):
     with pytest.raises(ValueError, match=message):
         flash_attention(*make())
+
+
+def test_forward_plan_is_kept_per_signature(monkeypatch):
+    """The second call with the same shapes, dtypes and options skips the checks (one lookup) and still gives
+    the reference's answer for new contents; a bad input is never kept, so it raises at every call."""
+    import course_utils.api.attention as att
+
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    flash_attention(q, k, v, causal=True)
+    calls = []
+    monkeypatch.setattr(att, "check_attention_inputs", lambda *a, **kw: calls.append(a))
+    q2, k2, v2 = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    out = flash_attention(q2, k2, v2, causal=True)
+    assert calls == []  # the plan was reused
+    check_close(out, attention_reference(q2, k2, v2, causal=True), atol=1e-4, rtol=1e-4, name="plan reused")
+    flash_attention(q2, k2, v2, causal=False)  # another signature: its own plan, its own checks
+    assert len(calls) == 1
+    monkeypatch.undo()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="sm_scale"):
+            flash_attention(q, k, v, sm_scale=float("nan"))
+    assert att._plan_key(q, k, v, True, None, None, None, None, None, False) != \
+        att._plan_key(q, k, v, 1, None, None, None, None, None, False)  # True == 1, but not as a signature
+
+
+def test_forward_without_gradients_skips_autograd_and_agrees():
+    """Inputs that need no gradient run the kernel directly: same output, no graph; with gradients the
+    autograd function runs and the backward still matches the reference's."""
+    q, k, v = (torch.randn(1, 2, 33, 16) for _ in range(3))
+    sinks = torch.randn(2)
+    plain = flash_attention(q, k, v, causal=True, sinks=sinks)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    tracked = flash_attention(*leaves, causal=True, sinks=sinks)
+    assert plain.grad_fn is None and tracked.grad_fn is not None
+    assert torch.equal(plain, tracked.detach())
+    with torch.no_grad():
+        assert flash_attention(*leaves, causal=True, sinks=sinks).grad_fn is None

@@ -18,14 +18,15 @@ from ..core.device import is_hopper
 from ..core.problem import AttentionProblem
 from ..kernels.flash_bwd import flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
 from ..kernels.flash_bwd_hopper import DQ_BY_ROWS, flash_bwd_hopper_dq_kernel
-from ..kernels.tiles import compile_kernel
+from ..kernels.tiles import attention_launcher, compile_kernel
 from .inputs import SUPPORTED, check_attention_inputs, check_sm_scale, sink_logits, sink_probability
 from .registry import BACKWARD, FORWARD, backward_row, forward_row
 
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
            "ForwardConfig", "BackwardConfig", "sink_logits", "check_sm_scale", "default_forward_config",
            "default_backward_config", "is_hopper", "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS",
-           "THREE_WARPGROUPS_MIN_SEQ", "THREE_WARPGROUPS_MIN_SEQ_MASKED", "hopper_forward_config", "FORWARD_KERNELS",
+           "THREE_WARPGROUPS_MIN_SEQ", "THREE_WARPGROUPS_MIN_SEQ_MASKED",
+           "D64_SHORT_FORWARD_CONFIGS", "SHORT_MASKED_MAX_SEQ", "hopper_forward_config", "FORWARD_KERNELS",
            "BACKWARD_KERNELS", "TUNED_BACKWARD_CONFIG", "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
 
 # The kernels a ForwardConfig or BackwardConfig can select, by name: their factories (the rows of
@@ -43,6 +44,7 @@ class ForwardConfig(NamedTuple):
     threads: int
     kernel: str = "flash_fwd"
     pingpong: bool = False  # Hopper kernels only: the consumer warpgroups take turns issuing their matmuls
+    blocks_per_sm: int = 1  # the persistent kernel only: 2 runs two blocks of one consumer warpgroup per SM
 
     def tiling(self):
         """The tiling as keyword arguments of a kernel factory."""
@@ -69,20 +71,37 @@ THREE_WARPGROUPS_MIN_SEQ = 2048
 # the middle one with the next head's heaviest (issue #26 on the H100: two warpgroups 0.96-0.98 × cuDNN,
 # three 0.76-0.79 at S = 2k; three ahead at 3k, 4k and 8k; notes/hopper_backward.md).
 THREE_WARPGROUPS_MIN_SEQ_MASKED = 3072
+# Below those lengths at D = 64: cuDNN's tiling, one consumer warpgroup per block of 64 query rows and
+# several blocks per SM, each on its own key tiles (issue #26, H100, 2026-11-27, notes/hopper_forward.md):
+# against two warpgroups with ping-pong, about 0.93 -> 0.98 × cuDNN at S = 1k without a mask and
+# 0.91 -> 0.96 at S = 2k causal; at S = 1k causal three blocks per SM on 64-key tiles, 0.91 -> 1.01.
+# Keyed by (causal mask, at most SHORT_MASKED_MAX_SEQ queries).
+SHORT_MASKED_MAX_SEQ = 1024
+D64_SHORT_FORWARD_CONFIGS = {
+    (False, False): ForwardConfig(64, 128, 2, 128, kernel="flash_fwd_hopper_persistent", blocks_per_sm=2),
+    (False, True): ForwardConfig(64, 128, 2, 128, kernel="flash_fwd_hopper_persistent", blocks_per_sm=2),
+    (True, False): ForwardConfig(64, 128, 3, 128, kernel="flash_fwd_hopper_persistent", blocks_per_sm=2),
+    (True, True): ForwardConfig(64, 64, 2, 128, kernel="flash_fwd_hopper_persistent", blocks_per_sm=3),
+}
 
 
 def hopper_forward_config(dim, masked=False, *, seq_len=None, window=False):
     """The forward ``flash_attention`` runs on a Hopper GPU (whichever device this runs on).
 
-    ``HOPPER_FORWARD_CONFIGS[dim, masked]``, except that three consumer warpgroups (block_M = 192)
-    fall back to two for fewer than ``THREE_WARPGROUPS_MIN_SEQ`` queries (``THREE_WARPGROUPS_MIN_SEQ_MASKED``
-    with a causal mask), and for a sliding window, whose two-sided mask does not fit in the 160
-    registers a thread of three warpgroups gets.
+    ``HOPPER_FORWARD_CONFIGS[dim, masked]``, except where that is three consumer warpgroups
+    (block_M = 192, D = 64): for a sliding window, whose two-sided mask does not fit in the 160
+    registers a thread of three warpgroups gets, two warpgroups; for fewer than
+    ``THREE_WARPGROUPS_MIN_SEQ`` queries (``THREE_WARPGROUPS_MIN_SEQ_MASKED`` with a causal mask), one
+    warpgroup per block with two or three blocks per SM (``D64_SHORT_FORWARD_CONFIGS``).
     """
     config = HOPPER_FORWARD_CONFIGS[dim, bool(masked)]
+    if config.block_M != 192:
+        return config
+    if window:
+        return config._replace(block_M=128, threads=256)
     min_seq = THREE_WARPGROUPS_MIN_SEQ_MASKED if masked else THREE_WARPGROUPS_MIN_SEQ
-    if config.block_M == 192 and (window or (seq_len is not None and seq_len < min_seq)):
-        config = config._replace(block_M=128, threads=256)
+    if seq_len is not None and seq_len < min_seq:
+        return D64_SHORT_FORWARD_CONFIGS[bool(masked), seq_len <= SHORT_MASKED_MAX_SEQ]
     return config
 
 
@@ -288,16 +307,69 @@ def attention_backward(q, k, v, out, lse, d_out, *, d_lse=None, causal=False, wi
     return dq, dk, dv, d_sinks
 
 
+class _ForwardPlan(NamedTuple):
+    """What ``flash_attention`` concluded from one signature of its arguments (``_plan_key``): every check
+    and choice that does not read a tensor's values, so one lookup replaces them at the next call."""
+
+    launch: object  # (q, k, v, sink logits) -> (O, LSE): the compiled forward, called with the least host work
+    no_sinks: object  # the -inf sink logits of every head, or None when sinks are given
+    heads: int
+    backward: dict  # attention_backward's options: causal, window_size, sm_scale, config, deterministic
+
+
+_PLANS = {}
+_PLANS_MAX = 256  # signatures kept: a model calls attention with a handful
+_SCALAR_TYPES = frozenset((type(None), bool, int, float))
+_Tensor = torch.Tensor
+
+
+def _plan_key(q, k, v, causal, sm_scale, window_size, sinks, config, backward_config, deterministic):
+    """Everything ``_forward_plan``'s checks and choices depend on, or None where an argument is of a kind the
+    signature cannot describe (the checks then run at every call). Scalars are keyed with their type, tensors
+    by type, shape, dtype and device; values never. Written inline: it runs at every call."""
+    if not (isinstance(q, _Tensor) and isinstance(k, _Tensor) and isinstance(v, _Tensor)
+            and (sinks is None or isinstance(sinks, _Tensor))):
+        return None
+    types = (type(causal), type(sm_scale), type(window_size), type(deterministic))
+    if not _SCALAR_TYPES.issuperset(types):
+        return None
+    configs = (type(config), config, type(backward_config), backward_config)
+    try:
+        hash(configs)
+    except TypeError:
+        return None
+    return (types, causal, sm_scale, window_size, deterministic, configs,
+            type(q), q.shape, q.dtype, q.device, type(k), k.shape, k.dtype, k.device,
+            type(v), v.shape, v.dtype, v.device,
+            None if sinks is None else (type(sinks), sinks.shape, sinks.dtype, sinks.device))
+
+
+def _forward_plan(q, k, v, causal, sm_scale, window_size, sinks, config, backward_config, deterministic):
+    """Every check of ``flash_attention`` that the host can make without reading a value, and its choices."""
+    check_attention_inputs("flash_attention", q, k, v, window_size=window_size, sinks=sinks, sm_scale=sm_scale)
+    if window_size is not None and window_size >= k.shape[2]:
+        window_size = None  # a window as long as the keys hides nothing that causal masking does not
+        causal = True
+    masked = bool(causal or window_size is not None)
+    bwd = (BackwardConfig(*backward_config) if backward_config is not None
+           else default_backward_config(q.device.type, q.shape[-1], masked))
+    backward_row(bwd).check(AttentionProblem.dense(q, k, causal=masked, window_size=window_size, sm_scale=sm_scale),
+                            bwd, deterministic)  # raised now, not at the backward
+    fwd = forward_kernel(q, k, causal=masked, window_size=window_size, has_sinks=sinks is not None,
+                         sm_scale=sm_scale, config=config)
+    return _ForwardPlan(launch=attention_launcher(fwd), heads=q.shape[1],
+                        no_sinks=sink_logits(None, q.shape[1], q.device) if sinks is None else None,
+                        backward=dict(causal=masked, window_size=window_size, sm_scale=sm_scale,
+                                      config=backward_config, deterministic=bool(deterministic)))
+
+
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, causal, window_size, sm_scale, fwd_config, bwd_config, deterministic):
-        fwd = forward_kernel(q, k, causal=causal, window_size=window_size, has_sinks=sinks is not None,
-                             sm_scale=sm_scale, config=fwd_config)
-        logits = sink_logits(sinks, q.shape[1], q.device)
-        out, lse = fwd(q, k, v, logits)
+    def forward(ctx, q, k, v, sinks, plan):
+        logits = plan.no_sinks if sinks is None else sink_logits(sinks, plan.heads, q.device)
+        out, lse = plan.launch(q, k, v, logits)
         ctx.save_for_backward(q, k, v, out, lse, logits)
-        ctx.options = dict(causal=causal, window_size=window_size, sm_scale=sm_scale, config=bwd_config,
-                           deterministic=deterministic)
+        ctx.options = plan.backward
         ctx.has_sinks = sinks is not None
         return out, lse
 
@@ -309,7 +381,7 @@ class _FlashAttention(torch.autograd.Function):
         if d_out is None:  # only the LSE was used
             d_out = torch.zeros_like(out)
         dq, dk, dv, d_sinks = attention_backward(q, k, v, out, lse, d_out, d_lse=d_lse, sinks=sinks, **ctx.options)
-        return dq, dk, dv, d_sinks, None, None, None, None, None, None
+        return dq, dk, dv, d_sinks, None
 
 
 def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, sinks=None,
@@ -323,17 +395,23 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, s
     (once) with respect to q, k, v and sinks, through O and the LSE: ``out.backward(d_out)`` runs the
     backward kernels. ``sm_scale`` must be positive. ``deterministic=True`` makes the gradients
     bitwise reproducible from run to run (Hopper backward only; see ``attention_backward``).
+
+    The checks and choices that depend only on shapes, dtypes, devices and options run once per such
+    signature (``_forward_plan``); later calls with the same signature skip to the kernel.
     """
-    check_attention_inputs("flash_attention", q, k, v, window_size=window_size, sinks=sinks, sm_scale=sm_scale)
-    if window_size is not None and window_size >= k.shape[2]:
-        window_size = None  # a window as long as the keys hides nothing that causal masking does not
-        causal = True
-    masked = bool(causal or window_size is not None)
-    bwd = (BackwardConfig(*backward_config) if backward_config is not None
-           else default_backward_config(q.device.type, q.shape[-1], masked))
-    backward_row(bwd).check(AttentionProblem.dense(q, k, causal=masked, window_size=window_size, sm_scale=sm_scale),
-                            bwd, deterministic)  # raised now, not at the backward
-    out, lse = _FlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks,
-                                     bool(causal or window_size is not None), window_size, sm_scale, config,
-                                     backward_config, bool(deterministic))
+    args = (q, k, v, causal, sm_scale, window_size, sinks, config, backward_config, deterministic)
+    key = _plan_key(*args)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is None:
+        plan = _forward_plan(*args)  # raises on a bad input: nothing is kept for it
+        if key is not None:
+            if len(_PLANS) >= _PLANS_MAX:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
+        out, lse = _FlashAttention.apply(q, k, v, sinks, plan)
+    else:  # nothing to differentiate: the kernel without autograd's bookkeeping
+        out, lse = plan.launch(q, k, v, plan.no_sinks if sinks is None else sink_logits(sinks, plan.heads, q.device))
     return (out, lse) if return_lse else out

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import tilelang
 import tilelang.language as T
+import torch
 from tilelang import tvm
 
 from ..core.device import TILE_TARGET
 
-__all__ = ["TileBackend", "compile_kernel", "launcher"]
+__all__ = ["TileBackend", "compile_kernel", "launcher", "attention_launcher"]
 
 _TARGETS = ("cuda", "c")
 
@@ -86,7 +87,31 @@ def launcher(kernel):
     adapter = getattr(kernel, "adapter", None)
     if type(adapter).__name__ != "TVMFFIKernelAdapter" or adapter.result_idx:
         return kernel
+    return _ffi_main(adapter)
+
+
+def _ffi_main(adapter):
     module = adapter.get_exportable_executable()
     if isinstance(module, tvm.runtime.Executable):  # compiled now; a kernel from the disk cache is a Module
         module = module.jit()
     return module.main  # what Executable.__call__ and Module.__call__ call
+
+
+def attention_launcher(kernel):
+    """``launcher`` for a compiled attention forward, (Q, K, V, Sinks) -> (O, LSE) with O like Q and a float32
+    LSE [B, H, S_q]: the two outputs are allocated here, and the kernel's TVM-FFI ``main`` is called with all
+    six arguments (its checks of every argument stay). Any other backend, or a kernel whose outputs TVM-FFI
+    allocates itself: a callable that runs the kernel as it is.
+    """
+    adapter = getattr(kernel, "adapter", None)
+    if (type(adapter).__name__ != "TVMFFIKernelAdapter" or list(adapter.result_idx) != [4, 5]
+            or getattr(adapter, "_ffi_callee_allocated_output_abi", False)):
+        return lambda q, k, v, sinks: tuple(kernel(q, k, v, sinks))
+    main = _ffi_main(adapter)
+
+    def launch(q, k, v, sinks):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        main(q, k, v, sinks, out, lse)
+        return out, lse
+    return launch

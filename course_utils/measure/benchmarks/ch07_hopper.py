@@ -5,7 +5,15 @@ import itertools
 
 import torch
 
-from ...api.attention import ForwardConfig, flash_attention, forward_kernel, hopper_forward_config
+from ...api.attention import (
+    D64_SHORT_FORWARD_CONFIGS,
+    HOPPER_FORWARD_CONFIGS,
+    SHORT_MASKED_MAX_SEQ,
+    ForwardConfig,
+    flash_attention,
+    forward_kernel,
+    hopper_forward_config,
+)
 from ...checking.validation import check_forward, references
 from ...core.labels import OURS
 from ...kernels.versions.flash_fwd_hopper_versions import versions_for
@@ -13,7 +21,8 @@ from ..bench import attention_flops, tflops, time_side_by_side
 from .ch03_forward import forward_config_sweep
 from .common import SDPA_PEERS, AblationCase, ablation, comparison_shapes, in_parallel, random_inputs, sdpa
 
-__all__ = ["forward_ablation", "hopper_tiling_sweep", "ROTATED_LOOP_CONFIGS", "ROTATED", "persistent_vs_rotated"]
+__all__ = ["forward_ablation", "hopper_tiling_sweep", "ROTATED_LOOP_CONFIGS", "ROTATED", "persistent_vs_rotated",
+           "PERSISTENT_ALTERNATIVES"]
 
 # Chapter 07's rotated loop (flash_fwd_hopper_kernel), tiled per (head dim, mask) as its own sweep
 # picked before the persistent kernel existed: the kernel the persistent one is compared with.
@@ -24,6 +33,9 @@ ROTATED_LOOP_CONFIGS = {
     (64, True): ForwardConfig(128, 192, 2, 256, kernel="flash_fwd_hopper", pingpong=True),
 }
 ROTATED = "rotated loop (one block per tile)"
+# The persistent kernel's tilings at D = 64, by consumer warpgroups per block, as the record names them.
+PERSISTENT_ALTERNATIVES = {3: "persistent, 3 consumer warpgroups", 2: "persistent, 2 consumer warpgroups",
+                           1: "persistent, 1 consumer warpgroup, 2-3 blocks per SM"}
 
 
 def forward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(False, True), seq=4096, versions=None):
@@ -69,8 +81,9 @@ def persistent_vs_rotated(seq_lens=(1024, 2048, 4096, 16384), dims=(64, 128), dt
                           causal_options=(False, True)):
     """The default kernel (persistent) against chapter 07's rotated loop with one block per tile, from
     short sequences, where the difference is largest, to long ones. At D = 64 also the persistent
-    kernel with the other number of consumer warpgroups (2 or 3): the measurement behind
-    ``THREE_WARPGROUPS_MIN_SEQ``. All checked on every head; FA2 and cuDNN alongside."""
+    kernel with the other numbers of consumer warpgroups (``PERSISTENT_ALTERNATIVES``: three, two with
+    ping-pong, one with several blocks per SM): the measurement behind ``THREE_WARPGROUPS_MIN_SEQ`` and
+    ``D64_SHORT_FORWARD_CONFIGS``. All checked on every head; FA2 and cuDNN alongside."""
     rows = []
     jobs = list(itertools.product(dims, seq_lens, causal_options))
     dtype = getattr(torch, dtype_name)
@@ -79,9 +92,11 @@ def persistent_vs_rotated(seq_lens=(1024, 2048, 4096, 16384), dims=(64, 128), dt
         ours = hopper_forward_config(dim, causal, seq_len=seq)
         named = {ROTATED: ROTATED_LOOP_CONFIGS[dim, causal], OURS: ours}
         if dim == 64:
-            other = (ours._replace(block_M=128, threads=256) if ours.block_M == 192
-                     else ours._replace(block_M=192, threads=384))
-            named[f"persistent, {other.threads // 128} consumer warpgroups"] = other
+            three = HOPPER_FORWARD_CONFIGS[64, causal]
+            one = D64_SHORT_FORWARD_CONFIGS[causal, seq <= SHORT_MASKED_MAX_SEQ]
+            two = three._replace(block_M=128, threads=256)
+            others = dict(zip(PERSISTENT_ALTERNATIVES.values(), (three, two, one)))
+            named.update({name: config for name, config in others.items() if config != ours})
         return named
 
     def build(job):
