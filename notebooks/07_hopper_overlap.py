@@ -49,7 +49,7 @@ from course_utils.api.attention import (FORWARD_KERNELS,
                                        hopper_forward_config, is_hopper)
 from course_utils.measure.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
 from course_utils.measure.benchmarks import RECORDS
-from course_utils.measure.benchmarks.ch07_hopper import ROTATED
+from course_utils.measure.benchmarks.ch07_hopper import PERSISTENT_ALTERNATIVES, ROTATED
 from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
 from course_utils.kernels.hopper_pieces import issue_matmuls, keep_stages_until_read
 from course_utils.kernels.versions.flash_fwd_hopper_versions import VERSIONS, flash_fwd_hopper_variant
@@ -341,28 +341,49 @@ for name, options in {"D=128, 2 consumer warpgroups": dict(dim=128, heads=16),
 # window's two-sided mask at 192 rows (ptxas then serialises the wgmmas), which is why a window keeps
 # two warpgroups.
 #
+# The third way to fill an SM is cuDNN's: **one consumer warpgroup per block of 64 query rows, and
+# two or three such blocks on each SM**, each with its own producer and its own copies of the K/V
+# tiles (`blocks_per_sm`). The blocks share the SM's 65536 registers, so the launch asks for at
+# most 128 a thread for two blocks (80 for three) and the producer hands the rest of its share to
+# the consumer (232 or 136). No ping-pong is needed: the warp schedulers interleave the blocks'
+# matmuls and softmaxes by themselves.
+#
 # **What it buys.** fp16, from short sequences to long ones, the course's default (the persistent
 # kernel) against the rotated loop with one block per tile, side by side with FlashAttention-2 and
-# cuDNN. At D = 64 the record also has the persistent kernel with the other number of consumer
-# warpgroups: the default uses three from `THREE_WARPGROUPS_MIN_SEQ` queries on, two below (a
-# 192-row tile wastes most at S = 1k: the last one is two-thirds padding, and a causal tile's
-# diagonal straddles one and a half key blocks). Every kernel checked on every head:
+# cuDNN. At D = 64 the record also has the persistent kernel with the other tilings: the default
+# uses three warpgroups from `THREE_WARPGROUPS_MIN_SEQ` queries on (`THREE_WARPGROUPS_MIN_SEQ_MASKED`
+# with a causal mask), one warpgroup per block below (a 192-row tile wastes most at S = 1k: the
+# last one is two-thirds padding, and a causal tile's diagonal straddles one and a half key
+# blocks). Every kernel checked on every head:
 
 # %%
 versus = cu.measured("ch07_persistent_vs_rotated_h100", RECORDS["ch07_persistent_vs_rotated_h100"])
 vrows = versus["results"]
 ours_kernels = [r for r in vrows if r["config"] is not None]
 check_stored_errors(vrows, "ch07 persistent vs rotated: every kernel of ours")
+cu.check_true(all(r["config"] == hopper_forward_config(r["dim"], r["causal"], seq_len=r["seq"])._asdict()
+                  for r in vrows if r["impl"] == OURS), "every row of ours ran the course's default tiling")
 vtf = {(r["impl"], r["dim"], r["causal"], r["seq"]): r["tflops"] for r in vrows}
-other = {(r["dim"], r["causal"], r["seq"]): r["tflops"] for r in ours_kernels if r["impl"] not in (OURS, ROTATED)}
+alternatives = {n: f"÷ {k} WG" for k, n in PERSISTENT_ALTERNATIVES.items()}  # D=64 only: ours ÷ that tiling
 print(f"{'TFLOP/s, fp16':20}{'rotated':>9}{'ours':>7}{'FA2':>7}{'cuDNN':>7}{'÷ rotated':>11}{'÷ cuDNN':>9}"
-      f"{'÷ other warpgroup count':>25}")
+      + "".join(f"{a:>9}" for a in alternatives.values()))
 for dim, causal, seq in sorted({(r["dim"], r["causal"], r["seq"]) for r in vrows}, key=lambda x: (-x[0], x[1], x[2])):
     rot, ours, fa2, cudnn = (vtf[i, dim, causal, seq] for i in (ROTATED, OURS, FA2, CUDNN))
-    alt = f"{ours / other[dim, causal, seq]:25.2f}" if (dim, causal, seq) in other else ""  # D=64 only
+    alt = "".join(f"{ours / vtf[n, dim, causal, seq]:9.2f}" if (n, dim, causal, seq) in vtf else f"{'':9}"
+                  for n in alternatives)
     print(f"D={dim:<3} S={plots.seq_label(seq):>3} {'causal' if causal else '':7}{rot:9.0f}{ours:7.0f}{fa2:7.0f}"
           f"{cudnn:7.0f}{ours / rot:11.2f}{ours / cudnn:9.2f}{alt}")
 print("(" + plots.record_caption(versus) + ")")
+d64 = lambda other, cases: {f"S={s} causal={c}": vtf[OURS, 64, c, s] / vtf[other, 64, c, s] for c, s in cases}  # noqa: E731
+cu.claim_ratio("D=64 causal below the threshold: one warpgroup per block (the default) ÷ two with ping-pong",
+               d64(PERSISTENT_ALTERNATIVES[2], [(True, 1024), (True, 2048)]), says="above 1")
+unmasked_1k = [(False, 1024)]
+cu.claim_ratio("D=64 S=1k without a mask: one warpgroup per block ÷ two, and ÷ three",
+               list(d64(PERSISTENT_ALTERNATIVES[2], unmasked_1k).values())
+               + list(d64(PERSISTENT_ALTERNATIVES[3], unmasked_1k).values()), says="near 1")
+cu.claim_ratio("D=64 from the thresholds on: three warpgroups (the default) ÷ one per block",
+               d64(PERSISTENT_ALTERNATIVES[1], [(False, 2048), (False, 4096), (False, 16384), (True, 4096),
+                                                (True, 16384)]), says="above 1")
 
 # %% [markdown]
 # Reading the record:
@@ -371,18 +392,25 @@ print("(" + plots.record_caption(versus) + ")")
 #   causal one, and far ahead at S = 1k, where a tile's edges weigh most. At S = 16k with the causal
 #   mask the hardware's own dispatch of one block per tile balances slightly better than the folded
 #   static order, whose last round of pairs leaves some SMs idle.
-# - At D = 64 three warpgroups win from S = 2k without a mask and from S = 4k with it. At S = 1k
-#   two warpgroups are level without a mask and ahead with it, as expected. **At S = 2k with the
-#   causal mask the default is wrong**: three warpgroups are far behind two. The cause is the folded
+# - At D = 64 three warpgroups win from S = 2k without a mask and from S = 4k with it, over both
+#   other tilings (the last claim). Below those lengths, with the causal mask, one warpgroup per
+#   block, two or three blocks per SM, is clearly ahead of two warpgroups with ping-pong (the first
+#   claim): each block's short diagonal tail leaves the SM to the other blocks. At S = 1k without a
+#   mask the three tilings are level in this record (the second claim); nine rounds of an A/B on the
+#   same H100 had one warpgroup a few percent ahead (`notes/hopper_forward.md`), and one more run of
+#   this record had it a few percent behind two, which is the spread between runs at this length.
+#   It is still a little behind cuDNN at these lengths (the comparison of section 6).
+# - **At S = 2k with the causal mask three warpgroups are far behind.** The cause is the folded
 #   order: a head of 2k queries has an odd number of 192-row tiles (11), so the tile left in the
 #   middle of one head is paired with the heaviest tile of the next, and those pairs cost about a
-#   third more than the others (the same happens at S = 8k, with 43 tiles). With 128-row
-#   tiles the count is even. Since this record, the default with a causal mask uses three
-#   warpgroups only from `THREE_WARPGROUPS_MIN_SEQ_MASKED` queries on (two below): a sweep on the
-#   H100 on 2026-11-24 (`notes/hopper_backward.md`, issue 26) measured the D = 64 causal S = 2k
-#   forward there at about cuDNN's speed instead of three quarters of it. This record predates that
-#   change; section 6's 40-case comparison was re-measured with it. Pairing the middle tiles with
-#   each other is the other fix, not yet measured.
+#   third more than the others (the same happens at S = 8k, with 43 tiles). Hence the second,
+#   higher threshold with a causal mask (`THREE_WARPGROUPS_MIN_SEQ_MASKED`; issue 26, measured on
+#   the H100 on 2026-11-24, `notes/hopper_backward.md`). Pairing the middle tiles with each other is
+#   the other fix, not yet measured.
+# - The one-warpgroup tiling is new on 2026-11-27 (issue 26, `notes/hopper_forward.md`): 64-row
+#   tiles with 128 keys and two blocks per SM, except causal S ≤ 1k, where 64-key tiles let three
+#   blocks share an SM and were the fastest of the tilings tried. It ran one block per SM at first
+#   and lost a third of the speed: the gain is all in sharing the SM.
 
 # %% [markdown]
 # ## 5 · What each technique is worth (H100)
@@ -560,13 +588,18 @@ for dim, causal in cases:
 # (FlashAttention-3's 128 × 176 without a mask) do not fit next to O's staging tile. At D = 64 it
 # is three consumer warpgroups with ping-pong, from `THREE_WARPGROUPS_MIN_SEQ` queries on
 # (`THREE_WARPGROUPS_MIN_SEQ_MASKED` with a causal mask); section 4b's record shows where the old,
-# single threshold was right and where it was not.
+# single threshold was right and where it was not. (This ablation runs at S = 4k only; the shorter
+# lengths are section 4b's.)
 #
 # `cu.flash_attention` uses the persistent kernel by default on Hopper GPUs with the tiling chosen
-# per head dimension and mask (`HOPPER_FORWARD_CONFIGS` and `hopper_forward_config` in
-# `course_utils/api/attention.py`; two consumer warpgroups below the thresholds above). The usual
+# per head dimension, mask and length (`HOPPER_FORWARD_CONFIGS`, `D64_SHORT_FORWARD_CONFIGS` and
+# `hopper_forward_config` in `course_utils/api/attention.py`; one consumer warpgroup per block below
+# the thresholds above). The usual
 # shapes (B·S = 16k tokens, H·D = 2048), D = 64 and 128, fp16 and bf16, causal and not, timed side by
-# side with SDPA's FlashAttention-2 and cuDNN backends in one process:
+# side with SDPA's FlashAttention-2 and cuDNN backends in one process. (Since 2026-11-27 a call checks
+# shapes, dtypes and options once per such signature and then goes straight to the kernel, skipping
+# autograd when nothing needs a gradient: a few tens of µs of host time a call, below SDPA's own, where
+# it used to be about as long as a 1k-token kernel; `notes/hopper_forward.md`.)
 
 # %%
 final = cu.measured("ch07_forward_vs_peers_h100", RECORDS["ch07_forward_vs_peers_h100"])
@@ -608,15 +641,16 @@ print("below 1.0× cuDNN: " + ", ".join(f"{case} {r:.2f}" for case, r in sorted(
 # least level in most cases and in every case at D = 128 with the causal mask (the counts above);
 # the printed lines give the D = 128, S = 4k target and every case still behind, with its ratio:
 #
-# - D = 64, S = 1k, and D = 64 causal at S = 2k: two warpgroups on 128-row tiles (below the
-#   three-warpgroup thresholds); each tile has only a few key blocks, and at D = 64 every one of them
-#   is as much exponential work as matmul work (section 5: even a free exponential would not close
-#   the gap there);
-# - D = 64, causal, S = 8k, within a few percent: the odd number of 192-row tiles per head that
-#   breaks the folded pairs (section 4b);
-# - D = 128 without a mask at S = 1k, by about one percent or less: within the spread between two
-#   runs of this comparison (chapter 08, section 7, measures that spread and what the order of the
-#   turns does to it).
+# - D = 64, S = 1k, and D = 64 causal at S = 2k, by a few percent at most: cuDNN's own tiling now
+#   (one warpgroup per 64-row block, several blocks per SM), which closed about half of the gap the
+#   two warpgroups left, and nearly all of it at S = 1k with the causal mask (section 4b); each tile
+#   has only a few key blocks, and at D = 64 every one of them is as much exponential work as
+#   matmul work (section 5: even a free exponential would not close the gap there);
+# - D = 64, causal, S = 4k and 8k, level or within a few percent: at 8k the odd number of 192-row
+#   tiles per head that breaks the folded pairs (section 4b);
+# - D = 128 without a mask at some lengths, by about one or two percent: within the spread between
+#   two runs of this comparison, which moved these cases by several percent either way with the same
+#   kernels (chapter 08, section 7, measures that spread and what the order of the turns does to it).
 #
 # ## 7 · Where the rest of the time goes
 #
