@@ -359,7 +359,6 @@ for name, options in {"D=128, 2 consumer warpgroups": dict(dim=128, heads=16),
 # %%
 versus = cu.measured("ch07_persistent_vs_rotated_h100", RECORDS["ch07_persistent_vs_rotated_h100"])
 vrows = versus["results"]
-ours_kernels = [r for r in vrows if r["config"] is not None]
 check_stored_errors(vrows, "ch07 persistent vs rotated: every kernel of ours")
 cu.check_true(all(r["config"] == hopper_forward_config(r["dim"], r["causal"], seq_len=r["seq"])._asdict()
                   for r in vrows if r["impl"] == OURS), "every row of ours ran the course's default tiling")

@@ -19,7 +19,15 @@ from ..core.problem import AttentionProblem
 from ..kernels.flash_bwd import flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
 from ..kernels.flash_bwd_hopper import DQ_BY_ROWS, flash_bwd_hopper_dq_kernel
 from ..kernels.tiles import attention_launcher, compile_kernel
-from .inputs import SUPPORTED, check_attention_inputs, check_sm_scale, sink_logits, sink_probability
+from .inputs import (
+    PLAN_SCALAR_TYPES,
+    SUPPORTED,
+    PlanCache,
+    check_attention_inputs,
+    check_sm_scale,
+    sink_logits,
+    sink_probability,
+)
 from .registry import BACKWARD, FORWARD, backward_row, forward_row
 
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
@@ -44,7 +52,7 @@ class ForwardConfig(NamedTuple):
     threads: int
     kernel: str = "flash_fwd"
     pingpong: bool = False  # Hopper kernels only: the consumer warpgroups take turns issuing their matmuls
-    blocks_per_sm: int = 1  # the persistent kernel only: 2 runs two blocks of one consumer warpgroup per SM
+    blocks_per_sm: int = 1  # the persistent kernel only: 2 or 3 blocks of one consumer warpgroup share an SM
 
     def tiling(self):
         """The tiling as keyword arguments of a kernel factory."""
@@ -317,9 +325,7 @@ class _ForwardPlan(NamedTuple):
     backward: dict  # attention_backward's options: causal, window_size, sm_scale, config, deterministic
 
 
-_PLANS = {}
-_PLANS_MAX = 256  # signatures kept: a model calls attention with a handful
-_SCALAR_TYPES = frozenset((type(None), bool, int, float))
+_PLANS = PlanCache(max_size=256)  # signatures kept: a model calls attention with a handful
 _Tensor = torch.Tensor
 
 
@@ -331,7 +337,7 @@ def _plan_key(q, k, v, causal, sm_scale, window_size, sinks, config, backward_co
             and (sinks is None or isinstance(sinks, _Tensor))):
         return None
     types = (type(causal), type(sm_scale), type(window_size), type(deterministic))
-    if not _SCALAR_TYPES.issuperset(types):
+    if not PLAN_SCALAR_TYPES.issuperset(types):
         return None
     configs = (type(config), config, type(backward_config), backward_config)
     try:
@@ -400,14 +406,7 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, s
     signature (``_forward_plan``); later calls with the same signature skip to the kernel.
     """
     args = (q, k, v, causal, sm_scale, window_size, sinks, config, backward_config, deterministic)
-    key = _plan_key(*args)
-    plan = None if key is None else _PLANS.get(key)
-    if plan is None:
-        plan = _forward_plan(*args)  # raises on a bad input: nothing is kept for it
-        if key is not None:
-            if len(_PLANS) >= _PLANS_MAX:
-                _PLANS.clear()
-            _PLANS[key] = plan
+    plan = _PLANS.plan(_plan_key(*args), _forward_plan, *args)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):

@@ -15,7 +15,7 @@ import torch
 from ..core.reference import check_qkv_agree, check_window_and_sinks, validate_attention_inputs
 
 __all__ = ["SUPPORTED", "LAYOUTS", "check_attention_inputs", "check_supported", "check_sm_scale", "sink_logits",
-           "sink_probability"]
+           "sink_probability", "PlanCache", "PLAN_SCALAR_TYPES"]
 
 # What the kernels accept, per device type. The CPU path is for learning and testing at small sizes.
 SUPPORTED = {
@@ -67,6 +67,31 @@ def check_attention_inputs(fn, q, k, v, *, layout="dense", window_size=None, sin
         check_supported(q, fn)
         check_window_and_sinks(window_size, sinks, hq, q.device)
     check_sm_scale(sm_scale)
+
+
+# What a per-signature plan key may hold by value (with its type): anything else makes the key None.
+PLAN_SCALAR_TYPES = frozenset((type(None), bool, int, float))
+
+
+class PlanCache(dict):
+    """Plans kept per host-known signature of a front door's arguments (its ``_plan_key``), at most ``max_size``
+    (then all are dropped): one lookup replaces the checks and choices that depend only on that signature."""
+
+    def __init__(self, max_size):
+        super().__init__()
+        self.max_size = max_size
+
+    def plan(self, key, make, *args):
+        """The plan kept for ``key``, or ``make(*args)``, kept unless ``key`` is None (a signature the key cannot
+        describe). ``make`` raises on a bad input, so nothing is ever kept for one."""
+        plan = None if key is None else self.get(key)
+        if plan is None:
+            plan = make(*args)
+            if key is not None:
+                if len(self) >= self.max_size:
+                    self.clear()
+                self[key] = plan
+        return plan
 
 
 @functools.lru_cache(maxsize=16)

@@ -55,7 +55,7 @@ from .attention import (
     default_backward_config,
     default_forward_config,
 )
-from .inputs import check_attention_inputs, sink_logits, sink_probability
+from .inputs import PLAN_SCALAR_TYPES, PlanCache, check_attention_inputs, sink_logits, sink_probability
 
 __all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_single_kernel",
            "decode_num_splits",
@@ -229,9 +229,7 @@ class _DecodePlan(NamedTuple):
     num_pages: int
 
 
-_PLANS = {}
-_PLANS_MAX = 256  # signatures kept (a model decodes with a handful: one per batch size and cache layout)
-_SCALAR_TYPES = frozenset((type(None), bool, int, float))
+_PLANS = PlanCache(max_size=256)  # signatures kept (a model decodes with a handful: one per batch size and layout)
 _Tensor = torch.Tensor
 
 
@@ -249,7 +247,7 @@ def _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, sm_scale,
             and (sinks is None or isinstance(sinks, _Tensor))):
         return None
     types = (type(causal), type(sm_scale), type(window_size), type(num_splits), type(check_indices))
-    if not _SCALAR_TYPES.issuperset(types):
+    if not PLAN_SCALAR_TYPES.issuperset(types):
         return None
     return (types, causal, sm_scale, window_size, num_splits, check_indices,
             type(q), q.shape, q.dtype, q.device,
@@ -335,14 +333,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
     """
     args = (q, k_cache, v_cache, cache_seqlens, block_table, causal, sm_scale, window_size, sinks, num_splits,
             check_indices)
-    key = _plan_key(*args)
-    plan = None if key is None else _PLANS.get(key)
-    if plan is None:
-        plan = _decode_plan(*args)  # raises on a bad input: nothing is kept for it
-        if key is not None:
-            if len(_PLANS) >= _PLANS_MAX:
-                _PLANS.clear()
-            _PLANS[key] = plan
+    plan = _PLANS.plan(_plan_key(*args), _decode_plan, *args)
     if plan.check_indices:
         _check_decode_indices(cache_seqlens, block_table, plan.capacity, plan.page_size, plan.num_pages)
     # The kernels take dense tensors; a strided view (block_table = wide[:, :n], a cache_seqlens view, a
