@@ -1,0 +1,86 @@
+"""Fourteenth session's A/B (issue 26): D=64 short forward without warp specialisation (python ... OUT.json).
+
+cuDNN's D=64 forward is named ``..._64x128x64_4x1x1_cga1x1x1_...``: 64-row tiles, four warps. Our shipped short tiling
+(D64_SHORT_FORWARD_CONFIGS) is one consumer warpgroup *plus TileLang's producer warpgroup* per block, two or three
+blocks per SM; the producer's warpgroup caps the launch at 128 or 80 registers a thread. The question: does a block of
+one warpgroup and no producer (chapter 07's rotated loop compiled with TL_DISABLE_WARP_SPECIALIZED: its loads become
+cp.async issued by the same threads, 156 registers, so three blocks of 72 KiB fit an SM) close the last 2-4%?
+Candidates (rotated loop, 128 threads, no WS): 64x128 two stages; 64x64 two stages (more blocks per SM).
+Cases: B*S = 16k, H = 32, D = 64; 1k and 2k, causal and not, fp16 and bf16. O and LSE of every batch element and head
+checked against float64 before timing; timed beside the shipped default and SDPA's cuDNN and FA2 backends in
+changing orders (bench.round_orders), three blocks; ratios are cuDNN's time / each one's.
+"""
+import sys
+import time
+
+import tilelang
+import torch
+
+sys.path.insert(0, "notes")
+from device_ab import blocks, machine, save  # noqa: E402
+
+from course_utils import flash_attention  # noqa: E402
+from course_utils.checking.validation import CheckFailed, check_forward  # noqa: E402
+from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel  # noqa: E402
+from course_utils.kernels.tiles import attention_launcher, compile_kernel  # noqa: E402
+from course_utils.measure.benchmarks.common import CUDNN, FA2, SDPA_PEERS, in_parallel, sdpa  # noqa: E402
+
+out_path = sys.argv[1]
+result = dict(machine=machine(), F=[], errors={})
+t0 = time.time()
+NO_WS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+VARIANTS = {"noWS 64x128 2st": (64, 128, 2), "noWS 64x64 2st": (64, 64, 2)}
+CASES = [(s, c, d) for d in ("float16", "bfloat16") for s in (1024, 2048) for c in (True, False)]
+
+inputs = {}
+for seq, _, dtype in CASES:
+    g = torch.Generator(device="cuda").manual_seed(seq)
+    inputs[seq, dtype] = [torch.randn(16384 // seq, 32, seq, 64, device="cuda", dtype=getattr(torch, dtype),
+                                      generator=g) for _ in range(3)]
+kernels = {}
+
+
+def build(job):
+    seq, causal, dtype, name = job
+    q, k, v = inputs[seq, dtype]
+    try:
+        if name == "shipped":
+            flash_attention(q, k, v, causal=causal)
+        else:
+            bm, bn, st = VARIANTS[name]
+            func = flash_fwd_hopper_kernel(q.shape[0], 32, seq, seq, 64, causal=causal, dtype=dtype, block_M=bm,
+                                           block_N=bn, num_stages=st, threads=128)
+            kernels[job] = attention_launcher(compile_kernel(func, out_idx=[4, 5], target="cuda", dtype=dtype,
+                                                             pass_configs=NO_WS))
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[-1][:160]}"
+
+
+jobs = list(dict.fromkeys((s, c, d, n) for s, c, d in CASES for n in ("shipped", *VARIANTS)))
+errors = in_parallel(build, jobs)
+result["errors"] = {str(j): e for j, e in zip(jobs, errors) if e}
+print(f"compiled {time.time() - t0:.0f}s", result["errors"], flush=True)
+sinks = torch.zeros(32, device="cuda", dtype=torch.float32)
+for seq, causal, dtype in CASES:
+    q, k, v = inputs[seq, dtype]
+    fns = {"shipped": lambda causal=causal: flash_attention(q, k, v, causal=causal)}
+    for name in VARIANTS:
+        launch = kernels.get((seq, causal, dtype, name))
+        if launch is None:
+            continue
+        out, lse = launch(q, k, v, sinks)
+        try:
+            for b in range(0, q.shape[0], 2):  # every batch element and head, two at a time (float64 memory)
+                check_forward(q[b:b + 2], k[b:b + 2], v[b:b + 2], out[b:b + 2], lse[b:b + 2], causal=causal,
+                              name=f"{dtype} D64 {seq} causal={causal} {name} b={b}", quiet=b > 0)
+        except CheckFailed as exc:  # a failing variant is reported and not timed
+            result["errors"][str((seq, causal, dtype, name))] = f"check failed: {str(exc)[:300]}"
+            print("CHECK FAILED", seq, causal, dtype, name, str(exc)[:300], flush=True)
+            continue
+        fns[name] = lambda launch=launch: launch(q, k, v, sinks)
+    for peer in (CUDNN, FA2):
+        fns[peer] = lambda causal=causal, peer=peer: sdpa(q, k, v, causal, SDPA_PEERS[peer])
+    result["F"] += blocks(fns, label=f"{dtype} D64 S={seq} causal={causal}", base=CUDNN)
+    save(out_path, **result)
+print(f"done {time.time() - t0:.0f}s", flush=True)
