@@ -310,14 +310,16 @@ def change(number, dims=(128, 64)):
     return out
 
 
-cu.claim_ratio("async wgmma in FlashAttention-3's order ÷ chapter 05's kernel", change(2), says="mixed")
-cu.claim_ratio("two stages ÷ one, D=128", change(4, (128,)), says="above 1")
+cu.claim_ratio("async wgmma in FlashAttention-3's order ÷ chapter 05's kernel", change(2), says="above 1")
+two_stages = change(4, (128,))
+cu.claim_ratio("two stages ÷ one, D=128", {"D=128": two_stages["D=128"]}, says="above 1")
+cu.claim_ratio("two stages ÷ one, D=128 causal", {"D=128 causal": two_stages["D=128 causal"]}, says="near 1")
 step_gains = {case: {n: change(n)[case] for n in range(2, 10)} for case in change(5)}
 cu.claim_count("the bulk reduce-add for dQ is the largest step, D=128",
                {c: max(g, key=g.get) == 5 for c, g in step_gains.items() if c.startswith("D=128")}, says="some")
 cu.claim_change("D=128 without a mask: the largest step's gain, the bulk reduce-add's", max(step_gains["D=128"].values()),
                 step_gains["D=128"][5], names=("largest", "reduce-add"), says="about the same")
-cu.claim_ratio("the bulk reduce-add for dQ ÷ the row above, D=64", change(5, (64,)), says="below 1")
+cu.claim_ratio("the bulk reduce-add for dQ ÷ the row above, D=64", change(5, (64,)), says="near 1")
 cu.claim_ratio("dQ issued before dK ÷ the row above", change(6), says="above 1")
 cu.claim_ratio("dSᵀ formed before dV is issued ÷ the row above, D=128", change(7, (128,)), says="below 1")
 cu.claim_ratio("dSᵀ formed before dV is issued ÷ the row above, D=64", change(7, (64,)), says="near 1")
@@ -326,9 +328,15 @@ cu.claim_count("our own two barriers win back the previous row's loss",
                {c: change(7)[c] * change(8)[c] >= 1 for c in change(8)}, says="not all")
 cu.claim_ratio("TileLang's four barriers ÷ version 9", change(10), says="below 1")
 cu.claim_count("FlashAttention-3's tiles gain", {c: r > 1 for c, r in change(9).items()}, says="most")
-for number, says in ((12, "below 1"), (13, "below 1"), (11, "mixed"), (15, "below 1"), (16, "near 1"), (19, "mixed")):
+
+# %%
+# The variations, each ÷ version 9 (or ÷ the variation it builds on), and the fastest row of each case.
+for number, says in ((12, "below 1"), (13, "below 1"), (11, "mixed"), (15, "below 1"), (19, "below 1")):
     cu.claim_ratio(f"{by_number[number].strip()} ÷ version 9", change(number), says=says)
 cu.claim_ratio(f"{by_number[20].strip()} ÷ version 9", change(20, (128,)), says="mixed")
+cu.claim_ratio(f"{by_number[14].strip()} ÷ version 9, D=128", change(14, (128,)), says="above 1")
+for dim, says in ((128, "below 1"), (64, "near 1")):  # light key blocks first, with the causal mask only
+    cu.claim_ratio(f"{by_number[16].strip()} ÷ version 9, D={dim}", change(16, (dim,)), says=says)
 for later, earlier in ((21, 20), (23, 22)):  # variations of version 9 both: the later ÷ the earlier
     cu.claim_ratio(f"{by_number[later].strip()} ÷ version {earlier}",
                    {"D=128 causal": change(later)["D=128 causal"] / change(earlier)["D=128 causal"]}, says="above 1")
@@ -361,13 +369,14 @@ plots.save(fig, "ch08_ablation");
 # Reading the record (the table above; the path to the shipped kernel is the blue bars; every
 # judgement below is one of the checked claims above):
 #
-# - **Asynchronous matmuls alone** go either way: a gain at D = 128 without the mask, small losses
-#   with it. With one stage and dQ added by per-element atomics from the compute threads, the
-#   matmuls were not what the step waited for.
-# - **Two stages** pay at D = 128: the next Q and dO arrive while this step computes.
+# - **Asynchronous matmuls alone** gain a little in every case, a few percent at most: with one
+#   stage and dQ added by per-element atomics from the compute threads, the matmuls were not what
+#   the step waited for.
+# - **Two stages** pay at D = 128 without the mask, where the next Q and dO arrive while this step
+#   computes; with the causal mask they are level.
 # - **The copy engine's reduce-add for dQ** is the largest single step at D = 128 with the mask and
-#   close to the largest without it: dQ's many writers were the bottleneck. At D = 64 it does not
-#   pay on its own: the dQ tiles are half as large, and the atomics were cheap.
+#   close to the largest without it: dQ's many writers were the bottleneck. At D = 64 it is level
+#   on its own: the dQ tiles are half as large, and the atomics were cheap.
 # - **Issuing dQ before dK**, so that dQ's trip through shared memory runs under dK, gains a little
 #   everywhere.
 # - **FlashAttention-3's order** (dSᵀ formed before dV is issued) *costs* at D = 128 and is level
@@ -380,7 +389,7 @@ plots.save(fig, "ch08_ablation");
 #   per step and per barrier).
 # - Variations: one stage and per-element atomics lose clearly; FlashAttention-3's preprocess (dQ
 #   zeroed and LSE·log2 e stored by Δ's kernel) wins in some cases and loses in others by a few
-#   percent, and light key blocks first is within noise; 80 × 128
+#   percent; light key blocks first loses at D = 128 and is level at D = 64; 80 × 128
 #   tiles with the causal mask lose badly on version 9's step. Not because 80-row blocks straddle the
 #   128-key diagonal: with the mask's code in the loop, that step no longer fits its registers (ptxas
 #   spills, as the cell below shows). Version 23 puts the same tiles on version 22's step.
@@ -515,7 +524,7 @@ cu.claim_count("ours at least 0.95× cuDNN", {c: btf[(OURS, *c)] >= 0.95 * btf[(
 #   with version 19 (dK and dV written as FlashAttention-3 writes them: into the K and V tiles' shared
 #   memory, then one TMA store each, in place of every thread's scattered stores). Each alone gained
 #   in some runs and not in others (version 14 over several sessions, version 19 in its first runs;
-#   this record has both ahead at D = 128, and version 19 behind at D = 64). Together they were faster
+#   this record has version 14 ahead at D = 128 and version 19 behind in every case). Together they were faster
 #   than version 9 in all but two blocks of alternated timings (three blocks per case: fp16 and bf16,
 #   causal and not, S from 2k to 16k; issue 26, `notes/h100_2026-11-26c/call_h3/ab.json`, summed up in
 #   `notes/hopper_backward.md`); version 14 alone was not timed in those blocks, so
