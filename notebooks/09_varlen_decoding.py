@@ -715,8 +715,10 @@ if rec_d is not None:
 # they ran alike (`notes/ch09_gpu_notes.md`). `flash_decode` now keeps what
 # its checks concluded for each signature of its arguments (shapes, dtypes, devices, options) and
 # calls the compiled launcher directly: about half the host time per call. The table above says where
-# cuDNN is still faster: the large caches, by up to about 5% (D = 64, B = 64), where the time is the
-# GPU's read of the cache.
+# cuDNN is still faster: the large caches, by at most a few percent (the range of the claim above),
+# where the time is the GPU's read of the cache and ours reads at `torch.sum`'s pace; cuDNN reads a
+# little faster than that sum, so a plain read is not the ceiling, but we have not found what it does
+# differently (`notes/decode3.md` has what was tried).
 
 # %% [markdown]
 # ## Takeaways
