@@ -645,7 +645,9 @@ print("below 1.0× cuDNN: " + ", ".join(f"{case} {r:.2f}" for case, r in sorted(
 #   (one warpgroup per 64-row block, several blocks per SM), which closed about half of the gap the
 #   two warpgroups left, and nearly all of it at S = 1k with the causal mask (section 4b); each tile
 #   has only a few key blocks, and at D = 64 every one of them is as much exponential work as
-#   matmul work (section 5: even a free exponential would not close the gap there);
+#   matmul work (section 5: even a free exponential would not close the gap there). A block of one
+#   warpgroup with no producer at all (its loads issued by cp.async from the compute threads, three
+#   blocks per SM) was slower still, in every such case (`notes/hopper_forward.md`);
 # - D = 64, causal, S = 4k and 8k, level or within a few percent: at 8k the odd number of 192-row
 #   tiles per head that breaks the folded pairs (section 4b);
 # - D = 128 without a mask at some lengths, by about one or two percent: within the spread between
