@@ -8,6 +8,7 @@
 #   W4: chapters 07 and 08 executed in place on the GPU with the re-measured ablations (stored records, no refresh).
 #   W5: chapter 08 again (its claims cell split in two after W4); chapter 09's decode record in changing orders;
 #       chapter 09 executed in place with it.
+#   W6: is the D=64 S=1k forward's remaining gap the persistent schedule's last round? (notes/fwd64_tail_ab_2026-11-27.py)
 source "$(dirname "$0")/device_call_lib.sh"
 case ${PART:?} in
   W1) TAIL=40 ab notes/fwd64_nows_ab_2026-11-27.py fwd64_nows - 240
@@ -20,5 +21,6 @@ case ${PART:?} in
   W4) (unset COURSE_REFRESH_RECORDS; notebook 07 220; notebook 08 200) ;;
   W5) (unset COURSE_REFRESH_RECORDS; notebook 08 200); TAIL=30 record ch09_decode_h100 200
       (unset COURSE_REFRESH_RECORDS; notebook 09 150) ;;
+  W6) TAIL=20 ab notes/fwd64_tail_ab_2026-11-27.py fwd64_tail - 200 ;;
 esac
 stamp done
