@@ -277,3 +277,17 @@ def test_exercise_checkers_name_the_mistakes(capsys):
                            (lambda *a: sent(*a, tensors=1), "Both K and V")):
         with pytest.raises(ExerciseWrong, match=message):
             ch10.check_ring_bytes(wrong)
+
+
+def test_memory_search_stubs_leave_no_plan_behind():
+    """The memory search's stub kernels allocate only; flash_attention keeps a plan (with its kernel) per signature,
+    so a real call after the search, at a shape the search tried, must run the real kernel, not the stub."""
+    from course_utils.measure.benchmarks.ch10_ring import _StubKernels
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 48, 16, generator=g) for _ in range(3))
+    with _StubKernels():
+        cu.flash_attention(q, k, v, causal=True)  # allocates its output, computes nothing
+    out = cu.flash_attention(q, k, v, causal=True)
+    expected = attention_reference(q.double(), k.double(), v.double(), causal=True)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-4)

@@ -71,6 +71,10 @@ from ..bench import attention_flops, round_orders, save_record, tflops, time_sid
 from .common import SDPA_PEERS, sdpa
 
 RECORD = "ch10_ring_attention_h200x2"
+# ``--memory-only``: the memory search alone (no compile, no timing), in its own record, so that a short device
+# call can answer the memory question without replacing the timed record.
+MEMORY_RECORD = "ch10_ring_memory_h200x2"
+MEMORY_ONLY_TIMING = "none: peak allocations of one forward + backward (torch.cuda.max_memory_allocated), nothing timed"
 WORLD = 2
 SEQS = (32768, 65536, 131072)
 SHAPE = dict(batch=1, heads=16, dim=128)  # H·D = 2048, like the other chapters' records
@@ -89,7 +93,7 @@ DRY = dict(seqs=(64, 128), check_seq=64, shape=dict(batch=1, heads=4, dim=16), d
            profile=dict(dtype="float32", causal=True, layout="zigzag", seq=64),
            memory_cases=(("MHA 4:4", 4, 4), ("GQA 8:2", 8, 2)), memory_start=2048)
 
-__all__ = ["RECORD", "SEQS", "SHAPE", "LABELS", "ring_vs_one_gpu", "timeline_spans", "main"]
+__all__ = ["RECORD", "MEMORY_RECORD", "SEQS", "SHAPE", "LABELS", "ring_vs_one_gpu", "timeline_spans", "main"]
 
 # The keys of a row's "ms" and "tflops", and what each measured.
 PEER_KEYS = {FA2: "fa2_one_gpu", CUDNN: "cudnn_one_gpu"}
@@ -480,12 +484,15 @@ class _StubKernels:
     """While active, every attention kernel of the course is replaced by one that only allocates its
     outputs (same shapes and dtypes, nothing computed): the allocations of a forward + backward are
     those of the real kernels (TileLang's kernels allocate nothing else), without compiling a kernel
-    for every S the search tries."""
+    for every S the search tries. ``flash_attention`` keeps a plan per signature, holding the kernel it found;
+    the plans are dropped on the way in and out, so no stub outlives the block (a later real call at an S
+    the search tried would otherwise run the stub)."""
 
     def __enter__(self):
         from ...api import attention
 
         self.module, self.saved = attention, (attention._compiled_forward, attention._compiled_backward)
+        attention._PLANS.clear()
 
         def forward(problem, config):
             return lambda q, k, v, sinks: (torch.empty_like(q),
@@ -505,6 +512,7 @@ class _StubKernels:
 
     def __exit__(self, *exc):
         self.module._compiled_forward, self.module._compiled_backward = self.saved
+        self.module._PLANS.clear()
 
 
 def _trial(me, which, seq, heads, heads_kv, dtype):
@@ -512,7 +520,7 @@ def _trial(me, which, seq, heads, heads_kv, dtype):
     rank's part of the ring (``"ring"``: its zigzag shard, NoComm: the same buffers as RingComm, no
     partner needed, so a rank that runs out of memory leaves no other rank waiting) at ``seq``.
     Returns the peak bytes it held (inputs included), or None if it did not fit."""
-    from ..ring import _RingAttention
+    from ...api.ring import _RingAttention
 
     shape = dict(me.options["memory_shape"], heads=heads)
     length = seq if which == "one_gpu" else seq // WORLD
@@ -529,7 +537,7 @@ def _trial(me, which, seq, heads, heads_kv, dtype):
         torch.autograd.grad(out, leaves, d_out)
 
     if me.dry:
-        from ..ring import _allocations
+        from ...api.ring import _allocations
 
         _, _, peak = _allocations(run)
         return peak if peak <= DRY_MEMORY_BUDGET else None
@@ -640,6 +648,8 @@ def _rank_main(rank, folder, options):
         except Exception:  # noqa: BLE001
             me.failed("memory search")
         me.sync()
+        if options.get("memory_only"):
+            return
         _load_kernels(me)
         _check(me)
         me.log("checked")
@@ -674,9 +684,10 @@ def _rank_main(rank, folder, options):
 
 # --- the launcher ------------------------------------------------------------------------------
 
-def ring_vs_one_gpu(*, dry_run=False, budget_s=TIME_BUDGET_S, hard_limit_s=HARD_LIMIT_S):
+def ring_vs_one_gpu(*, dry_run=False, budget_s=TIME_BUDGET_S, hard_limit_s=HARD_LIMIT_S, memory_only=False):
     """Run the measurement on two processes (two GPUs, or two CPU processes with ``dry_run``);
-    returns the results (what was measured, if something failed or ran out of time)."""
+    returns the results (what was measured, if something failed or ran out of time). ``memory_only``:
+    the longest S and the peaks per GPU only (stub kernels: nothing compiled, nothing timed)."""
     import torch.multiprocessing as mp
 
     if not dry_run and torch.cuda.device_count() < WORLD:
@@ -684,14 +695,14 @@ def ring_vs_one_gpu(*, dry_run=False, budget_s=TIME_BUDGET_S, hard_limit_s=HARD_
     started = time.time()
     options = dict(dry_run=dry_run, stop_at=started + budget_s, seqs=SEQS, check_seq=CHECK_SEQ, shape=SHAPE,
                    dtypes=DTYPES, profile=PROFILE_CASE, memory_cases=MEMORY_CASES, memory_start=MEMORY_START,
-                   memory_dtype="bfloat16", memory_shape=dict(batch=1, dim=128))
+                   memory_dtype="bfloat16", memory_shape=dict(batch=1, dim=128), memory_only=memory_only)
     if dry_run:
         options.update(seqs=DRY["seqs"], check_seq=DRY["check_seq"], shape=DRY["shape"], dtypes=DRY["dtypes"],
                        profile=DRY["profile"], memory_cases=DRY["memory_cases"], memory_start=DRY["memory_start"],
                        memory_dtype="float32", memory_shape=dict(batch=1, dim=16))
     os.environ.update(NCCL_ENV)
     try:
-        compile_report = _precompile(options)
+        compile_report = {"skipped": "memory only"} if memory_only else _precompile(options)
     except Exception:  # noqa: BLE001 (the ranks then compile what they need themselves)
         traceback.print_exc()
         compile_report = {"error": traceback.format_exc(limit=4)[-1500:]}
@@ -755,17 +766,22 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="two CPU processes (gloo), tiny sizes, no record")
     parser.add_argument("--out", help="also copy the record (JSON) into this folder")
+    parser.add_argument("--memory-only", action="store_true",
+                        help=f"the memory search alone, into {MEMORY_RECORD} (stub kernels: no compile, no timing)")
     args = parser.parse_args(argv)
-    results = ring_vs_one_gpu(dry_run=args.dry_run)
+    results = ring_vs_one_gpu(dry_run=args.dry_run, memory_only=args.memory_only)
     _summary(results)
     if args.dry_run:
         print(json.dumps(results)[:2000])
         return results
-    record = save_record(RECORD, results, notes=f"{WORLD} GPUs of one host, NCCL ({NCCL_ENV}); see "
-                         "course_utils/measure/benchmarks/ch10_ring.py")
+    name = MEMORY_RECORD if args.memory_only else RECORD
+    how = " (--memory-only)" if args.memory_only else ""
+    record = save_record(name, results, notes=f"{WORLD} GPUs of one host, NCCL ({NCCL_ENV}); see "
+                         f"course_utils/measure/benchmarks/ch10_ring.py{how}",
+                         **(dict(timing=MEMORY_ONLY_TIMING) if args.memory_only else {}))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"{RECORD}.json"), "w") as f:
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(record, f, indent=1)
     return results
 
