@@ -291,3 +291,16 @@ def test_memory_search_stubs_leave_no_plan_behind():
     out = cu.flash_attention(q, k, v, causal=True)
     expected = attention_reference(q.double(), k.double(), v.double(), causal=True)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_memory_search_dry_run_finds_longer_sequences_for_the_ring():
+    """The memory search of ch10_ring (the same code the two-GPU record runs) on two gloo processes: no step may
+    fail (a failing step is recorded as an error, not raised), and the lean ring holds more tokens than one device."""
+    from course_utils.measure.benchmarks.ch10_ring import ring_vs_one_gpu
+
+    results = ring_vs_one_gpu(dry_run=True, memory_only=True)
+    assert results["errors"] == []
+    assert [row["name"] for row in results["memory"]] == ["MHA 4:4", "GQA 8:2"]
+    for row in results["memory"]:
+        assert row["ring_longest_seq"] > row["one_gpu_longest_seq"] > 0
+        assert 0 < row["ring_over_one_gpu_peak"] < 1
