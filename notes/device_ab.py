@@ -1,9 +1,10 @@
 """Shared pieces of the course's device A/B scripts (notes/*_ab_*.py), so each script holds only its question.
 
 ``machine()`` says what ran; ``packed_batch(lengths, ...)`` makes a packed batch's cu_seqlens and inputs;
-``blocks(fns, ...)`` times interleaved rounds in several blocks and prints each block's
-milliseconds and the ratios to a baseline; ``save(path, **parts)`` rewrites one JSON file after every part, so a
-call cut off by its time limit still returns what it measured.
+``blocks(fns, ...)`` times interleaved rounds in several blocks and prints each block's milliseconds and the ratios
+to a baseline; ``compile_jobs(build, jobs, ...)`` compiles in threads and keeps the failures; ``forward_checked(...)``
+checks a forward on every batch element and head, recording a failure instead of raising; ``save(path, **parts)``
+rewrites one JSON file after every part, so a call cut off by its time limit still returns what it measured.
 """
 import itertools
 import json
@@ -41,6 +42,32 @@ def blocks(fns, *, label, base, work=None, n_blocks=3, rounds=4, rep=5, warmup=3
               + " ".join(f"{n}={r:.3f}" for n, r in ratio.items() if n != base), flush=True)
         rows.append(dict(label=label, block=block, ms=ms, ratio_to_base=ratio))
     return rows
+
+
+def compile_jobs(build, jobs, errors, t0):
+    """Run ``build(job)`` for every job in threads (each returns None or an error text); the failures go into
+    ``errors`` (keyed by ``str(job)``) and are printed with the time since ``t0``."""
+    from course_utils.measure.benchmarks.common import in_parallel
+
+    errors.update({str(j): e for j, e in zip(jobs, in_parallel(build, jobs)) if e})
+    print(f"compiled {time.time() - t0:.0f}s", errors, flush=True)
+
+
+def forward_checked(errors, key, q, k, v, out, lse, *, name, step=2, **options):
+    """O and LSE of every batch element and head against float64, ``step`` batch elements at a time (float64
+    memory). A failure is recorded in ``errors[str(key)]`` and printed; returns whether every check passed."""
+    from course_utils.checking.validation import CheckFailed, check_forward
+
+    try:
+        for b in range(0, q.shape[0], step):
+            rows = slice(b, b + step)
+            check_forward(q[rows], k[rows], v[rows], out[rows], lse[rows], name=f"{name} b={b}", quiet=b > 0,
+                          **options)
+        return True
+    except CheckFailed as exc:
+        errors[str(key)] = f"check failed: {str(exc)[:300]}"
+        print("CHECK FAILED", *key, str(exc)[:300], flush=True)
+        return False
 
 
 def save(path, **parts):

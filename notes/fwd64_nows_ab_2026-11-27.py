@@ -17,13 +17,12 @@ import tilelang
 import torch
 
 sys.path.insert(0, "notes")
-from device_ab import blocks, machine, save  # noqa: E402
+from device_ab import blocks, compile_jobs, forward_checked, machine, save  # noqa: E402
 
 from course_utils import flash_attention  # noqa: E402
-from course_utils.checking.validation import CheckFailed, check_forward  # noqa: E402
 from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel  # noqa: E402
 from course_utils.kernels.tiles import attention_launcher, compile_kernel  # noqa: E402
-from course_utils.measure.benchmarks.common import CUDNN, FA2, SDPA_PEERS, in_parallel, sdpa  # noqa: E402
+from course_utils.measure.benchmarks.common import CUDNN, FA2, SDPA_PEERS, sdpa  # noqa: E402
 
 out_path = sys.argv[1]
 result = dict(machine=machine(), F=[], errors={})
@@ -58,9 +57,7 @@ def build(job):
 
 
 jobs = list(dict.fromkeys((s, c, d, n) for s, c, d in CASES for n in ("shipped", *VARIANTS)))
-errors = in_parallel(build, jobs)
-result["errors"] = {str(j): e for j, e in zip(jobs, errors) if e}
-print(f"compiled {time.time() - t0:.0f}s", result["errors"], flush=True)
+compile_jobs(build, jobs, result["errors"], t0)
 sinks = torch.zeros(32, device="cuda", dtype=torch.float32)
 for seq, causal, dtype in CASES:
     q, k, v = inputs[seq, dtype]
@@ -70,14 +67,9 @@ for seq, causal, dtype in CASES:
         if launch is None:
             continue
         out, lse = launch(q, k, v, sinks)
-        try:
-            for b in range(0, q.shape[0], 2):  # every batch element and head, two at a time (float64 memory)
-                check_forward(q[b:b + 2], k[b:b + 2], v[b:b + 2], out[b:b + 2], lse[b:b + 2], causal=causal,
-                              name=f"{dtype} D64 {seq} causal={causal} {name} b={b}", quiet=b > 0)
-        except CheckFailed as exc:  # a failing variant is reported and not timed
-            result["errors"][str((seq, causal, dtype, name))] = f"check failed: {str(exc)[:300]}"
-            print("CHECK FAILED", seq, causal, dtype, name, str(exc)[:300], flush=True)
-            continue
+        if not forward_checked(result["errors"], (seq, causal, dtype, name), q, k, v, out, lse, causal=causal,
+                               name=f"{dtype} D64 {seq} causal={causal} {name}"):
+            continue  # a failing variant is reported and not timed
         fns[name] = lambda launch=launch: launch(q, k, v, sinks)
     for peer in (CUDNN, FA2):
         fns[peer] = lambda causal=causal, peer=peer: sdpa(q, k, v, causal, SDPA_PEERS[peer])
