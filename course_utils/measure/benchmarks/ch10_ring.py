@@ -67,7 +67,7 @@ from ...api.ring import (
 )
 from ...checking.validation import check_backward, check_forward, references
 from ...core.labels import CUDNN, FA2, OURS
-from ..bench import attention_flops, round_orders, save_record, tflops, time_side_by_side
+from ..bench import TIMING_METHOD, attention_flops, round_orders, save_record, tflops, time_side_by_side
 from .common import SDPA_PEERS, sdpa
 
 RECORD = "ch10_ring_attention_h200x2"
@@ -774,11 +774,10 @@ def main(argv=None):
     if args.dry_run:
         print(json.dumps(results)[:2000])
         return results
-    name = MEMORY_RECORD if args.memory_only else RECORD
-    how = " (--memory-only)" if args.memory_only else ""
-    record = save_record(name, results, notes=f"{WORLD} GPUs of one host, NCCL ({NCCL_ENV}); see "
-                         f"course_utils/measure/benchmarks/ch10_ring.py{how}",
-                         **(dict(timing=MEMORY_ONLY_TIMING) if args.memory_only else {}))
+    name, how, timing = ((MEMORY_RECORD, " (--memory-only)", MEMORY_ONLY_TIMING) if args.memory_only
+                         else (RECORD, "", TIMING_METHOD))
+    record = save_record(name, results, timing=timing, notes=f"{WORLD} GPUs of one host, NCCL ({NCCL_ENV}); see "
+                         f"course_utils/measure/benchmarks/ch10_ring.py{how}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
