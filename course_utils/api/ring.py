@@ -43,7 +43,8 @@ from .inputs import check_attention_inputs, sink_logits
 
 __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
            "sequence_positions", "Block", "step_blocks", "step_work", "kernel_shapes", "compile_ring_kernels",
-           "RingComm", "NoComm", "ring_forward", "ring_backward",
+           "RingComm", "NoComm", "ring_forward", "ring_backward", "head_pieces",
+           "default_backward_chunks", "LONG_SHARD", "backward_lap",
            "RingCase", "run_ring_attention", "BAD_INPUTS", "lap_memory", "lap_memory_model", "check_lap_memory"]
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -154,13 +155,17 @@ def kernel_shapes(world, seq_local, *, causal, layout="contiguous"):
                    for b in step_blocks(rank, source, world, seq_local, causal=causal, layout=layout)})
 
 
-def compile_ring_kernels(q, k, world, *, causal=False, sm_scale=None, layout="contiguous"):
+def compile_ring_kernels(q, k, world, *, causal=False, sm_scale=None, layout="contiguous", backward_chunks=None):
     """Compile (or load from TileLang's disk cache) the forward and backward kernels ``ring_attention``
     runs, on any rank, for shards shaped like ``q`` and ``k``."""
     for rows_q, rows_k, block_causal in kernel_shapes(world, q.shape[2], causal=causal, layout=layout):
         q_b = q.new_empty(q.shape[0], q.shape[1], rows_q, q.shape[3])
         k_b = k.new_empty(k.shape[0], k.shape[1], rows_k, k.shape[3])
         forward_kernel(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
+        chunks = backward_chunks or default_backward_chunks(k.shape[1], k.shape[2])
+        if chunks > 1:  # the backward's laps run on pieces of the heads (head_pieces)
+            rows_q_piece, rows_kv_piece = head_pieces(1, q.shape[1], k.shape[1], chunks)[0]
+            q_b, k_b = q_b[rows_q_piece], k_b[rows_kv_piece]
         backward_kernels(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
         if rows_q < q.shape[2]:  # the backward's per-head calls (_per_head)
             backward_kernels(q_b[:1, :1], k_b[:1, :1], causal=block_causal, sm_scale=sm_scale)
@@ -364,12 +369,72 @@ def _carve(buffers, like):
     return [[buf.view(-1)[i * n:(i + 1) * n].view(like.shape) for i in range(2)] for buf in buffers]
 
 
+# The backward runs in pieces of the heads by default from this shard length on: there the 2-H200 record measured
+# it faster (its pieces' dK/dV travel home under the next piece's kernels) as well as leaner; shorter shards keep
+# one lap (fewer, larger kernel calls; their memory is small anyway).
+LONG_SHARD = 32768
+MAX_BACKWARD_CHUNKS = 8
+
+
+def default_backward_chunks(heads_kv, seq_local):
+    """``ring_attention``'s ``backward_chunks`` when none is given: 1 below ``LONG_SHARD`` tokens a shard, else
+    the largest divisor of H_kv up to ``MAX_BACKWARD_CHUNKS``."""
+    if seq_local < LONG_SHARD:
+        return 1
+    return max(c for c in range(1, MAX_BACKWARD_CHUNKS + 1) if heads_kv % c == 0)
+
+
+def head_pieces(batch, heads, heads_kv, chunks):
+    """The pieces of a backward run in ``chunks`` laps per batch element: (batch, query heads, K/V heads)
+    index pairs, each a contiguous view of a [B, H, S, D] tensor (one batch element, consecutive heads;
+    GQA: whole groups of query heads with their K/V heads)."""
+    per, group = heads_kv // chunks, heads // heads_kv
+    return [((slice(b, b + 1), slice(i * per * group, (i + 1) * per * group)),
+             (slice(b, b + 1), slice(i * per, (i + 1) * per)))
+            for b in range(batch) for i in range(chunks)]
+
+
 def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None, layout="contiguous",
-                  compute=True):
+                  compute=True, chunks=None):
     """dQ, dK, dV of this rank's shards, from the merged ``out`` and ``lse`` of ``ring_forward``.
 
-    ``compute=False`` makes the same transfers without computing anything (garbage results).
+    ``chunks`` > 1 runs the lap once per piece of ``head_pieces`` (every batch element, ``chunks`` groups
+    of K/V heads): each lap's buffers (the K/V shard received, the dK/dV sums in flight, the float32 dQ
+    sum) are that piece's, so the peak holds a ``chunks``-th of them; a piece's dK/dV travel home while
+    the next piece computes. None: ``default_backward_chunks``. ``compute=False`` makes the same
+    transfers without computing anything (garbage results).
     """
+    options = dict(causal=causal, sm_scale=sm_scale, layout=layout, compute=compute)
+    if chunks is None:
+        chunks = default_backward_chunks(k.shape[1], k.shape[2])
+    if chunks == 1:
+        dq, home = backward_lap(q, k, v, out, lse, d_out, comm, **options)
+        dk, dv = home.wait()
+        return dq, dk, dv
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    landing = None  # the previous piece's dK/dV on their way home, and where they go
+
+    def land(home, rows):
+        for total, part in zip((dk, dv), home.wait()):
+            total[rows].copy_(part)
+
+    # region: pieces
+    for rows_q, rows_kv in head_pieces(q.shape[0], q.shape[1], k.shape[1], chunks):
+        dq_piece, home = backward_lap(q[rows_q], k[rows_kv], v[rows_kv], out[rows_q], lse[rows_q], d_out[rows_q],
+                                       comm, **options)
+        dq[rows_q].copy_(dq_piece)
+        del dq_piece
+        if landing is not None:  # waited for only now: the transfer ran under this piece's kernels
+            land(*landing)
+        landing = (home, rows_kv)
+    land(*landing)
+    # endregion
+    return dq, dk, dv
+
+
+def backward_lap(q, k, v, out, lse, d_out, comm, *, causal, sm_scale, layout, compute):
+    """One lap of the backward over whole shards (or pieces of them): this rank's dQ, and the transfer
+    that brings its dK/dV home (``.wait()`` gives them)."""
     seq_local = q.shape[2]
     own = backward_kernels(q, k, causal=causal, sm_scale=sm_scale)  # step 0's block: every row, every key
     if own.dq is not None:
@@ -432,38 +497,48 @@ def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None
         if kv_in_flight is not None:
             held, kv = kv, kv_in_flight.wait()
             kv_spare = None if held[0] is k else held
-    del kv, kv_spare, free
-    dk, dv = dkv_in_flight.wait()  # after a full lap, our own shard's dK and dV are home
-    del dkv_sent
+    del kv, kv_spare, free, dkv_sent
     # endregion
     dq = own.postprocess_dq(dq_acc) if compute else torch.empty_like(q)
-    return dq, dk, dv
+    return dq, dkv_in_flight  # after a full lap, our own shard's dK and dV come home
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, causal, sm_scale, layout):
+    def forward(ctx, q, k, v, comm, causal, sm_scale, layout, backward_chunks=None):
         options = dict(causal=causal, sm_scale=sm_scale, layout=layout)
         out, lse = ring_forward(q, k, v, comm, **options)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.options = comm, options
+        ctx.comm, ctx.options, ctx.chunks = comm, options, backward_chunks
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(q, k, v, out, lse, d_out.contiguous(), ctx.comm, **ctx.options)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = ring_backward(q, k, v, out, lse, d_out.contiguous(), ctx.comm, chunks=ctx.chunks, **ctx.options)
+        return dq, dk, dv, None, None, None, None, None
 
 
 # --- The public function and its input checks --------------------------------------------------
 
-def _local_problem(q, k, v, *, sm_scale, layout):
+def _check_backward_chunks(chunks, heads_kv):
+    if chunks is None:
+        return
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"backward_chunks must be None or an int (laps of the backward per batch element); got "
+                        f"{type(chunks).__name__}")
+    if chunks < 1 or heads_kv % chunks:
+        raise ValueError(f"backward_chunks must be a divisor of the K/V heads ({heads_kv}): each lap takes as many "
+                         f"whole K/V heads; got {chunks}")
+
+
+def _local_problem(q, k, v, *, sm_scale, layout, backward_chunks=None):
     """What is wrong with this rank's own inputs (a ValueError/TypeError), or None."""
     try:
         check_attention_inputs("ring_attention", q, k, v, sm_scale=sm_scale)
         _check_layout(layout)
+        _check_backward_chunks(backward_chunks, k.shape[1])
         if k.shape[2] != q.shape[2]:
             raise ValueError(f"the K/V shard must be as long as the query shard (one sequence, split once); "
                              f"got S_local {q.shape[2]} for q and {k.shape[2]} for k, v")
@@ -474,15 +549,15 @@ def _local_problem(q, k, v, *, sm_scale, layout):
     return None
 
 
-def _signature(q, k, causal, sm_scale, layout, problem):
+def _signature(q, k, causal, sm_scale, layout, problem, backward_chunks=None):
     if problem is not None:
         return {"error": f"{type(problem).__name__}: {problem}"}
     return {"error": None, "q shape [B, H, S_local, D]": tuple(q.shape), "k/v shape": tuple(k.shape),
             "dtype": str(q.dtype).replace("torch.", ""), "causal": bool(causal), "sm_scale": sm_scale,
-            "layout": layout}
+            "layout": layout, "backward_chunks": backward_chunks or default_backward_chunks(k.shape[1], k.shape[2])}
 
 
-def _check_inputs(q, k, v, *, causal, sm_scale, group, layout):
+def _check_inputs(q, k, v, *, causal, sm_scale, group, layout, backward_chunks=None):
     """Check every rank's inputs, together: every rank raises the same error, or none does."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("ring_attention runs on the ranks of a torch.distributed process group: call "
@@ -491,9 +566,10 @@ def _check_inputs(q, k, v, *, causal, sm_scale, group, layout):
     if comm.world < 2:
         raise ValueError(f"ring_attention needs a group of at least 2 ranks; this group has {comm.world}. "
                          "On one device, call flash_attention.")
-    problem = _local_problem(q, k, v, sm_scale=sm_scale, layout=layout)
+    problem = _local_problem(q, k, v, sm_scale=sm_scale, layout=layout, backward_chunks=backward_chunks)
     everyone = [None] * comm.world
-    dist.all_gather_object(everyone, _signature(q, k, causal, sm_scale, layout, problem), group=comm.group)
+    dist.all_gather_object(everyone, _signature(q, k, causal, sm_scale, layout, problem, backward_chunks),
+                           group=comm.group)
     if problem is not None:
         raise problem
     for rank, signature in enumerate(everyone):
@@ -508,7 +584,7 @@ def _check_inputs(q, k, v, *, causal, sm_scale, group, layout):
     return comm
 
 
-def ring_attention(q, k, v, *, causal=False, sm_scale=None, group=None, layout="contiguous"):
+def ring_attention(q, k, v, *, causal=False, sm_scale=None, group=None, layout="contiguous", backward_chunks=None):
     """Attention over one sequence split across the ranks of ``group`` (default: the whole world).
 
     Every rank passes its shard q [B, H, S_local, D], k, v [B, H_kv, S_local, D] (GQA: H a multiple
@@ -517,10 +593,17 @@ def ring_attention(q, k, v, *, causal=False, sm_scale=None, group=None, layout="
     of 2·world; ``shard_sequence`` makes both). Returns this rank's shard of O. Differentiable
     (once): the backward passes dK/dV around the ring as the forward passes K/V. Every rank must
     call it, with shards of the same shape, dtype and options, or every rank gets a ValueError.
+
+    ``backward_chunks``: the backward runs its lap this many times per batch element, on groups of
+    K/V heads (a divisor of H_kv), so the buffers of the lap (K/V received, dK/dV sums, the float32
+    dQ sum) are that much smaller at the peak: the lever for fitting longer sequences with as many
+    K/V heads as query heads (notes/ring_memory.md). Same results; more, smaller kernel calls.
+    None (the default): ``default_backward_chunks`` (8 pieces for shards of 32k tokens and more).
     """
-    comm = _check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, group=group, layout=layout)
+    comm = _check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, group=group, layout=layout,
+                         backward_chunks=backward_chunks)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), comm, bool(causal), sm_scale,
-                                layout)
+                                layout, backward_chunks)
 
 
 # --- Checking on CPU processes (gloo) ----------------------------------------------------------
@@ -539,6 +622,7 @@ class RingCase(NamedTuple):
     layout: str = "contiguous"
     sm_scale: float | None = None
     ranks: tuple | None = None
+    backward_chunks: int | None = None
 
 
 def _groups(cases):
@@ -562,7 +646,8 @@ def _run_cases(cases):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         q, k, v, d_out = (shard_sequence(t, world, rank, case.layout) for t in case[:4])
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*leaves, causal=case.causal, sm_scale=case.sm_scale, layout=case.layout, group=group)
+        out = ring_attention(*leaves, causal=case.causal, sm_scale=case.sm_scale, layout=case.layout, group=group,
+                             backward_chunks=case.backward_chunks)
         results.append((rank, (out.detach(), *torch.autograd.grad(out, leaves, d_out))))
     return results
 
@@ -585,6 +670,8 @@ def _bad_calls(rank, world, dtype):
         "K/V shard shorter than Q's": lambda: ring_attention(shard()[0], *shard(seq=16)[1:]),
         "zigzag with an odd S_local": lambda: ring_attention(*shard(seq=31), layout="zigzag"),
         "unknown layout": lambda: ring_attention(*shard(), layout="striped"),
+        "backward_chunks not dividing H_kv": lambda: ring_attention(*shard(), backward_chunks=3),
+        "backward_chunks differ across ranks": lambda: ring_attention(*shard(), backward_chunks=1 + rank),
     }
 
 
@@ -622,7 +709,8 @@ def _worker(cases, bad_inputs):
         for case in cases:
             size = world if case.ranks is None else len(case.ranks)
             q, k = (shard_sequence(t, size, 0, case.layout) for t in case[:2])
-            compile_ring_kernels(q, k, size, causal=case.causal, sm_scale=case.sm_scale, layout=case.layout)
+            compile_ring_kernels(q, k, size, causal=case.causal, sm_scale=case.sm_scale, layout=case.layout,
+                                 backward_chunks=case.backward_chunks)
     dist.barrier()
     return _run_cases(cases), (_run_bad_inputs() if bad_inputs else None)
 
