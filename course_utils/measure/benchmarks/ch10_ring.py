@@ -58,6 +58,7 @@ from ...api.attention import backward_kernels, flash_attention, forward_kernel
 from ...api.ring import (
     NoComm,
     RingComm,
+    default_backward_chunks,
     kernel_shapes,
     ring_attention,
     ring_backward,
@@ -83,6 +84,10 @@ CASES = ((True, "zigzag"), (False, "contiguous"))  # (causal, layout)
 # Measured for the first dtype only, without SDPA's backends: the imbalance of the contiguous split.
 EXTRA_CASES = ((True, "contiguous"),)
 DTYPES = ("bfloat16", "float16")
+# ``ring_attention`` runs its backward in pieces of the heads by default on long shards (``default_backward_chunks``).
+# Checked at BACKWARD_CHUNKS pieces; the first dtype's main cases and the memory search also measure the one-lap
+# backward (``backward_chunks=1``) beside the default.
+BACKWARD_CHUNKS = 8
 PROFILE_CASE = dict(dtype="bfloat16", causal=True, layout="zigzag", seq=65536)
 # The launcher's own limit: start no new case after this many seconds, stop the processes after
 # HARD_LIMIT_S (the device call has 600 s, including unpacking the packages and importing).
@@ -91,14 +96,17 @@ HARD_LIMIT_S = 470
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DRY = dict(seqs=(64, 128), check_seq=64, shape=dict(batch=1, heads=4, dim=16), dtypes=("float32",),
            profile=dict(dtype="float32", causal=True, layout="zigzag", seq=64),
-           memory_cases=(("MHA 4:4", 4, 4), ("GQA 8:2", 8, 2)), memory_start=2048)
+           memory_cases=(("MHA 4:4", 4, 4), ("GQA 8:2", 8, 2)), memory_start=2048, backward_chunks=2)
 
-__all__ = ["RECORD", "MEMORY_RECORD", "SEQS", "SHAPE", "LABELS", "ring_vs_one_gpu", "timeline_spans", "main"]
+__all__ = ["RECORD", "MEMORY_RECORD", "SEQS", "SHAPE", "LABELS", "ring_vs_one_gpu", "timeline_spans", "memory_rows",
+           "main"]
 
 # The keys of a row's "ms" and "tflops", and what each measured.
 PEER_KEYS = {FA2: "fa2_one_gpu", CUDNN: "cudnn_one_gpu"}
 LABELS = {"one_gpu": f"{OURS}, one GPU", "fa2_one_gpu": f"{FA2}, one GPU", "cudnn_one_gpu": f"{CUDNN}, one GPU",
-          "ring": "ring_attention, two GPUs", "ring_lap": "the ring's lap (forward + backward pieces)",
+          "ring": "ring_attention, two GPUs",
+          "ring_one_lap": "ring_attention(backward_chunks=1), two GPUs",
+          "ring_lap": "the ring's lap (forward + backward pieces)",
           "ring_compute": "the lap's compute alone (no transfers)",
           "ring_comm": "the lap's communication alone (no kernels)"}
 
@@ -219,9 +227,11 @@ def _max_diff(a, b):
 
 # --- the phases --------------------------------------------------------------------------------
 
-def _check_cases(heads):
-    """(causal, layout, H_kv or None for MHA) of the checks against the float64 reference."""
-    return ((True, "zigzag", None), (True, "contiguous", None), (False, "contiguous", max(1, heads // 4)))
+def _check_cases(heads, chunks):
+    """(causal, layout, H_kv or None for MHA, backward_chunks or None for the default) of the checks against the
+    float64 reference."""
+    return ((True, "zigzag", None, None), (True, "zigzag", None, chunks), (True, "contiguous", None, None),
+            (False, "contiguous", max(1, heads // 4), None))
 
 
 def _check(me):
@@ -229,16 +239,17 @@ def _check(me):
     seq = me.options["check_seq"]
     dtype = getattr(torch, me.options["dtypes"][0])
     heads = me.options["shape"]["heads"]
-    for causal, layout, heads_kv in _check_cases(heads):
-        name = f"S={seq} {'causal' if causal else 'non-causal'} {layout} H_kv={heads_kv or heads}"
+    for causal, layout, heads_kv, chunks in _check_cases(heads, me.options["backward_chunks"]):
+        name = (f"S={seq} {'causal' if causal else 'non-causal'} {layout} H_kv={heads_kv or heads}"
+                + (f" backward_chunks={chunks}" if chunks else ""))
         try:
             q, k, v, d_out = _inputs(me.options, seq, dtype, me.device, heads_kv)
             local = _shards(WORLD, me.rank, layout, (q, k, v, d_out))
-            ring = _training_step(lambda q_, k_, v_: ring_attention(q_, k_, v_, causal=causal, layout=layout),
-                                  *local)()
+            ring = _training_step(lambda q_, k_, v_: ring_attention(q_, k_, v_, causal=causal, layout=layout,
+                                                                    backward_chunks=chunks), *local)()
             gathered = [_gather_sequence(t, layout) for t in ring]
             row = dict(name=name, seq=seq, causal=causal, layout=layout, heads_kv=heads_kv or heads,
-                       dtype=me.options["dtypes"][0])
+                       dtype=me.options["dtypes"][0], backward_chunks=chunks)
             if me.rank == 0:
                 one = _training_step(lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=causal), q, k, v, d_out)()
                 refs = references(q, k, v, d_out=d_out, causal=causal)
@@ -256,6 +267,11 @@ def _check(me):
         me.sync()
 
 
+def _one_lap_case(options, dtype, causal, layout):
+    """Whether a timed case also times ``backward_chunks=1`` beside the default: the first dtype's main cases."""
+    return dtype == options["dtypes"][0] and (causal, layout) in CASES
+
+
 def _problems(options):
     """Every distinct attention problem (the shapes a kernel is compiled for) of the run, in run order:
     the checks, then each dtype's single-GPU and ring cases."""
@@ -268,23 +284,30 @@ def _problems(options):
         if problem not in problems:
             problems.append(problem)
 
-    def add_ring(dtype, causal, layout, seq, heads_kv=None):
+    def add_ring(dtype, causal, layout, seq, heads_kv=None, chunks=None):
+        chunks = chunks or default_backward_chunks(heads_kv or h, seq // WORLD)
         for rows_q, rows_k, block_causal in kernel_shapes(WORLD, seq // WORLD, causal=causal, layout=layout):
             add(dtype, block_causal, rows_q, rows_k, heads_kv)
+            if chunks > 1:  # the backward's laps over pieces of the heads (head_pieces: one batch element)
+                piece = (1, h // chunks, (heads_kv or h) // chunks, rows_q, rows_k, d, dtype, block_causal)
+                if piece not in problems:
+                    problems.append(piece)
             if rows_q < seq // WORLD:  # the backward's per-head calls
                 problem = (1, 1, 1, rows_q, rows_k, d, dtype, block_causal)
                 if problem not in problems:
                     problems.append(problem)
 
     check_dtype, seq = options["dtypes"][0], options["check_seq"]
-    for causal, layout, heads_kv in _check_cases(h):
+    for causal, layout, heads_kv, chunks in _check_cases(h, options["backward_chunks"]):
         add(check_dtype, causal, seq, heads_kv=heads_kv)
-        add_ring(check_dtype, causal, layout, seq, heads_kv)
+        add_ring(check_dtype, causal, layout, seq, heads_kv, chunks)
     for dtype in options["dtypes"]:
         for causal, layout in CASES + (EXTRA_CASES if dtype == options["dtypes"][0] else ()):
-            for seq in options["seqs"]:
+            for seq in options["seqs"]:  # the default's pieces (the one-lap variant's kernels are the same as 1)
                 add(dtype, causal, seq)
                 add_ring(dtype, causal, layout, seq)
+                if _one_lap_case(options, dtype, causal, layout):
+                    add_ring(dtype, causal, layout, seq, chunks=1)
     return problems
 
 
@@ -329,7 +352,7 @@ def _load_kernels(me):
     me.save()
 
 
-def _case(me, dtype_name, causal, layout, seq, peers=True):
+def _case(me, dtype_name, causal, layout, seq, peers=True, one_lap=False):
     """Time one (dtype, mask, layout, S): one GPU, the ring, the ring's parts; memory; agreement."""
     shape = me.options["shape"]
     dtype = getattr(torch, dtype_name)
@@ -355,20 +378,26 @@ def _case(me, dtype_name, causal, layout, seq, peers=True):
             me.failed(f"{name} {dtype_name} causal={causal} S={seq} (rank {me.rank})")
             if not me.dry:
                 torch.cuda.empty_cache()
-    ring_fns = {
-        "ring": _training_step(lambda q_, k_, v_: ring_attention(q_, k_, v_, **opts), *local),
+    ring_fns = {"ring": _training_step(lambda q_, k_, v_: ring_attention(q_, k_, v_, **opts), *local)}
+    row["backward_chunks"] = default_backward_chunks(shape["heads"], seq // WORLD)  # the default's
+    if one_lap:
+        ring_fns["ring_one_lap"] = _training_step(
+            lambda q_, k_, v_: ring_attention(q_, k_, v_, backward_chunks=1, **opts), *local)
+    ring_fns.update({
         "ring_lap": _lap(*local, comm, **opts),
         "ring_compute": _lap(*local, NoComm(comm.rank, comm.world), **opts),
         "ring_comm": _lap(*local, comm, compute=False, **opts),
-    }
+    })
+    gathered = {}
     for name, fn in ring_fns.items():
         result, peaks[name] = _warm_call(me, fn)
-        if name == "ring":
-            gathered = [_gather_sequence(t, layout) for t in result]
+        if name in ("ring", "ring_one_lap"):
+            gathered[name] = [_gather_sequence(t, layout) for t in result]
     fns.update(ring_fns)
     if one is not None:
         names = ("O", "dQ", "dK", "dV")
-        row["ring_vs_one_gpu"] = {n: _max_diff(a, b) for n, a, b in zip(names, gathered, one)}
+        for name, results in gathered.items():
+            row[f"{name}_vs_one_gpu"] = {n: _max_diff(a, b) for n, a, b in zip(names, results, one)}
         row["one_gpu_max_abs"] = {n: float(t.float().abs().max()) for n, t in zip(names, one)}
     del gathered, one, result
     rounds, rep = (2, 2) if seq >= 131072 else (3, 2) if seq >= 65536 else (3, 3)
@@ -380,18 +409,21 @@ def _case(me, dtype_name, causal, layout, seq, peers=True):
     ms = {name: max(r[name] for r in ms_all) for name in ring_fns}
     ms.update({name: t for name, t in ms_all[0].items() if name in alone})
     row.update(ms=ms, ms_per_rank=ms_all)
-    row["tflops"] = {name: tflops(flops, t) for name, t in ms.items() if name in ("ring", *alone)}
+    row["tflops"] = {name: tflops(flops, t) for name, t in ms.items() if name in ("ring", "ring_one_lap", *alone)}
     comm_ms, compute_ms, total_ms = ms["ring_comm"], ms["ring_compute"], ms["ring_lap"]
     row["hidden_fraction"] = (comm_ms + compute_ms - total_ms) / comm_ms if comm_ms > 0 else None
     row["speedup"] = ms["one_gpu"] / ms["ring"] if "one_gpu" in ms else None
+    if one_lap:
+        row["speedup_one_lap"] = ms["one_gpu"] / ms["ring_one_lap"] if "one_gpu" in ms else None
     if not me.dry:
         # Peak above what was allocated before the call, plus the inputs q, k, v, dO (a shard of them for the ring).
         mem = {name: peaks[name] + (4 if name == "one_gpu" else 4 / WORLD) * q.numel() * q.element_size()
-               for name in ("one_gpu", "ring") if peaks.get(name) is not None}
+               for name in ("one_gpu", "ring", "ring_one_lap") if peaks.get(name) is not None}
         row["peak_bytes"] = mem
         row["bytes_per_token"] = {name: m / seq for name, m in mem.items()}  # per GPU, per token of the sequence
-        if len(mem) == 2:  # the issue's target: ≤ 0.55
-            row["ring_over_one_gpu_peak"] = mem["ring"] / mem["one_gpu"]
+        for name in ("ring", "ring_one_lap"):  # the issue's target: ≤ 0.55
+            if name in mem and "one_gpu" in mem:
+                row[f"{name}_over_one_gpu_peak"] = mem[name] / mem["one_gpu"]
         capacity = min(free_all)
         row["largest_seq_estimate"] = {name: int(capacity / (m / seq)) // 4096 * 4096 for name, m in mem.items()}
         row["gpu_memory_bytes"] = capacity
@@ -399,7 +431,8 @@ def _case(me, dtype_name, causal, layout, seq, peers=True):
     me.save()
     me.log(f"{dtype_name} causal={causal} {layout} S={seq}: one GPU {ms.get('one_gpu', float('nan')):.1f} ms, ring "
            f"{ms['ring']:.1f} ms (×{row['speedup'] or float('nan'):.2f}); lap {total_ms:.1f} = compute "
-           f"{compute_ms:.1f} + comm {comm_ms:.2f} → hidden {row['hidden_fraction']}")
+           f"{compute_ms:.1f} + comm {comm_ms:.2f} → hidden {row['hidden_fraction']}"
+           + (f"; backward_chunks=1: ring {ms['ring_one_lap']:.1f} ms" if one_lap else ""))
 
 
 def _profile(me):
@@ -474,6 +507,22 @@ def timeline_spans(events, *, gap_us=20.0):
 
 # --- the longest sequence that fits (memory) ---------------------------------------------------
 
+def memory_rows():
+    """The memory search's rows (``results.memory``) of the newer of the two stored records (the full run's, or a
+    ``--memory-only`` run's); [] if neither has them."""
+    from ..bench import load_record
+
+    records = []
+    for name in (RECORD, MEMORY_RECORD):
+        try:
+            records.append(load_record(name))
+        except FileNotFoundError:
+            continue
+    records = [r for r in records if r["results"].get("memory")]
+    newest = max(records, key=lambda r: r["machine"]["date"], default=None)
+    return newest["results"]["memory"] if newest else []
+
+
 # (name, heads, heads_kv) of the memory search: causal zigzag, D = 128, bfloat16.
 MEMORY_CASES = (("MHA 16:16", 16, 16), ("GQA 64:8", 64, 8))
 MEMORY_START = 262144  # the search's first S (doubled until it does not fit, then bisected)
@@ -518,7 +567,8 @@ class _StubKernels:
 def _trial(me, which, seq, heads, heads_kv, dtype):
     """Forward + backward of one GPU's attention (``which`` = "one_gpu", the whole sequence) or of this
     rank's part of the ring (``"ring"``: its zigzag shard, NoComm: the same buffers as RingComm, no
-    partner needed, so a rank that runs out of memory leaves no other rank waiting) at ``seq``.
+    partner needed, so a rank that runs out of memory leaves no other rank waiting; the default
+    ``backward_chunks``; ``"ring_one_lap"``: the same with ``backward_chunks=1``) at ``seq``.
     Returns the peak bytes it held (inputs included), or None if it did not fit."""
     from ...api.ring import _RingAttention
 
@@ -533,7 +583,8 @@ def _trial(me, which, seq, heads, heads_kv, dtype):
         if which == "one_gpu":
             out = flash_attention(*leaves, causal=True)
         else:
-            out = _RingAttention.apply(*leaves, NoComm(me.rank, WORLD), True, None, "zigzag")
+            chunks = 1 if which == "ring_one_lap" else None
+            out = _RingAttention.apply(*leaves, NoComm(me.rank, WORLD), True, None, "zigzag", chunks)
         torch.autograd.grad(out, leaves, d_out)
 
     if me.dry:
@@ -587,17 +638,20 @@ def longest_fitting(fits, start, granule, *, rel_step=1 / 64):
 
 def _memory_search(me):
     """The longest S that runs forward + backward on one GPU and on the ring (each rank its own part,
-    the smaller of the two ranks' answers), causal zigzag, D = 128, bfloat16, MHA and GQA; the peaks
-    per GPU at the ring's and one GPU's S; the ratio of peaks at one common S."""
+    the smaller of the two ranks' answers; by default and with ``backward_chunks=1``), causal zigzag,
+    D = 128, bfloat16, MHA and GQA; the peaks per GPU at the ring's and one GPU's S; the ratios of
+    peaks at one common S."""
+    kinds = ("one_gpu", "ring", "ring_one_lap")
     dtype = getattr(torch, me.options["memory_dtype"])
     granule = 2 * WORLD * 256  # zigzag halves of whole kernel tiles
     found = []
     for name, heads, heads_kv in me.options["memory_cases"]:
         row = dict(name=name, heads=heads, heads_kv=heads_kv, dtype=me.options["memory_dtype"], causal=True,
                    layout="zigzag", method="allocations of the real forward + backward with stub kernels "
-                   "(no compute), each rank alone (NoComm, the RingComm buffers)")
+                   "(no compute), each rank alone (NoComm, the RingComm buffers)",
+                   backward_chunks="default_backward_chunks(H_kv, S_local) (8 at these S); one lap: 1")
         with _StubKernels():
-            for which in ("one_gpu", "ring"):
+            for which in kinds:
                 seq, peak, tried = longest_fitting(lambda s, w=which: _trial(me, w, s, heads, heads_kv, dtype),
                                                    me.options["memory_start"], granule)
                 everyone = me.gather((seq, peak))
@@ -608,20 +662,25 @@ def _memory_search(me):
             # the record) with the real kernels' peaks that the timed rows store ("peak_bytes").
             timed = max(me.options["seqs"])
             row["stub_peak_at_timed_seq"] = dict(seq=timed, **{
-                w: me.gather(_trial(me, w, timed, heads, heads_kv, dtype)) for w in ("one_gpu", "ring")})
+                w: me.gather(_trial(me, w, timed, heads, heads_kv, dtype)) for w in kinds})
             common = row["one_gpu_longest_seq"]
             if common:
                 common = common // granule * granule
-                peaks = me.gather({w: _trial(me, w, common, heads, heads_kv, dtype) for w in ("one_gpu", "ring")})
-                ring_peak = max(p["ring"] or 0 for p in peaks)
+                peaks = me.gather({w: _trial(me, w, common, heads, heads_kv, dtype) for w in kinds})
                 row["common_seq"], row["peak_at_common_seq"] = common, peaks
-                if peaks[0]["one_gpu"]:
-                    row["ring_over_one_gpu_peak"] = ring_peak / peaks[0]["one_gpu"]
-        if row["one_gpu_longest_seq"] and row["ring_longest_seq"]:
-            row["ring_over_one_gpu_longest"] = row["ring_longest_seq"] / row["one_gpu_longest_seq"]
+                for ring_kind in kinds[1:]:
+                    if peaks[0]["one_gpu"]:
+                        ring_peak = max(p[ring_kind] or 0 for p in peaks)
+                        row[f"{ring_kind}_over_one_gpu_peak"] = ring_peak / peaks[0]["one_gpu"]
+        for ring_kind in kinds[1:]:
+            if row["one_gpu_longest_seq"] and row[f"{ring_kind}_longest_seq"]:
+                row[f"{ring_kind}_over_one_gpu_longest"] = row[f"{ring_kind}_longest_seq"] / row["one_gpu_longest_seq"]
         me.log(f"memory {name}: one GPU {row['one_gpu_longest_seq']}, ring {row['ring_longest_seq']} "
-               f"(×{row.get('ring_over_one_gpu_longest', float('nan')):.2f}); peak ratio at S={row.get('common_seq')}: "
-               f"{row.get('ring_over_one_gpu_peak', float('nan')):.3f}")
+               f"(×{row.get('ring_over_one_gpu_longest', float('nan')):.2f}), "
+               f"one lap {row['ring_one_lap_longest_seq']} "
+               f"(×{row.get('ring_one_lap_over_one_gpu_longest', float('nan')):.2f}); peak ratios at "
+               f"S={row.get('common_seq')}: {row.get('ring_over_one_gpu_peak', float('nan')):.3f}, "
+               f"{row.get('ring_one_lap_over_one_gpu_peak', float('nan')):.3f}")
         found.append(row)
         me.results["memory"] = found
         me.save()
@@ -665,7 +724,8 @@ def _rank_main(rank, folder, options):
                     try:
                         # SDPA's backends once, in the first dtype (bfloat16), for the main cases
                         peers = (causal, layout) in CASES and dtype == options["dtypes"][0]
-                        _case(me, dtype, causal, layout, seq, peers=peers)
+                        _case(me, dtype, causal, layout, seq, peers=peers,
+                              one_lap=_one_lap_case(options, dtype, causal, layout))
                     except Exception:  # noqa: BLE001
                         me.failed(f"case {dtype} causal={causal} {layout} S={seq}")
                     if not me.dry:
@@ -695,11 +755,13 @@ def ring_vs_one_gpu(*, dry_run=False, budget_s=TIME_BUDGET_S, hard_limit_s=HARD_
     started = time.time()
     options = dict(dry_run=dry_run, stop_at=started + budget_s, seqs=SEQS, check_seq=CHECK_SEQ, shape=SHAPE,
                    dtypes=DTYPES, profile=PROFILE_CASE, memory_cases=MEMORY_CASES, memory_start=MEMORY_START,
-                   memory_dtype="bfloat16", memory_shape=dict(batch=1, dim=128), memory_only=memory_only)
+                   memory_dtype="bfloat16", memory_shape=dict(batch=1, dim=128), memory_only=memory_only,
+                   backward_chunks=BACKWARD_CHUNKS)
     if dry_run:
         options.update(seqs=DRY["seqs"], check_seq=DRY["check_seq"], shape=DRY["shape"], dtypes=DRY["dtypes"],
                        profile=DRY["profile"], memory_cases=DRY["memory_cases"], memory_start=DRY["memory_start"],
-                       memory_dtype="float32", memory_shape=dict(batch=1, dim=16))
+                       memory_dtype="float32", memory_shape=dict(batch=1, dim=16),
+                       backward_chunks=DRY["backward_chunks"])
     os.environ.update(NCCL_ENV)
     try:
         compile_report = {"skipped": "memory only"} if memory_only else _precompile(options)
@@ -749,11 +811,15 @@ def _summary(results):
         one, hidden, speedup = row["ms"].get("one_gpu"), row["hidden_fraction"], row["speedup"]
         print(f"{row['dtype']:>9} {mask:>18} {row['seq']:>7} {'–' if one is None else f'{one:.1f}':>9} "
               f"{row['ms']['ring']:>8.1f} {'–' if speedup is None else f'{speedup:.2f}':>8} "
-              f"{'–' if hidden is None else f'{hidden:.0%}':>7}")
+              f"{'–' if hidden is None else f'{hidden:.0%}':>7}"
+              + (f"  one lap ×{row['speedup_one_lap']:.2f}" if row.get("speedup_one_lap") else ""))
     for row in results.get("memory") or []:
         print(f"memory {row['name']}: longest S one GPU {row['one_gpu_longest_seq']}, ring {row['ring_longest_seq']} "
               f"(×{row.get('ring_over_one_gpu_longest', float('nan')):.2f}); ring/one-GPU peak at "
-              f"S={row.get('common_seq')}: {row.get('ring_over_one_gpu_peak', float('nan')):.3f}")
+              f"S={row.get('common_seq')}: {row.get('ring_over_one_gpu_peak', float('nan')):.3f}; "
+              f"backward_chunks=1: ring {row.get('ring_one_lap_longest_seq')} "
+              f"(×{row.get('ring_one_lap_over_one_gpu_longest', float('nan')):.2f}), peak ratio "
+              f"{row.get('ring_one_lap_over_one_gpu_peak', float('nan')):.3f}")
     timeline = results.get("timeline") or {}
     if timeline.get("hidden_fraction") is not None:
         print(f"profiled lap (S={timeline['seq']}): {timeline['overlap_ms']:.2f} of {timeline['comm_ms']:.2f} ms of "
