@@ -350,3 +350,29 @@ def test_default_backward_chunks_and_bad_values():
     pieces = ring.head_pieces(2, 8, 4, 2)  # GQA 8:4 in 2 pieces a batch element: 2 K/V heads with their 4 query heads
     assert pieces[1] == ((slice(0, 1), slice(4, 8)), (slice(0, 1), slice(2, 4)))
     assert len(pieces) == 4 and pieces[2][0][0] == slice(1, 2)
+
+
+def _twin_worker():
+    """Ranks 3 and 1 of 4 make a gloo twin of their subgroup (ranks 0 and 2 take no part) and gather over it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    group = dist.new_group([3, 1], use_local_synchronization=True) if rank in (1, 3) else None
+    if group is None:
+        return None
+    twin = ring._gloo_twin(group)
+    everyone = [None, None]
+    dist.all_gather_object(everyone, f"rank {rank}", group=twin)
+    return everyone, dist.get_process_group_ranks(twin), ring.host_group(twin) is twin
+
+
+def test_host_group_gathers_on_the_host_with_the_group_ranks_only():
+    """ring_attention's input check gathers over a gloo twin of an NCCL group (no GPU sync); the twin is made by the
+    group's own ranks, so a subgroup works while the other ranks are elsewhere."""
+    from course_utils.api.gloo import run_on_ranks
+
+    results = run_on_ranks(_twin_worker, 4)
+    assert results[0] is None and results[2] is None
+    for rank in (1, 3):
+        everyone, ranks, is_own = results[rank]
+        assert everyone == ["rank 1", "rank 3"] and ranks == [1, 3] and is_own  # group order: global ranks sorted

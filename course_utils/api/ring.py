@@ -44,7 +44,7 @@ from .inputs import check_attention_inputs, sink_logits
 __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
            "sequence_positions", "Block", "step_blocks", "step_work", "kernel_shapes", "compile_ring_kernels",
            "RingComm", "NoComm", "ring_forward", "ring_backward", "head_pieces",
-           "default_backward_chunks", "LONG_SHARD", "backward_lap",
+           "default_backward_chunks", "LONG_SHARD", "backward_lap", "host_group",
            "RingCase", "run_ring_attention", "BAD_INPUTS", "lap_memory", "lap_memory_model", "check_lap_memory"]
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -557,6 +557,28 @@ def _signature(q, k, causal, sm_scale, layout, problem, backward_chunks=None):
             "layout": layout, "backward_chunks": backward_chunks or default_backward_chunks(k.shape[1], k.shape[2])}
 
 
+_HOST_GROUPS = {}
+
+
+def host_group(group):
+    """A gloo process group with the ranks of ``group`` (``group`` itself if it is gloo), made once per group.
+
+    ``ring_attention`` checks that every rank passed the same kind of input with ``all_gather_object``; over
+    NCCL that moves the pickled descriptions through the GPUs and waits for them (the host stops until the
+    GPU has finished all the work queued before), every call. Over gloo the check stays on the host, and the
+    GPU keeps running the queued kernels meanwhile. Only the group's ranks take part in making it.
+    """
+    if dist.get_backend(group) == "gloo":
+        return group
+    if group not in _HOST_GROUPS:
+        _HOST_GROUPS[group] = _gloo_twin(group)
+    return _HOST_GROUPS[group]
+
+
+def _gloo_twin(group):
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+
+
 def _check_inputs(q, k, v, *, causal, sm_scale, group, layout, backward_chunks=None):
     """Check every rank's inputs, together: every rank raises the same error, or none does."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -569,7 +591,7 @@ def _check_inputs(q, k, v, *, causal, sm_scale, group, layout, backward_chunks=N
     problem = _local_problem(q, k, v, sm_scale=sm_scale, layout=layout, backward_chunks=backward_chunks)
     everyone = [None] * comm.world
     dist.all_gather_object(everyone, _signature(q, k, causal, sm_scale, layout, problem, backward_chunks),
-                           group=comm.group)
+                           group=host_group(comm.group))
     if problem is not None:
         raise problem
     for rank, signature in enumerate(everyone):
