@@ -234,7 +234,8 @@ class NoComm:
 # K/V receive buffer (two for world > 2, reused in turn), the running O in the input dtype (merged in
 # float32 a few heads at a time), one float32 dQ accumulator that the backward kernel adds into
 # directly, and two dK/dV buffers in the input dtype (the sum arriving and the buffer the kernel
-# writes, which becomes the next receive buffer). No other buffer of a whole shard is float32.
+# writes, which becomes the next receive buffer). No other buffer of a whole shard is float32. On long shards
+# ring_backward runs the lap once per group of heads, so those buffers are a group's.
 
 MERGE_PIECES = 8  # the forward merges O in float32 in this many pieces (of whole heads): ≤ 1/8 of a shard
 
@@ -369,9 +370,10 @@ def _carve(buffers, like):
     return [[buf.view(-1)[i * n:(i + 1) * n].view(like.shape) for i in range(2)] for buf in buffers]
 
 
-# The backward runs in pieces of the heads by default from this shard length on: there the 2-H200 record measured
-# it faster (its pieces' dK/dV travel home under the next piece's kernels) as well as leaner; shorter shards keep
-# one lap (fewer, larger kernel calls; their memory is small anyway).
+# The backward runs in pieces of the heads by default from this shard length on: there the 2-H200 records measured
+# it as fast as one lap within their spread (0.98-1.07 of one lap's speed over two runs) and much leaner (0.49 of
+# one GPU's peak instead of 0.65 with 16 K/V heads); shorter shards keep one lap (fewer, larger kernel calls; their
+# memory is small anyway). notes/ring_memory.md, fifteenth session.
 LONG_SHARD = 32768
 MAX_BACKWARD_CHUNKS = 8
 
