@@ -197,9 +197,9 @@ def readme_claims() -> str:
     for seq in sorted(speedups, reverse=True):
         lines.append("- " + _quiet(claim_ratio, f"chapter 10's ring attention on two H200s, S = {seq // 1024}k "
                                    "(zigzag causal and non-causal, fp16/bf16): ÷ one GPU's time", speedups[seq]) + ";")
-    from .benchmarks.ch10_ring import memory_rows
+    from .benchmarks.ch10_ring import memory_record
 
-    for row in memory_rows():
+    for row in memory_record()["results"]["memory"]:
         lines.append("- " + _quiet(claim_ratio, f"chapter 10's ring on two H200s, the longest sequence it holds ÷ one "
                                    f"GPU's ({row['name']} heads, causal, bf16, D=128)",
                                    [row["ring_over_one_gpu_longest"]], target=1.8) + ";")

@@ -99,7 +99,7 @@ DRY = dict(seqs=(64, 128), check_seq=64, shape=dict(batch=1, heads=4, dim=16), d
            profile=dict(dtype="float32", causal=True, layout="zigzag", seq=64),
            memory_cases=(("MHA 4:4", 4, 4), ("GQA 8:2", 8, 2)), memory_start=2048, backward_chunks=2)
 
-__all__ = ["RECORD", "MEMORY_RECORD", "SEQS", "SHAPE", "LABELS", "ring_vs_one_gpu", "timeline_spans", "memory_rows",
+__all__ = ["RECORD", "MEMORY_RECORD", "SEQS", "SHAPE", "LABELS", "ring_vs_one_gpu", "timeline_spans", "memory_record",
            "main"]
 
 # The keys of a row's "ms" and "tflops", and what each measured.
@@ -508,9 +508,9 @@ def timeline_spans(events, *, gap_us=20.0):
 
 # --- the longest sequence that fits (memory) ---------------------------------------------------
 
-def memory_rows():
-    """The memory search's rows (``results.memory``) of the newer of the two stored records (the full run's, or a
-    ``--memory-only`` run's); [] if neither has them."""
+def memory_record():
+    """The newer of the two stored records holding the memory search (``results.memory``): the full run's or a
+    ``--memory-only`` run's; None if neither does."""
     from ..bench import load_record
 
     records = []
@@ -520,8 +520,7 @@ def memory_rows():
         except FileNotFoundError:
             continue
     records = [r for r in records if r["results"].get("memory")]
-    newest = max(records, key=lambda r: r["machine"]["date"], default=None)
-    return newest["results"]["memory"] if newest else []
+    return max(records, key=lambda r: r["machine"]["date"], default=None)
 
 
 # (name, heads, heads_kv) of the memory search: causal zigzag, D = 128, bfloat16.
