@@ -272,7 +272,8 @@ show_source(ring.ring_backward, "pieces")
 # autograd function. Before the forward, every rank sends the others a description of its inputs
 # (`all_gather_object`): shards of different lengths, dtypes or options on different ranks, or a
 # group of one rank, raise a `ValueError` on every rank together, rather than a hang or a wrong
-# answer.
+# answer. Between GPUs that exchange goes over a gloo twin of the group (`ring.host_group`): over
+# NCCL it would pass through the GPUs and make the host wait for them at every call.
 #
 # ## 4 · The check: two processes on the CPU
 #
@@ -432,7 +433,7 @@ elif rec is not None:
 # peak memory of one step divided by S, measured, gives the longest sequence that would fit on a
 # GPU, for this attention layer alone (a model's other layers need their own activations). The
 # timed record gives that estimate first, from its peaks in bfloat16 (the ring's per GPU, per token
-# of the whole sequence; "1 lap": `backward_chunks=1`).
+# of the whole sequence; "one lap": `backward_chunks=1`).
 
 # %%
 if rec is not None:
