@@ -162,7 +162,7 @@ def compile_ring_kernels(q, k, world, *, causal=False, sm_scale=None, layout="co
         q_b = q.new_empty(q.shape[0], q.shape[1], rows_q, q.shape[3])
         k_b = k.new_empty(k.shape[0], k.shape[1], rows_k, k.shape[3])
         forward_kernel(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
-        chunks = backward_chunks or default_backward_chunks(k.shape[1], k.shape[2])
+        chunks = _backward_chunks(backward_chunks, k)
         if chunks > 1:  # the backward's laps run on pieces of the heads (head_pieces)
             rows_q_piece, rows_kv_piece = head_pieces(1, q.shape[1], k.shape[1], chunks)[0]
             q_b, k_b = q_b[rows_q_piece], k_b[rows_kv_piece]
@@ -386,6 +386,11 @@ def default_backward_chunks(heads_kv, seq_local):
     return max(c for c in range(1, MAX_BACKWARD_CHUNKS + 1) if heads_kv % c == 0)
 
 
+def _backward_chunks(chunks, k):
+    """``chunks``, or the default for K/V shards shaped like ``k`` when it is None."""
+    return default_backward_chunks(k.shape[1], k.shape[2]) if chunks is None else chunks
+
+
 def head_pieces(batch, heads, heads_kv, chunks):
     """The pieces of a backward run in ``chunks`` laps per batch element: (batch, query heads, K/V heads)
     index pairs, each a contiguous view of a [B, H, S, D] tensor (one batch element, consecutive heads;
@@ -407,8 +412,7 @@ def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None
     transfers without computing anything (garbage results).
     """
     options = dict(causal=causal, sm_scale=sm_scale, layout=layout, compute=compute)
-    if chunks is None:
-        chunks = default_backward_chunks(k.shape[1], k.shape[2])
+    chunks = _backward_chunks(chunks, k)
     if chunks == 1:
         dq, home = backward_lap(q, k, v, out, lse, d_out, comm, **options)
         dk, dv = home.wait()
@@ -556,7 +560,7 @@ def _signature(q, k, causal, sm_scale, layout, problem, backward_chunks=None):
         return {"error": f"{type(problem).__name__}: {problem}"}
     return {"error": None, "q shape [B, H, S_local, D]": tuple(q.shape), "k/v shape": tuple(k.shape),
             "dtype": str(q.dtype).replace("torch.", ""), "causal": bool(causal), "sm_scale": sm_scale,
-            "layout": layout, "backward_chunks": backward_chunks or default_backward_chunks(k.shape[1], k.shape[2])}
+            "layout": layout, "backward_chunks": _backward_chunks(backward_chunks, k)}
 
 
 _HOST_GROUPS = {}

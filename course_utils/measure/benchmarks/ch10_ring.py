@@ -280,23 +280,21 @@ def _problems(options):
     b, h, d = shape["batch"], shape["heads"], shape["dim"]
     problems = []
 
-    def add(dtype, causal, seq_q, seq_k=None, heads_kv=None):
-        problem = (b, h, heads_kv or h, seq_q, seq_k or seq_q, d, dtype, causal)
+    def keep(problem):
         if problem not in problems:
             problems.append(problem)
+
+    def add(dtype, causal, seq_q, seq_k=None, heads_kv=None):
+        keep((b, h, heads_kv or h, seq_q, seq_k or seq_q, d, dtype, causal))
 
     def add_ring(dtype, causal, layout, seq, heads_kv=None, chunks=None):
         chunks = chunks or default_backward_chunks(heads_kv or h, seq // WORLD)
         for rows_q, rows_k, block_causal in kernel_shapes(WORLD, seq // WORLD, causal=causal, layout=layout):
             add(dtype, block_causal, rows_q, rows_k, heads_kv)
             if chunks > 1:  # the backward's laps over pieces of the heads (head_pieces: one batch element)
-                piece = (1, h // chunks, (heads_kv or h) // chunks, rows_q, rows_k, d, dtype, block_causal)
-                if piece not in problems:
-                    problems.append(piece)
+                keep((1, h // chunks, (heads_kv or h) // chunks, rows_q, rows_k, d, dtype, block_causal))
             if rows_q < seq // WORLD:  # the backward's per-head calls
-                problem = (1, 1, 1, rows_q, rows_k, d, dtype, block_causal)
-                if problem not in problems:
-                    problems.append(problem)
+                keep((1, 1, 1, rows_q, rows_k, d, dtype, block_causal))
 
     check_dtype, seq = options["dtypes"][0], options["check_seq"]
     for causal, layout, heads_kv, chunks in _check_cases(h, options["backward_chunks"]):
@@ -668,23 +666,27 @@ def _memory_search(me):
                 common = common // granule * granule
                 peaks = me.gather({w: _trial(me, w, common, heads, heads_kv, dtype) for w in kinds})
                 row["common_seq"], row["peak_at_common_seq"] = common, peaks
-                for ring_kind in kinds[1:]:
-                    if peaks[0]["one_gpu"]:
-                        ring_peak = max(p[ring_kind] or 0 for p in peaks)
-                        row[f"{ring_kind}_over_one_gpu_peak"] = ring_peak / peaks[0]["one_gpu"]
+                for ring_kind in kinds[1:] if peaks[0]["one_gpu"] else ():  # the slower rank's peak
+                    row[f"{ring_kind}_over_one_gpu_peak"] = max(p[ring_kind] or 0 for p in peaks) / peaks[0]["one_gpu"]
         for ring_kind in kinds[1:]:
             if row["one_gpu_longest_seq"] and row[f"{ring_kind}_longest_seq"]:
                 row[f"{ring_kind}_over_one_gpu_longest"] = row[f"{ring_kind}_longest_seq"] / row["one_gpu_longest_seq"]
-        me.log(f"memory {name}: one GPU {row['one_gpu_longest_seq']}, ring {row['ring_longest_seq']} "
-               f"(×{row.get('ring_over_one_gpu_longest', float('nan')):.2f}), "
-               f"one lap {row['ring_one_lap_longest_seq']} "
-               f"(×{row.get('ring_one_lap_over_one_gpu_longest', float('nan')):.2f}); peak ratios at "
-               f"S={row.get('common_seq')}: {row.get('ring_over_one_gpu_peak', float('nan')):.3f}, "
-               f"{row.get('ring_one_lap_over_one_gpu_peak', float('nan')):.3f}")
+        me.log(_memory_line(row))
         found.append(row)
         me.results["memory"] = found
         me.save()
     return found
+
+
+def _memory_line(row):
+    """One memory search row in words (the rank's log and the summary)."""
+    nan = float("nan")
+    return (f"memory {row['name']}: longest S one GPU {row['one_gpu_longest_seq']}, ring {row['ring_longest_seq']} "
+            f"(×{row.get('ring_over_one_gpu_longest', nan):.2f}); ring/one-GPU peak at S={row.get('common_seq')}: "
+            f"{row.get('ring_over_one_gpu_peak', nan):.3f}; "
+            f"backward_chunks=1: ring {row.get('ring_one_lap_longest_seq')} "
+            f"(×{row.get('ring_one_lap_over_one_gpu_longest', nan):.2f}), peak ratio "
+            f"{row.get('ring_one_lap_over_one_gpu_peak', nan):.3f}")
 
 
 def _rank_main(rank, folder, options):
@@ -814,12 +816,7 @@ def _summary(results):
               f"{'–' if hidden is None else f'{hidden:.0%}':>7}"
               + (f"  one lap ×{row['speedup_one_lap']:.2f}" if row.get("speedup_one_lap") else ""))
     for row in results.get("memory") or []:
-        print(f"memory {row['name']}: longest S one GPU {row['one_gpu_longest_seq']}, ring {row['ring_longest_seq']} "
-              f"(×{row.get('ring_over_one_gpu_longest', float('nan')):.2f}); ring/one-GPU peak at "
-              f"S={row.get('common_seq')}: {row.get('ring_over_one_gpu_peak', float('nan')):.3f}; "
-              f"backward_chunks=1: ring {row.get('ring_one_lap_longest_seq')} "
-              f"(×{row.get('ring_one_lap_over_one_gpu_longest', float('nan')):.2f}), peak ratio "
-              f"{row.get('ring_one_lap_over_one_gpu_peak', float('nan')):.3f}")
+        print(_memory_line(row))
     timeline = results.get("timeline") or {}
     if timeline.get("hidden_fraction") is not None:
         print(f"profiled lap (S={timeline['seq']}): {timeline['overlap_ms']:.2f} of {timeline['comm_ms']:.2f} ms of "
