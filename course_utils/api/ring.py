@@ -208,11 +208,16 @@ class RingComm:
         """Start sending ``tensors`` on and receiving the previous rank's into ``into`` (buffers shaped
         like them, reused by the laps; new ones if None); returns at once. ``.wait()`` on the result
         gives the received tensors (once ours have left too, so their buffers may then be reused)."""
-        # region: exchange
         received = list(into) if into is not None else [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in received]
-        return _Transfer(dist.batch_isend_irecv(ops), received)
+        return self.exchange(tensors, received, tag)
+
+    def exchange(self, send, receive, tag=0):
+        """Start sending ``send`` to the next rank and receiving the previous rank's tensors into
+        ``receive`` (either may be empty: the two ranks must agree on what travels)."""
+        # region: exchange
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in receive]
+        return _Transfer(dist.batch_isend_irecv(ops) if ops else [], list(receive))
         # endregion
 
 
@@ -226,6 +231,9 @@ class NoComm:
 
     def start(self, tensors, tag=0, into=None):
         return _Arrived(list(into) if into is not None else list(tensors))
+
+    def exchange(self, send, receive, tag=0):
+        return _Arrived(list(receive))
 
 
 # --- The forward and backward laps -------------------------------------------------------------
@@ -418,42 +426,131 @@ def ring_backward(q, k, v, out, lse, d_out, comm, *, causal=False, sm_scale=None
         dk, dv = home.wait()
         return dq, dk, dv
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    landing = None  # the previous piece's dK/dV on their way home, and where they go
-
-    def land(home, rows):
-        for total, part in zip((dk, dv), home.wait()):
-            total[rows].copy_(part)
-
     # region: pieces
+    landing = None  # the previous piece's dK/dV, still on their way home into their rows of dK, dV
     for rows_q, rows_kv in head_pieces(q.shape[0], q.shape[1], k.shape[1], chunks):
         dq_piece, home = backward_lap(q[rows_q], k[rows_kv], v[rows_kv], out[rows_q], lse[rows_q], d_out[rows_q],
-                                       comm, **options)
+                                      comm, into=(dk[rows_kv], dv[rows_kv]), **options)
         dq[rows_q].copy_(dq_piece)
         del dq_piece
         if landing is not None:  # waited for only now: the transfer ran under this piece's kernels
-            land(*landing)
-        landing = (home, rows_kv)
-    land(*landing)
+            landing.wait()
+        landing = home
+    landing.wait()
     # endregion
     return dq, dk, dv
 
 
-def backward_lap(q, k, v, out, lse, d_out, comm, *, causal, sm_scale, layout, compute):
+def backward_lap(q, k, v, out, lse, d_out, comm, *, causal, sm_scale, layout, compute, into=None):
     """One lap of the backward over whole shards (or pieces of them): this rank's dQ, and the transfer
-    that brings its dK/dV home (``.wait()`` gives them)."""
-    seq_local = q.shape[2]
+    that brings its dK/dV home (``.wait()`` gives them; in ``into``, a pair shaped like ``k`` and ``v``,
+    when given)."""
     own = backward_kernels(q, k, causal=causal, sm_scale=sm_scale)  # step 0's block: every row, every key
     if own.dq is not None:
         raise ValueError("ring_backward runs the atomic backward kernels (BackwardKernels.dq must be None)")
-    # One float32 dQ sum that every block's kernel adds into (no per-call accumulator and cast), and
-    # Δ = rowsum(O ∘ dO) once for the lap.
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if compute else None
-    delta = own.preprocess(out, d_out) if compute else None
-    # The dK/dV sums travel in the input dtype on a ring of two: there each sum is one addition of two
-    # kernel outputs, rounded once, as a float32 sum would be (bit for bit). On longer rings every
-    # addition rounds again, which broke the FlashAttention criterion for dK at 8 ranks (bfloat16,
-    # causal; notes/ring_memory.md), so there they travel in float32 until the last step.
-    sum_dtype = k.dtype if comm.world <= 2 else torch.promote_types(k.dtype, torch.float32)
+    lap = _pair_lap if comm.world == 2 else _travelling_lap
+    return lap(q, k, v, out, lse, d_out, own, comm, causal=causal, sm_scale=sm_scale, layout=layout,
+               compute=compute, into=into)
+
+
+def _dq_sum_and_delta(own, q, out, d_out, compute):
+    """One float32 dQ sum that every block's kernel adds into (no per-call accumulator and cast), and
+    Δ = rowsum(O ∘ dO), once for the lap."""
+    if not compute:
+        return None, None
+    return torch.zeros(q.shape, dtype=torch.float32, device=q.device), own.preprocess(out, d_out)
+
+
+def _dq(own, dq_acc, q):
+    return own.postprocess_dq(dq_acc) if dq_acc is not None else torch.empty_like(q)
+
+
+def _step_backward(kernels, q, kv, d_out, lse, delta, dq_acc, block, free, sm_scale):
+    """One block's backward at a step: dQ into ``dq_acc``; returns its dK, dV (the block's key rows, input
+    dtype). ``kernels``: step 0's (None: the block's own). ``free``: a pair of idle buffers shaped like
+    the K/V shard (or None); a block of at most half the keys keeps its copy of those K/V rows and its
+    dK/dV in them (no other buffer), a block of every key writes its dK/dV there."""
+    seq_local = q.shape[2]
+    into = free if free is not None and free[0].dtype == kv[0].dtype else None
+    if block.k != _ALL and into is not None and 2 * len(range(seq_local)[block.k]) <= seq_local:
+        (k_b, dk_into), (v_b, dv_into) = _carve(free, kv[0][:, :, block.k])
+        k_b.copy_(kv[0][:, :, block.k])
+        v_b.copy_(kv[1][:, :, block.k])
+        into = (dk_into, dv_into)
+    else:
+        k_b, v_b = _rows(kv[0], block.k), _rows(kv[1], block.k)
+    kernels = kernels if kernels is not None else _block_kernels(q, k_b, block, sm_scale)
+    return _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, into)
+
+
+class _Home:
+    """Our dK/dV: step 0's part here, the other rank's part in flight; ``wait()`` adds it in and returns them."""
+
+    def __init__(self, transfer, mine, rows, sent):
+        self.transfer, self.mine, self.rows, self.sent = transfer, mine, rows, sent
+
+    def wait(self):
+        received = self.transfer.wait()
+        if self.rows is not None:
+            for total, part in zip(self.mine, received):
+                total[:, :, self.rows] += part
+        self.sent = None  # ours have left: their buffers may go
+        return self.mine
+
+
+def _keys_touched(rank, source, seq_local, *, causal, layout):
+    """The rows of ``source``'s K/V shard that ``rank``'s step-1 block on a ring of two reads (None: none)."""
+    blocks = step_blocks(rank, source, 2, seq_local, causal=causal, layout=layout)
+    assert len(blocks) <= 1, "a ring of two has at most one block at its second step"
+    return blocks[0].k if blocks else None
+
+
+def _pair_lap(q, k, v, out, lse, d_out, own, comm, *, causal, sm_scale, layout, compute, into):
+    """The backward lap on a ring of two. Our own shard's dK/dV (step 0) stay here; the other rank's part
+    of them comes back after its step 1 and is added. So step 1 waits for nothing but the K/V shard
+    (sent under step 0), and one dK/dV transfer a lap, of only the key rows a block touched, replaces
+    the two of a travelling sum. Every element is still one rounded sum of two kernel outputs."""
+    seq_local, peer = q.shape[2], 1 - comm.rank
+    dq_acc, delta = _dq_sum_and_delta(own, q, out, d_out, compute)
+    # region: pair lap
+    kv_in_flight = comm.start((k, v))
+    mine = into
+    for block in step_blocks(comm.rank, comm.rank, 2, seq_local, causal=causal, layout=layout) if compute else ():
+        parts = _block_backward(own, q, k, v, d_out, lse, delta, dq_acc, block, mine)
+        if mine is None:
+            mine = parts
+        elif parts[0] is not mine[0]:  # GQA's kernel sums into float32 buffers of its own
+            for total, part in zip(mine, parts):
+                total.copy_(part)
+    mine = mine if mine is not None else _empty_like_all((k, v))
+    kv = kv_in_flight.wait()
+    scratch = _empty_like_all((k, v))  # step 1's dK/dV (or, for half the keys, their K/V copy and dK/dV)
+    keys = _keys_touched(comm.rank, peer, seq_local, causal=causal, layout=layout)
+    sent = []
+    if keys is not None:
+        block = step_blocks(comm.rank, peer, 2, seq_local, causal=causal, layout=layout)[0]
+        if compute:
+            sent = list(_step_backward(None, q, kv, d_out, lse, delta, dq_acc, block, scratch, sm_scale))
+        else:
+            sent = [t[:, :, keys].contiguous() for t in scratch]
+    del scratch, kv, kv_in_flight, delta
+    dq = _dq(own, dq_acc, q)  # before the exchange's buffer is made: dQ's float32 sum is gone by then
+    del dq_acc
+    rows = _keys_touched(peer, comm.rank, seq_local, causal=causal, layout=layout)
+    receive = [] if rows is None else [torch.empty_like(m[:, :, rows]) for m in mine]
+    return dq, _Home(comm.exchange(sent, receive, tag=1), mine, rows, sent)
+    # endregion
+
+
+def _travelling_lap(q, k, v, out, lse, d_out, own, comm, *, causal, sm_scale, layout, compute, into):
+    """The backward lap on a ring of more than two: a shard's dK/dV sum travels with it, every rank it
+    visits adds its part, and after a full lap the sum arrives home."""
+    seq_local = q.shape[2]
+    dq_acc, delta = _dq_sum_and_delta(own, q, out, d_out, compute)
+    # The sums travel in float32 on rings of more than two: there every addition rounds again in the
+    # input dtype, which broke the FlashAttention criterion for dK at 8 ranks (bfloat16, causal;
+    # notes/ring_memory.md); they travel in the input dtype only on their last hop home.
+    sum_dtype = torch.promote_types(k.dtype, torch.float32)
     kv, kv_spare = (k, v), None
     dkv_in_flight = dkv_sent = None
     free = None  # dK/dV buffers the kernel may write into / we may receive into: the sum we sent last step
@@ -476,25 +573,15 @@ def backward_lap(q, k, v, out, lse, d_out, comm, *, causal, sm_scale, layout, co
         blocks = step_blocks(comm.rank, source, comm.world, seq_local, causal=causal, layout=layout)
         total = arrived if arrived is not None else free
         for block in blocks if compute else ():
-            into = free if free[0].dtype == k.dtype else None
-            if block.k != _ALL and into is not None and 2 * len(range(seq_local)[block.k]) <= seq_local:
-                # Some of the keys: the free dK/dV buffers are idle during this block, so they hold
-                # its copy of those K/V rows and its dK/dV (no other buffer).
-                (k_b, dk_into), (v_b, dv_into) = _carve(free, kv[0][:, :, block.k])
-                k_b.copy_(kv[0][:, :, block.k])
-                v_b.copy_(kv[1][:, :, block.k])
-                into = (dk_into, dv_into)
-            else:
-                k_b, v_b = _rows(kv[0], block.k), _rows(kv[1], block.k)
-            kernels = own if step == 0 else _block_kernels(q, k_b, block, sm_scale)
-            dk_b, dv_b = _block_backward(kernels, q, k_b, v_b, d_out, lse, delta, dq_acc, block, into)
+            dk_b, dv_b = _step_backward(own if step == 0 else None, q, kv, d_out, lse, delta, dq_acc, block, free,
+                                        sm_scale)
             if arrived is None:  # step 0: our own shard's block, every key: the sum starts as its dK/dV
                 total = [dk_b.to(sum_dtype), dv_b.to(sum_dtype)]
             else:
                 arrived[0][:, :, block.k] += dk_b
                 arrived[1][:, :, block.k] += dv_b
-            del k_b, v_b, dk_b, dv_b, into
-        if last and total[0].dtype != k.dtype:  # complete: the sums go home in the input dtype
+            del dk_b, dv_b
+        if last:  # complete: the sums go home in the input dtype
             total = [t.to(k.dtype) for t in total]
         # Send the sum on (it follows the K/V it belongs to); receive into the free buffers if they fit.
         fits = total[0] is not free[0] and free[0].dtype == total[0].dtype
@@ -505,8 +592,22 @@ def backward_lap(q, k, v, out, lse, d_out, comm, *, causal, sm_scale, layout, co
             kv_spare = None if held[0] is k else held
     del kv, kv_spare, free, dkv_sent
     # endregion
-    dq = own.postprocess_dq(dq_acc) if compute else torch.empty_like(q)
-    return dq, dkv_in_flight  # after a full lap, our own shard's dK and dV come home
+    return _dq(own, dq_acc, q), _Landing(dkv_in_flight, into)
+
+
+class _Landing:
+    """A travelling sum's last hop home; ``wait()`` returns it (copied into ``into`` when given)."""
+
+    def __init__(self, transfer, into):
+        self.transfer, self.into = transfer, into
+
+    def wait(self):
+        arrived = self.transfer.wait()
+        if self.into is None:
+            return arrived
+        for total, part in zip(self.into, arrived):
+            total.copy_(part)
+        return self.into
 
 
 class _RingAttention(torch.autograd.Function):
