@@ -4,6 +4,7 @@ On a machine with two GPUs (``nvidia-h200-x2``)::
 
     python -m course_utils.measure.benchmarks.ch10_ring             # writes figures/ch10_ring_attention_h200x2.json
     python -m course_utils.measure.benchmarks.ch10_ring --dry-run   # the same code path on 2 CPU processes (gloo), tiny
+    python -m course_utils.measure.benchmarks.ch10_ring --world 4   # four GPUs: figures/ch10_ring_attention_4gpus.json
 
 First every kernel of the run is compiled in worker processes (TileLang's lowering holds the GIL,
 so threads would take turns); then two processes, one per GPU, joined by NCCL, load them from
@@ -72,11 +73,15 @@ from ..bench import TIMING_METHOD, attention_flops, round_orders, save_record, t
 from .common import SDPA_PEERS, sdpa
 
 RECORD = "ch10_ring_attention_h200x2"
+# ``--world 4``: the same measurement on four GPUs, in its own records (bfloat16, the main cases, no peers, no
+# one-lap variant, no profile: the question is how the ring scales).
+RECORD_4 = "ch10_ring_attention_4gpus"
 # ``--memory-only``: the memory search alone (no compile, no timing), in its own record, so that a short device
 # call can answer the memory question without replacing the timed record.
 MEMORY_RECORD = "ch10_ring_memory_h200x2"
+MEMORY_RECORD_4 = "ch10_ring_memory_4gpus"
 MEMORY_ONLY_TIMING = "none: peak allocations of one forward + backward (torch.cuda.max_memory_allocated), nothing timed"
-WORLD = 2
+WORLD = 2  # the default; --world 4 runs on four
 SEQS = (32768, 65536, 131072)
 SHAPE = dict(batch=1, heads=16, dim=128)  # H·D = 2048, like the other chapters' records
 CHECK_SEQ = 8192
@@ -99,14 +104,14 @@ DRY = dict(seqs=(64, 128), check_seq=64, shape=dict(batch=1, heads=4, dim=16), d
            profile=dict(dtype="float32", causal=True, layout="zigzag", seq=64),
            memory_cases=(("MHA 4:4", 4, 4), ("GQA 8:2", 8, 2)), memory_start=2048, backward_chunks=2)
 
-__all__ = ["RECORD", "MEMORY_RECORD", "SEQS", "SHAPE", "LABELS", "ring_vs_one_gpu", "timeline_spans", "memory_record",
-           "main"]
+__all__ = ["RECORD", "RECORD_4", "MEMORY_RECORD", "record_names", "SEQS", "SHAPE", "LABELS", "ring_vs_one_gpu",
+           "timeline_spans", "memory_record", "main"]
 
 # The keys of a row's "ms" and "tflops", and what each measured.
 PEER_KEYS = {FA2: "fa2_one_gpu", CUDNN: "cudnn_one_gpu"}
 LABELS = {"one_gpu": f"{OURS}, one GPU", "fa2_one_gpu": f"{FA2}, one GPU", "cudnn_one_gpu": f"{CUDNN}, one GPU",
-          "ring": "ring_attention, two GPUs",
-          "ring_one_lap": "ring_attention(backward_chunks=1), two GPUs",
+          "ring": "ring_attention, on the ring's GPUs (the record's world)",
+          "ring_one_lap": "ring_attention(backward_chunks=1), on the ring's GPUs",
           "ring_lap": "the ring's lap (forward + backward pieces)",
           "ring_compute": "the lap's compute alone (no transfers)",
           "ring_comm": "the lap's communication alone (no kernels)"}
@@ -122,7 +127,8 @@ class _Rank:
         self.dry = options["dry_run"]
         self.device = torch.device("cpu") if self.dry else torch.device("cuda", rank)
         self.start = time.time()
-        self.results = {"world": WORLD, "shape": options["shape"], "check": [], "rows": [], "compile": {},
+        self.world = options["world"]
+        self.results = {"world": self.world, "shape": options["shape"], "check": [], "rows": [], "compile": {},
                         "timeline": None, "errors": []}
 
     def log(self, message):
@@ -147,7 +153,7 @@ class _Rank:
         dist.barrier()
 
     def gather(self, value):
-        everyone = [None] * WORLD
+        everyone = [None] * self.world
         dist.all_gather_object(everyone, value)
         return everyone
 
@@ -187,7 +193,7 @@ def _shards(world, rank, layout, tensors):
 
 
 def _gather_sequence(local, layout):
-    parts = [torch.empty_like(local) for _ in range(WORLD)]
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local.contiguous())
     return unshard_sequence(parts, layout)
 
@@ -245,7 +251,7 @@ def _check(me):
                 + (f" backward_chunks={chunks}" if chunks else ""))
         try:
             q, k, v, d_out = _inputs(me.options, seq, dtype, me.device, heads_kv)
-            local = _shards(WORLD, me.rank, layout, (q, k, v, d_out))
+            local = _shards(me.world, me.rank, layout, (q, k, v, d_out))
             ring = _training_step(lambda q_, k_, v_: ring_attention(q_, k_, v_, causal=causal, layout=layout,
                                                                     backward_chunks=chunks), *local)()
             gathered = [_gather_sequence(t, layout) for t in ring]
@@ -270,13 +276,13 @@ def _check(me):
 
 def _one_lap_case(options, dtype, causal, layout):
     """Whether a timed case also times ``backward_chunks=1`` beside the default: the first dtype's main cases."""
-    return dtype == options["dtypes"][0] and (causal, layout) in CASES
+    return options["one_lap"] and dtype == options["dtypes"][0] and (causal, layout) in CASES
 
 
 def _problems(options):
     """Every distinct attention problem (the shapes a kernel is compiled for) of the run, in run order:
     the checks, then each dtype's single-GPU and ring cases."""
-    shape = options["shape"]
+    shape, world = options["shape"], options["world"]
     b, h, d = shape["batch"], shape["heads"], shape["dim"]
     problems = []
 
@@ -288,12 +294,12 @@ def _problems(options):
         keep((b, h, heads_kv or h, seq_q, seq_k or seq_q, d, dtype, causal))
 
     def add_ring(dtype, causal, layout, seq, heads_kv=None, chunks=None):
-        chunks = chunks or default_backward_chunks(heads_kv or h, seq // WORLD)
-        for rows_q, rows_k, block_causal in kernel_shapes(WORLD, seq // WORLD, causal=causal, layout=layout):
+        chunks = chunks or default_backward_chunks(heads_kv or h, seq // world)
+        for rows_q, rows_k, block_causal in kernel_shapes(world, seq // world, causal=causal, layout=layout):
             add(dtype, block_causal, rows_q, rows_k, heads_kv)
             if chunks > 1:  # the backward's laps over pieces of the heads (head_pieces: one batch element)
                 keep((1, h // chunks, (heads_kv or h) // chunks, rows_q, rows_k, d, dtype, block_causal))
-            if rows_q < seq // WORLD:  # the backward's per-head calls
+            if rows_q < seq // world:  # the backward's per-head calls
                 keep((1, 1, 1, rows_q, rows_k, d, dtype, block_causal))
 
     check_dtype, seq = options["dtypes"][0], options["check_seq"]
@@ -301,7 +307,7 @@ def _problems(options):
         add(check_dtype, causal, seq, heads_kv=heads_kv)
         add_ring(check_dtype, causal, layout, seq, heads_kv, chunks)
     for dtype in options["dtypes"]:
-        for causal, layout in CASES + (EXTRA_CASES if dtype == options["dtypes"][0] else ()):
+        for causal, layout in CASES + (options["extra_cases"] if dtype == options["dtypes"][0] else ()):
             for seq in options["seqs"]:  # the default's pieces (the one-lap variant's kernels are the same as 1)
                 add(dtype, causal, seq)
                 add_ring(dtype, causal, layout, seq)
@@ -356,7 +362,7 @@ def _case(me, dtype_name, causal, layout, seq, peers=True, one_lap=False):
     shape = me.options["shape"]
     dtype = getattr(torch, dtype_name)
     q, k, v, d_out = _inputs(me.options, seq, dtype, me.device)
-    local = _shards(WORLD, me.rank, layout, (q, k, v, d_out))
+    local = _shards(me.world, me.rank, layout, (q, k, v, d_out))
     comm = RingComm()
     opts = dict(causal=causal, layout=layout)
     row = dict(dtype=dtype_name, causal=causal, layout=layout, seq=seq, **shape)
@@ -378,7 +384,7 @@ def _case(me, dtype_name, causal, layout, seq, peers=True, one_lap=False):
             if not me.dry:
                 torch.cuda.empty_cache()
     ring_fns = {"ring": _training_step(lambda q_, k_, v_: ring_attention(q_, k_, v_, **opts), *local)}
-    row["backward_chunks"] = default_backward_chunks(shape["heads"], seq // WORLD)  # the default's
+    row["backward_chunks"] = default_backward_chunks(shape["heads"], seq // me.world)  # the default's
     if one_lap:
         ring_fns["ring_one_lap"] = _training_step(
             lambda q_, k_, v_: ring_attention(q_, k_, v_, backward_chunks=1, **opts), *local)
@@ -416,7 +422,7 @@ def _case(me, dtype_name, causal, layout, seq, peers=True, one_lap=False):
         row["speedup_one_lap"] = ms["one_gpu"] / ms["ring_one_lap"] if "one_gpu" in ms else None
     if not me.dry:
         # Peak above what was allocated before the call, plus the inputs q, k, v, dO (a shard of them for the ring).
-        mem = {name: peaks[name] + (4 if name == "one_gpu" else 4 / WORLD) * q.numel() * q.element_size()
+        mem = {name: peaks[name] + (4 if name == "one_gpu" else 4 / me.world) * q.numel() * q.element_size()
                for name in ("one_gpu", "ring", "ring_one_lap") if peaks.get(name) is not None}
         row["peak_bytes"] = mem
         row["bytes_per_token"] = {name: m / seq for name, m in mem.items()}  # per GPU, per token of the sequence
@@ -438,7 +444,7 @@ def _profile(me):
     """One lap (forward + backward) under torch.profiler; rank 0 keeps its kernels' times."""
     p = me.options["profile"]
     q, k, v, d_out = _inputs(me.options, p["seq"], getattr(torch, p["dtype"]), me.device)
-    local = _shards(WORLD, me.rank, p["layout"], (q, k, v, d_out))
+    local = _shards(me.world, me.rank, p["layout"], (q, k, v, d_out))
     lap = _lap(*local, RingComm(), causal=p["causal"], layout=p["layout"])
     for _ in range(2):  # steady state: kernels loaded, allocator warm, NCCL's channels set up
         lap()
@@ -506,13 +512,13 @@ def timeline_spans(events, *, gap_us=20.0):
 
 # --- the longest sequence that fits (memory) ---------------------------------------------------
 
-def memory_record():
-    """The newer of the two stored records holding the memory search (``results.memory``): the full run's or a
-    ``--memory-only`` run's; None if neither does."""
+def memory_record(world=WORLD):
+    """The newer of the two stored records holding the memory search (``results.memory``) on ``world`` GPUs:
+    the full run's or a ``--memory-only`` run's; None if neither does."""
     from ..bench import load_record
 
     records = []
-    for name in (RECORD, MEMORY_RECORD):
+    for name in record_names(world):
         try:
             records.append(load_record(name))
         except FileNotFoundError:
@@ -571,7 +577,7 @@ def _trial(me, which, seq, heads, heads_kv, dtype):
     from ...api.ring import _RingAttention
 
     shape = dict(me.options["memory_shape"], heads=heads)
-    length = seq if which == "one_gpu" else seq // WORLD
+    length = seq if which == "one_gpu" else seq // me.world
     b, d = shape["batch"], shape["dim"]
 
     def run():
@@ -582,7 +588,7 @@ def _trial(me, which, seq, heads, heads_kv, dtype):
             out = flash_attention(*leaves, causal=True)
         else:
             chunks = 1 if which == "ring_one_lap" else None
-            out = _RingAttention.apply(*leaves, NoComm(me.rank, WORLD), True, None, "zigzag", chunks)
+            out = _RingAttention.apply(*leaves, NoComm(me.rank, me.world), True, None, "zigzag", chunks)
         torch.autograd.grad(out, leaves, d_out)
 
     if me.dry:
@@ -641,7 +647,7 @@ def _memory_search(me):
     peaks at one common S."""
     kinds = ("one_gpu", "ring", "ring_one_lap")
     dtype = getattr(torch, me.options["memory_dtype"])
-    granule = 2 * WORLD * 256  # zigzag halves of whole kernel tiles
+    granule = 2 * me.world * 256  # zigzag halves of whole kernel tiles
     found = []
     for name, heads, heads_kv in me.options["memory_cases"]:
         row = dict(name=name, heads=heads, heads_kv=heads_kv, dtype=me.options["memory_dtype"], causal=True,
@@ -695,11 +701,11 @@ def _rank_main(rank, folder, options):
     timeout = datetime.timedelta(seconds=180)
     if me.dry:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD,
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=me.world,
                                 timeout=timeout)
     else:
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD,
+        dist.init_process_group("nccl", init_method=f"file://{folder}/store", rank=rank, world_size=me.world,
                                 timeout=timeout, device_id=me.device)
     try:
         me.results["devices"] = me.gather("cpu" if me.dry else torch.cuda.get_device_name(rank))
@@ -715,7 +721,7 @@ def _rank_main(rank, folder, options):
         _check(me)
         me.log("checked")
         for dtype in options["dtypes"]:
-            extra = EXTRA_CASES if dtype == options["dtypes"][0] else ()
+            extra = options["extra_cases"] if dtype == options["dtypes"][0] else ()
             for causal, layout in CASES + extra:
                 for seq in options["seqs"]:
                     late = me.gather(time.time() > options["stop_at"])
@@ -725,7 +731,7 @@ def _rank_main(rank, folder, options):
                         continue
                     try:
                         # SDPA's backends once, in the first dtype (bfloat16), for the main cases
-                        peers = (causal, layout) in CASES and dtype == options["dtypes"][0]
+                        peers = (causal, layout) in CASES and dtype == options["dtypes"][0] and options["peers"]
                         _case(me, dtype, causal, layout, seq, peers=peers,
                               one_lap=_one_lap_case(options, dtype, causal, layout))
                     except Exception:  # noqa: BLE001
@@ -734,7 +740,8 @@ def _rank_main(rank, folder, options):
                         torch.cuda.empty_cache()
                     me.sync()
         try:
-            _profile(me)
+            if options["profile"]:
+                _profile(me)
         except Exception:  # noqa: BLE001
             me.failed("profile")
         me.sync()
@@ -746,23 +753,35 @@ def _rank_main(rank, folder, options):
 
 # --- the launcher ------------------------------------------------------------------------------
 
-def ring_vs_one_gpu(*, dry_run=False, budget_s=TIME_BUDGET_S, hard_limit_s=HARD_LIMIT_S, memory_only=False):
-    """Run the measurement on two processes (two GPUs, or two CPU processes with ``dry_run``);
+def record_names(world=WORLD):
+    """(the timed record, the memory-only record) of a run on ``world`` GPUs (2 or 4)."""
+    if world not in (2, 4):
+        raise ValueError(f"ch10_ring runs on 2 or 4 GPUs; got world={world!r}")
+    return (RECORD, MEMORY_RECORD) if world == 2 else (RECORD_4, MEMORY_RECORD_4)
+
+
+def ring_vs_one_gpu(*, dry_run=False, budget_s=TIME_BUDGET_S, hard_limit_s=HARD_LIMIT_S, memory_only=False,
+                    world=WORLD):
+    """Run the measurement on ``world`` processes (GPUs, or CPU processes with ``dry_run``);
     returns the results (what was measured, if something failed or ran out of time). ``memory_only``:
     the longest S and the peaks per GPU only (stub kernels: nothing compiled, nothing timed)."""
     import torch.multiprocessing as mp
 
-    if not dry_run and torch.cuda.device_count() < WORLD:
-        raise RuntimeError(f"{RECORD} needs {WORLD} GPUs; this machine has {torch.cuda.device_count()}")
+    record_names(world)
+    if not dry_run and torch.cuda.device_count() < world:
+        raise RuntimeError(f"ch10_ring on {world} GPUs; this machine has {torch.cuda.device_count()}")
     started = time.time()
     options = dict(dry_run=dry_run, stop_at=started + budget_s, seqs=SEQS, check_seq=CHECK_SEQ, shape=SHAPE,
                    dtypes=DTYPES, profile=PROFILE_CASE, memory_cases=MEMORY_CASES, memory_start=MEMORY_START,
                    memory_dtype="bfloat16", memory_shape=dict(batch=1, dim=128), memory_only=memory_only,
-                   backward_chunks=BACKWARD_CHUNKS)
+                   backward_chunks=BACKWARD_CHUNKS, world=world, extra_cases=EXTRA_CASES, peers=True, one_lap=True)
+    if world != 2:  # how the ring scales: the main cases in the first dtype, nothing beside them, up to 256k
+        options.update(dtypes=DTYPES[:1], profile=None, extra_cases=(), peers=False, one_lap=False,
+                       seqs=SEQS + (2 * SEQS[-1],))
     if dry_run:
         options.update(seqs=DRY["seqs"], check_seq=DRY["check_seq"], shape=DRY["shape"], dtypes=DRY["dtypes"],
-                       profile=DRY["profile"], memory_cases=DRY["memory_cases"], memory_start=DRY["memory_start"],
-                       memory_dtype="float32", memory_shape=dict(batch=1, dim=16),
+                       profile=DRY["profile"] if options["profile"] else None, memory_cases=DRY["memory_cases"],
+                       memory_start=DRY["memory_start"], memory_dtype="float32", memory_shape=dict(batch=1, dim=16),
                        backward_chunks=DRY["backward_chunks"])
     os.environ.update(NCCL_ENV)
     try:
@@ -771,7 +790,7 @@ def ring_vs_one_gpu(*, dry_run=False, budget_s=TIME_BUDGET_S, hard_limit_s=HARD_
         traceback.print_exc()
         compile_report = {"error": traceback.format_exc(limit=4)[-1500:]}
     with tempfile.TemporaryDirectory(prefix="ch10-") as folder:
-        context = mp.start_processes(_rank_main, args=(folder, options), nprocs=WORLD, join=False,
+        context = mp.start_processes(_rank_main, args=(folder, options), nprocs=world, join=False,
                                      start_method="spawn")
         deadline = started + hard_limit_s
         try:
@@ -827,19 +846,21 @@ def _summary(results):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="two CPU processes (gloo), tiny sizes, no record")
+    parser.add_argument("--dry-run", action="store_true", help="CPU processes (gloo), tiny sizes, no record")
+    parser.add_argument("--world", type=int, default=WORLD, help="GPUs (processes) of the ring: 2 or 4")
     parser.add_argument("--out", help="also copy the record (JSON) into this folder")
     parser.add_argument("--memory-only", action="store_true",
                         help=f"the memory search alone, into {MEMORY_RECORD} (stub kernels: no compile, no timing)")
     args = parser.parse_args(argv)
-    results = ring_vs_one_gpu(dry_run=args.dry_run, memory_only=args.memory_only)
+    results = ring_vs_one_gpu(dry_run=args.dry_run, memory_only=args.memory_only, world=args.world)
     _summary(results)
     if args.dry_run:
         print(json.dumps(results)[:2000])
         return results
-    name, how, timing = ((MEMORY_RECORD, " (--memory-only)", MEMORY_ONLY_TIMING) if args.memory_only
-                         else (RECORD, "", TIMING_METHOD))
-    record = save_record(name, results, timing=timing, notes=f"{WORLD} GPUs of one host, NCCL ({NCCL_ENV}); see "
+    record, memory = record_names(args.world)
+    name, how, timing = ((memory, " (--memory-only)", MEMORY_ONLY_TIMING) if args.memory_only
+                         else (record, "", TIMING_METHOD))
+    record = save_record(name, results, timing=timing, notes=f"{args.world} GPUs of one host, NCCL ({NCCL_ENV}); see "
                          f"course_utils/measure/benchmarks/ch10_ring.py{how}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
