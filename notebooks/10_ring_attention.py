@@ -524,6 +524,91 @@ if found:
 # speed of one lap (the claim under the table above).
 
 # %% [markdown]
+# ### Four GPUs
+#
+# Does the ring keep paying with more ranks? The same command with `--world 4` measured it on four
+# GPUs of one host (`ch10_ring.RECORD_4`): bfloat16, the two balanced cases, 32k to 256k tokens,
+# and the memory search. On four ranks the backward's dK/dV sums travel round the ring in float32
+# (`travelling_backward_lap`), and each step waits for the sum of the step before. The record's
+# own check against float64 comes first.
+
+# %%
+rec4 = cu.bench.stored_record(ch10_ring.RECORD_4)
+if rec4 is None:
+    print("No four-GPU record is stored yet (the cells below print nothing): run "
+          "`python -m course_utils.measure.benchmarks.ch10_ring --world 4` on a machine with four GPUs.")
+else:
+    res4 = rec4["results"]
+    rows4 = [r for r in res4["rows"] if "ms" in r]
+    for row in res4["check"]:
+        worst = max(e["err"] / e["allowed"] for e in row["ring_errors"].values())
+        cu.check_true(worst <= 1, f"{row['name']} on {len(res4['devices'])} GPUs: ring within the FlashAttention "
+                      f"criterion vs float64 on every head (worst {worst:.0%} of the allowed error)")
+    print(f"\n{'mask, layout':>18} {'S':>5} {'one GPU ms':>10} {'4 GPUs ms':>9} {'speed-up':>8} {'compute alone':>13}")
+    for r in rows4:
+        print(f"{('causal ' if r['causal'] else 'full ') + r['layout']:>18} {plots.seq_label(r['seq']):>5} "
+              f"{r['ms']['one_gpu']:>10.1f} {r['ms']['ring']:>9.1f} {r['speedup']:>7.2f}× "
+              f"{r['ms']['one_gpu'] / r['ms']['ring_compute']:>12.2f}×")
+
+# %%
+if rec4 is not None and rec is not None:
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    balanced = ((True, "zigzag", "causal zigzag", "-"), (False, "contiguous", "full", "--"))
+    for record_rows, world, marker in ((rows, 2, "o"), (rows4, 4, "s")):
+        for causal, layout, text, style in balanced:
+            chosen = [r for r in record_rows if r["dtype"] == "bfloat16" and (r["causal"], r["layout"]) == (causal, layout)]
+            ax.plot([r["seq"] for r in chosen], [r["speedup"] for r in chosen], style, marker=marker,
+                    label=f"{world} GPUs, {text}")
+        ax.axhline(world, color="gray", linestyle=":", linewidth=1)
+    seqs4 = sorted({r["seq"] for r in rows4})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seqs4, [plots.seq_label(s) for s in seqs4])
+    ax.set(xlabel="sequence length S", ylabel="÷ one GPU's time", title="ring attention, bfloat16, fwd + bwd")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"4 GPUs: {plots.record_caption(rec4)}\n2 GPUs: {plots.record_caption(rec)}", fontsize=7, y=0.01)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    plots.save(fig, "ch10_ring_scaling")
+
+# %%
+if rec4 is not None:
+    balanced = ((True, "causal zigzag"), (False, "full"))
+    seqs4 = sorted({r["seq"] for r in rows4})
+    by_case = {text: {r["seq"]: r for r in rows4 if r["causal"] == causal} for causal, text in balanced}
+    cu.claim_count("on four GPUs the speed-up grows with S", {text: all(
+        case[a]["speedup"] < case[b]["speedup"] for a, b in zip(seqs4, seqs4[1:])) for text, case in by_case.items()},
+        says="all")
+    cu.claim_ratio("four GPUs, S = 32k: the ring ÷ one GPU's time", [c[32768]["speedup"] for c in by_case.values()],
+                   target=3, says="not met")
+    cu.claim_ratio("four GPUs, S = 256k: the ring ÷ one GPU's time", [c[262144]["speedup"] for c in by_case.values()],
+                   target=3.5, says="met")
+    per_flop = [c[262144]["ms"]["one_gpu"] / c[131072]["ms"]["one_gpu"] / 4 for c in by_case.values()]
+    cu.claim_ratio("one GPU: time per FLOP at 256k ÷ at 128k", per_flop, says="above 1")
+    alone = {text: c[32768]["ms"]["one_gpu"] / c[32768]["ms"]["ring_compute"] for text, c in by_case.items()}
+    cu.claim_ratio("four GPUs, S = 32k, full: the ring's compute alone ÷ one GPU's time", [alone["full"]],
+                   target=3.5, says="met")
+    cu.claim_ratio("four GPUs, S = 32k, causal zigzag: the same", [alone["causal zigzag"]], target=3, says="not met")
+
+# %% [markdown]
+# Four GPUs pay only on long sequences. At 32k tokens a shard is 8k long and every step is short.
+# With the full mask the kernels alone would still run close to four times one GPU's speed, so
+# there the transfers and the waits between steps take the gain; the causal zigzag's blocks are
+# halves of a shard, 4k rows, and its kernels alone are already far from that (the column "compute
+# alone"). The speed-up grows with S and passes 3.5 at 256k, where one GPU also runs its own kernel
+# a little slower per FLOP than at 128k, which flatters the ratio a little. In memory each rank holds a quarter of the sequence plus the buffers of one travelling
+# shard, so four GPUs hold more than three times one GPU's longest sequence:
+
+# %%
+mem4 = ch10_ring.memory_record(4)
+found4 = {r["name"]: r for r in (mem4["results"]["memory"] if mem4 else [])}
+for name, r in found4.items():
+    print(f"{name}: longest S one GPU {r['one_gpu_longest_seq']:,}; ring of four {r['ring_longest_seq']:,} "
+          f"(one backward lap {r['ring_one_lap_longest_seq']:,}); at S = {r['common_seq']:,} a GPU of the ring peaks "
+          f"at {r['ring_over_one_gpu_peak']:.3f} of one GPU's")
+if found4:
+    cu.claim_ratio("four GPUs, in pieces: the longest sequence ÷ one GPU's", [r["ring_over_one_gpu_longest"]
+                   for r in found4.values()], target=3, says="met")
+
+# %% [markdown]
 # ## Takeaways
 #
 # - Context parallelism splits the sequence; attention is the only layer that needs the others'
@@ -543,6 +628,8 @@ if found:
 #   allows, and the backward runs in pieces of the heads so that only a piece's buffers are alive.
 #   Measured on two H200s, the ring then holds more than twice one GPU's longest sequence (the claims in
 #   the memory section), with gpt-oss's few K/V heads and with as many K/V heads as query heads.
+# - More ranks pay on longer sequences only: on four GPUs the shards of a 32k sequence are too short
+#   to hide the ring's steps, while at 256k it runs more than three and a half times one GPU's speed.
 #
 # ## Exercises
 #
