@@ -324,7 +324,7 @@ def test_memory_search_finds_longer_sequences_for_the_ring():
 
     from course_utils.measure.benchmarks.ch10_ring import _StubKernels, _trial, longest_fitting
 
-    rank = SimpleNamespace(options=dict(memory_shape=dict(batch=1, dim=16)), device="cpu", dry=True, rank=0)
+    rank = SimpleNamespace(options=dict(memory_shape=dict(batch=1, dim=16)), device="cpu", dry=True, rank=0, world=2)
     with _StubKernels():
         found = {which: longest_fitting(lambda s, w=which: _trial(rank, w, s, 4, 4, torch.float32), 2048, 1024)
                  for which in ("one_gpu", "ring")}
