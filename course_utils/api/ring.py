@@ -242,9 +242,11 @@ class NoComm:
 # Memory (notes/ring_memory.md has the accounting): besides its inputs and outputs a rank holds one
 # K/V receive buffer (two for world > 2, reused in turn), the running O in the input dtype (merged in
 # float32 a few heads at a time), one float32 dQ accumulator that the backward kernel adds into
-# directly, and two dK/dV buffers in the input dtype (the sum arriving and the buffer the kernel
-# writes, which becomes the next receive buffer). No other buffer of a whole shard is float32. On long shards
-# ring_backward runs the lap once per group of heads, so those buffers are a group's.
+# directly, and two dK/dV buffers: on a ring of two, in the input dtype, our own step-0 dK/dV and
+# the buffer the kernel writes at step 1 (the other rank's part arrives after it, into a new buffer
+# once dQ's float32 sum is gone); on longer rings, in float32, the sum arriving and the buffer the
+# kernel writes, which becomes the next receive buffer. On long shards ring_backward runs the lap
+# once per group of heads, so those buffers are a group's.
 
 MERGE_PIECES = 8  # the forward merges O in float32 in this many pieces (of whole heads): ≤ 1/8 of a shard
 
@@ -491,11 +493,12 @@ class _Home:
         self.transfer, self.mine, self.rows, self.sent = transfer, mine, rows, sent
 
     def wait(self):
-        received = self.transfer.wait()
-        if self.rows is not None:
-            for total, part in zip(self.mine, received):
-                total[:, :, self.rows] += part
-        self.sent = None  # ours have left: their buffers may go
+        if self.transfer is not None:  # the first wait adds the other rank's part; later ones only return
+            received = self.transfer.wait()
+            if self.rows is not None:
+                for total, part in zip(self.mine, received):
+                    total[:, :, self.rows] += part
+            self.transfer = self.sent = None  # ours have left: their buffers may go
         return self.mine
 
 
