@@ -159,11 +159,11 @@ def kernel_shapes(world, seq_local, *, causal, layout="contiguous"):
 def compile_ring_kernels(q, k, world, *, causal=False, sm_scale=None, layout="contiguous", backward_chunks=None):
     """Compile (or load from TileLang's disk cache) the forward and backward kernels ``ring_attention``
     runs, on any rank, for shards shaped like ``q`` and ``k``."""
+    chunks = _backward_chunks(backward_chunks, k)
     for rows_q, rows_k, block_causal in kernel_shapes(world, q.shape[2], causal=causal, layout=layout):
         q_b = q.new_empty(q.shape[0], q.shape[1], rows_q, q.shape[3])
         k_b = k.new_empty(k.shape[0], k.shape[1], rows_k, k.shape[3])
         forward_kernel(q_b, k_b, causal=block_causal, sm_scale=sm_scale)
-        chunks = _backward_chunks(backward_chunks, k)
         if chunks > 1:  # the backward's laps run on pieces of the heads (head_pieces)
             rows_q_piece, rows_kv_piece = head_pieces(1, q.shape[1], k.shape[1], chunks)[0]
             q_b, k_b = q_b[rows_q_piece], k_b[rows_kv_piece]
@@ -471,7 +471,8 @@ def _dq(own, dq_acc, q):
 def _step_backward(kernels, q, kv, d_out, lse, delta, dq_acc, block, free, sm_scale):
     """One block's backward at a step: dQ into ``dq_acc``; returns its dK, dV (the block's key rows, input
     dtype). ``kernels``: step 0's (None: the block's own). ``free``: a pair of idle buffers shaped like
-    the K/V shard (or None); a block of at most half the keys keeps its copy of those K/V rows and its
+    the K/V shard (or None), used when they are in its dtype (a travelling lap's float32 sums are, for
+    float32 inputs only); a block of at most half the keys keeps its copy of those K/V rows and its
     dK/dV in them (no other buffer), a block of every key writes its dK/dV there."""
     seq_local = q.shape[2]
     into = free if free is not None and free[0].dtype == kv[0].dtype else None
@@ -502,11 +503,11 @@ class _Home:
         return self.mine
 
 
-def _keys_touched(rank, source, seq_local, *, causal, layout):
-    """The rows of ``source``'s K/V shard that ``rank``'s step-1 block on a ring of two reads (None: none)."""
-    blocks = step_blocks(rank, source, 2, seq_local, causal=causal, layout=layout)
+def _second_step_block(rank, seq_local, *, causal, layout):
+    """The one block ``rank`` computes at the second step of a ring of two (None: it computes none)."""
+    blocks = step_blocks(rank, 1 - rank, 2, seq_local, causal=causal, layout=layout)
     assert len(blocks) <= 1, "a ring of two has at most one block at its second step"
-    return blocks[0].k if blocks else None
+    return blocks[0] if blocks else None
 
 
 def pair_backward_lap(q, k, v, out, lse, d_out, own, comm, *, causal, sm_scale, layout, compute, into):
@@ -529,18 +530,18 @@ def pair_backward_lap(q, k, v, out, lse, d_out, own, comm, *, causal, sm_scale, 
     mine = mine if mine is not None else _empty_like_all((k, v))
     kv = kv_in_flight.wait()
     scratch = _empty_like_all((k, v))  # step 1's dK/dV (or, for half the keys, their K/V copy and dK/dV)
-    keys = _keys_touched(comm.rank, peer, seq_local, causal=causal, layout=layout)
+    block = _second_step_block(comm.rank, seq_local, causal=causal, layout=layout)
     sent = []
-    if keys is not None:
-        block = step_blocks(comm.rank, peer, 2, seq_local, causal=causal, layout=layout)[0]
+    if block is not None:
         if compute:
             sent = list(_step_backward(None, q, kv, d_out, lse, delta, dq_acc, block, scratch, sm_scale))
         else:
-            sent = [t[:, :, keys].contiguous() for t in scratch]
+            sent = [t[:, :, block.k].contiguous() for t in scratch]
     del scratch, kv, kv_in_flight, delta
     dq = _dq(own, dq_acc, q)  # before the exchange's buffer is made: dQ's float32 sum is gone by then
     del dq_acc
-    rows = _keys_touched(peer, comm.rank, seq_local, causal=causal, layout=layout)
+    theirs = _second_step_block(peer, seq_local, causal=causal, layout=layout)  # the rows of ours it touched
+    rows = None if theirs is None else theirs.k
     receive = [] if rows is None else [torch.empty_like(m[:, :, rows]) for m in mine]
     return dq, _Home(comm.exchange(sent, receive, tag=1), mine, rows, sent)
     # endregion

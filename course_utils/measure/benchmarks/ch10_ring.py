@@ -274,6 +274,15 @@ def _check(me):
         me.sync()
 
 
+def _timed_cases(options):
+    """(dtype, causal, layout, S) of every timed case, in run order: each dtype's main cases (and the first
+    dtype's extra ones), each at every S."""
+    for dtype in options["dtypes"]:
+        for causal, layout in CASES + (options["extra_cases"] if dtype == options["dtypes"][0] else ()):
+            for seq in options["seqs"]:
+                yield dtype, causal, layout, seq
+
+
 def _one_lap_case(options, dtype, causal, layout):
     """Whether a timed case also times ``backward_chunks=1`` beside the default: the first dtype's main cases."""
     return options["one_lap"] and dtype == options["dtypes"][0] and (causal, layout) in CASES
@@ -306,13 +315,11 @@ def _problems(options):
     for causal, layout, heads_kv, chunks in _check_cases(h, options["backward_chunks"]):
         add(check_dtype, causal, seq, heads_kv=heads_kv)
         add_ring(check_dtype, causal, layout, seq, heads_kv, chunks)
-    for dtype in options["dtypes"]:
-        for causal, layout in CASES + (options["extra_cases"] if dtype == options["dtypes"][0] else ()):
-            for seq in options["seqs"]:  # the default's pieces (the one-lap variant's kernels are the same as 1)
-                add(dtype, causal, seq)
-                add_ring(dtype, causal, layout, seq)
-                if _one_lap_case(options, dtype, causal, layout):
-                    add_ring(dtype, causal, layout, seq, chunks=1)
+    for dtype, causal, layout, seq in _timed_cases(options):  # the default's pieces, and one lap where timed
+        add(dtype, causal, seq)
+        add_ring(dtype, causal, layout, seq)
+        if _one_lap_case(options, dtype, causal, layout):
+            add_ring(dtype, causal, layout, seq, chunks=1)
     return problems
 
 
@@ -720,25 +727,22 @@ def _rank_main(rank, folder, options):
         _load_kernels(me)
         _check(me)
         me.log("checked")
-        for dtype in options["dtypes"]:
-            extra = options["extra_cases"] if dtype == options["dtypes"][0] else ()
-            for causal, layout in CASES + extra:
-                for seq in options["seqs"]:
-                    late = me.gather(time.time() > options["stop_at"])
-                    if any(late):
-                        me.results["rows"].append(dict(dtype=dtype, causal=causal, layout=layout, seq=seq,
-                                                       skipped="time budget"))
-                        continue
-                    try:
-                        # SDPA's backends once, in the first dtype (bfloat16), for the main cases
-                        peers = (causal, layout) in CASES and dtype == options["dtypes"][0] and options["peers"]
-                        _case(me, dtype, causal, layout, seq, peers=peers,
-                              one_lap=_one_lap_case(options, dtype, causal, layout))
-                    except Exception:  # noqa: BLE001
-                        me.failed(f"case {dtype} causal={causal} {layout} S={seq}")
-                    if not me.dry:
-                        torch.cuda.empty_cache()
-                    me.sync()
+        for dtype, causal, layout, seq in _timed_cases(options):
+            late = me.gather(time.time() > options["stop_at"])
+            if any(late):
+                me.results["rows"].append(dict(dtype=dtype, causal=causal, layout=layout, seq=seq,
+                                               skipped="time budget"))
+                continue
+            try:
+                # SDPA's backends once, in the first dtype (bfloat16), for the main cases
+                peers = (causal, layout) in CASES and dtype == options["dtypes"][0] and options["peers"]
+                one_lap = _one_lap_case(options, dtype, causal, layout)
+                _case(me, dtype, causal, layout, seq, peers=peers, one_lap=one_lap)
+            except Exception:  # noqa: BLE001
+                me.failed(f"case {dtype} causal={causal} {layout} S={seq}")
+            if not me.dry:
+                torch.cuda.empty_cache()
+            me.sync()
         try:
             if options["profile"]:
                 _profile(me)
@@ -857,9 +861,9 @@ def main(argv=None):
     if args.dry_run:
         print(json.dumps(results)[:2000])
         return results
-    record, memory = record_names(args.world)
-    name, how, timing = ((memory, " (--memory-only)", MEMORY_ONLY_TIMING) if args.memory_only
-                         else (record, "", TIMING_METHOD))
+    timed_name, memory_name = record_names(args.world)
+    name, how, timing = ((memory_name, " (--memory-only)", MEMORY_ONLY_TIMING) if args.memory_only
+                         else (timed_name, "", TIMING_METHOD))
     record = save_record(name, results, timing=timing, notes=f"{args.world} GPUs of one host, NCCL ({NCCL_ENV}); see "
                          f"course_utils/measure/benchmarks/ch10_ring.py{how}")
     if args.out:
