@@ -56,6 +56,12 @@ def _persistent_forward():
     check_persistent_forward()
 
 
+def _one_warpgroup_forward():
+    from .tooling.selfcheck import check_one_warpgroup_forward
+
+    check_one_warpgroup_forward()
+
+
 def _hopper_backward():
     from .measure.benchmarks.ch08_hopper_backward import self_check
 
@@ -91,6 +97,8 @@ CHECKS = {
     "flash_bwd": Check("ch05 backward", _backward),
     "flash_fwd_hopper": Check("ch07 rotated-loop forward", _hopper_forward),
     "flash_fwd_hopper_persistent": Check("ch07 persistent forward", _persistent_forward, needs_hopper=True),
+    "flash_fwd_hopper_one_warpgroup": Check("ch07 one-warpgroup forward (D = 64)", _one_warpgroup_forward,
+                                            needs_hopper=True),
     "flash_bwd_hopper": Check("ch08 Hopper backward", _hopper_backward),
     "flash_varlen": Check("ch09 packed batches", _varlen),
     "flash_decode": Check("ch09 decoding", _decode),

@@ -147,17 +147,20 @@ def test_hopper_default_is_the_hopper_kernel():
     assert (default_forward_config("cuda", 128).kernel == "flash_fwd_hopper_persistent") == is_hopper()
 
 
-# --- Chapter 07's persistent Hopper forward (flash_fwd_hopper_persistent_kernel): the default on Hopper ---
+# --- Chapter 07's Hopper forwards, the defaults on Hopper: the persistent kernel (flash_fwd_hopper_persistent_kernel)
+# and, at D = 64, one warpgroup per block issuing its own loads (flash_fwd_hopper_one_warpgroup_kernel) ---
 
 _PERSISTENT_PROBLEMS = {
     # name: (batch, heads, heads_kv, seq_q, seq_k, dim, dtype, causal, window, sinks)
     "S=4k D=128": (2, 16, 16, 4096, 4096, 128, torch.float16, False, None, False),
-    "S=4k D=64 causal (3 warpgroups)": (2, 32, 32, 4096, 4096, 64, torch.float16, True, None, False),
+    "S=4k D=64 causal (one warpgroup)": (2, 32, 32, 4096, 4096, 64, torch.float16, True, None, False),
+    "S=8k D=64 (3 warpgroups)": (1, 16, 16, 8192, 8192, 64, torch.bfloat16, False, None, False),
+    "S=1k D=64 causal bf16 (one warpgroup)": (16, 32, 32, 1024, 1024, 64, torch.bfloat16, True, None, False),
     "S=1k D=128 causal bf16": (16, 16, 16, 1024, 1024, 128, torch.bfloat16, True, None, False),
-    "ragged D=64 (2 warpgroups)": (3, 4, 4, 1000, 1000, 64, torch.float16, False, None, False),
-    "ragged D=64 causal (3 warpgroups)": (1, 8, 8, 2500, 2500, 64, torch.float16, True, None, False),
+    "ragged D=64 (one warpgroup)": (3, 4, 4, 1000, 1000, 64, torch.float16, False, None, False),
+    "ragged D=64 causal (one warpgroup)": (1, 8, 8, 2500, 2500, 64, torch.float16, True, None, False),
     "S_q < S_k causal GQA": (1, 8, 2, 500, 1300, 128, torch.float16, True, None, False),
-    "S_q > S_k causal sinks": (1, 4, 4, 1300, 500, 64, torch.float16, True, None, True),
+    "S_q > S_k causal sinks (one warpgroup)": (1, 4, 4, 1300, 500, 64, torch.float16, True, None, True),
     "gpt-oss window": (1, 64, 8, 2048, 2048, 64, torch.bfloat16, True, 128, True),
     "window 1": (1, 4, 4, 777, 777, 64, torch.float16, True, 1, False),
 }
@@ -165,14 +168,16 @@ _PERSISTENT_PROBLEMS = {
 
 @pytest.mark.parametrize("problem", _PERSISTENT_PROBLEMS)
 def test_persistent_forward_every_head(problem):
-    """flash_attention's default on Hopper (the persistent kernel, 2 or 3 consumer warpgroups) on every head."""
+    """flash_attention's default on Hopper (the persistent kernel with 2 or 3 consumer warpgroups, or one warpgroup
+    per block at D = 64) on every head."""
     from course_utils.checking.validation import check_forward
 
     if not is_hopper():
         pytest.skip("the persistent kernel needs an sm_90 GPU")
     b, h, hkv, sq, sk, dim, dtype, causal, window, with_sinks = _PERSISTENT_PROBLEMS[problem]
     config = default_forward_config("cuda", dim, causal or window is not None, seq_len=sq, window=window is not None)
-    assert config.kernel == "flash_fwd_hopper_persistent"
+    assert config.kernel in ("flash_fwd_hopper_persistent", "flash_fwd_hopper_one_warpgroup")
+    assert (config.kernel == "flash_fwd_hopper_one_warpgroup") == ("one warpgroup" in problem)
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, h, sq, dim, device="cuda", dtype=dtype, generator=g)
     k, v = (torch.randn(b, hkv, sk, dim, device="cuda", dtype=dtype, generator=g) for _ in range(2))

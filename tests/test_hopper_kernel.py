@@ -11,6 +11,7 @@ import torch
 from course_utils import flash_attention
 from course_utils.api.attention import (
     HOPPER_FORWARD_CONFIGS,
+    ONE_WARPGROUP_FORWARD_CONFIG,
     ForwardConfig,
     default_forward_config,
     hopper_forward_config,
@@ -178,18 +179,84 @@ def test_several_blocks_per_sm_need_one_consumer_warpgroup():
 
 
 @pytest.mark.parametrize("masked, seq, expected", [
-    (False, 512, (64, 128, 2, 2)), (False, 1024, (64, 128, 2, 2)), (False, 2048, (192, 128, 2, 1)),
-    (True, 1024, (64, 64, 2, 3)), (True, 2048, (64, 128, 3, 2)), (True, 3072, (192, 128, 2, 1)),
-    (True, None, (192, 128, 2, 1))])
+    (False, 512, "one"), (False, 1024, "one"), (False, 4096, "one"), (False, 8192, "three"), (False, None, "three"),
+    (True, 1024, "one"), (True, 2048, "one"), (True, 16384, "one"), (True, None, "one")])
 def test_d64_tiling_by_length(masked, seq, expected):
-    """At D = 64: three consumer warpgroups from the thresholds on, one per block (several blocks per SM) below."""
+    """At D = 64: one warpgroup per block with the causal mask, and without it below THREE_WARPGROUPS_MIN_SEQ."""
     config = hopper_forward_config(64, masked, seq_len=seq)
-    assert (config.block_M, config.block_N, config.num_stages, config.blocks_per_sm) == expected
-    assert config.threads == 2 * config.block_M and config.kernel == "flash_fwd_hopper_persistent"
+    if expected == "one":
+        assert config == ONE_WARPGROUP_FORWARD_CONFIG
+        assert (config.kernel, config.block_M, config.threads, config.blocks_per_sm) == (
+            "flash_fwd_hopper_one_warpgroup", 64, 128, 3)
+    else:
+        assert (config.kernel, config.block_M, config.threads, config.pingpong) == (
+            "flash_fwd_hopper_persistent", 192, 384, True)
 
 
 def test_window_and_d128_keep_their_tiling():
-    assert hopper_forward_config(64, True, seq_len=1024, window=True) == HOPPER_FORWARD_CONFIGS[64, True]._replace(
+    assert hopper_forward_config(64, True, seq_len=1024, window=True) == HOPPER_FORWARD_CONFIGS[64, False]._replace(
         block_M=128, threads=256)
     for seq in (1024, 4096):
         assert hopper_forward_config(128, True, seq_len=seq) == HOPPER_FORWARD_CONFIGS[128, True]
+
+
+# One warpgroup per block issuing its own TMA loads (flash_fwd_hopper_one_warpgroup_kernel), D = 64's default.
+
+ONE_WARPGROUP = {
+    "S=1k": dict(seq_q=1024, seq_k=1024),
+    "S=1k causal": dict(seq_q=1024, seq_k=1024, causal=True),
+    "gpt-oss window sinks, ragged": dict(seq_q=1000, seq_k=1000, heads=16, heads_kv=2, causal=True, window_size=128,
+                                         has_sinks=True, dtype="bfloat16"),
+}
+
+
+@functools.cache
+def _one_warpgroup_source(name):
+    from course_utils.kernels.flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
+
+    return _source(flash_fwd_hopper_one_warpgroup_kernel, dim=64, **ONE_WARPGROUP[name])
+
+
+@pytest.mark.parametrize("name", ONE_WARPGROUP)
+def test_one_warpgroup_block_loads_for_itself_and_is_peeled(name):
+    """No producer warpgroup: 128 threads, three blocks per SM, every TMA load issued by one elected thread;
+    one QKᵀ before the loop, QKᵀ + P·V in it, one P·V after it; a stage is refilled only after the block met."""
+    source = _one_warpgroup_source(name)
+    assert "__launch_bounds__(128, 3)" in source and "warpgroup_reg_alloc" not in source
+    loads = [m.start() for m in re.finditer(r"tl::tma_load\(", source)]
+    # Q, the first stages' K and V, block 0's key slot, and K and V in the loop. (A window of 128 keys spans at
+    # most two key blocks of a 64-row tile: TileLang proves the refills never run and drops them.)
+    assert len(loads) == (3 if "window" in name else 6)
+    assert all("tl_shuffle_elect<128>()" in source[start - 200:start] for start in loads)
+    loop_start = re.search(r"for \(int \w+ = 1; ", source).start()
+    assert source.count("wgmma_ss<") == 2 and source.count("wgmma_rs<") == 2
+    assert source.index("wgmma_ss<") < loop_start < source.rindex("wgmma_rs<")
+    loop = source[loop_start:source.rindex("wgmma_rs<")]
+    marks = [loop.find(mark) for mark in ("wgmma_ss<", "wgmma_rs<", "wait_wgmma<1>", "exp2f", "wait_wgmma<0>")]
+    assert -1 not in marks and marks == sorted(marks), marks
+    if "window" not in name:
+        refill = loop.index("tl::tma_load(")
+        assert "__syncthreads()" in loop[loop.rindex("wait_wgmma<0>", 0, refill):refill]
+
+
+@pytest.mark.parametrize("name", ONE_WARPGROUP)
+def test_one_warpgroup_fits_three_blocks_per_sm(name):
+    """ptxas: no serialised wgmma, no spill, and at most 65536 / (3 · 128) registers a thread."""
+    report = ptxas_report(_one_warpgroup_source(name))
+    if report is None:
+        pytest.skip("nvcc is not installed")
+    assert not any("C75" in line for line in report), report
+    assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
+    assert int(re.search(r"Used (\d+) registers", " ".join(report)).group(1)) <= 65536 // (3 * 128), report
+
+
+def test_one_warpgroup_kernel_rejects_other_tilings():
+    from course_utils.kernels.flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
+
+    with pytest.raises(ValueError, match="one warpgroup on 64 query rows"):
+        flash_fwd_hopper_one_warpgroup_kernel(1, 2, 256, 256, 64, block_M=128, threads=256)
+    with pytest.raises(ValueError, match="blocks_per_sm must be 1 to 4"):
+        flash_fwd_hopper_one_warpgroup_kernel(1, 2, 256, 256, 64, blocks_per_sm=5)
+    q = torch.randn(1, 2, 32, 16)
+    with pytest.raises(ValueError, match="sm_90"):
+        flash_attention(q, q, q, config=ONE_WARPGROUP_FORWARD_CONFIG)

@@ -11,6 +11,7 @@ from course_utils.core.problem import AttentionProblem
 from course_utils.core.source import cuda_source
 from course_utils.kernels.flash_fwd import flash_fwd_kernel
 from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
+from course_utils.kernels.flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
 from course_utils.kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
 from course_utils.kernels.versions import flash_bwd_hopper_versions as bwd_versions
 from course_utils.kernels.versions import flash_fwd_hopper_versions as fwd_versions
@@ -44,7 +45,8 @@ def test_a_kernel_is_one_row():
 
 
 def test_forward_versions_are_shipped_kernels_plus_pieces():
-    shipped = {flash_fwd_kernel, flash_fwd_hopper_kernel, flash_fwd_hopper_persistent_kernel}
+    shipped = {flash_fwd_kernel, flash_fwd_hopper_kernel, flash_fwd_hopper_persistent_kernel,
+               flash_fwd_hopper_one_warpgroup_kernel}
     assert all(v.factory in shipped for v in fwd_versions.VERSIONS)
     assert [v.number for v in fwd_versions.VERSIONS] == list(range(1, len(fwd_versions.VERSIONS) + 1))
     # one Version type for both ablations

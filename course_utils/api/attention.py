@@ -33,7 +33,7 @@ from .registry import BACKWARD, FORWARD, backward_row, forward_row
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
            "ForwardConfig", "BackwardConfig", "sink_logits", "check_sm_scale", "default_forward_config",
            "default_backward_config", "is_hopper", "SUPPORTED", "TUNED_FORWARD_CONFIG", "HOPPER_FORWARD_CONFIGS",
-           "THREE_WARPGROUPS_MIN_SEQ", "THREE_WARPGROUPS_MIN_SEQ_MASKED",
+           "THREE_WARPGROUPS_MIN_SEQ", "ONE_WARPGROUP_FORWARD_CONFIG",
            "D64_SHORT_FORWARD_CONFIGS", "SHORT_MASKED_MAX_SEQ", "hopper_forward_config", "FORWARD_KERNELS",
            "BACKWARD_KERNELS", "TUNED_BACKWARD_CONFIG", "HOPPER_BACKWARD_CONFIGS", "HOPPER_DQ_TILES"]
 
@@ -52,7 +52,7 @@ class ForwardConfig(NamedTuple):
     threads: int
     kernel: str = "flash_fwd"
     pingpong: bool = False  # Hopper kernels only: the consumer warpgroups take turns issuing their matmuls
-    blocks_per_sm: int = 1  # the persistent kernel only: 2 or 3 blocks of one consumer warpgroup share an SM
+    blocks_per_sm: int = 1  # kernels of one consumer warpgroup per block: how many blocks share an SM
 
     def tiling(self):
         """The tiling as keyword arguments of a kernel factory."""
@@ -70,19 +70,20 @@ HOPPER_FORWARD_CONFIGS = {
     (128, False): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True),
     (128, True): ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True),
     (64, False): ForwardConfig(192, 128, 2, 384, kernel="flash_fwd_hopper_persistent", pingpong=True),
-    (64, True): ForwardConfig(192, 128, 2, 384, kernel="flash_fwd_hopper_persistent", pingpong=True),
+    (64, True): ForwardConfig(64, 128, 2, 128, kernel="flash_fwd_hopper_one_warpgroup", blocks_per_sm=3),
 }
-# Below this many queries 192-row tiles waste more than a third warpgroup gains: at S = 1k the last
-# tile is two-thirds padding and a causal tile of 192 rows straddles 1.5 key blocks of its diagonal.
-THREE_WARPGROUPS_MIN_SEQ = 2048
-# With a causal mask, from 3k queries: at 2k a head has 11 tiles of 192 rows, and the folded order pairs
-# the middle one with the next head's heaviest (issue #26 on the H100: two warpgroups 0.96-0.98 × cuDNN,
-# three 0.76-0.79 at S = 2k; three ahead at 3k, 4k and 8k; notes/hopper_backward.md).
-THREE_WARPGROUPS_MIN_SEQ_MASKED = 3072
-# Below those lengths at D = 64: cuDNN's tiling, one consumer warpgroup per block of 64 query rows and
-# several blocks per SM, each on its own key tiles (issue #26, H100, 2026-11-27, notes/hopper_forward.md):
-# against two warpgroups with ping-pong, about 0.93 -> 0.98 × cuDNN at S = 1k without a mask and
-# 0.91 -> 0.96 at S = 2k causal; at S = 1k causal three blocks per SM on 64-key tiles, 0.91 -> 1.01.
+# At D = 64: cuDNN's tiling, one warpgroup per block of 64 query rows that issues its own TMA loads, three
+# blocks per SM (``flash_fwd_hopper_one_warpgroup``). Issue 26, H100, 2026-11-27 (notes/hopper_forward.md,
+# seventeenth session): 1.05-1.09 × cuDNN at S = 1k-2k where every earlier tiling was 0.93-1.00, and ahead of
+# three warpgroups with ping-pong at every causal length (1.07 against 0.97-1.07 at 4k-16k) and without a mask
+# up to 4k (1.05 against 1.03-1.04); from 8k without a mask three warpgroups stay ahead (1.09 against 1.05 at 8k,
+# fp16) or level.
+ONE_WARPGROUP_FORWARD_CONFIG = HOPPER_FORWARD_CONFIGS[64, True]
+# Without a mask, from this many queries on: three consumer warpgroups of the persistent kernel (FlashAttention-3's
+# tiling at D = 64), each K/V tile feeding 192 query rows.
+THREE_WARPGROUPS_MIN_SEQ = 8192
+# The persistent kernel's own one-warpgroup tilings (a producer warpgroup beside the consumer, two or three blocks
+# per SM): the default at D = 64 below 2k-3k queries before the kernel above, kept for chapter 07's comparison.
 # Keyed by (causal mask, at most SHORT_MASKED_MAX_SEQ queries).
 SHORT_MASKED_MAX_SEQ = 1024
 D64_SHORT_FORWARD_CONFIGS = {
@@ -96,20 +97,18 @@ D64_SHORT_FORWARD_CONFIGS = {
 def hopper_forward_config(dim, masked=False, *, seq_len=None, window=False):
     """The forward ``flash_attention`` runs on a Hopper GPU (whichever device this runs on).
 
-    ``HOPPER_FORWARD_CONFIGS[dim, masked]``, except where that is three consumer warpgroups
-    (block_M = 192, D = 64): for a sliding window, whose two-sided mask does not fit in the 160
-    registers a thread of three warpgroups gets, two warpgroups; for fewer than
-    ``THREE_WARPGROUPS_MIN_SEQ`` queries (``THREE_WARPGROUPS_MIN_SEQ_MASKED`` with a causal mask), one
-    warpgroup per block with two or three blocks per SM (``D64_SHORT_FORWARD_CONFIGS``).
+    ``HOPPER_FORWARD_CONFIGS[dim, masked]``, except at D = 64: a sliding window gets two warpgroups of the
+    persistent kernel (its one-warpgroup speed is not measured; three warpgroups' 160 registers a thread do not
+    fit its two-sided mask), and without a mask fewer than ``THREE_WARPGROUPS_MIN_SEQ`` queries get one
+    warpgroup per block (``ONE_WARPGROUP_FORWARD_CONFIG``).
     """
     config = HOPPER_FORWARD_CONFIGS[dim, bool(masked)]
-    if config.block_M != 192:
+    if dim != 64:
         return config
     if window:
-        return config._replace(block_M=128, threads=256)
-    min_seq = THREE_WARPGROUPS_MIN_SEQ_MASKED if masked else THREE_WARPGROUPS_MIN_SEQ
-    if seq_len is not None and seq_len < min_seq:
-        return D64_SHORT_FORWARD_CONFIGS[bool(masked), seq_len <= SHORT_MASKED_MAX_SEQ]
+        return HOPPER_FORWARD_CONFIGS[64, False]._replace(block_M=128, threads=256)
+    if not masked and seq_len is not None and seq_len < THREE_WARPGROUPS_MIN_SEQ:
+        return ONE_WARPGROUP_FORWARD_CONFIG
     return config
 
 

@@ -18,6 +18,7 @@ from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONF
 from ..kernels.flash_bwd_hopper import flash_bwd_hopper_kernel, gemm_policies
 from ..kernels.flash_fwd import flash_fwd_kernel
 from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
+from ..kernels.flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
 from ..kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
 from ..kernels.tiles import compile_kernel
 
@@ -98,8 +99,9 @@ CH03_LOOP_KEYLESS_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMOR
 
 def _has_keyless_rows(problem):
     return problem.causal and problem.seq_q is not None and problem.seq_q > problem.seq_k
-# The kernels a ForwardConfig or BackwardConfig can select: chapter 03/04's forward, chapter 07's two
-# Hopper forwards (the rotated loop, and its persistent version); chapter 05's and chapter 08's backward.
+# The kernels a ForwardConfig or BackwardConfig can select: chapter 03/04's forward, chapter 07's three
+# Hopper forwards (the rotated loop, its persistent version, and one warpgroup per block issuing its own loads);
+# chapter 05's and chapter 08's backward.
 FORWARD = {row.name: row for row in (
     KernelRow("flash_fwd", flash_fwd_kernel, (4, 5), "chapter 03/04's kernel", sinks=True,
               keyless_blocks_unaliased=True),
@@ -107,6 +109,8 @@ FORWARD = {row.name: row for row in (
               sinks=True, options=("pingpong",)),
     KernelRow("flash_fwd_hopper_persistent", flash_fwd_hopper_persistent_kernel, (4, 5), _HOPPER_FORWARD,
               hopper_only=True, on_cpu=False, sinks=True, options=("pingpong", "blocks_per_sm"), per_device=_sm_count),
+    KernelRow("flash_fwd_hopper_one_warpgroup", flash_fwd_hopper_one_warpgroup_kernel, (4, 5), _HOPPER_FORWARD,
+              hopper_only=True, on_cpu=False, sinks=True, options=("blocks_per_sm",)),
 )}
 BACKWARD = {row.name: row for row in (
     KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel"),

@@ -98,7 +98,7 @@ def _fast_math(pass_configs):
 def _cuda_jobs():
     """(name, archs, prim_func thunk, pass_configs): the shipped GPU kernels, one shape per config."""
     att = _module("attention")
-    fwd, fwd_h, fwd_p = _module("flash_fwd"), _module("flash_fwd_hopper"), _module("flash_fwd_hopper_persistent")
+    fwd, fwd_h = _module("flash_fwd"), _module("flash_fwd_hopper")
     bwd, bwd_h = _module("flash_bwd"), _module("flash_bwd_hopper")
     var, dec = _module("flash_varlen"), _module("flash_decode")
     vapi, reg = _module("varlen_api"), _module("registry")
@@ -118,16 +118,23 @@ def _cuda_jobs():
             jobs.append((f"fwd_{cname}_{vname}", archs,
                          lambda config=config, v=v, dim=dim: fwd.flash_fwd_kernel(B, H, S, S, dim, target="cuda",
                                                                                   **v, **config.tiling()), None))
-    # Hopper forwards: the persistent configs flash_attention picks, the window fallback, the rotated loop.
+    # Hopper forwards: the configs flash_attention picks (each through its kernel's factory), the window fallback,
+    # the rotated loop.
+    def hopper_forward(config, dim, **options):
+        factory = reg.FORWARD[config.kernel].factory
+        extra = {o: getattr(config, o) for o in reg.FORWARD[config.kernel].options}
+        return factory(B, H, 4096, 4096, dim, **options, **config.tiling(), **extra)
+
     for (dim, masked), config in att.HOPPER_FORWARD_CONFIGS.items():
-        jobs.append((f"fwd_hopper_persistent_d{dim}_{'masked' if masked else 'full'}", hopper,
-                     lambda config=config, dim=dim, masked=masked: fwd_p.flash_fwd_hopper_persistent_kernel(
-                         B, H, 4096, 4096, dim, causal=masked, **config.tiling(), pingpong=config.pingpong), None))
+        jobs.append((f"fwd_{config.kernel.removeprefix('flash_fwd_')}_d{dim}_{'masked' if masked else 'full'}", hopper,
+                     lambda config=config, dim=dim, masked=masked: hopper_forward(config, dim, causal=masked), None))
+    config = att.ONE_WARPGROUP_FORWARD_CONFIG
+    jobs.append(("fwd_hopper_one_warpgroup_d64_full", hopper,
+                 lambda config=config: hopper_forward(config, 64), None))
     config = att.hopper_forward_config(64, True, seq_len=4096, window=True)
     jobs.append(("fwd_hopper_persistent_d64_gqa_window_sinks", hopper,
-                 lambda config=config: fwd_p.flash_fwd_hopper_persistent_kernel(
-                     B, H, 4096, 4096, 64, heads_kv=2, causal=True, window_size=128, has_sinks=True,
-                     **config.tiling(), pingpong=config.pingpong), None))
+                 lambda config=config: hopper_forward(config, 64, heads_kv=2, causal=True, window_size=128,
+                                                      has_sinks=True), None))
     for (dim, masked), config in ch07.ROTATED_LOOP_CONFIGS.items():
         jobs.append((f"fwd_hopper_rotated_d{dim}_{'masked' if masked else 'full'}", hopper,
                      lambda config=config, dim=dim, masked=masked: fwd_h.flash_fwd_hopper_kernel(

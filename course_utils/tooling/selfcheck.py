@@ -129,6 +129,30 @@ def check_persistent_forward():
                 print(f"D={dim} causal={causal}: {name:32} {tflops(flops, ms):6.0f} TFLOP/s")
 
 
+def check_one_warpgroup_forward():
+    """Chapter 07's one-warpgroup forward (sm_90 only): checked at D = 64, S = 1k and 4k, causal or not, and timed
+    against the persistent kernel's three warpgroups and the peers."""
+    from ..api.attention import HOPPER_FORWARD_CONFIGS, ONE_WARPGROUP_FORWARD_CONFIG, flash_attention
+    from ..checking.validation import check_forward
+    from ..measure.bench import attention_flops, tflops, time_side_by_side
+    from ..measure.benchmarks.common import SDPA_PEERS, comparison_shapes, random_inputs, sdpa
+
+    configs = {"one warpgroup": ONE_WARPGROUP_FORWARD_CONFIG, "three warpgroups": HOPPER_FORWARD_CONFIGS[64, False]}
+    for seq in (1024, 4096):
+        shape = comparison_shapes(seq_lens=(seq,), dim=64)[0]
+        q, k, v = random_inputs(shape, torch.float16)
+        for causal in (False, True):
+            impls = {}
+            for name, config in configs.items():
+                out, lse = flash_attention(q, k, v, causal=causal, config=config, return_lse=True)
+                check_forward(q, k, v, out, lse, causal=causal, name=f"{name} S={seq} causal={causal}")
+                impls[name] = lambda config=config: flash_attention(q, k, v, causal=causal, config=config)
+            impls.update({n: (lambda b=b: sdpa(q, k, v, causal, b)) for n, b in SDPA_PEERS.items()})
+            flops = attention_flops(q.shape[0], q.shape[1], seq, seq, 64, causal=causal)
+            for name, ms in time_side_by_side(impls).items():
+                print(f"S={seq} causal={causal}: {name:32} {tflops(flops, ms):6.0f} TFLOP/s")
+
+
 def check_decode():
     """``python -m course_utils.check flash_decode``: contiguous and paged decoding against the float64 reference."""
     from ..api.varlen_api import flash_decode

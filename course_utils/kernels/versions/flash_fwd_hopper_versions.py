@@ -4,7 +4,8 @@ Like llm.c's ``dev/cuda`` kernels, each version is one line of why. A version ei
 to the version before it (the path to the shipped kernel) or varies the version it names without
 being kept. Versions 1–4 are chapter 03/04's kernel under different compile options; version 5
 is chapter 07's rotated loop (``flash_fwd_hopper_kernel``) and 6–10 its variations; version 11 is
-the persistent kernel (``flash_fwd_hopper_persistent_kernel``) and the later ones its variations.
+the persistent kernel (``flash_fwd_hopper_persistent_kernel``) and 12-20 its variations; version 21 (D = 64 only) is
+one warpgroup per block that issues its own loads (``flash_fwd_hopper_one_warpgroup_kernel``).
 A variation is the shipped kernel with the pieces it swaps: the shipped kernels take their tile
 order, matmul issue, running-max step, rescale, exponential and row sums as arguments, and the few
 pieces measured and not kept are below, each written once.
@@ -17,6 +18,7 @@ import tilelang.language as T
 
 from ..flash_fwd import flash_fwd_kernel
 from ..flash_fwd_hopper import flash_fwd_hopper_kernel
+from ..flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
 from ..flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel, tile_order
 from ..flash_pieces import ACCUM
 from ..tiles import compile_kernel
@@ -317,6 +319,10 @@ VERSIONS = [_forward(v) for v in (
     Version(20, "  (persistent, ping-pong, 2 in 16 exp2 by a polynomial)", "the same split at D = 128",
             flash_fwd_hopper_persistent_kernel, dict(num_stages=2, pingpong=True, exp2=exp2_poly_share(2, degree=4)),
             kept=False, base=13, dims=(128,), name=PERSISTENT_VARIANT),
+    Version(21, "+ one warpgroup per block, its own TMA loads, 3 blocks per SM",
+            "cuDNN's tiling at D = 64: no producer warpgroup, so three blocks' softmaxes and matmuls share an SM",
+            flash_fwd_hopper_one_warpgroup_kernel, dict(block_M=64, threads=128, num_stages=2, blocks_per_sm=3),
+            dims=(64,)),
 )]
 
 

@@ -8,6 +8,7 @@ import torch
 from ...api.attention import (
     D64_SHORT_FORWARD_CONFIGS,
     HOPPER_FORWARD_CONFIGS,
+    ONE_WARPGROUP_FORWARD_CONFIG,
     SHORT_MASKED_MAX_SEQ,
     ForwardConfig,
     flash_attention,
@@ -33,9 +34,12 @@ ROTATED_LOOP_CONFIGS = {
     (64, True): ForwardConfig(128, 192, 2, 256, kernel="flash_fwd_hopper", pingpong=True),
 }
 ROTATED = "rotated loop (one block per tile)"
-# The persistent kernel's tilings at D = 64, by consumer warpgroups per block, as the record names them.
+# The tilings at D = 64 the record times beside the default, as it names them: the persistent kernel by consumer
+# warpgroups per block (1: with its producer warpgroup, two or three blocks per SM), and ("own") one warpgroup per
+# block issuing its own loads, three blocks per SM.
 PERSISTENT_ALTERNATIVES = {3: "persistent, 3 consumer warpgroups", 2: "persistent, 2 consumer warpgroups",
-                           1: "persistent, 1 consumer warpgroup, 2-3 blocks per SM"}
+                           1: "persistent, 1 consumer warpgroup, 2-3 blocks per SM",
+                           "own": "1 warpgroup loading for itself, 3 blocks per SM"}
 
 
 def forward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(False, True), seq=4096, versions=None):
@@ -82,8 +86,9 @@ def persistent_vs_rotated(seq_lens=(1024, 2048, 4096, 16384), dims=(64, 128), dt
     """The default kernel (persistent) against chapter 07's rotated loop with one block per tile, from
     short sequences, where the difference is largest, to long ones. At D = 64 also the persistent
     kernel with the other numbers of consumer warpgroups (``PERSISTENT_ALTERNATIVES``: three, two with
-    ping-pong, one with several blocks per SM): the measurement behind ``THREE_WARPGROUPS_MIN_SEQ`` and
-    ``D64_SHORT_FORWARD_CONFIGS``. All checked on every head; FA2 and cuDNN alongside."""
+    ping-pong, one with several blocks per SM, and one warpgroup per block issuing its own loads): the measurement
+    behind ``THREE_WARPGROUPS_MIN_SEQ`` and ``ONE_WARPGROUP_FORWARD_CONFIG``. All checked on every head; FA2 and
+    cuDNN alongside."""
     rows = []
     jobs = list(itertools.product(dims, seq_lens, causal_options))
     dtype = getattr(torch, dtype_name)
@@ -92,10 +97,10 @@ def persistent_vs_rotated(seq_lens=(1024, 2048, 4096, 16384), dims=(64, 128), dt
         ours = hopper_forward_config(dim, causal, seq_len=seq)
         named = {ROTATED: ROTATED_LOOP_CONFIGS[dim, causal], OURS: ours}
         if dim == 64:
-            three = HOPPER_FORWARD_CONFIGS[64, causal]
+            three = HOPPER_FORWARD_CONFIGS[64, False]  # three warpgroups with ping-pong, with or without the mask
             one = D64_SHORT_FORWARD_CONFIGS[causal, seq <= SHORT_MASKED_MAX_SEQ]
             two = three._replace(block_M=128, threads=256)
-            others = dict(zip(PERSISTENT_ALTERNATIVES.values(), (three, two, one)))
+            others = dict(zip(PERSISTENT_ALTERNATIVES.values(), (three, two, one, ONE_WARPGROUP_FORWARD_CONFIG)))
             named.update({name: config for name, config in others.items() if config != ours})
         return named
 
