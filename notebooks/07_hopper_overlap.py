@@ -339,8 +339,8 @@ for name, options in {"D=128, 2 consumer warpgroups": dict(dim=128, heads=16),
 # %% [markdown]
 # `setmaxnreg` gives the producer 24 registers and the consumers 240 with two warpgroups, 160 with
 # three: enough for 192 × 128 tiles at D = 64, not for 192 × 192 (it spills), nor for a sliding
-# window's two-sided mask at 192 rows (ptxas then serialises the wgmmas), which is why a window keeps
-# two warpgroups.
+# window's two-sided mask at 192 rows (ptxas then serialises the wgmmas), which is why a window never
+# ran three warpgroups (at D = 64 it now runs section 4c's block).
 #
 # The third way to fill an SM is cuDNN's: **one consumer warpgroup per block of 64 query rows, and
 # several such blocks on each SM**, each on its own K/V tiles. The persistent kernel can do it
@@ -436,6 +436,8 @@ for dim, causal, seq in sorted({(r["dim"], r["causal"], r["seq"]) for r in vrows
     print(f"D={dim:<3} S={plots.seq_label(seq):>3} {'causal' if causal else '':7}{rot:9.0f}{ours:7.0f}{fa2:7.0f}"
           f"{cudnn:7.0f}{ours / rot:11.2f}{ours / cudnn:9.2f}{alt}")
 print("(" + plots.record_caption(versus) + ")")
+
+# %%
 d64 = lambda other, cases: {f"S={s} causal={c}": vtf[OURS, 64, c, s] / vtf[other, 64, c, s] for c, s in cases}  # noqa: E731
 causal_all = [(True, s) for s in (1024, 2048, 4096, 16384)]
 cu.claim_ratio("D=64 causal: the default (one warpgroup loading for itself) ÷ two warpgroups with ping-pong",
@@ -569,6 +571,9 @@ cu.claim_count("row sums reduced once slower", {c: r < 1 for c, r in change(ROW_
 cu.claim_ratio("exp2 on the FMA units ÷ without", change(EXP2_ON_FMA), says="below 1")
 cu.claim_ratio("polynomial exp2 on 2 of 16 groups ÷ without", {**change(by_number[19]), **change(by_number[20])},
                says="below 1")
+
+# %%
+# The variations' claims, and the rows ahead of cuDNN.
 cu.claim_ratio(f"{by_number[8].strip()} ÷ the rotated loop", change(by_number[8]), says="mixed")
 for dim, says in ((64, "below 1"), (128, "near 1")):  # light query blocks first: the reversed launch order
     cu.claim_ratio(f"{by_number[9].strip()} ÷ the rotated loop, D={dim}", change(by_number[9], [(dim, True)]), says=says)

@@ -161,8 +161,8 @@ _PERSISTENT_PROBLEMS = {
     "ragged D=64 causal (one warpgroup)": (1, 8, 8, 2500, 2500, 64, torch.float16, True, None, False),
     "S_q < S_k causal GQA": (1, 8, 2, 500, 1300, 128, torch.float16, True, None, False),
     "S_q > S_k causal sinks (one warpgroup)": (1, 4, 4, 1300, 500, 64, torch.float16, True, None, True),
-    "gpt-oss window": (1, 64, 8, 2048, 2048, 64, torch.bfloat16, True, 128, True),
-    "window 1": (1, 4, 4, 777, 777, 64, torch.float16, True, 1, False),
+    "gpt-oss window (one warpgroup)": (1, 64, 8, 2048, 2048, 64, torch.bfloat16, True, 128, True),
+    "window 1 (one warpgroup)": (1, 4, 4, 777, 777, 64, torch.float16, True, 1, False),
 }
 
 

@@ -193,9 +193,9 @@ def test_d64_tiling_by_length(masked, seq, expected):
             "flash_fwd_hopper_persistent", 192, 384, True)
 
 
-def test_window_and_d128_keep_their_tiling():
-    assert hopper_forward_config(64, True, seq_len=1024, window=True) == HOPPER_FORWARD_CONFIGS[64, False]._replace(
-        block_M=128, threads=256)
+def test_window_takes_one_warpgroup_at_d64_and_d128_keeps_its_tiling():
+    assert hopper_forward_config(64, True, seq_len=1024, window=True) == ONE_WARPGROUP_FORWARD_CONFIG
+    assert hopper_forward_config(64, True, seq_len=16384, window=True) == ONE_WARPGROUP_FORWARD_CONFIG
     for seq in (1024, 4096):
         assert hopper_forward_config(128, True, seq_len=seq) == HOPPER_FORWARD_CONFIGS[128, True]
 

@@ -77,7 +77,8 @@ HOPPER_FORWARD_CONFIGS = {
 # seventeenth session): 1.05-1.09 × cuDNN at S = 1k-2k where every earlier tiling was 0.93-1.00, and ahead of
 # three warpgroups with ping-pong at every causal length (1.07 against 0.97-1.07 at 4k-16k) and without a mask
 # up to 4k (1.05 against 1.03-1.04); from 8k without a mask three warpgroups stay ahead (1.09 against 1.05 at 8k,
-# fp16) or level.
+# fp16) or level. With gpt-oss's 128-key window (bf16, sinks, GQA 64/8) 1.31-1.42 × two warpgroups of the persistent
+# kernel, 1.19 × with a 1024-key window (same notes).
 ONE_WARPGROUP_FORWARD_CONFIG = HOPPER_FORWARD_CONFIGS[64, True]
 # Without a mask, from this many queries on: three consumer warpgroups of the persistent kernel (FlashAttention-3's
 # tiling at D = 64), each K/V tile feeding 192 query rows.
@@ -97,17 +98,13 @@ D64_SHORT_FORWARD_CONFIGS = {
 def hopper_forward_config(dim, masked=False, *, seq_len=None, window=False):
     """The forward ``flash_attention`` runs on a Hopper GPU (whichever device this runs on).
 
-    ``HOPPER_FORWARD_CONFIGS[dim, masked]``, except at D = 64: a sliding window gets two warpgroups of the
-    persistent kernel (its one-warpgroup speed is not measured; three warpgroups' 160 registers a thread do not
-    fit its two-sided mask), and without a mask fewer than ``THREE_WARPGROUPS_MIN_SEQ`` queries get one
-    warpgroup per block (``ONE_WARPGROUP_FORWARD_CONFIG``).
+    ``HOPPER_FORWARD_CONFIGS[dim, masked]`` (a sliding window is a mask), except at D = 64 without a mask:
+    fewer than ``THREE_WARPGROUPS_MIN_SEQ`` queries get one warpgroup per block
+    (``ONE_WARPGROUP_FORWARD_CONFIG``) instead of three warpgroups. ``window`` is kept for the callers that
+    pass it; every tiling chosen here takes a window.
     """
-    config = HOPPER_FORWARD_CONFIGS[dim, bool(masked)]
-    if dim != 64:
-        return config
-    if window:
-        return HOPPER_FORWARD_CONFIGS[64, False]._replace(block_M=128, threads=256)
-    if not masked and seq_len is not None and seq_len < THREE_WARPGROUPS_MIN_SEQ:
+    config = HOPPER_FORWARD_CONFIGS[dim, bool(masked or window)]
+    if dim == 64 and not (masked or window) and seq_len is not None and seq_len < THREE_WARPGROUPS_MIN_SEQ:
         return ONE_WARPGROUP_FORWARD_CONFIG
     return config
 

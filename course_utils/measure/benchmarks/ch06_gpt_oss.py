@@ -62,7 +62,8 @@ def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
                 rows.append(dict(sh, impl=impl, mode=mode, window=window, dtype=str(q.dtype).split(".")[1], ms=ms,
                                  tflops=tflops(flops * (2.5 if mode == "bwd" else 1.0), ms)))
                 if impl == OURS:
-                    rows[-1].update(errors=errors, config=default_forward_config("cuda", dim, True)._asdict())
+                    config = default_forward_config("cuda", dim, True, seq_len=s, window=window is not None)
+                    rows[-1].update(errors=errors, config=config._asdict())
             print(f"gpt-oss D={dim} window={window} {impl}: fwd {rows[-2]['tflops']:.0f}, bwd {rows[-1]['tflops']:.0f}")
     return rows
 
