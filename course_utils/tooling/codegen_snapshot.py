@@ -132,7 +132,7 @@ def _cuda_jobs():
     jobs.append(("fwd_hopper_one_warpgroup_d64_full", hopper,
                  lambda config=config: hopper_forward(config, 64), None))
     config = att.hopper_forward_config(64, True, seq_len=4096, window=True)
-    jobs.append(("fwd_hopper_persistent_d64_gqa_window_sinks", hopper,
+    jobs.append((f"fwd_{config.kernel.removeprefix('flash_fwd_')}_d64_gqa_window_sinks", hopper,
                  lambda config=config: hopper_forward(config, 64, heads_kv=2, causal=True, window_size=128,
                                                       has_sinks=True), None))
     for (dim, masked), config in ch07.ROTATED_LOOP_CONFIGS.items():
