@@ -18,7 +18,7 @@ from ..core.device import is_hopper
 from ..core.problem import AttentionProblem
 from ..kernels.flash_bwd import flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
 from ..kernels.flash_bwd_hopper import DQ_BY_ROWS, flash_bwd_hopper_dq_kernel
-from ..kernels.tiles import attention_launcher, compile_kernel
+from ..kernels.tiles import allocating_launcher, attention_launcher, compile_kernel, launcher
 from .inputs import (
     PLAN_SCALAR_TYPES,
     SUPPORTED,
@@ -221,26 +221,36 @@ def _compiled_backward(problem, config, deterministic=False):
     pr = problem
     small = 16 if pr.target == "c" else 64
     threads = 1 if pr.target == "c" else 128
+    out_dtype = getattr(torch, pr.dtype)
 
     def build(func, out_idx):
         return compile_kernel(func, out_idx=out_idx, target=pr.target, dtype=pr.dtype)
 
+    # The kernels are called through their TVM-FFI ``main`` with outputs allocated here (``tiles.launcher``):
+    # TileLang's wrapper around each call cost about as much host time as a short backward's GPU time.
+    def like_input(acc):  # a float32 accumulator -> the gradient in the input dtype
+        return (torch.empty(acc.shape, dtype=out_dtype, device=acc.device),)
+
     common = dict(dtype=pr.dtype, target=pr.target)
-    pre = build(flash_bwd_preprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, block=small, threads=threads,
-                                            **common), [2])
+    pre = allocating_launcher(build(flash_bwd_preprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, block=small,
+                                                                threads=threads, **common), [2]),
+                              lambda out, d_out: (torch.empty(out.shape[:3], dtype=torch.float32, device=out.device),))
     row = backward_row(config)
     row.check(pr, config, deterministic)
-    main = row.compile(pr, config, **(dict(deterministic=deterministic) if row.deterministic else {}))
+    main = launcher(row.compile(pr, config, **(dict(deterministic=deterministic) if row.deterministic else {})))
     if deterministic:
         block_M, block_N = HOPPER_DQ_TILES[pr.dim]
         dq = build(flash_bwd_hopper_dq_kernel(*pr.shape, **pr.kernel_options(), block_M=block_M, block_N=block_N), [6])
+        dq = allocating_launcher(dq, lambda q, *rest: (torch.empty(q.shape, dtype=q.dtype, device=q.device),))
         return BackwardKernels(pre, main, None, None, dq)
-    post_q = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, scale=pr.sm_scale, block=small,
-                                                threads=threads, **common), [1])
+    post_q = allocating_launcher(build(flash_bwd_postprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim,
+                                                                    scale=pr.sm_scale, block=small, threads=threads,
+                                                                    **common), [1]), like_input)
     post_kv = None
     if pr.heads_kv != pr.heads:
-        post_kv = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads_kv, pr.seq_k, pr.dim, block=small,
-                                                     threads=threads, **common), [1])
+        post_kv = allocating_launcher(build(flash_bwd_postprocess_kernel(pr.batch, pr.heads_kv, pr.seq_k, pr.dim,
+                                                                         block=small, threads=threads, **common), [1]),
+                                      like_input)
     return BackwardKernels(pre, main, post_q, post_kv)
 
 

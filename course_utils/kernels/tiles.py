@@ -19,7 +19,7 @@ from tilelang import tvm
 
 from ..core.device import TILE_TARGET
 
-__all__ = ["TileBackend", "compile_kernel", "launcher", "attention_launcher"]
+__all__ = ["TileBackend", "compile_kernel", "launcher", "allocating_launcher", "attention_launcher"]
 
 _TARGETS = ("cuda", "c")
 
@@ -95,6 +95,26 @@ def _ffi_main(adapter):
     if isinstance(module, tvm.runtime.Executable):  # compiled now; a kernel from the disk cache is a Module
         module = module.jit()
     return module.main  # what Executable.__call__ and Module.__call__ call
+
+
+def allocating_launcher(kernel, allocate):
+    """``launcher`` for a compiled kernel whose outputs are its last parameters: ``allocate(*inputs)`` returns
+    them (a tuple) and the kernel's TVM-FFI ``main`` is called with the inputs and then the outputs, as TileLang's
+    wrapper does after building them itself from the parameters' shapes; returns the output (or the outputs).
+    Any other backend, or outputs that are not the trailing parameters: the kernel itself.
+    """
+    adapter = getattr(kernel, "adapter", None)
+    if (type(adapter).__name__ != "TVMFFIKernelAdapter" or getattr(adapter, "_ffi_callee_allocated_output_abi", False)
+            or list(adapter.result_idx) != list(range(len(adapter.params) - len(adapter.result_idx),
+                                                       len(adapter.params)))):
+        return kernel
+    main = _ffi_main(adapter)
+
+    def launch(*inputs):
+        outputs = allocate(*inputs)
+        main(*inputs, *outputs)
+        return outputs[0] if len(outputs) == 1 else outputs
+    return launch
 
 
 def attention_launcher(kernel):
