@@ -989,3 +989,30 @@ cu.check_true(order.index("arrive:") > first["wait_wgmma<0>:"], "buffers are rel
 
 # %%
 show_source(flash_fwd_hopper_persistent_kernel, "peeled loop")
+
+# %% [markdown]
+# ### (d) How many blocks share an SM
+#
+# Section 4c's block wins because three of them fit one SM. What fits is set by four limits of an
+# H100 SM: 65536 registers, handed to a warp 256 at a time (each thread's count is rounded up to a
+# multiple of 8); 2048 threads; 32 blocks; and 228 KiB of shared memory, of which every block also
+# reserves 1 KiB for the system. Write `blocks_per_sm(threads, registers, shared_kib)`: how many
+# blocks of `threads` threads, each thread using `registers` registers and each block `shared_kib`
+# KiB of shared memory, one SM runs at once. The check then applies it to section 4c's three ways.
+#
+# Stuck? `hint("07", "d", 1)`, then `hint("07", "d", 2)`; `solution("07", "d")` shows the answer.
+
+# %% tags=["solution", "ex-d"]
+def blocks_per_sm(threads, registers, shared_kib):
+    ### BEGIN SOLUTION
+    warps = -(-threads // 32)
+    per_warp = -(-registers // 8) * 8 * 32  # a warp gets its registers 256 at a time
+    by_registers = 65536 // (warps * per_warp)
+    by_threads = 2048 // threads
+    by_shared = int(228 // (shared_kib + 1))  # each block's own KiB
+    return min(by_registers, by_threads, by_shared, 32)
+    ### END SOLUTION
+
+
+# %%
+ch07.check_blocks_per_sm(blocks_per_sm)

@@ -34,9 +34,24 @@ EXERCISES = {
                                   "merge_kernel"),
     "ch09_paged_lookup": Exercise("09_varlen_decoding", ("paged_scores", "paged_macros"), "ch09:check_paged_scores",
                                   "paged_scores"),
+    "ch07_blocks_per_sm": Exercise("07_hopper_overlap", ("blocks_per_sm",), "ch07:check_blocks_per_sm",
+                                   "blocks_per_sm", prelude=""),
 }
 
 MUTANTS = [
+    # --- chapter 07 (d): how many blocks share an SM ---
+    Mutant("ch07_blocks_per_sm", "registers not rounded to a warp's allocation",
+           (("per_warp = -(-registers // 8) * 8 * 32", "per_warp = registers * 32"),), "registers not rounded"),
+    Mutant("ch07_blocks_per_sm", "no 1 KiB reserved per block",
+           (("by_shared = int(228 // (shared_kib + 1))", "by_shared = int(228 // shared_kib)"),), "1 KiB"),
+    Mutant("ch07_blocks_per_sm", "no thread limit",
+           (("min(by_registers, by_threads, by_shared, 32)", "min(by_registers, by_shared, 32)"),), "2048 threads"),
+    Mutant("ch07_blocks_per_sm", "no block limit",
+           (("min(by_registers, by_threads, by_shared, 32)", "min(by_registers, by_threads, by_shared)"),),
+           "32 blocks"),
+    Mutant("ch07_blocks_per_sm", "largest count instead of the smallest",
+           (("min(by_registers, by_threads, by_shared, 32)", "max(by_registers, by_threads, by_shared)"),),
+           "smallest of the four counts"),
     # --- chapter 09 (c): the split-KV merge kernel ---
     Mutant("ch09_merge_kernel", "LSE not rescaled: weights e^(LSE_s − m), not divided by the total",
            (("T.exp(LSE_part[r, s] - LSE[r])", "T.exp(LSE_part[r, s] - shift[0])"),), "not divided by the total"),

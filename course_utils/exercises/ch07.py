@@ -13,7 +13,7 @@ from .common import ExerciseWrong, check_exercise
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 from .late_tools import c_lowering, lowered_steps, surfacing_warnings
 
-__all__ = ["check_wasted_share", "check_wait_count", "check_rotated_loop", "HINTS"]
+__all__ = ["check_wasted_share", "check_wait_count", "check_rotated_loop", "check_blocks_per_sm", "HINTS"]
 
 HINTS = {
     "a": ["A query block that sees n key blocks runs n + 1 iterations of two matmuls; two of them (the first "
@@ -31,6 +31,10 @@ HINTS = {
           "block indices to valid blocks; wait(n) with exercise (b)'s n for the batch the next statement reads; the "
           "exponentials in a tb.parallel loop with T.exp2 and scale_log2; a T.copy hands them to P for the next "
           "iteration; one read of K_s and V_s into stage_in_use after the last wait keeps the stage."],
+    "d": ["Each limit gives its own count of blocks (registers, threads, shared memory, and 32 blocks at most); the "
+          "SM runs the smallest of them.",
+          "Warps: a ceiling division of threads by 32. A warp's registers: registers rounded up to a multiple of 8, "
+          "times 32. Shared memory: 228 // (shared_kib + 1). Then min() of the four counts."],
 }
 
 
@@ -194,3 +198,45 @@ def check_rotated_loop(factory):
         print(f"✓ {name}: right on the C backend; sm_90a consumer loop: {' → '.join(steps)}")
 
     surfacing_warnings(run, c_lowering(factory, 2, 64, 16, block_M=16, block_N=16, dtype="float32"))
+
+
+# --- Exercise (d): how many blocks share an SM -------------------------------------------------------
+
+def _blocks_per_sm(threads, registers, shared_kib, *, rounded=True, reserved=True, thread_cap=True, block_cap=True):
+    warps = -(-threads // 32)
+    per_warp = (-(-registers // 8) * 8 if rounded else registers) * 32
+    counts = [65536 // (warps * per_warp), int(228 // (shared_kib + (1 if reserved else 0)))]
+    counts += [2048 // threads] if thread_cap else []
+    counts += [32] if block_cap else []
+    return min(counts)
+
+
+# Each likely slip, as the answers it gives (checked against every case below, so each one is told apart).
+_OCCUPANCY_SUSPECTS = [
+    ("registers not rounded: a warp gets them 256 at a time, so round each thread's count up to a multiple of 8",
+     dict(rounded=False)),
+    ("the 1 KiB every block reserves is missing from the shared memory", dict(reserved=False)),
+    ("the limit of 2048 threads per SM is missing", dict(thread_cap=False)),
+    ("the limit of 32 blocks per SM is missing", dict(block_cap=False)),
+]
+
+
+def check_blocks_per_sm(fn):
+    """Check ``fn(threads, registers, shared_kib)``: the blocks one H100 SM runs at once; name the likely slip."""
+    cases = [(128, 154, 72), (256, 128, 80), (128, 169, 10), (128, 64, 76), (512, 16, 1), (32, 16, 1), (384, 160, 112)]
+    try:
+        check_exercise("blocks_per_sm", lambda *a: torch.tensor(int(fn(*a))),
+                       lambda *a: torch.tensor(_blocks_per_sm(*a)), cases, atol=0, rtol=0,
+                       hint="Take the smallest of the four counts: registers, threads, shared memory, blocks.")
+    except ExerciseWrong as exc:
+        answers = [int(fn(*case)) for case in cases]
+        for why, slip in _OCCUPANCY_SUSPECTS:
+            if answers == [_blocks_per_sm(*case, **slip) for case in cases]:
+                raise ExerciseWrong(f"{exc} Likely: {why}.") from None
+        raise
+    ways = {"persistent, 3 consumer warpgroups + producer": (512, 128, 112),
+            "persistent, 1 consumer warpgroup + producer": (256, 128, 80),
+            "1 warpgroup loading for itself (154 registers)": (128, 154, 72)}
+    for name, (threads, registers, kib) in ways.items():
+        print(f"   {name}: {threads} threads × {registers} registers at launch, {kib} KiB -> "
+              f"{_blocks_per_sm(threads, registers, kib)} per SM")
