@@ -26,6 +26,7 @@ it, QKᵀ of block j with P·V of block j − 1 in it, the last P·V after it.
 
 import tilelang.language as T
 
+from .flash_fwd_hopper_persistent import load_dense_keys, load_dense_values
 from .flash_pieces import (
     ACCUM,
     forward_epilogue,
@@ -42,13 +43,13 @@ __all__ = ["flash_fwd_hopper_one_warpgroup_kernel"]
 
 @T.macro
 def load_key_block(K, V, K_s, V_s, k_full, v_full, bz, kv_head, block_N, kb, stage, keys=True, values=True):
-    """TMA loads of key block ``kb`` into ``stage`` (its keys, its values, or both) on their full barriers."""
+    """The persistent kernel's TMA loads of key block ``kb`` into ``stage`` (its keys, its values, or both), each
+    followed by its arrival on the full barrier."""
     if keys:
-        T.tma_copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s[stage, :, :], barrier=k_full[stage])
+        load_dense_keys(K, K_s, k_full, bz, kv_head, block_N, kb, stage)
         T.mbarrier_arrive(k_full[stage])
     if values:
-        T.tma_copy(V[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s[stage, :, :], barrier=v_full[stage])
-        T.mbarrier_arrive(v_full[stage])
+        load_dense_values(V, V_s, v_full, bz, kv_head, block_N, kb, stage)
 
 
 def flash_fwd_hopper_one_warpgroup_kernel(
