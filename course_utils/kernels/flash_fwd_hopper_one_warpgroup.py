@@ -30,6 +30,7 @@ from .flash_fwd_hopper_persistent import load_dense_keys, load_dense_values
 from .flash_pieces import (
     ACCUM,
     forward_epilogue,
+    forward_fragments,
     init_running_max,
     key_block_range,
     mask_scores,
@@ -86,15 +87,8 @@ def flash_fwd_hopper_one_warpgroup_kernel(
             Q_s = T.alloc_shared([block_M, dim], dtype)  # Q, then O's staging tile
             K_s = T.alloc_shared([num_stages, block_N, dim], dtype)
             V_s = T.alloc_shared([num_stages, block_N, dim], dtype)
-            S = T.alloc_fragment([block_M, block_N], ACCUM)
-            P = T.alloc_fragment([block_M, block_N], dtype)
-            acc_o = T.alloc_fragment([block_M, dim], ACCUM)
-            m = T.alloc_fragment([block_M], ACCUM)
-            m_prev = T.alloc_fragment([block_M], ACCUM)
-            shift = T.alloc_fragment([block_M], ACCUM)
-            alpha = T.alloc_fragment([block_M], ACCUM)
-            row_sum = T.alloc_fragment([block_M], ACCUM)
-            l = T.alloc_fragment([block_M], ACCUM)  # noqa: E741
+            S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_fragments(  # noqa: E741
+                tb, block_M, block_N, dim, dtype)
             q_full = T.alloc_barrier(threads)  # every thread arrives; the elected one also waits for the bytes
             k_full = T.alloc_barrier([threads] * num_stages)
             v_full = T.alloc_barrier([threads] * num_stages)

@@ -34,6 +34,7 @@ import tilelang.language as T
 from .flash_pieces import (
     ACCUM,
     forward_epilogue,
+    forward_fragments,
     init_running_max,
     key_block_range,
     mask_scores,
@@ -258,15 +259,8 @@ def flash_fwd_hopper_persistent_kernel(
             K_s = T.alloc_shared([num_stages, block_N, dim], dtype)
             V_s = T.alloc_shared([num_stages, block_N, dim], dtype)
             O_s = T.alloc_shared([block_M, dim], dtype)
-            S = T.alloc_fragment([block_M, block_N], ACCUM)
-            P = T.alloc_fragment([block_M, block_N], dtype)
-            acc_o = T.alloc_fragment([block_M, dim], ACCUM)
-            m = T.alloc_fragment([block_M], ACCUM)
-            m_prev = T.alloc_fragment([block_M], ACCUM)
-            shift = T.alloc_fragment([block_M], ACCUM)
-            alpha = T.alloc_fragment([block_M], ACCUM)
-            row_sum = T.alloc_fragment([block_M], ACCUM)
-            l = T.alloc_fragment([block_M], ACCUM)  # noqa: E741
+            S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_fragments(  # noqa: E741
+                tb, block_M, block_N, dim, dtype)
             l_part = row_sums.tiles(block_M) if row_sums is not None else None
             # Full: the 128 producer threads arrive and the TMA bytes land. Empty: every consumer thread arrives.
             q_full = T.alloc_barrier(128)

@@ -192,6 +192,14 @@ def forward_tiles(tb, block_M, block_N, dim, dtype):
     K_s = tb.shared([block_N, dim], dtype)
     V_s = tb.shared([block_N, dim], dtype)
     O_s = tb.shared([block_M, dim], dtype)
+    S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_fragments(tb, block_M, block_N, dim, dtype)  # noqa: E741
+    return Q_s, K_s, V_s, O_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l
+
+
+@T.macro
+def forward_fragments(tb, block_M, block_N, dim, dtype):
+    """A forward's registers: the score tile and its 16-bit copy, the output accumulator, the row statistics
+    (the kernels with stage buffers of their own allocate their shared tiles themselves)."""
     S = tb.fragment([block_M, block_N], ACCUM)  # scores, then probabilities
     P = tb.fragment([block_M, block_N], dtype)  # probabilities rounded for the PV gemm
     acc_o = tb.fragment([block_M, dim], ACCUM)
@@ -201,7 +209,7 @@ def forward_tiles(tb, block_M, block_N, dim, dtype):
     alpha = tb.fragment([block_M], ACCUM)  # rescale factor of the old accumulators
     row_sum = tb.fragment([block_M], ACCUM)
     l = tb.fragment([block_M], ACCUM)  # running softmax denominator  # noqa: E741
-    return Q_s, K_s, V_s, O_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l
+    return S, P, acc_o, m, m_prev, shift, alpha, row_sum, l
 
 
 @T.macro

@@ -41,6 +41,7 @@ from .flash_pieces import (
     ACCUM,
     LOG2E,
     consumer_barrier,
+    forward_fragments,
     forward_tiles,
     init_running_max,
     key_block_range,
@@ -519,15 +520,8 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
             Q_s = T.alloc_shared([block_M, dim], dtype)
             K_s = T.alloc_shared([num_stages, block_N, dim], dtype)
             V_s = T.alloc_shared([num_stages, block_N, dim], dtype)
-            S = T.alloc_fragment([block_M, block_N], ACCUM)
-            P = T.alloc_fragment([block_M, block_N], dtype)
-            acc_o = T.alloc_fragment([block_M, dim], ACCUM)
-            m = T.alloc_fragment([block_M], ACCUM)
-            m_prev = T.alloc_fragment([block_M], ACCUM)
-            shift = T.alloc_fragment([block_M], ACCUM)
-            alpha = T.alloc_fragment([block_M], ACCUM)
-            row_sum = T.alloc_fragment([block_M], ACCUM)
-            l = T.alloc_fragment([block_M], ACCUM)  # noqa: E741
+            S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_fragments(  # noqa: E741
+                tb, block_M, block_N, dim, dtype)
             if o_by_tma:
                 O_s = T.alloc_shared([block_M, dim], dtype)
             q_full = T.alloc_barrier(128)
