@@ -118,20 +118,13 @@ def allocating_launcher(kernel, allocate):
 
 
 def attention_launcher(kernel):
-    """``launcher`` for a compiled attention forward, (Q, K, V, Sinks) -> (O, LSE) with O like Q and a float32
-    LSE [B, H, S_q]: the two outputs are allocated here, and the kernel's TVM-FFI ``main`` is called with all
-    six arguments (its checks of every argument stay). Any other backend, or a kernel whose outputs TVM-FFI
-    allocates itself: a callable that runs the kernel as it is.
+    """``allocating_launcher`` for a compiled attention forward, (Q, K, V, Sinks) -> (O, LSE) with O like Q and a
+    float32 LSE [B, H, S_q] allocated here (the kernel's host function still checks every argument). Any other
+    backend: a callable that runs the kernel as it is and returns the same tuple.
     """
-    adapter = getattr(kernel, "adapter", None)
-    if (type(adapter).__name__ != "TVMFFIKernelAdapter" or list(adapter.result_idx) != [4, 5]
-            or getattr(adapter, "_ffi_callee_allocated_output_abi", False)):
+    launch = allocating_launcher(kernel, lambda q, k, v, sinks: (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)))
+    if launch is kernel:
         return lambda q, k, v, sinks: tuple(kernel(q, k, v, sinks))
-    main = _ffi_main(adapter)
-
-    def launch(q, k, v, sinks):
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        main(q, k, v, sinks, out, lse)
-        return out, lse
     return launch
