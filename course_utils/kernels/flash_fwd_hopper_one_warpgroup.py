@@ -97,6 +97,10 @@ def flash_fwd_hopper_one_warpgroup_kernel(
             kv_head = by // p.group
             k_start, k_end = key_block_range(p, qb, block_M, block_N)
             n = T.max(k_end - k_start, 1)  # a tile that sees no key still runs once, fully masked, and writes 0
+            # n again, in a register, for the refills' guards: TileLang 0.1.15 cannot lower a TMA load under a guard
+            # it proves false (a short window bounds n), and a register's value is not for it to prove anything of.
+            blocks = T.alloc_var("int32", init=0)
+            blocks = n
 
             # region: first loads
             T.tma_copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s, barrier=q_full[0])
@@ -118,7 +122,7 @@ def flash_fwd_hopper_one_warpgroup_kernel(
             mask_scores(tb, p, S, qb, T.max(T.min(k_start, n_kb - 1), 0), block_M, block_N)
             online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
             T.copy(S, P)
-            if num_stages < n:
+            if num_stages < blocks:
                 T.sync_threads()
                 load_key_block(K, V, K_s, V_s, k_full, v_full, bz, kv_head, block_N, k_start + num_stages, 0,
                                values=False)
@@ -138,9 +142,9 @@ def flash_fwd_hopper_one_warpgroup_kernel(
                     acc_o[i, d] *= alpha[i]
                 T.copy(S, P)
                 # Key slot ks (block j) and value slot vs (block j - 1) have been read: refill them.
-                if j - 1 + num_stages < n:
+                if j - 1 + num_stages < blocks:
                     T.sync_threads()
-                    if j + num_stages < n:
+                    if j + num_stages < blocks:
                         load_key_block(K, V, K_s, V_s, k_full, v_full, bz, kv_head, block_N,
                                        k_start + j + num_stages, ks, values=False)
                     load_key_block(K, V, K_s, V_s, k_full, v_full, bz, kv_head, block_N, k_start + j - 1 + num_stages,
