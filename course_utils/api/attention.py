@@ -383,6 +383,9 @@ class _FlashAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, logits)
         ctx.options = plan.backward
         ctx.has_sinks = sinks is not None
+        # An output the loss does not use reaches the backward as None, not as zeros autograd would fill (a
+        # loss of O alone, the usual case, would otherwise pay a fill and a subtraction for the LSE's zeros).
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
