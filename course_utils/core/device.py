@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import platform
 import subprocess
 
@@ -23,7 +24,12 @@ def pick(*, cpu, gpu):
 
 def is_hopper():
     """Whether the current CUDA GPU is sm_90 (H100/H200), where wgmma and TMA exist."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    return HAS_GPU and _major_capability(torch.cuda.current_device()) == 9
+
+
+@functools.cache
+def _major_capability(device_index):  # asked once per GPU: the public API calls is_hopper at every backward
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def _nvidia_smi(query):
