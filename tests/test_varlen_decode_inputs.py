@@ -265,6 +265,24 @@ def test_one_split_kernel_lowers_for_the_h100(page_size):
         assert "(num_pages - 1)), 0)" in source  # the looked-up page, clamped into the pool
 
 
+@pytest.mark.parametrize("page_size", [None, 256])
+def test_kv_eviction_hint_reaches_every_kv_load(page_size):
+    """sm_90a lowering, no GPU: ``kv_eviction`` (an option kept for the A/B of notes/decode5, not the default) puts
+    its cache hint on every K/V TMA load, and the default puts none."""
+    from course_utils.core.source import cuda_source
+    from course_utils.kernels.flash_decode import decode_config, flash_decode_kernel
+
+    loads = {}
+    for hint in (None, "evict_first"):
+        config = decode_config("cuda", 64, 8, 128, 1, page_size)._replace(kv_eviction=hint)
+        kernel = flash_decode_kernel(64, 8, 128, 1, page_size=page_size, dtype="bfloat16", target="cuda",
+                                     **config._asdict())
+        loads[hint] = [line for line in cuda_source(kernel).splitlines() if "tl::tma_load" in line]
+    assert len(loads[None]) == len(loads["evict_first"]) >= 2
+    assert not any("CacheHint" in line for line in loads[None])
+    assert all("tl::tma_load<tl::CacheHintSm90::EVICT_FIRST>" in line for line in loads["evict_first"])
+
+
 @pytest.mark.parametrize("schedule", ["list", "grid"])
 def test_both_schedules_backward_with_the_lse_layout_from_host_or_device(schedule):
     """The list schedule's LSE layout comes from cu_seqlens read on the host, the grid's from the device (no

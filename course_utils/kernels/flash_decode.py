@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import tilelang
 import tilelang.language as T
+from tilelang.language.copy_op import EVICTION_POLICY_IDS
 
 from .flash_pieces import (
     ACCUM,
@@ -68,6 +69,7 @@ class DecodeConfig(NamedTuple):
     warp_specialize: bool = True
     min_blocks: int = 0
     kv_heads_per_block: "int | None" = 1  # None (decode_config): 128 // D, a K/V tile row of 128 values
+    kv_eviction: "str | None" = None  # an L2 eviction hint for the K/V loads ("evict_first", ...); None: none
 
     def pass_configs(self):
         """TileLang pass options for compiling the split kernel with this config."""
@@ -136,7 +138,8 @@ def decode_config(target, heads, heads_kv, dim, seq_new, page_size=None, kv_head
 
 def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal=False, window_size=None,
                         sm_scale=None, dtype="float16", block_M=None, block_N=128, num_stages=2, threads=128,
-                        warp_specialize=True, min_blocks=0, kv_heads_per_block=1, single=False, target=None):
+                        warp_specialize=True, min_blocks=0, kv_heads_per_block=1, kv_eviction=None, single=False,
+                        target=None):
     """Return the split kernel: partial O and LSE of each (sequence, new token, query head, split).
 
     Tensors: Q [B, S_new, H, D]; K, V [B, S_max, H_kv, D], or with ``page_size`` the pages
@@ -225,6 +228,8 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
     def stored_column(i, d, first_row):  # column d of acc_o belongs to row i's own head, and the row is real
         return stored(i, first_row) if hpb == 1 else T.And(i < hpb * rows, d // dim == i // rows)
 
+    hint = None if kv_eviction is None or not tb.on_gpu else {"eviction_policy": EVICTION_POLICY_IDS[kv_eviction]}
+
     @T.macro
     def load_tile(Cache, BlockTable, tile, b, kv_head, kb):
         # region: load a key tile
@@ -232,9 +237,10 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
             # binding, which warp specialisation would leave behind in the consumer's branch); a page
             # number outside the pool is clamped into it (never a read outside the cache)
             T.copy(Cache[T.max(T.min(BlockTable[b, kb * block_N // page_size], num_pages - 1), 0),
-                         kb * block_N % page_size:kb * block_N % page_size + block_N, cache_head(kv_head), :], tile)
+                         kb * block_N % page_size:kb * block_N % page_size + block_N, cache_head(kv_head), :], tile,
+                   annotations=hint)
         else:
-            T.copy(Cache[b, kb * block_N:(kb + 1) * block_N, cache_head(kv_head), :], tile)
+            T.copy(Cache[b, kb * block_N:(kb + 1) * block_N, cache_head(kv_head), :], tile, annotations=hint)
         # endregion
 
     @T.macro
