@@ -7,7 +7,9 @@
 #   Y3: Y2's failed tests again, in two processes (six were out of memory beside five other shards; two, windows of
 #       2 and 3 keys, failed to lower the one-warpgroup forward: fixed in 2582b2e), with the other tests of the
 #       kernels that changed; chapter 06's gpt-oss record.
-#   Y4: the host profile again (the backward no longer gets the LSE's zeros); chapter 06 executed in place.
+#   Y4: the one-warpgroup forward before and after 2582b2e (notes/owg_guard_ab_2026-11-27.py); the one test Y3 left
+#       unrun after a Y2 failure; the host profile again (the backward no longer gets the LSE's zeros); chapter 06
+#       executed in place with Y3's record.
 source "$(dirname "$0")/device_call_lib.sh"
 Y3_TESTS="varlen_forward_backward or varlen_window_sinks or planted_bugs_at_full_size or stress_single_step or backward_full_size or gpt_oss_shape or persistent_forward_every_head or hopper_default"
 dec5() { stamp "decode5 $*"; timeout $1 python notes/decode5/dec5.py "${@:2}" 2>&1 | grep -v "Warning\|warnings.warn\|^\s*$" | grep "SUMMARY\|precompiled\|FAILED\|Error\|rc=" | tail -40; cp $OUT/*.jsonl /tmp/n/ 2>/dev/null; pack; }
@@ -28,7 +30,11 @@ case ${PART:?} in
       for s in 0 1; do echo "shard $s: $(grep -E 'passed|failed' /tmp/n/y3_shard$s.log | tail -1)"; done
       grep -h -E "^(FAILED|ERROR)" /tmp/n/y3_shard*.log | head; pack
       TAIL=12 record ch06_gpt_oss_h100 220 ;;
-  Y4) stamp "backward host profile"; timeout 130 python notes/bwd_host_profile_2026-11-27.py 2>&1 | grep -v Warning \
+  Y4) stamp "one-warpgroup guard A/B"; timeout 100 python notes/owg_guard_ab_2026-11-27.py 2>&1 | grep -v Warning \
+        | tee /tmp/n/owg_guard_ab.log | tail -n 4; pack
+      stamp "varlen gpt-oss test"; timeout 80 python -m pytest -q -p no:cacheprovider \
+        "tests/test_varlen_decode_gpu.py::test_varlen_window_sinks[gpt-oss]" 2>&1 | tail -n 2 | tee /tmp/n/pytest_y4.log
+      stamp "backward host profile"; timeout 100 python notes/bwd_host_profile_2026-11-27.py 2>&1 | grep -v Warning \
         > /tmp/n/bwd_host_profile_y4.log; grep "^D=" /tmp/n/bwd_host_profile_y4.log; pack
       (unset COURSE_REFRESH_RECORDS; notebook 06 220) ;;
 esac
