@@ -718,7 +718,10 @@ if rec_d is not None:
 # cuDNN is still faster: the large caches, by at most a few percent (the range of the claim above),
 # where the time is the GPU's read of the cache and ours reads at `torch.sum`'s pace; cuDNN reads a
 # little faster than that sum, so a plain read is not the ceiling, but we have not found what it does
-# differently (`notes/decode3.md` has what was tried).
+# differently. Tried on the H100 and not kept (`notes/decode3.md`, `notes/ch09_gpu_notes.md`): four K/V heads
+# per block, smaller or larger key tiles with more or fewer stages, twice the splits, and an L2 hint that
+# marks the cache's lines first to evict; none closed the gap at every shape. The best of them (tiles of
+# 128 keys, two stages) came closer at D = 64 with 64 sequences, by about the spread between two runs.
 
 # %% [markdown]
 # ## Takeaways
