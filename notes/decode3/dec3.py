@@ -55,11 +55,12 @@ def _config_fn(name):
     return cfg
 
 
-def make_runner(name, q, k, v, lengths, table, sinks):
-    """flash_decode's body with the plan made under candidate ``name``'s config."""
+def make_runner(name, q, k, v, lengths, table, sinks, num_splits=None):
+    """flash_decode's body with the plan made under candidate ``name``'s config (and ``num_splits``, None: the
+    default's)."""
     va.decode_config = _config_fn(name)
     try:
-        plan = va._decode_plan(q, k, v, lengths, table, False, None, None, sinks, None, None)
+        plan = va._decode_plan(q, k, v, lengths, table, False, None, None, sinks, num_splits, None)
     finally:
         va.decode_config = _plain_config
     tab = plan.no_table if table is None else table
@@ -180,12 +181,16 @@ def bench(dim, batches, contexts):
             torch.cuda.empty_cache()
 
 
-if __name__ == "__main__":
+def main(argv):
     torch.backends.cuda.matmul.allow_tf32 = False
-    part = sys.argv[1]
+    part = argv[1]
     if part == "precompile":
         precompile()
     elif part == "check":
         check()
     elif part == "bench":
-        bench(int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")], [int(x) for x in sys.argv[4].split(",")])
+        bench(int(argv[2]), [int(x) for x in argv[3].split(",")], [int(x) for x in argv[4].split(",")])
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -12,7 +12,6 @@ Question: at the nine memory-bound shapes where cuDNN was 0.2-1.6 % faster in th
 
 Run: python dec5.py precompile | check | bench DIM BATCHES CONTEXTS  (rows to $OUT/<part>.jsonl)
 """
-import functools
 import os
 import sys
 
@@ -33,42 +32,16 @@ dec3.candidates_for = lambda dim: list(dec3.CANDIDATES)
 dec3.CALL = 1
 
 
+_default_runner = dec3.make_runner
+
+
 def make_runner(name, q, k, v, lengths, table, sinks):
     """dec3.make_runner, with the split count of the sp candidates doubled."""
-    splits = None
-    if name in SPLIT_FACTOR:
-        splits = SPLIT_FACTOR[name] * va.decode_num_splits(q, k, block_table=table)
-    va.decode_config = dec3._config_fn(name)
-    try:
-        plan = va._decode_plan(q, k, v, lengths, table, False, None, None, sinks, splits, None)
-    finally:
-        va.decode_config = dec3._plain_config
-    tab = plan.no_table if table is None else table
-
-    def run(return_lse=False):
-        out = va.torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
-        lse = va.torch.empty(plan.lse_shape, dtype=va.torch.float32, device=plan.device)
-        if plan.merge is None:
-            plan.launch(q, k, v, tab, lengths, sinks, out, lse)
-        else:
-            o_part = va.torch.empty(plan.part_shape, dtype=va.torch.float32, device=plan.device)
-            lse_part = va.torch.empty(plan.part_shape[:-1], dtype=va.torch.float32, device=plan.device)
-            plan.launch(q, k, v, tab, lengths, o_part, lse_part)
-            plan.merge(o_part, lse_part, sinks, out, lse)
-        return (out, lse) if return_lse else out
-    return run, plan.splits
+    splits = SPLIT_FACTOR[name] * va.decode_num_splits(q, k, block_table=table) if name in SPLIT_FACTOR else None
+    return _default_runner(name, q, k, v, lengths, table, sinks, num_splits=splits)
 
 
 dec3.make_runner = make_runner
-dec3._config_fn = functools.lru_cache(maxsize=None)(dec3._config_fn.__wrapped__)
 
 if __name__ == "__main__":
-    import torch
-    torch.backends.cuda.matmul.allow_tf32 = False
-    part = sys.argv[1]
-    if part == "precompile":
-        dec3.precompile()
-    elif part == "check":
-        dec3.check()
-    elif part == "bench":
-        dec3.bench(int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")], [int(x) for x in sys.argv[4].split(",")])
+    dec3.main(sys.argv)
