@@ -48,8 +48,10 @@ def test_varlen_matches_the_reference_per_sequence(mask):
     check_backward(q, k, v, d_out, grads, refs=refs, name=mask, quiet=True)
 
 
-def test_varlen_gradients_of_a_loss_on_o_and_the_lse():
-    """Gradients of Σ O·dO + Σ LSE·dLSE against autograd through the float64 reference, sequence by sequence."""
+@pytest.mark.parametrize("uses", ["O and LSE", "O", "LSE"])
+def test_varlen_gradients_of_a_loss_on_o_and_the_lse(uses):
+    """Gradients of Σ O·dO + Σ LSE·dLSE against autograd through the float64 reference, sequence by sequence;
+    also of a loss of one output only, whose other gradient then reaches the backward as None, not as zeros."""
     from course_utils import attention_reference
 
     lq = lk = [BLOCK + 1, 1, 0, 20]
@@ -58,7 +60,13 @@ def test_varlen_gradients_of_a_loss_on_o_and_the_lse():
     cu = _cu(lq)
     out, lse = flash_attention_varlen(q, k, v, cu, cu, max(lq), max(lk), causal=True, sinks=sinks, return_lse=True)
     d_out, d_lse = torch.randn_like(out), torch.randn_like(lse)
-    grads = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), (q, k, v, sinks))
+    if uses == "O":
+        d_lse = torch.zeros_like(lse)
+    elif uses == "LSE":
+        d_out = torch.zeros_like(out)
+    loss = (out * d_out).sum() if "O" in uses.split() else 0
+    loss = loss + ((lse * d_lse).sum() if "LSE" in uses else 0)
+    grads = torch.autograd.grad(loss, (q, k, v, sinks))
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
     loss = 0
     for b in range(len(lq)):

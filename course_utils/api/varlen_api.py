@@ -578,6 +578,7 @@ class _FlashAttentionVarlen(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, logits, cu_q, cu_k)
         ctx.args = (plan, problem, backward_config, schedule)
         ctx.has_sinks = sinks is not None
+        ctx.set_materialize_grads(False)  # as flash_attention's: an unused output's gradient stays None, not zeros
         return out, lse
 
     @staticmethod
