@@ -10,6 +10,8 @@
 #   Y4: the one-warpgroup forward before and after 2582b2e (notes/owg_guard_ab_2026-11-27.py); the one test Y3 left
 #       unrun after a Y2 failure; the host profile again (the backward no longer gets the LSE's zeros); chapter 06
 #       executed in place with Y3's record.
+#   Y5: every GPU-only test on the final code in four shards, then any that failed again in one process (Y2's six
+#       shards ran out of GPU memory).
 source "$(dirname "$0")/device_call_lib.sh"
 Y3_TESTS="varlen_forward_backward or varlen_window_sinks or planted_bugs_at_full_size or stress_single_step or backward_full_size or gpt_oss_shape or persistent_forward_every_head or hopper_default"
 dec5() { stamp "decode5 $*"; timeout $1 python notes/decode5/dec5.py "${@:2}" 2>&1 | grep -v "Warning\|warnings.warn\|^\s*$" | grep "SUMMARY\|precompiled\|FAILED\|Error\|rc=" | tail -40; cp $OUT/*.jsonl /tmp/n/ 2>/dev/null; pack; }
@@ -37,5 +39,10 @@ case ${PART:?} in
       stamp "backward host profile"; timeout 100 python notes/bwd_host_profile_2026-11-27.py 2>&1 | grep -v Warning \
         > /tmp/n/bwd_host_profile_y4.log; grep "^D=" /tmp/n/bwd_host_profile_y4.log; pack
       (unset COURSE_REFRESH_RECORDS; notebook 06 220) ;;
+  Y5) stamp "GPU tests, four shards"; mkdir -p /tmp/n/tests; SHARDS=4 LIMIT=420 bash notes/gpu_tests_sharded.sh /tmp/n/tests
+      pack; grep -h -E "^(FAILED|ERROR) " /tmp/n/tests/shard*.log | sed -E 's/^(FAILED|ERROR) //; s/ - .*//' > /tmp/n/rerun.txt
+      if [ -s /tmp/n/rerun.txt ]; then stamp "again, one process: $(wc -l < /tmp/n/rerun.txt) tests"
+        mapfile -t ids < /tmp/n/rerun.txt; timeout 130 python -m pytest -q -rs -p no:cacheprovider "${ids[@]}" 2>&1 \
+          | tail -n 12 | tee /tmp/n/rerun.log; pack; fi ;;
 esac
 stamp done

@@ -7,7 +7,7 @@ python -m pytest -q -p no:cacheprovider --co $FILES 2>/dev/null | grep "::" > $L
 for s in $(seq 0 $((SHARDS - 1))); do
   awk -v s=$s -v n=$SHARDS 'NR % n == s' $LOGDIR/ids.txt > $LOGDIR/shard$s.txt
   mapfile -t ids < $LOGDIR/shard$s.txt  # ids may hold spaces (parametrised names)
-  (timeout $LIMIT python -m pytest -q -rs -p no:cacheprovider "${ids[@]}" > $LOGDIR/shard$s.log 2>&1
+  (timeout $LIMIT python -m pytest -q -rfEs -p no:cacheprovider "${ids[@]}" > $LOGDIR/shard$s.log 2>&1
    echo "exit $?" >> $LOGDIR/shard$s.log) &
 done
 wait
