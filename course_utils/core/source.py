@@ -14,12 +14,13 @@ from __future__ import annotations
 import inspect
 import re
 
-__all__ = ["show_source", "source_regions", "cuda_source", "grep", "count", "loop_skeleton", "ptxas_report",
-           "lowering_error"]
+__all__ = ["show_source", "shown_runs", "source_regions", "cuda_source", "grep", "count", "loop_skeleton",
+           "ptxas_report", "lowering_error"]
 
 
 _REGION = re.compile(r"^\s*# region: (.+?)\s*$")
 _END_REGION = re.compile(r"^\s*# endregion\s*$")
+_SHOWN_LINE = re.compile(r"^\s*(\d+) │ ?(.*)$")  # a line show_source prints: its number in the file, then the code
 
 
 def _python_object(obj):
@@ -55,6 +56,21 @@ def show_source(obj, region=None):
     indent = min(len(s) - len(s.lstrip()) for _, s in shown if s.strip())
     for number, line in shown:
         print(f"{number:4d} │ {line[indent:]}")
+
+
+def shown_runs(text):
+    """The runs of consecutive numbered lines ``show_source`` printed in ``text`` (a stored output):
+    [[(line number, code), ...], ...]."""
+    runs, run = [], []
+    for line in text.splitlines():
+        m = _SHOWN_LINE.match(line)
+        if m and (not run or int(m.group(1)) == run[-1][0] + 1):
+            run.append((int(m.group(1)), m.group(2)))
+            continue
+        if run:
+            runs.append(run)
+        run = [(int(m.group(1)), m.group(2))] if m else []
+    return runs + ([run] if run else [])
 
 
 def cuda_source(prim_func, arch="sm_90a", pass_configs=None):

@@ -12,42 +12,59 @@ committed notebook, keeping its execution counts. Only the cells the test names 
 """
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import nbformat
 
+from course_utils.core.source import shown_runs
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _stale_runs():
-    spec = importlib.util.spec_from_file_location("paired", ROOT / "tests" / "test_notebooks_paired.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    library = {path: path.read_text().splitlines() for path in (ROOT / "course_utils").rglob("*.py")}
-    return lambda notebook: module.stale_runs(notebook, library)
+def course_library():
+    """Every Python file of ``course_utils`` as it is today: {path: lines}."""
+    return {path: path.read_text().splitlines() for path in (ROOT / "course_utils").rglob("*.py")}
 
 
-def splice(prefix):
+def stale_listings(notebook, library):
+    """(cell number, run) for each run of lines a ``show_source`` cell of ``notebook`` printed that no file of
+    ``library`` holds at those line numbers today (``shown_runs``' runs: [(line number, code), ...])."""
+    stale = []
+    for number, cell in enumerate(notebook.cells):
+        if cell.cell_type != "code" or "show_source" not in cell.source:
+            continue
+        text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+        for run in shown_runs(text):
+            if not any(all(n <= len(lines) and lines[n - 1].strip() == code.strip() for n, code in run)
+                       for lines in library.values()):
+                stale.append((number, run))
+    return stale
+
+
+def splice(prefix, library=None):
     """Splice chapter ``prefix``'s stale show_source cells; returns the cell numbers replaced."""
+    library = course_library() if library is None else library
     (committed_path,) = (ROOT / "notebooks").glob(f"{prefix}_*.ipynb")
     executed_path = ROOT / "workspace" / "executed" / committed_path.name
     committed = nbformat.read(committed_path, as_version=4)
     executed = nbformat.read(executed_path, as_version=4)
     if [c.source for c in committed.cells] != [c.source for c in executed.cells]:
         raise ValueError(f"{executed_path} was made from other cells than {committed_path}: run the chapter again")
-    stale = _stale_runs()
-    cells = sorted({int(line.split(",")[0].split()[1]) for line in stale(committed)})
+    cells = sorted({number for number, _ in stale_listings(committed, library)})
     for number in cells:
         committed.cells[number].outputs = executed.cells[number].outputs
-    if stale(committed):
-        raise ValueError(f"{committed_path.name} still shows stale lines after splicing: {stale(committed)}")
-    nbformat.write(committed, committed_path)
+    still = stale_listings(committed, library)
+    if still:
+        raise ValueError(f"{committed_path.name} still shows stale lines after splicing, in cells "
+                         f"{sorted({number for number, _ in still})}")
+    if cells:
+        nbformat.write(committed, committed_path)
     return cells
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prefixes", nargs="+")
+    library = course_library()
     for prefix in parser.parse_args().prefixes:
-        print(prefix, "cells replaced:", splice(prefix))
+        print(prefix, "cells replaced:", splice(prefix, library))
