@@ -52,10 +52,25 @@ def test_both_matmuls_issued_unconditionally():
     assert not re.search(r"if \(kb_1 < |if \(0 < kb_1\)", before_first_wait)
 
 
-def test_ptxas_keeps_wgmma_async_only_without_conditional_issue():
-    good = ptxas_report(_source())
-    if good is None:
+def report_of(source):
+    """ptxas's report on ``source``; the test is skipped where nvcc is not installed."""
+    report = ptxas_report(source)
+    if report is None:
         pytest.skip("nvcc is not installed")
+    return report
+
+
+def assert_async_without_spills(report):
+    assert not any("C75" in line for line in report), report  # C75xx: ptxas serialised the wgmmas
+    assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
+
+
+def registers_used(report):
+    return int(re.search(r"Used (\d+) registers", " ".join(report)).group(1))
+
+
+def test_ptxas_keeps_wgmma_async_only_without_conditional_issue():
+    good = report_of(_source())
     bad = ptxas_report(_source(flash_fwd_hopper_variant, conditional_issue=True))
     assert not any("serialized" in line for line in good)
     assert any("serialized" in line for line in bad)
@@ -136,11 +151,7 @@ def test_persistent_loop_is_peeled(name):
 
 @pytest.mark.parametrize("name", PERSISTENT)
 def test_persistent_ptxas_keeps_wgmma_async_without_spills(name):
-    report = ptxas_report(_persistent_source(name))
-    if report is None:
-        pytest.skip("nvcc is not installed")
-    assert not any("C75" in line for line in report), report
-    assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
+    assert_async_without_spills(report_of(_persistent_source(name)))
 
 
 def test_persistent_kernel_rejects_a_thread_count_that_is_not_one_warpgroup_per_64_rows():
@@ -159,11 +170,8 @@ def test_several_blocks_per_sm_fit_the_register_file(name):
     assert f"__launch_bounds__(256, {blocks})" in source
     launch = 65536 // (blocks * 256) // 8 * 8
     assert f"warpgroup_reg_alloc<{2 * launch - 24}>" in source and "warpgroup_reg_dealloc<24>" in source
-    report = ptxas_report(source)
-    if report is None:
-        pytest.skip("nvcc is not installed")
-    used = int(re.search(r"Used (\d+) registers", " ".join(report)).group(1))
-    assert used <= launch, report
+    report = report_of(source)
+    assert registers_used(report) <= launch, report
 
 
 def test_several_blocks_per_sm_need_one_consumer_warpgroup():
@@ -254,12 +262,9 @@ def test_one_warpgroup_kernel_lowers_for_short_windows(seq_q, seq_k, window):
 @pytest.mark.parametrize("name", ONE_WARPGROUP)
 def test_one_warpgroup_fits_three_blocks_per_sm(name):
     """ptxas: no serialised wgmma, no spill, and at most 65536 / (3 · 128) registers a thread."""
-    report = ptxas_report(_one_warpgroup_source(name))
-    if report is None:
-        pytest.skip("nvcc is not installed")
-    assert not any("C75" in line for line in report), report
-    assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
-    assert int(re.search(r"Used (\d+) registers", " ".join(report)).group(1)) <= 65536 // (3 * 128), report
+    report = report_of(_one_warpgroup_source(name))
+    assert_async_without_spills(report)
+    assert registers_used(report) <= 65536 // (3 * 128), report
 
 
 def test_one_warpgroup_kernel_rejects_other_tilings():
