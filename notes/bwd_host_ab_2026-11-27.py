@@ -5,32 +5,13 @@ CUDA-event time of 50 calls back to back and the host time of issuing 50 calls w
 checked against float64 first (gpt-oss D = 64 window, and the 1k case).
     python notes/bwd_host_ab_2026-11-27.py
 """
-import time
 
 import torch
+from device_ab import gpu_and_host_ms  # notes/, the script's own folder
 
 from course_utils import flash_attention
 from course_utils.checking.validation import check_backward
 from course_utils.measure.benchmarks.ch06_gpt_oss import GPT_OSS_SHAPE, gpt_oss_inputs
-
-
-def timed(call):
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(50):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        call()
-    host = (time.perf_counter() - t0) / 50 * 1e3
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 50, host
-
 
 cases = [(f"gpt-oss D={d} window={w}", dict(GPT_OSS_SHAPE, dim=d), w) for d in (64, 128) for w in (128, None)]
 cases.append(("D=64 causal S=1k B=16 H=32 fp16", dict(batch=16, heads=32, heads_kv=32, seq=1024, dim=64), None))
@@ -43,5 +24,5 @@ for label, shape, window in cases:
     if (window and "D=64" in label) or "fp16" in label:
         grads = torch.autograd.grad(out, leaves, d_out, retain_graph=True)
         check_backward(q, k, v, d_out, grads, causal=True, window_size=window, sinks=sinks, name=label)
-    ms, host = timed(lambda: torch.autograd.grad(out, leaves, d_out, retain_graph=True))
+    ms, host = gpu_and_host_ms(lambda: torch.autograd.grad(out, leaves, d_out, retain_graph=True))
     print(f"{label}: {ms:.3f} ms a call back to back, host {host:.3f} ms", flush=True)

@@ -6,32 +6,13 @@ without a sync; for the D = 64 cases, torch.profiler's CPU-side events of 20 cal
 cudaMemcpy there would be a wait), sorted by self CPU time.
     python notes/bwd_host_profile_2026-11-27.py
 """
-import time
 
 import torch
+from device_ab import gpu_and_host_ms  # notes/, the script's own folder
 from torch.profiler import ProfilerActivity, profile
 
 from course_utils import flash_attention
 from course_utils.measure.benchmarks.ch06_gpt_oss import GPT_OSS_SHAPE, gpt_oss_inputs
-
-
-def per_call(call, n=50):
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        call()
-    host = (time.perf_counter() - t0) / n * 1e3
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n, host
-
 
 for dim in (64, 128):
     for window in (128, None):
@@ -40,8 +21,9 @@ for dim in (64, 128):
         out = flash_attention(*leaves, causal=True, window_size=window, sinks=sinks)
         d_out = torch.randn_like(out)
         call = lambda: torch.autograd.grad(out, leaves, d_out, retain_graph=True)  # noqa: E731
-        ms, host = per_call(call)
-        fwd_ms, fwd_host = per_call(lambda: flash_attention(*leaves, causal=True, window_size=window, sinks=sinks))
+        ms, host = gpu_and_host_ms(call)
+        forward = lambda: flash_attention(*leaves, causal=True, window_size=window, sinks=sinks)  # noqa: E731
+        fwd_ms, fwd_host = gpu_and_host_ms(forward)
         print(f"D={dim} window={window}: backward {ms:.3f} ms a call back to back, host {host:.3f} ms; "
               f"forward {fwd_ms:.3f}, host {fwd_host:.3f}", flush=True)
         if dim == 64:

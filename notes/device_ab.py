@@ -5,6 +5,8 @@
 to a baseline; ``compile_jobs(build, jobs, ...)`` compiles in threads and keeps the failures; ``forward_checked(...)``
 checks a forward on every batch element and head, recording a failure instead of raising; ``save(path, **parts)``
 rewrites one JSON file after every part, so a call cut off by its time limit still returns what it measured.
+``gpu_and_host_ms(call)`` is one call's milliseconds back to back (CUDA events) and on the host alone (issued without
+a sync).
 """
 import itertools
 import json
@@ -21,6 +23,26 @@ def machine():
     return dict(gpu=p.name, sms=p.multi_processor_count, torch=torch.__version__, tilelang=tilelang.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
+def gpu_and_host_ms(call, n=50):
+    """(CUDA-event ms a call over ``n`` calls back to back, host ms a call issuing ``n`` calls without a sync), after
+    five warm-up calls."""
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    host = (time.perf_counter() - t0) / n * 1e3
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n, host
 
 
 def packed_batch(lengths, heads, dim, generator, dtype=torch.float16):

@@ -5,9 +5,9 @@ calls without a sync, and cProfile's top functions of 20 calls at D = 64 with th
 """
 import cProfile
 import pstats
-import time
 
 import torch
+from device_ab import gpu_and_host_ms  # notes/, the script's own folder
 
 from course_utils import flash_attention
 from course_utils.measure.benchmarks.ch06_gpt_oss import GPT_OSS_SHAPE, gpt_oss_inputs
@@ -19,22 +19,8 @@ for dim in (64, 128):
         out = flash_attention(*leaves, causal=True, window_size=window, sinks=sinks)
         d_out = torch.randn_like(out)
         call = lambda: torch.autograd.grad(out, leaves, d_out, retain_graph=True)  # noqa: E731
-        for _ in range(5):
-            call()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(50):
-            call()
-        end.record()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            call()
-        host = (time.perf_counter() - t0) / 50 * 1e3
-        torch.cuda.synchronize()
-        print(f"D={dim} window={window}: {start.elapsed_time(end) / 50:.3f} ms a call back to back, host {host:.3f} ms",
-              flush=True)
+        ms, host = gpu_and_host_ms(call)
+        print(f"D={dim} window={window}: {ms:.3f} ms a call back to back, host {host:.3f} ms", flush=True)
         if dim == 64 and window:
             prof = cProfile.Profile()
             prof.enable()
