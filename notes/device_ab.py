@@ -5,6 +5,8 @@
 to a baseline; ``compile_jobs(build, jobs, ...)`` compiles in threads and keeps the failures; ``forward_checked(...)``
 checks a forward on every batch element and head, recording a failure instead of raising; ``save(path, **parts)``
 rewrites one JSON file after every part, so a call cut off by its time limit still returns what it measured.
+``forward_variants_against_peers(...)`` is the forward A/B of several scripts: the shipped ``flash_attention``,
+compiled variants (each checked first) and SDPA's cuDNN and FA2 on B·S = 16k tokens.
 ``gpu_and_host_ms(call)`` is one call's milliseconds back to back (CUDA events) and on the host alone (issued without
 a sync).
 """
@@ -95,3 +97,53 @@ def forward_checked(errors, key, q, k, v, out, lse, *, name, step=2, **options):
 def save(path, **parts):
     with open(path, "w") as f:
         json.dump(parts, f, indent=1)
+
+
+def forward_variants_against_peers(cases, variants, compile_variant, *, heads, dim, result, out_path, t0,
+                                   key_suffix=()):
+    """For each (seq, causal, dtype) of ``cases``, inputs of B·S = 16384 tokens ([16384 // seq, heads, seq, dim]):
+    the shipped ``flash_attention`` and each of ``variants`` (a name per variant), compiled in threads by
+    ``compile_variant(q, seq, causal, dtype, name) -> launcher``; a variant that fails to compile, or fails the
+    float64 check on every batch element and head, is recorded in ``result["errors"]`` (keyed by (seq, causal,
+    dtype, name) + ``key_suffix``) and not timed. The rest, with SDPA's cuDNN and FA2, are timed in ``blocks``
+    against cuDNN into ``result["F"]``, saved to ``out_path`` after each case."""
+    from course_utils import flash_attention
+    from course_utils.measure.benchmarks.common import CUDNN, FA2, SDPA_PEERS, sdpa
+
+    inputs, kernels = {}, {}
+    for seq, _, dtype in cases:
+        g = torch.Generator(device="cuda").manual_seed(seq)
+        inputs[seq, dtype] = [torch.randn(16384 // seq, heads, seq, dim, device="cuda", dtype=getattr(torch, dtype),
+                                          generator=g) for _ in range(3)]
+
+    def build(job):
+        seq, causal, dtype, name = job
+        q, k, v = inputs[seq, dtype]
+        try:
+            if name == "shipped":
+                flash_attention(q, k, v, causal=causal)
+            else:
+                kernels[job] = compile_variant(q, seq, causal, dtype, name)
+            return None
+        except Exception as exc:
+            return f"{type(exc).__name__}: {str(exc).splitlines()[-1][:160]}"
+
+    jobs = list(dict.fromkeys((s, c, d, n) for s, c, d in cases for n in ("shipped", *variants)))
+    compile_jobs(build, jobs, result["errors"], t0)
+    sinks = torch.zeros(heads, device="cuda", dtype=torch.float32)
+    for seq, causal, dtype in cases:
+        q, k, v = inputs[seq, dtype]
+        fns = {"shipped": lambda causal=causal: flash_attention(q, k, v, causal=causal)}
+        for name in variants:
+            launch = kernels.get((seq, causal, dtype, name))
+            if launch is None:
+                continue
+            out, lse = launch(q, k, v, sinks)
+            if not forward_checked(result["errors"], (seq, causal, dtype, name) + tuple(key_suffix), q, k, v, out,
+                                   lse, causal=causal, name=f"{dtype} D{dim} {seq} causal={causal} {name}"):
+                continue  # a failing variant is reported and not timed
+            fns[name] = lambda launch=launch: launch(q, k, v, sinks)
+        for peer in (CUDNN, FA2):
+            fns[peer] = lambda causal=causal, peer=peer: sdpa(q, k, v, causal, SDPA_PEERS[peer])
+        result["F"] += blocks(fns, label=f"{dtype} D{dim} S={seq} causal={causal}", base=CUDNN)
+        save(out_path, **result)

@@ -14,12 +14,10 @@ import time
 import torch
 
 sys.path.insert(0, "notes")
-from device_ab import blocks, compile_jobs, forward_checked, machine, save  # noqa: E402
+from device_ab import forward_checked, forward_variants_against_peers, machine, save  # noqa: E402
 from onewg_kernel import flash_fwd_one_warpgroup_kernel  # noqa: E402
 
-from course_utils import flash_attention  # noqa: E402
 from course_utils.kernels.tiles import attention_launcher, compile_kernel  # noqa: E402
-from course_utils.measure.benchmarks.common import CUDNN, FA2, SDPA_PEERS, sdpa  # noqa: E402
 
 out_path = sys.argv[1]
 parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["edges", "d64", "d128"]
@@ -68,43 +66,11 @@ if "edges" in parts:
 
 
 def timed(cases, variants, heads, dim):
-    inputs, kernels = {}, {}
-    for seq, _, dtype in cases:
-        g = torch.Generator(device="cuda").manual_seed(seq)
-        inputs[seq, dtype] = [torch.randn(16384 // seq, heads, seq, dim, device="cuda", dtype=getattr(torch, dtype),
-                                          generator=g) for _ in range(3)]
+    def compile_variant(q, seq, causal, dtype, name):
+        return compiled(q.shape[0], heads, seq, seq, dim, dtype, variants[name], causal=causal)
 
-    def build(job):
-        seq, causal, dtype, name = job
-        q, _, _ = inputs[seq, dtype]
-        try:
-            if name == "shipped":
-                flash_attention(*inputs[seq, dtype], causal=causal)
-            else:
-                kernels[job] = compiled(q.shape[0], heads, seq, seq, dim, dtype, variants[name], causal=causal)
-            return None
-        except Exception as exc:
-            return f"{type(exc).__name__}: {str(exc).splitlines()[-1][:160]}"
-
-    jobs = list(dict.fromkeys((s, c, d, n) for s, c, d in cases for n in ("shipped", *variants)))
-    compile_jobs(build, jobs, result["errors"], t0)
-    sinks = torch.zeros(heads, device="cuda", dtype=torch.float32)
-    for seq, causal, dtype in cases:
-        q, k, v = inputs[seq, dtype]
-        fns = {"shipped": lambda causal=causal: flash_attention(q, k, v, causal=causal)}
-        for name in variants:
-            launch = kernels.get((seq, causal, dtype, name))
-            if launch is None:
-                continue
-            out, lse = launch(q, k, v, sinks)
-            if not forward_checked(result["errors"], (seq, causal, dtype, name, dim), q, k, v, out, lse,
-                                   causal=causal, name=f"{dtype} D{dim} {seq} causal={causal} {name}"):
-                continue
-            fns[name] = lambda launch=launch: launch(q, k, v, sinks)
-        for peer in (CUDNN, FA2):
-            fns[peer] = lambda causal=causal, peer=peer: sdpa(q, k, v, causal, SDPA_PEERS[peer])
-        result["F"] += blocks(fns, label=f"{dtype} D{dim} S={seq} causal={causal}", base=CUDNN)
-        save(out_path, **result)
+    forward_variants_against_peers(cases, variants, compile_variant, heads=heads, dim=dim, result=result,
+                                   out_path=out_path, t0=t0, key_suffix=(dim,))
 
 
 if "d64" in parts:
