@@ -107,50 +107,46 @@ def check_hopper_forward():
         report_lowering(flash_fwd_hopper_kernel(4, 16, 4096, 4096, 128, causal=True))
 
 
-def check_persistent_forward():
-    """Chapter 07's persistent forward (sm_90 only): checked at S = 4k, D = 128 and 64, causal or not,
-    and timed against the peers."""
-    from ..api.attention import ForwardConfig, flash_attention
+def _check_and_time_configs(configs, dim, seq):
+    """``flash_attention`` with each of ``configs`` ({name: ForwardConfig}) on chapter 07's fp16 shape with ``seq``
+    queries and head dim ``dim``, causal or not: checked against the float64 reference, then timed beside SDPA's
+    peers."""
+    from ..api.attention import flash_attention
     from ..checking.validation import check_forward
     from ..measure.bench import attention_flops, tflops, time_side_by_side
     from ..measure.benchmarks.common import SDPA_PEERS, comparison_shapes, random_inputs, sdpa
 
-    for dim in (128, 64):
-        shape = comparison_shapes(seq_lens=(4096,), dim=dim)[0]
-        q, k, v = random_inputs(shape, torch.float16)
-        for causal in (False, True):
-            config = ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent")
+    q, k, v = random_inputs(comparison_shapes(seq_lens=(seq,), dim=dim)[0], torch.float16)
+    for causal in (False, True):
+        impls = {}
+        for name, config in configs.items():
             out, lse = flash_attention(q, k, v, causal=causal, config=config, return_lse=True)
-            check_forward(q, k, v, out, lse, causal=causal, name=f"D={dim} causal={causal}")
-            impls = {"persistent": lambda: flash_attention(q, k, v, causal=causal, config=config)}
-            impls.update({n: (lambda b=b: sdpa(q, k, v, causal, b)) for n, b in SDPA_PEERS.items()})
-            flops = attention_flops(q.shape[0], q.shape[1], q.shape[2], k.shape[2], dim, causal=causal)
-            for name, ms in time_side_by_side(impls).items():
-                print(f"D={dim} causal={causal}: {name:32} {tflops(flops, ms):6.0f} TFLOP/s")
+            check_forward(q, k, v, out, lse, causal=causal, name=f"{name} D={dim} S={seq} causal={causal}")
+            impls[name] = lambda config=config, causal=causal: flash_attention(q, k, v, causal=causal, config=config)
+        impls.update({n: (lambda b=b, causal=causal: sdpa(q, k, v, causal, b)) for n, b in SDPA_PEERS.items()})
+        flops = attention_flops(q.shape[0], q.shape[1], seq, seq, dim, causal=causal)
+        for name, ms in time_side_by_side(impls).items():
+            print(f"D={dim} S={seq} causal={causal}: {name:32} {tflops(flops, ms):6.0f} TFLOP/s")
+
+
+def check_persistent_forward():
+    """Chapter 07's persistent forward (sm_90 only): checked at S = 4k, D = 128 and 64, causal or not,
+    and timed against the peers."""
+    from ..api.attention import ForwardConfig
+
+    for dim in (128, 64):
+        _check_and_time_configs({"persistent": ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent")},
+                                dim, 4096)
 
 
 def check_one_warpgroup_forward():
     """Chapter 07's one-warpgroup forward (sm_90 only): checked at D = 64, S = 1k and 4k, causal or not, and timed
     against the persistent kernel's three warpgroups and the peers."""
-    from ..api.attention import HOPPER_FORWARD_CONFIGS, ONE_WARPGROUP_FORWARD_CONFIG, flash_attention
-    from ..checking.validation import check_forward
-    from ..measure.bench import attention_flops, tflops, time_side_by_side
-    from ..measure.benchmarks.common import SDPA_PEERS, comparison_shapes, random_inputs, sdpa
+    from ..api.attention import HOPPER_FORWARD_CONFIGS, ONE_WARPGROUP_FORWARD_CONFIG
 
     configs = {"one warpgroup": ONE_WARPGROUP_FORWARD_CONFIG, "three warpgroups": HOPPER_FORWARD_CONFIGS[64, False]}
     for seq in (1024, 4096):
-        shape = comparison_shapes(seq_lens=(seq,), dim=64)[0]
-        q, k, v = random_inputs(shape, torch.float16)
-        for causal in (False, True):
-            impls = {}
-            for name, config in configs.items():
-                out, lse = flash_attention(q, k, v, causal=causal, config=config, return_lse=True)
-                check_forward(q, k, v, out, lse, causal=causal, name=f"{name} S={seq} causal={causal}")
-                impls[name] = lambda config=config: flash_attention(q, k, v, causal=causal, config=config)
-            impls.update({n: (lambda b=b: sdpa(q, k, v, causal, b)) for n, b in SDPA_PEERS.items()})
-            flops = attention_flops(q.shape[0], q.shape[1], seq, seq, 64, causal=causal)
-            for name, ms in time_side_by_side(impls).items():
-                print(f"S={seq} causal={causal}: {name:32} {tflops(flops, ms):6.0f} TFLOP/s")
+        _check_and_time_configs(configs, 64, seq)
 
 
 def check_decode():
