@@ -14,7 +14,17 @@ from pathlib import Path
 import pytest
 
 from course_utils.checking.checks import CheckFailed
-from course_utils.measure.claims import claim_change, claim_count, claim_order, claim_ratio, readme_claims
+from course_utils.measure.claims import (
+    NO_SPREAD_BAND,
+    Ratio,
+    claim_change,
+    claim_count,
+    claim_order,
+    claim_ratio,
+    claim_versus,
+    readme_claims,
+    speed_ratio,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
@@ -24,28 +34,36 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
 
 
 def test_claim_count_states_and_checks(capsys):
-    claim = claim_count("ours faster than FA2", {512: True, 1024: True, 2048: True}, cases="lengths", says="all")
+    claim = claim_count("causal blocks skipped", {512: True, 1024: True, 2048: True}, cases="lengths", says="all")
     assert claim.verdict == "all"
-    assert "✓ ours faster than FA2 in 3 of 3 lengths (says: all)" in capsys.readouterr().out
-    claim_count("ours faster", [True, False, True], says="most")
-    claim_count("ours faster", [True, False, True], says="some")  # "some" holds whenever at least one does
-    claim_count("ours faster", [True, False, True], says="not all")
+    assert "✓ causal blocks skipped in 3 of 3 lengths (says: all)" in capsys.readouterr().out
+    claim_count("the ring holds more", [True, False, True], says="most")
+    claim_count("the ring holds more", [True, False, False], says="some")
 
 
 @pytest.mark.parametrize("outcomes, says", [
-    ({512: True, 1024: False, 2048: True}, "all"),    # "at every length" when one length is slower
+    ({512: True, 1024: False, 2048: True}, "all"),    # "at every length" when one length is not
     ([False, False, True], "most"),
     ([False, False], "some"),
     ([True], "none"),
-    ([True, True], "not all"),
+    ([True, True], "most"),                           # exact: "most" does not accept "all"
+    ([True, True], "some"),                           # nor "some"
 ])
 def test_claim_count_fails_when_the_words_are_wrong(outcomes, says):
     with pytest.raises(CheckFailed, match="update the prose"):
-        claim_count("ours faster", outcomes, says=says)
+        claim_count("the ring holds more", outcomes, says=says)
+
+
+@pytest.mark.parametrize("label", ["ours faster than FA2", "ours ≥ cuDNN", "ours at least as fast as cuDNN",
+                                   "ours ahead of cuDNN"])
+def test_claim_count_refuses_a_count_of_speeds(label):
+    """A count of booleans such as ``r >= 1`` cannot see the noise: speeds are counted by claim_versus."""
+    with pytest.raises(ValueError, match="claim_versus"):
+        claim_count(label, [True, True])
 
 
 def test_claim_count_names_the_exceptions(capsys):
-    claim_count("ours faster", {"S=512": False, "S=1k": True, "S=2k": True})
+    claim_count("the ring holds more", {"S=512": False, "S=1k": True, "S=2k": True})
     assert "2 of 3 cases (not in: S=512)" in capsys.readouterr().out
 
 
@@ -65,6 +83,63 @@ def test_claim_ratio_sides_of_one():
         claim_ratio("ours ÷ cuDNN", [0.9, 1.1], says="above 1")
     with pytest.raises(CheckFailed):
         claim_ratio("variation ÷ shipped", [0.90, 1.02], says="near 1")  # a 10% loss is not noise
+
+
+def test_faster_means_beyond_the_noise(capsys):
+    """Without a stored spread a ratio has the band NO_SPREAD_BAND: 1.03 is level, not above 1."""
+    claim_ratio("fast exp2 ÷ exact exp2", [1.01, 1.05], says="level")
+    assert "(level: within the spread)" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="the record says 'level'"):
+        claim_ratio("fast exp2 ÷ exact exp2", [1.01, 1.05], says="above 1")
+    claim_ratio("ours ÷ FA2", [1.54, 2.12], says="above 1")
+    assert "(lower bound 1.45)" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="the record says 'mixed'"):
+        claim_ratio("persistent ÷ rotated", [1.03, 1.20], says="above 1")
+
+
+def _row(ms, lo, hi):
+    return {"ms": ms, "ms_spread": {"min": lo, "median": ms, "max": hi, "rounds": 6}}
+
+
+def test_speed_ratio_takes_its_bounds_from_the_stored_spread():
+    tight = speed_ratio(_row(1.0, 0.99, 1.01), _row(1.04, 1.03, 1.05))  # 4% faster, rounds 1% apart
+    assert tight.spread_stored and tight.side == "above 1" and tight.low == pytest.approx(1.03 / 1.01)
+    loose = speed_ratio(_row(1.0, 0.9, 1.1), _row(1.04, 1.0, 1.1))       # the same 4%, rounds 10% apart
+    assert loose.side == "level"
+    unmeasured = speed_ratio({"ms": 1.0}, {"ms": 1.04})                   # no spread stored: the band
+    assert not unmeasured.spread_stored and unmeasured.side == "level"
+    assert unmeasured.low == pytest.approx(1.04 / (1 + NO_SPREAD_BAND))
+
+
+def test_claim_versus_counts_ahead_level_behind(capsys):
+    ratios = {"S=1k": 1.2, "S=2k": 1.03, "S=4k": 0.97}
+    claim = claim_versus("ours against cuDNN", ratios, says="ahead or level")
+    assert claim.verdict == "ahead or level"
+    out = capsys.readouterr().out
+    assert "ahead in 1, level in 2, behind in 0 of 3 cases" in out and "(level: S=2k, S=4k)" in out
+    claim_versus("ours against FA2", [Ratio(1.5, 1.4, 1.6, True)] * 3, says="ahead")
+    assert "where no spread is stored" not in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="the record says 'ahead or level'"):
+        claim_versus("ours against cuDNN", ratios, says="ahead")
+    with pytest.raises(CheckFailed, match="'mixed'"):
+        claim_versus("ours against cuDNN", {"a": 1.2, "b": 0.8}, says="ahead or level")
+
+
+def test_the_no_spread_band_covers_two_records_taken_a_minute_apart():
+    """NO_SPREAD_BAND must cover half the largest disagreement between chapter 07's two forward records that
+    time the same cases side by side (each record's band then holds the other's ratio's midpoint)."""
+    from course_utils.core.labels import CUDNN, OURS
+    from course_utils.measure.bench import load_record
+
+    def ratios(name):
+        rows = {(r["impl"], r["seq"], r["dim"], r["dtype"], r["causal"]): r for r in load_record(name)["results"]}
+        return {k[1:]: rows[(CUDNN,) + k[1:]]["ms"] / r["ms"] for k, r in rows.items()
+                if k[0] == OURS and (CUDNN,) + k[1:] in rows}
+
+    a, b = ratios("ch07_persistent_vs_rotated_h100"), ratios("ch07_forward_vs_peers_h100")
+    worst = max(max(a[k], b[k]) / min(a[k], b[k]) for k in a.keys() & b.keys())
+    assert worst > 1.05, "the records no longer disagree: the band may be narrowed (and the docstring updated)"
+    assert (1 + NO_SPREAD_BAND) ** 2 >= worst, f"two records disagree by {worst:.3f}: widen NO_SPREAD_BAND"
 
 
 def test_claim_change_and_order(capsys):
@@ -195,3 +270,26 @@ def test_every_allowed_number_still_occurs():
     present = {(path.name[:2], found) for path in NOTEBOOKS for _, line in markdown_lines(path)
                for _, found in number_claims(line)}
     assert set(ALLOWED) <= present, f"allow-list entries that no longer occur: {sorted(set(ALLOWED) - present)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Records store their spread: the measuring code keeps each round's median beside the overall median.
+
+def test_time_side_by_side_keeps_each_rounds_median_and_save_record_stores_the_spread(monkeypatch):
+    import json
+
+    from course_utils.measure import bench
+
+    clock = iter(range(1, 1000))
+    monkeypatch.setattr(bench, "HAS_GPU", True)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "_samples", lambda fn, rep: [float(next(clock))] * rep)  # each round slower
+    ms = bench.time_side_by_side({"ours": lambda: None, "peer": lambda: None}, warmup=0, rounds=4, rep=3)
+    assert isinstance(ms["ours"], float) and len(ms["ours"].round_medians) == 4
+    spread = ms["ours"].spread
+    assert spread["min"] < spread["median"] < spread["max"] and spread["rounds"] == 4
+    rows = bench.with_spreads([{"impl": "ours", "ms": ms["ours"]}, {"ms": dict(ms)}])
+    assert rows[0]["ms_spread"] == spread and set(rows[1]["ms_spread"]) == {"ours", "peer"}
+    assert json.loads(json.dumps(rows))[0]["ms"] == float(ms["ours"])
+    ratio = speed_ratio(rows[0], {"ms": ms["peer"], "ms_spread": ms["peer"].spread})
+    assert ratio.spread_stored and ratio.low <= ratio.value <= ratio.high

@@ -73,12 +73,12 @@ HOPPER_FORWARD_CONFIGS = {
     (64, True): ForwardConfig(64, 128, 2, 128, kernel="flash_fwd_hopper_one_warpgroup", blocks_per_sm=3),
 }
 # At D = 64: cuDNN's tiling, one warpgroup per block of 64 query rows that issues its own TMA loads, three
-# blocks per SM (``flash_fwd_hopper_one_warpgroup``). Issue 26, H100, 2026-11-27 (notes/hopper_forward.md,
-# seventeenth session): 1.05-1.09 × cuDNN at S = 1k-2k where every earlier tiling was 0.93-1.00, and ahead of
+# blocks per SM (``flash_fwd_hopper_one_warpgroup``). H100, 2026-11-27 (docs/hopper_forward.md,
+# commit acba3b6): 1.05-1.09 × cuDNN at S = 1k-2k where every earlier tiling was 0.93-1.00, and ahead of
 # three warpgroups with ping-pong at every causal length (1.07 against 0.97-1.07 at 4k-16k) and without a mask
 # up to 4k (1.05 against 1.03-1.04); from 8k without a mask three warpgroups stay ahead (1.09 against 1.05 at 8k,
 # fp16) or level. With gpt-oss's 128-key window (bf16, sinks, GQA 64/8) 1.31-1.42 × two warpgroups of the persistent
-# kernel, 1.19 × with a 1024-key window (same notes).
+# kernel, 1.19 × with a 1024-key window (commit a6a4155).
 ONE_WARPGROUP_FORWARD_CONFIG = HOPPER_FORWARD_CONFIGS[64, True]
 # Without a mask, from this many queries on: three consumer warpgroups of the persistent kernel (FlashAttention-3's
 # tiling at D = 64), each K/V tile feeding 192 query rows.
@@ -154,25 +154,25 @@ TUNED_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
 # it (block_M queries per step, block_N resident keys), checked by chapter 08's ablation on the H100.
 HOPPER_BACKWARD_CONFIGS = {
     # Every config: dQ's reduce-add waited for at the next step's dSᵀ barrier, not right after it (version 22):
-    # +10…+14% at D = 128 without a mask, +1…+9% with it, +4…+8% at D = 64, S = 4k and 16k, 3 blocks each (issue 26,
-    # notes/hopper_backward.md, tenth session).
+    # +10…+14% at D = 128 without a mask, +1…+9% with it, +4…+8% at D = 64, S = 4k and 16k, 3 blocks each
+    # (docs/hopper_backward.md, commit 4a3ebb5).
     # dV issued under dSᵀ, and dK and dV stored by TMA: +2.5…+8.3% (fp16), −3.9…+5.8% (bf16; 2 of 24 blocks below
-    # 0) over version 9 at S = 2k-16k, both masks, 3 blocks of alternated rounds each (issue 26,
-    # notes/hopper_backward.md; version 20).
+    # 0) over version 9 at S = 2k-16k, both masks, 3 blocks of alternated rounds each
+    # (docs/hopper_backward.md; version 20).
     (128, False): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
                                  defer_dq_wait=True),
     # With the causal mask, every head's first (longest) key blocks launched first as well: +0.8…+6.9% over
-    # version 20 at S = 2k-8k, −0.9…+1.4% at 16k, 3 blocks each (issue 26, notes/hopper_backward.md; version 21).
+    # version 20 at S = 2k-8k, −0.9…+1.4% at 16k, 3 blocks each (docs/hopper_backward.md; version 21).
     # And 80 query rows per step, as without a mask (version 23): once dQ's wait moved (version 22) they gain over
     # 64 rows at every length, +1.6…+2.1% at 1k, +3.6…+5.4% at 2k, +7…+8.5% at 4k, +9…+16% at 8k-16k, fp16 and
-    # bf16, 2-5 blocks each (issue 26, eleventh session, notes/hopper_backward.md).
+    # bf16, 2-5 blocks each (docs/hopper_backward.md, commit c5e7730).
     (128, True): BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, dkdv_by_tma=True,
                                 longest_first=True, defer_dq_wait=True),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2): +1-7% over S = 1k-16k in the records' method,
-    # -0.2…+5.8% under do_bench (issue 26, notes/bwd3.md; version 17).
+    # -0.2…+5.8% under do_bench (docs/hopper_backward.md; version 17).
     (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", policies=DQ_BY_ROWS, defer_dq_wait=True),
     # dQ split by query rows (FlashAttention-3's AtomLayoutMdQ = 2) and dV issued under dSᵀ: +3-13% at
-    # D = 64 causal over S = 1k-16k in both timing methods (issue 26, notes/bwd3.md; versions 17, 14 and 18).
+    # D = 64 causal over S = 1k-16k in both timing methods (docs/hopper_backward.md; versions 17, 14 and 18).
     (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", dv_under_ds=True, policies=DQ_BY_ROWS,
                                defer_dq_wait=True),
 }

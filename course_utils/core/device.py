@@ -75,7 +75,8 @@ def describe_machine():
     for key, value in info.items():
         print(f"{key:>18}: {value}")
     if HAS_GPU:
-        print("\nGPU found: kernels compile for CUDA and run at full size; benchmarks are live.")
+        print("\nGPU found: kernels compile for CUDA and run at full size; the chapters show the stored records"
+              "\n(re-measured only with COURSE_REFRESH_RECORDS=1, which run_notebooks --refresh sets).")
     else:
         print("\nNo GPU: tile programs run through TileLang's C backend at small sizes;"
               "\nCUDA source is still generated for inspection; GPU results are the stored H100 records.")

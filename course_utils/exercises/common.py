@@ -86,7 +86,7 @@ def needs(name, exercise):
 
 
 def _ipython_history():
-    """The inputs of the running IPython session, oldest first (``In``), or None outside IPython."""
+    """The inputs of the running IPython kernel, oldest first (``In``), or None outside IPython."""
     try:
         from IPython import get_ipython
     except ImportError:

@@ -1,4 +1,4 @@
-"""Issue 24, part 6: the learner's kernels timed next to the course's ``flash_attention`` and SDPA's backends.
+"""The learner's kernels timed next to the course's ``flash_attention`` and SDPA's backends.
 
 ``time_your_forward(factory, record=...)``: on a GPU, compile the learner's kernel factory (chapter 03
 exercise (d)'s signature: ``factory(batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, target)``

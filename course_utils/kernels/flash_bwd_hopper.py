@@ -51,7 +51,7 @@ _GPU = TileBackend("cuda")  # for the pieces chapter 05's kernel shares with thi
 # Nor may it reuse shared memory: its reuse plan counts on the barriers it would have added. When the
 # loop over query blocks has one iteration (a one-key window, or S_q ≤ block_M), TileLang unrolls it and
 # puts dSᵀ over LSE/Δ and dQ's staging tile over K and V: one warpgroup's stores then overwrite what the
-# other is still reading (wrong dQ and dK in some runs; notes/hopper_backward.md).
+# other is still reading (wrong dQ and dK in some runs; docs/hopper_backward.md, commit 4f6f1a4).
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
                 tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True}
 register_generated_code_edit()  # defer_dq_wait: TileLang's own wait after the dQ reduce-add goes

@@ -25,6 +25,7 @@ from ..core.reference import visibility_mask
 __all__ = [
     "FIGURES", "attention_flops", "time_cuda", "time_side_by_side", "round_orders", "tflops", "save_record",
     "load_record", "measured", "stored_record", "refreshing", "TIMING_METHOD", "H100_MATMUL_TFLOPS", "H100_SFU_TFLOPS",
+    "Timing", "with_spreads",
 ]
 
 FIGURES = Path(__file__).resolve().parents[2] / "figures"  # the repository's (this file is course_utils/measure/…)
@@ -69,14 +70,63 @@ def _samples(fn, rep):
     return [start.elapsed_time(end) for start, end in events]
 
 
-def time_cuda(fn, *, warmup=5, rep=30):
-    """Median milliseconds of ``fn()`` on the GPU (see ``TIMING_METHOD``)."""
+def time_cuda(fn, *, warmup=5, rep=30, rounds=5):
+    """Median milliseconds of ``fn()`` on the GPU (see ``TIMING_METHOD``), as a ``Timing`` whose rounds are
+    ``rounds`` consecutive batches of the ``rep`` calls."""
     if not HAS_GPU:
         raise RuntimeError("time_cuda needs a CUDA GPU; on the CPU the notebooks show stored records")
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    return statistics.median(_samples(fn, rep))
+    per_round = max(1, rep // rounds)
+    batches = [_samples(fn, per_round) for _ in range(max(1, rep // per_round))]
+    return Timing(statistics.median([t for b in batches for t in b]), [statistics.median(b) for b in batches])
+
+
+class Timing(float):
+    """Median milliseconds of one implementation, carrying the medians of each round it ran in.
+
+    It is a float (the median over every call, what the records have always stored), so code that
+    computes TFLOP/s or ratios from it is unchanged; ``spread`` is the min, median and max of the
+    per-round medians, which ``save_record`` stores beside it (``with_spreads``) so that a claim can
+    tell a difference from the noise between rounds (``measure.claims``).
+    """
+
+    def __new__(cls, median, round_medians):
+        obj = super().__new__(cls, median)
+        obj.round_medians = tuple(float(m) for m in round_medians)
+        return obj
+
+    def __getnewargs__(self):  # pickles (ring attention gathers timings across processes)
+        return float(self), self.round_medians
+
+    @property
+    def spread(self):
+        rounds = self.round_medians or (float(self),)
+        return {"min": min(rounds), "median": statistics.median(rounds), "max": max(rounds), "rounds": len(rounds)}
+
+
+def with_spreads(results):
+    """``results`` with a ``<key>_spread`` entry beside every ``Timing`` (or dict of ``Timing``s) it holds.
+
+    ``{"impl": ..., "ms": Timing}`` gains ``"ms_spread": {"min", "median", "max", "rounds"}``;
+    ``{"ms": {"ring": Timing, ...}}`` gains ``"ms_spread": {"ring": {...}, ...}``.
+    """
+    if isinstance(results, list):
+        return [with_spreads(r) for r in results]
+    if not isinstance(results, dict):
+        return results
+    out = {}
+    for key, value in results.items():
+        if isinstance(value, Timing):
+            out[key] = value
+            out[f"{key}_spread"] = value.spread
+        elif isinstance(value, dict) and any(isinstance(v, Timing) for v in value.values()):
+            out[key] = dict(value)
+            out[f"{key}_spread"] = {k: v.spread for k, v in value.items() if isinstance(v, Timing)}
+        else:
+            out[key] = with_spreads(value)
+    return out
 
 
 def round_orders(names, rounds):
@@ -86,7 +136,7 @@ def round_orders(names, rounds):
     rounds are the six orders. Why it matters: under attention the H100 runs at its 700 W power cap,
     and a kernel timed right after a slower, cooler one (FlashAttention-2) starts at a higher clock.
     The fixed order (ours, FlashAttention-2, cuDNN) put our backward 2–9% lower against cuDNN than
-    timing the two alone did, at S = 4k-16k (issue 26, notes/hopper_backward.md, twelfth session).
+    timing the two alone did, at S = 4k-16k (chapter 08, section 7).
     """
     names = list(names)
     orders = []
@@ -98,7 +148,8 @@ def round_orders(names, rounds):
 
 
 def time_side_by_side(fns, *, warmup=5, rounds=6, rep=8, balanced=True):
-    """Median milliseconds of each function in ``fns`` (a dict), timed in interleaved rounds.
+    """Median milliseconds of each function in ``fns`` (a dict), timed in interleaved rounds: a ``Timing``
+    each, which also carries the median of every round (the spread a record stores).
 
     Taking turns spreads clock and temperature drift over every implementation alike, so their
     ratios are steadier than when each is timed in one block; the turns change order from round
@@ -113,10 +164,13 @@ def time_side_by_side(fns, *, warmup=5, rounds=6, rep=8, balanced=True):
             fn()
     torch.cuda.synchronize()
     samples = {name: [] for name in fns}
+    round_medians = {name: [] for name in fns}
     for order in round_orders(fns, rounds) if balanced else [list(fns)] * rounds:
         for name in order:
-            samples[name] += _samples(fns[name], rep)
-    return {name: statistics.median(times) for name, times in samples.items()}
+            times = _samples(fns[name], rep)
+            samples[name] += times
+            round_medians[name].append(statistics.median(times))
+    return {name: Timing(statistics.median(times), round_medians[name]) for name, times in samples.items()}
 
 
 def refreshing():
@@ -126,8 +180,10 @@ def refreshing():
 
 def save_record(name, results, *, notes=None, timing=TIMING_METHOD):
     """Write ``figures/<name>.json`` with the results and the machine they were measured on (``timing``: how its
-    times were taken; a record that times nothing says so)."""
-    record = {"name": name, "machine": machine_info(), "timing": timing, "notes": notes, "results": results}
+    times were taken; a record that times nothing says so). Every ``Timing`` in ``results`` gets its spread over
+    rounds stored beside it (``with_spreads``)."""
+    record = {"name": name, "machine": machine_info(), "timing": timing, "notes": notes,
+              "results": with_spreads(results)}
     FIGURES.mkdir(exist_ok=True)
     path = FIGURES / f"{name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -17,6 +17,20 @@ a statement only, printed without a ✓.
 
 ``readme_claims()`` builds the README's claims block the same way (``python -m course_utils.measure.claims``);
 tests/test_claims.py checks that the README shows exactly that block.
+
+**Faster means beyond the noise.** A ratio of speeds is a ``Ratio``: its value and the bounds it may
+take given the spread between rounds. ``speed_ratio(row, peer)`` builds one from two rows of a record:
+when both store ``ms_spread`` (the min, median and max of each round's median, ``bench.with_spreads``),
+the bounds are the peer's fastest round ÷ ours' slowest and the peer's slowest ÷ ours' fastest. A
+record without a stored spread, and a plain number given to a claim function, gets the band
+``NO_SPREAD_BAND`` (±6%) around its value: two records of chapter 07's forward taken side by side a
+minute apart (``ch07_persistent_vs_rotated_h100`` and ``ch07_forward_vs_peers_h100``) put ours ÷ cuDNN
+up to 11% apart on the same case (1.109 at fp16, D=128, S=16k), and ±6% is the smallest band in which
+every such pair overlaps (√1.109 ≈ 1.053; tests/test_claims.py recomputes it). A ratio is *above 1*
+(ours faster, ahead, ≥) only when its lower bound clears 1, *below 1* only when its upper bound is
+under 1, and *level* otherwise. ``claim_versus`` counts cases that way, and ``claim_count`` refuses a
+label that compares speeds ("faster", "ahead", "≥", "at least as fast"): such a count of plain
+booleans cannot see the noise.
 """
 
 from __future__ import annotations
@@ -26,7 +40,14 @@ from dataclasses import dataclass
 
 from ..checking.checks import CheckFailed, check_true
 
-__all__ = ["Claim", "claim_count", "claim_ratio", "claim_change", "claim_order", "readme_claims"]
+__all__ = ["Claim", "Ratio", "NO_SPREAD_BAND", "speed_ratio", "claim_count", "claim_ratio", "claim_versus",
+           "claim_change", "claim_order", "readme_claims"]
+
+# The relative band around a ratio whose record stores no spread (see the module's docstring).
+NO_SPREAD_BAND = 0.06
+
+# Words of a count that compares speeds: such a count goes through claim_versus, which sees the noise.
+SPEED_WORDS = ("faster", "slower", "ahead", "behind", "≥", "≤", "at least as fast", "as fast as")
 
 
 @dataclass(frozen=True)
@@ -47,8 +68,7 @@ def _settle(text, verdict, says, allowed):
         return Claim(text, verdict)
     if says not in allowed:
         raise ValueError(f"says must be one of {sorted(allowed)}, got {says!r}")
-    ok = says == verdict or (says == "most" and verdict == "all") or (says == "some" and verdict in ("most", "all"))
-    if not ok:
+    if says != verdict:  # exact: "some" does not accept "all", nor "most" "all"
         raise CheckFailed(f"✗ {text}: the prose says {says!r}, the record says {verdict!r}; update the prose")
     check_true(True, f"{text} (says: {says})")
     return Claim(text, verdict)
@@ -63,6 +83,45 @@ def _values(values, argument):
     return values
 
 
+@dataclass(frozen=True)
+class Ratio:
+    """A ratio of speeds (ours ÷ a peer's: above 1 is ours faster) and the bounds the rounds' spread allows."""
+
+    value: float
+    low: float
+    high: float
+    spread_stored: bool = False
+
+    def __float__(self):
+        return self.value
+
+    @classmethod
+    def unmeasured(cls, value):
+        """A ratio whose record stores no spread: the band ``NO_SPREAD_BAND`` around it."""
+        value = float(value)
+        return cls(value, value / (1 + NO_SPREAD_BAND), value * (1 + NO_SPREAD_BAND), False)
+
+    @property
+    def side(self):
+        """"above 1" when even the lower bound clears 1, "below 1" when even the upper bound is under 1, else
+        "level"."""
+        return "above 1" if self.low > 1 else "below 1" if self.high < 1 else "level"
+
+
+def _ratio(value):
+    return value if isinstance(value, Ratio) else Ratio.unmeasured(value)
+
+
+def speed_ratio(row, peer, key="ms"):
+    """How much faster ``row`` ran than ``peer`` (two rows of one record timing the same work): ``peer[key] ÷
+    row[key]``, with bounds from both rows' stored spreads (``<key>_spread``), or ``NO_SPREAD_BAND`` without."""
+    value = float(peer[key]) / float(row[key])
+    mine, theirs = row.get(f"{key}_spread"), peer.get(f"{key}_spread")
+    if not (mine and theirs):
+        return Ratio.unmeasured(value)
+    return Ratio(value, theirs["min"] / mine["max"], theirs["max"] / mine["min"], True)
+
+
 def _fmt(x):
     return f"{x:.2f}" if abs(x) < 10 else f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}"
 
@@ -71,9 +130,12 @@ def claim_count(label, outcomes, *, cases="cases", says=None, name_exceptions=5)
     """Count the cases where something holds: "``label`` in k of n ``cases``".
 
     ``outcomes``: booleans, or a mapping case → boolean (then up to ``name_exceptions`` of the cases
-    where it fails are named, when few do). ``says``: "all", "most" (more than half), "some" (at
-    least one), "none", or "not all"; checked against the count.
+    where it fails are named, when few do). ``says``: "all", "most" (more than half, not all), "some" (at
+    least one, at most half), or "none"; checked against the count exactly. A label that compares speeds
+    is refused: ``claim_versus`` counts those.
     """
+    if any(word in label for word in SPEED_WORDS):
+        raise ValueError(f"{label!r} compares speeds: count it with claim_versus, which sees the noise")
     items = list(outcomes.items()) if isinstance(outcomes, Mapping) else list(enumerate(outcomes))
     if not items:
         raise ValueError("outcomes is empty: a count needs at least one case")
@@ -86,13 +148,6 @@ def claim_count(label, outcomes, *, cases="cases", says=None, name_exceptions=5)
     misses = [case for case, v in items if not v]
     if isinstance(outcomes, Mapping) and 0 < len(misses) <= name_exceptions:
         text += " (not in: " + ", ".join(map(str, misses)) + ")"
-    if says == "not all":
-        says_checked = "not all"
-        verdict_checked = "not all" if hits < n else "all"
-        if says_checked != verdict_checked:
-            raise CheckFailed(f"✗ {text}: the prose says 'not all', the record says 'all'; update the prose")
-        check_true(True, f"{text} (says: not all)")
-        return Claim(text, verdict)
     return _settle(text, verdict, says, {"all", "most", "some", "none"})
 
 
@@ -101,26 +156,66 @@ def claim_ratio(label, ratios, *, target=None, says=None, unit="×", near=0.05):
 
     With a target (values at least ``target`` meet it), the verdict is "met" (every value), "met in
     k of n", or "not met" (none); ``says`` ("met", "not met", "partly met") is checked against it.
-    Without a target, the verdict is "above 1" or "below 1" (every value on that side of 1) or
+    Without a target, the verdict is "above 1" or "below 1" when every value's bound clears 1 on that side
+    (a ``Ratio``'s own bounds, or ``NO_SPREAD_BAND`` around a plain number), "level" when none does, else
     "mixed"; ``says="near 1"`` holds when every value is within ``near`` of 1 (a change within noise).
     """
-    values = _values(ratios, "ratios")
+    items = list(ratios.values()) if isinstance(ratios, Mapping) else list(ratios)
+    values = _values(items, "ratios")
     lo, hi = min(values), max(values)
     span = f"{_fmt(lo)}{unit}" if _fmt(lo) == _fmt(hi) else f"{_fmt(lo)}–{_fmt(hi)}{unit}"
     text = f"{label} {span}"
     if target is None:
-        verdict = "above 1" if lo > 1 else "below 1" if hi < 1 else "mixed"
+        bounded = [_ratio(v) for v in items]
+        sides = {r.side for r in bounded}
+        verdict = sides.pop() if len(sides) == 1 else "mixed"
+        if says in ("above 1", "below 1", "level", "mixed"):  # a comparison: show how far the noise reaches
+            text += (f" (lower bound {_fmt(min(r.low for r in bounded))})" if verdict == "above 1" else
+                     f" (upper bound {_fmt(max(r.high for r in bounded))})" if verdict == "below 1" else
+                     " (level: within the spread)" if verdict == "level" else
+                     f" (bounds {_fmt(min(r.low for r in bounded))}–{_fmt(max(r.high for r in bounded))})")
         if says == "near 1" and max(abs(lo - 1), abs(hi - 1)) <= near:
             verdict = "near 1"
         if says == "near 1":
             text += f" (near 1: within ±{near:.0%})"
-        return _settle(text, verdict, says, {"above 1", "below 1", "mixed", "near 1"})
+        return _settle(text, verdict, says, {"above 1", "below 1", "level", "mixed", "near 1"})
     target = float(target)
     met = sum(v >= target for v in values)
     verdict = "met" if met == len(values) else "not met" if met == 0 else "partly met"
     shown = "met" if verdict == "met" else "not met" if verdict == "not met" else f"met in {met} of {len(values)}"
     text += f", target {_fmt(target)}{unit}: {shown}"
     return _settle(text, verdict, says, {"met", "not met", "partly met"})
+
+
+def claim_versus(label, ratios, *, cases="cases", says=None, name_exceptions=5):
+    """Ours against a peer, case by case, beyond the noise: "``label``: ahead in a, level in l, behind in b of n".
+
+    ``ratios``: ours ÷ the peer's speed per case (a mapping case → ``Ratio`` or number; above 1 is ours
+    faster). A case is ahead when its lower bound clears 1, behind when its upper bound is under 1, level
+    otherwise (``Ratio.side``). The verdict is "ahead", "level" or "behind" (every case), "ahead or level"
+    or "behind or level" (both occur, the third does not), or "mixed"; ``says`` is checked against it.
+    """
+    items = list(ratios.items()) if isinstance(ratios, Mapping) else list(enumerate(ratios))
+    if not items:
+        raise ValueError("ratios is empty: a comparison needs at least one case")
+    word = {"above 1": "ahead", "level": "level", "below 1": "behind"}
+    sides = {case: word[_ratio(r).side] for case, r in items}
+    count = {w: sum(side == w for side in sides.values()) for w in ("ahead", "level", "behind")}
+    present = [w for w in ("ahead", "level", "behind") if count[w]]
+    verdict = (present[0] if len(present) == 1 else f"{present[0]} or {present[1]}"
+               if len(present) == 2 and "level" in present else "mixed")
+    if verdict.startswith("level or "):
+        verdict = f"{verdict[9:]} or level"
+    text = (f"{label}: ahead in {count['ahead']}, level in {count['level']}, behind in {count['behind']} "
+            f"of {len(items)} {cases}")
+    if isinstance(ratios, Mapping):
+        for w in ("behind", "level"):
+            named = [str(case) for case, side in sides.items() if side == w]
+            if 0 < len(named) <= name_exceptions and count[w] < len(items):
+                text += f" ({w}: " + ", ".join(named) + ")"
+    if not all(isinstance(r, Ratio) and r.spread_stored for _, r in items):
+        text += f" [±{NO_SPREAD_BAND:.0%} where no spread is stored]"
+    return _settle(text, verdict, says, {"ahead", "level", "behind", "ahead or level", "behind or level", "mixed"})
 
 
 def claim_change(label, before, after, *, names=("before", "after"), unit="", same_within=0.05, says=None):
@@ -168,26 +263,27 @@ def readme_claims() -> str:
     from .bench import FIGURES, load_record
 
     def paired(rows, keys, peer, mode=None):
-        t = {}
+        """ours ÷ ``peer``'s speed per case, with the bounds the rows' spreads allow (``speed_ratio``)."""
+        by = {}
         for r in rows:
-            if mode is not None and r.get("mode") != mode:
-                continue
-            t[(r["impl"],) + tuple(r[k] for k in keys)] = r["tflops"]
-        return {k[1:]: t[k] / t[(peer,) + k[1:]] for k in t if k[0] == OURS and (peer,) + k[1:] in t}
+            if mode is None or r.get("mode") == mode:
+                by[(r["impl"],) + tuple(r[k] for k in keys)] = r
+        return {k[1:]: speed_ratio(by[k], by[(peer,) + k[1:]]) for k in by if k[0] == OURS and (peer,) + k[1:] in by}
 
     keys = ("seq", "dim", "dtype", "causal")
     fwd = load_record("ch07_forward_vs_peers_h100")["results"]
     bwd = load_record("ch08_backward_vs_peers_h100")["results"]
     fa2_f, cudnn_f = paired(fwd, keys, FA2), paired(fwd, keys, CUDNN)
     fa2_b, cudnn_b = paired(bwd, keys, FA2, "bwd"), paired(bwd, keys, CUDNN, "bwd")
+    forward_cases = "cases (S 1k–16k, D 64/128, fp16/bf16, causal or not)"
     lines = [
-        "- " + _quiet(claim_count, "chapter 07's forward faster than FlashAttention-2", [r > 1 for r in fa2_f.values()],
-                      cases="cases (S 1k–16k, D 64/128, fp16/bf16, causal or not)") + ";",
-        "- " + _quiet(claim_count, "chapter 07's forward at least as fast as cuDNN",
-                      [r >= 1 for r in cudnn_f.values()], cases="cases (chapter 07 lists the others and why)")
+        "- " + _quiet(claim_versus, "chapter 07's forward against FlashAttention-2", list(fa2_f.values()),
+                      cases=forward_cases) + ";",
+        "- " + _quiet(claim_versus, "chapter 07's forward against cuDNN", list(cudnn_f.values()), cases=forward_cases)
         + ";",
         "- " + _quiet(claim_ratio, f"chapter 08's backward over {len(fa2_b)} cases: ÷ FlashAttention-2",
                       fa2_b.values()) + ", " + _quiet(claim_ratio, "÷ cuDNN", cudnn_b.values()) + ";",
+        "- " + _quiet(claim_versus, "chapter 08's backward against cuDNN", list(cudnn_b.values())) + ";",
     ]
     ring = load_record("ch10_ring_attention_h200x2")["results"]["rows"]
     speedups = {}
@@ -222,9 +318,11 @@ def readme_claims() -> str:
                                [r["fraction_of_sum"] for r in ours_d if r["bytes"] >= 2**30]) + ";")
     peers_d = [r for r in decode if "SDPA" in r["impl"] and "error" not in r]
     same = ("dim", "batch", "context")
-    lines.append("- " + _quiet(claim_count, "the fastest of SDPA's decoding forms faster than chapter 09's kernel",
-                               [min((p["ms"] for p in peers_d if all(p[k] == r[k] for k in same)),
-                                    default=float("inf")) < r["ms"] for r in ours_d],
+    fastest_peer = [min((p for p in peers_d if all(p[k] == r[k] for k in same)), key=lambda p: p["ms"], default=None)
+                    for r in ours_d]
+    lines.append("- " + _quiet(claim_versus,
+                               "chapter 09's decoding kernel against the fastest of SDPA's decoding forms",
+                               [speed_ratio(r, p) for r, p in zip(ours_d, fastest_peer) if p is not None],
                                cases="decoding cases") + ";")
     varlen = load_record("ch09_varlen_h100")["results"]
     ms_v = {(r["impl"], r["mode"]): r["ms"] for r in varlen if r["causal"]}
@@ -248,8 +346,19 @@ def readme_claims() -> str:
                                ["back to back" in t for t in timings], cases="records in `figures/`") + ";")
     lines.append("- " + _quiet(claim_count, "records whose implementations take turns in changing orders (the method "
                                "since 2026-11-27; chapter 08, section 7)",
-                               ["order changes" in t for t in timings], cases="records in `figures/`") + ".")
+                               ["order changes" in t for t in timings], cases="records in `figures/`") + ";")
+    spreads = [_stores_spread(load_record(p.stem)["results"]) for p in sorted(FIGURES.glob("*.json"))]
+    lines.append("- " + _quiet(claim_count, "records that store each implementation's spread over rounds (min, median, "
+                               f"max; without it a ratio's bounds are ±{NO_SPREAD_BAND:.0%}: `measure/claims.py`)",
+                               spreads, cases="records in `figures/`") + ".")
     return "\n".join(lines)
+
+
+def _stores_spread(results):
+    """Whether a record's results hold a stored spread (a ``…_spread`` key) anywhere."""
+    if isinstance(results, dict):
+        return any(k.endswith("_spread") or _stores_spread(v) for k, v in results.items())
+    return isinstance(results, list) and any(_stores_spread(v) for v in results)
 
 
 def _varlen_ratios(rows):

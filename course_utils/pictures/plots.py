@@ -42,7 +42,7 @@ def save(fig, name):
 
     The figures are tracked files made with the committed notebooks, so only the run that writes
     those (``run_notebooks --in-place`` on a GPU, which sets ``COURSE_WRITE_FIGURES=1``) writes them;
-    a learner's session or a test run leaves them as they are. The path returned is relative to the
+    a learner's own run or a test run leaves them as they are. The path returned is relative to the
     repository, so the stored output is the same on every machine.
     """
     path = FIGURES / f"{name}.png"

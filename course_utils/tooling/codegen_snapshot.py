@@ -188,7 +188,7 @@ def _cuda_jobs():
                      lambda v=v: var.flash_varlen_bwd_kernel(4, 128, heads_kv=2, block_M=bc.block_M,
                                                              block_N=bc.block_N, num_stages=bc.num_stages,
                                                              threads=bc.threads, target="cuda", **v), None))
-    # Packed batches on Hopper (issue 27): the persistent forward and the Hopper backward, as varlen_api picks them.
+    # Packed batches on Hopper: the persistent forward and the Hopper backward, as varlen_api picks them.
     pc = vapi.VARLEN_PERSISTENT_CONFIG
     for dim in vapi.VARLEN_HOPPER_DIMS:
         for masked in (False, True):

@@ -263,7 +263,7 @@ VERSIONS = [
               "FlashAttention-3's AtomLayoutMdQ = 2: each warpgroup 64 queries × all of D, half the dQ wgmmas",
               knobs={64: _V17}, kept=False, dims=(64,), shipped_code=True),
     _backward(18, "  (dQ by query rows and dV under dSᵀ: shipped at D=64 causal)",
-              "versions 17 and 14 together; +3-13% over version 9 at D=64 causal, S = 1k-16k (issue 26)",
+              "versions 17 and 14 together; +3-13% over version 9 at D=64 causal, S = 1k-16k",
               knobs={64: dict(_V17, dv_under_ds=True)}, kept=False, dims=(64,),
               causal_only=True, shipped_code=True),
     _backward(19, "  (dK and dV stored by the copy engine)",

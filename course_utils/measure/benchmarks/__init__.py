@@ -52,7 +52,7 @@ RECORDS = {
     "ch06_gqa_backward_h100": gqa_backward_strategies,
     "ch07_forward_ablation_h100": forward_ablation,
     # Old code: measured before chapter 07's kernels took their present form, shown in no chapter and
-    # cited as evidence nowhere (notes/hopper_forward.md); re-measure it before using it for anything.
+    # cited as evidence nowhere; re-measure it before using it for anything.
     "ch07_overlap_sweep_h100": hopper_tiling_sweep,
     "ch07_persistent_vs_rotated_h100": persistent_vs_rotated,
     "ch07_forward_vs_peers_h100": lambda: forward_vs_peers(

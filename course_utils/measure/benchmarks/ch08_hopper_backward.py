@@ -54,7 +54,7 @@ def backward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(Fals
                     mode="bwd", dtype_name=dtype_name, seq=seq)
 
 
-# What the order of the turns does (issue 26, twelfth session): the records' order before 2026-11-27, its
+# What the order of the turns does (docs/timing.md): the records' order before 2026-11-27, its
 # reverse, ours and cuDNN alone both ways, and the changing order (``bench.round_orders``) the records use now.
 TIMING_ORDERS = {"fixed: ours, FA2, cuDNN": (("ours", "FA2", "cuDNN"), False),
                  "fixed: cuDNN, FA2, ours": (("cuDNN", "FA2", "ours"), False),

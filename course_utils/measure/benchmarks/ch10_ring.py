@@ -95,7 +95,7 @@ DTYPES = ("bfloat16", "float16")
 BACKWARD_CHUNKS = 8
 PROFILE_CASE = dict(dtype="bfloat16", causal=True, layout="zigzag", seq=65536)
 # The launcher's own limit: start no new case after this many seconds, stop the processes after
-# HARD_LIMIT_S (the device call has 600 s, including unpacking the packages and importing).
+# HARD_LIMIT_S (a machine that allows 600 s a command, including unpacking the packages and importing).
 TIME_BUDGET_S = 380
 HARD_LIMIT_S = 470
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
