@@ -45,7 +45,7 @@ from .kernels import tiles as tiles
 from .kernels.tiles import TileBackend, compile_kernel
 from .measure import bench as bench
 from .measure.bench import attention_flops, measured, tflops, time_cuda
-from .measure.claims import claim_change, claim_count, claim_order, claim_ratio
+from .measure.claims import claim_change, claim_count, claim_order, claim_ratio, claim_versus, speed_ratio
 
 __all__ = [
     "SUPPORTED", "ForwardConfig", "BackwardConfig", "flash_attention", "attention_backward", "forward_kernel",
@@ -54,5 +54,6 @@ __all__ = [
     "describe_machine", "pick", "attention_reference", "TileBackend", "compile_kernel", "check_forward",
     "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught", "flash_attention_varlen", "flash_decode",
     "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
-    "claim_count", "claim_ratio", "claim_change", "claim_order", "flex_attention", "create_block_mask",
+    "claim_count", "claim_ratio", "claim_versus", "speed_ratio", "claim_change", "claim_order", "flex_attention",
+    "create_block_mask",
 ]

@@ -239,7 +239,7 @@ class NoComm:
 
 # --- The forward and backward laps -------------------------------------------------------------
 #
-# Memory (notes/ring_memory.md has the accounting): besides its inputs and outputs a rank holds one
+# Memory (docs/ring_memory.md has the accounting): besides its inputs and outputs a rank holds one
 # K/V receive buffer (two for world > 2, reused in turn), the running O in the input dtype (merged in
 # float32 a few heads at a time), one float32 dQ accumulator that the backward kernel adds into
 # directly, and two dK/dV buffers: on a ring of two, in the input dtype, our own step-0 dK/dV and
@@ -384,7 +384,7 @@ def _carve(buffers, like):
 # The backward runs in pieces of the heads by default from this shard length on: there the 2-H200 records measured
 # it as fast as one lap within their spread (0.98-1.07 of one lap's speed over two runs) and much leaner (0.49 of
 # one GPU's peak instead of 0.65 with 16 K/V heads); shorter shards keep one lap (fewer, larger kernel calls; their
-# memory is small anyway). notes/ring_memory.md, fifteenth session.
+# memory is small anyway). docs/ring_memory.md; commits 40923a8, b90086b.
 LONG_SHARD = 32768
 MAX_BACKWARD_CHUNKS = 8
 
@@ -554,7 +554,7 @@ def travelling_backward_lap(q, k, v, out, lse, d_out, own, comm, *, causal, sm_s
     dq_acc, delta = _dq_sum_and_delta(own, q, out, d_out, compute)
     # The sums travel in float32 on rings of more than two: there every addition rounds again in the
     # input dtype, which broke the FlashAttention criterion for dK at 8 ranks (bfloat16, causal;
-    # notes/ring_memory.md); they travel in the input dtype only on their last hop home.
+    # docs/ring_memory.md); they travel in the input dtype only on their last hop home.
     sum_dtype = torch.promote_types(k.dtype, torch.float32)
     kv, kv_spare = (k, v), None
     dkv_in_flight = dkv_sent = None
@@ -731,7 +731,7 @@ def ring_attention(q, k, v, *, causal=False, sm_scale=None, group=None, layout="
     ``backward_chunks``: the backward runs its lap this many times per batch element, on groups of
     K/V heads (a divisor of H_kv), so the buffers of the lap (K/V received, dK/dV sums, the float32
     dQ sum) are that much smaller at the peak: the lever for fitting longer sequences with as many
-    K/V heads as query heads (notes/ring_memory.md). Same results; more, smaller kernel calls.
+    K/V heads as query heads (docs/ring_memory.md). Same results; more, smaller kernel calls.
     None (the default): ``default_backward_chunks`` (8 pieces for shards of 32k tokens and more).
     """
     comm = _check_inputs(q, k, v, causal=causal, sm_scale=sm_scale, group=group, layout=layout,
@@ -917,7 +917,7 @@ def lap_memory(q_shape, kv_shape, world=2, *, dtype=torch.float16, causal=False,
 
 
 def lap_memory_model(q_shape, kv_shape, world=2, *, dtype=torch.float16):
-    """The accounting of notes/ring_memory.md for a contiguous non-causal lap (every block whole):
+    """The accounting of docs/ring_memory.md for a contiguous non-causal lap (every block whole):
     {"forward"|"backward": (bytes of the whole-shard buffers the lap holds at its peak, what small
     buffers may add: LSE-sized ones and the merge's float32 pieces)}, per rank, above the inputs."""
     size = torch.empty((), dtype=dtype).element_size()

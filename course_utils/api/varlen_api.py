@@ -372,20 +372,20 @@ VARLEN_SCHEDULE = "grid"
 VARLEN_CUDA_CONFIG = ForwardConfig(128, 128, 2, 256)
 # The packed backward there: chapter 05's tuned tiling.
 VARLEN_CUDA_BACKWARD_CONFIG = BackwardConfig(64, 128, 1, 256)
-# On Hopper (issue 27): chapter 07's persistent forward and chapter 08's backward under the packed prelude,
+# On Hopper: chapter 07's persistent forward and chapter 08's backward under the packed prelude,
 # tiled as the dense kernels are. Measured on an H200 (2026-11-26, 64k tokens in 128-8192, H=16, D=128,
-# fp16; notes/ch09_gpu_notes.md): forward 510 / 552 TFLOP/s causal / full (chapter 03's loop: 0.76-0.80x
+# fp16; docs/varlen_and_decoding.md): forward 510 / 552 TFLOP/s causal / full (chapter 03's loop: 0.76-0.80x
 # the dense kernel, this one 0.93-0.97x), backward 396 / 447 (chapter 05's loop 338 / 366).
 VARLEN_HOPPER_DIMS = (64, 128)
 VARLEN_PERSISTENT_CONFIG = ForwardConfig(128, 128, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True)
 # At D = 128 the dense kernel's config itself, but for its launch order (so a change to one reaches the other).
 # Its fields (chapter 08's version 20: dV under dSᵀ, dK and dV stored by TMA where a tile is all one sequence's) were
-# measured against the plain step in notes/ch09_gpu_notes.md (issue 27, ninth session). Not ``longest_first``:
+# measured against the plain step (docs/varlen_and_decoding.md). Not ``longest_first``:
 # launched as the dense kernel launches it (per sequence, key block 0 of every head first) it was +0.6…+2.4% causal,
 # under the 2% bar in two of three blocks; key block 0 of all (sequence, head) pairs first had taken 1.6 times as long
 # (no two running blocks shared their Q and dO). ``defer_dq_wait`` (version 22) so that packed and dense run the same
 # step. With the causal mask 80 query rows (version 23): 0.94-0.97× the dense kernel on chapter 09's record batch
-# against 0.81-0.82× with 64 rows, 3 blocks (issue 27, eleventh session, notes/ch09_gpu_notes.md).
+# against 0.81-0.82× with 64 rows, 3 blocks (commit 73d96a1).
 VARLEN_HOPPER_BACKWARD_CONFIGS = {
     **{(128, masked): HOPPER_BACKWARD_CONFIGS[128, masked]._replace(longest_first=False) for masked in (False, True)},
     (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True),

@@ -82,7 +82,7 @@ class DecodeConfig(NamedTuple):
 # registers under 128 per thread); TileLang's warp specialisation gives the TMA loads their own warpgroup.
 # A block reads K/V rows of at least 128 values (256 bytes): at D = 64, two K/V heads per block
 # (``kv_heads_per_block``). Measured at gpt-oss heads, D = 64, B = 64, 8k-128k keys (2026-11-26,
-# notes/decode3.md): one head per block (128-byte pieces of each 1 KiB cache row) ran at 0.97-0.98 of cuDNN's
+# docs/varlen_and_decoding.md): one head per block (128-byte pieces of each 1 KiB cache row) ran at 0.97-0.98 of cuDNN's
 # speed (its time ÷ ours) on an H100 and 0.98-0.99 on an H200; two heads (256-byte pieces) at 0.99-1.00 and
 # 1.00-1.01. At D = 128 (rows of 256 bytes already) two heads per block were 0-2% slower on the H100.
 DECODE_CONFIGS = {"c": DecodeConfig(block_N=16, num_stages=1, threads=1),
@@ -91,7 +91,7 @@ DECODE_CONFIGS = {"c": DecodeConfig(block_N=16, num_stages=1, threads=1),
 MAX_SPLITS = 128
 # A cache of at most this many key tiles is read by one kernel (no merge). Calls issued from Python are
 # launch-bound there: on the H100 (gpt-oss heads, D = 64, tiles of 64 keys; figures/ch09_decode_splits_h100.json,
-# notes/ch09_gpu_notes.md) one kernel took 34-36 µs at 1k keys against 41-43 µs split (2026-11-26, 19:37 UTC),
+# docs/varlen_and_decoding.md) one kernel took 34-36 µs at 1k keys against 41-43 µs split (2026-11-26, 19:37 UTC),
 # and in a later run, on a slower host, 51-54 µs against 68-79 at 1k and 59-69 against 59-88 at 2k; at 4k one
 # kernel still won there (66-81 against 77-86), but its 64 tiles take about 58 µs of GPU time, more than the split
 # path's 42 µs on the faster host; at 8k splitting wins by far (115 µs against 43-55).

@@ -21,7 +21,7 @@ Rows of a tile that run past the end of their sequence hold the *next* sequence'
 hides those keys, and stores are guarded row by row so a block never writes another sequence's
 rows.
 
-On Hopper the same prelude sits under the faster loops (issue 27): ``flash_varlen_fwd_persistent_kernel``
+On Hopper the same prelude sits under the faster loops: ``flash_varlen_fwd_persistent_kernel``
 is chapter 07's persistent forward (one block per SM walking ``varlen_pair_list``, a work list made on
 the device, so nothing is read back to the host), and ``flash_varlen_bwd_hopper_kernel`` chapter 08's
 backward. FlashAttention-3's ``hopper/`` varlen kernels have the same structure: a tile scheduler over
@@ -66,7 +66,7 @@ SCHEDULES = ("grid", "list")
 # ``own_barriers``: the kernel places its own barriers (compile it with these pass options). Nor may TileLang
 # reuse shared memory then: on sm_90 it puts O's staging tile over Q's and waits for Q's TMA load only inside
 # the key loop, so a query block that sees no key (causal with fewer keys, an empty key sequence) stored O
-# while Q was still landing on it (wrong O on the H200, 2026-11-26; notes/ch09_gpu_notes.md).
+# while Q was still landing on it (wrong O on the H200, 2026-11-26; docs/varlen_and_decoding.md).
 OWN_BARRIERS_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
                              tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True}
 _OWN_BARRIER = 5  # a named barrier id of our own (TileLang's syncs use 1–3)
@@ -107,7 +107,7 @@ def flash_varlen_fwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
     [H] (float32), Output [total_q, H, D] and LSE [H, total_q] (natural log, float32). ``hopper``
     uses chapter 07's rotated wgmma loop (sm_90 only; ``threads`` counts its consumer threads). On the
     H100 it measured no faster than chapter 03's loop for packed batches, and its ping-pong variant
-    never finished (notes/ch09_gpu_notes.md), so it is not offered here.
+    never finished (docs/varlen_and_decoding.md), so it is not offered here.
 
     ``own_barriers`` (sm_90, chapter 03's loop; compile with ``OWN_BARRIERS_PASS_CONFIGS``): zeroing the
     value rows past a sequence's end writes shared memory, and TileLang then puts a barrier of all 256
@@ -497,7 +497,7 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
     store of the whole tile would write the next sequence's rows, which another block owns); a tile whose rows
     are all its sequence's stores O as the dense kernel does (``o_by_tma``, the default: through shared memory
     by TMA, the store left in flight under the next tile; +0…+6% over every tile row by row on the H100,
-    notes/ch09_gpu_notes.md). The LSE is always stored row by row.
+    docs/varlen_and_decoding.md). The LSE is always stored row by row.
     """
     if threads != 2 * block_M or block_M % 64:
         raise ValueError(f"the persistent kernel runs one consumer warpgroup per 64 query rows: block_M must be "
