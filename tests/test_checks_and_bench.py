@@ -66,7 +66,7 @@ def test_exercise_checker_messages():
 @pytest.mark.parametrize("count", [2, 3, 4])
 def test_round_orders_give_every_implementation_every_predecessor(count):
     """Under the H100's power cap a kernel timed right after a cooler one gets a higher clock: no
-    implementation may always follow the same one (issue 26, twelfth session)."""
+    implementation may always follow the same one (docs/timing.md)."""
     from collections import Counter
 
     from course_utils.measure.bench import round_orders

@@ -141,7 +141,7 @@ def test_solution_lowers_for_the_gpu(key, arch):
 
 
 def test_timing_cell_without_gpu_shows_the_course_record(capsys):
-    """Chapter 03's timing cell (issue 24, part 6) on a machine without a GPU: the stored record of the course's
+    """Chapter 03's timing cell on a machine without a GPU: the stored record of the course's
     kernel, its rows checked, and one line saying what the learner's kernel would be timed against."""
     from course_utils.exercises import timing
 

@@ -1,4 +1,4 @@
-"""Full-size checks that run only on a CUDA machine (the lent H100); skipped elsewhere.
+"""Full-size checks that run only on a CUDA machine (an H100 here); skipped elsewhere.
 
 Every check compares every batch entry and head with the float64 reference, by FlashAttention's
 criterion for 16-bit results (``course_utils.checking.checks.check_attention_error``), and the planted-bug

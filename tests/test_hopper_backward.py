@@ -319,7 +319,7 @@ def _overlapping_buffers(source, dim, block_M, block_N, stages=2):
                                                       (128, False, 64, None), (128, True, 64, 2), (64, True, 1000, 2),
                                                       (128, False, 1000, None)])
 def test_no_shared_buffers_overlap_when_the_loop_has_one_step(dim, masked, seq, window):
-    """The one-key-window race (notes/hopper_backward.md): with one query block per key block TileLang unrolls
+    """The one-key-window race (docs/hopper_backward.md): with one query block per key block TileLang unrolls
     the loop and, left to reuse shared memory, puts dSᵀ over LSE/Δ and dQ's tile over K and V. Under the
     kernel's own barriers that is a race between the two consumer warpgroups; PASS_CONFIGS forbids the reuse.
     The check sees the overlap in the kernel built without that option."""

@@ -1,4 +1,4 @@
-"""One problem description, one kernel registry, versions as pieces (issue 23), checked without a GPU."""
+"""One problem description, one kernel registry, versions as pieces (docs/layout_codegen.md), checked without a GPU."""
 
 import re
 

@@ -111,7 +111,7 @@ def test_bad_input_raises_the_same_clear_error_on_every_rank(two_ranks):
 
 def test_lap_memory_matches_the_accounting():
     """The ring's buffers, measured by torch's CPU memory profiler around ring_forward and
-    ring_backward on 2 gloo ranks (float16, MHA), are those of notes/ring_memory.md; a float32
+    ring_backward on 2 gloo ranks (float16, MHA), are those of docs/ring_memory.md; a float32
     buffer of a whole shard added anywhere fails the check."""
     q_shape, kv_shape = (B, H, S_LOCAL, D), (B, H, S_LOCAL, D)
     measured = ring.lap_memory(q_shape, kv_shape, 2, dtype=torch.float16)
@@ -153,7 +153,7 @@ def _peak_per_token(which, seq, heads, heads_kv, rank=0, dim=128, chunks=1):
 
 
 def test_ring_peak_per_token_against_one_gpu():
-    """notes/ring_memory.md's accounting at the GPU record's shape (H = 16, D = 128, 16-bit, causal
+    """docs/ring_memory.md's accounting at the GPU record's shape (H = 16, D = 128, 16-bit, causal
     zigzag, 2 ranks), per token of the sequence: one GPU 10u + 2-3 LSE rows, the ring's worst rank
     13u + 2-3 LSE rows over 2 (u = H·D·2 bytes). The first version held 51264 B/token, as the H200
     record measured; one GPU's 41152 B/token are the record's too."""

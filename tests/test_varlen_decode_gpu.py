@@ -1,4 +1,4 @@
-"""Chapter 09 at full size on a CUDA machine (the lent H100); skipped elsewhere. Every head of every
+"""Chapter 09 at full size on a CUDA machine (an H100 here); skipped elsewhere. Every head of every
 sequence is checked against the float64 reference with FlashAttention's criterion."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Chapter 09's bad and unusual inputs on the CPU (issue 27): each gets the right answer or a clear
+"""Chapter 09's bad and unusual inputs on the CPU: each gets the right answer or a clear
 ValueError naming the argument, never a TileLang adapter message naming a kernel parameter."""
 
 import pytest
@@ -267,7 +267,7 @@ def test_one_split_kernel_lowers_for_the_h100(page_size):
 
 @pytest.mark.parametrize("page_size", [None, 256])
 def test_kv_eviction_hint_reaches_every_kv_load(page_size):
-    """sm_90a lowering, no GPU: ``kv_eviction`` (an option kept for the A/B of notes/decode5, not the default) puts
+    """sm_90a lowering, no GPU: ``kv_eviction`` (an option kept for its measured A/B, not the default) puts
     its cache hint on every K/V TMA load, and the default puts none."""
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_decode import decode_config, flash_decode_kernel

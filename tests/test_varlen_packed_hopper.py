@@ -1,6 +1,6 @@
-"""Issue 27 on the CPU: the packed batches' Hopper kernels (chapter 07's persistent forward and chapter 08's
+"""On the CPU: the packed batches' Hopper kernels (chapter 07's persistent forward and chapter 08's
 backward under the packed prelude) — their work list, when they are the default, and what their sm_90a code
-must and must not contain (lowered without a GPU). Their numbers: notes/ch09_gpu_notes.md."""
+must and must not contain (lowered without a GPU). Their numbers: docs/varlen_and_decoding.md."""
 
 import dataclasses
 import re
@@ -76,7 +76,7 @@ def test_hopper_defaults_for_packed_batches(monkeypatch, dim, masked):
 
 def test_packed_and_dense_backward_share_the_step_at_d128():
     """At D = 128 the packed backward runs the dense default's step and tile height, causal or not (versions 20, 22
-    and 23; measured on chapter 09's batch, notes/ch09_gpu_notes.md): a change to one config must reach the other.
+    and 23; measured on chapter 09's batch, docs/varlen_and_decoding.md): a change to one config must reach the other.
     Only ``longest_first`` differs (measured a loss or no gain for packed batches)."""
     from course_utils.api.attention import HOPPER_BACKWARD_CONFIGS
 

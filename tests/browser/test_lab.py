@@ -217,4 +217,4 @@ def test_run_chapter_00_first_cells_through_the_ui(lab, page):
     while "No GPU" not in copy.read_text() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert "No GPU" in copy.read_text(), "Ctrl+S did not save the workspace copy"
-    assert _git_status() == lab["status_before"], "a Lab session changed files in the repository"
+    assert _git_status() == lab["status_before"], "using JupyterLab changed files in the repository"
