@@ -10,6 +10,7 @@ from ..kernels.flash_pieces import LOG2E
 from ..pictures.diagrams import SKIPPED, tile_classes
 from .common import ExerciseWrong, check_exercise, needs
 from .kernels import KernelCase, Suspect, check_kernel, learner_or_course, nearest_variant, same_outputs
+from .shapes import HEAD_KINDS, attention_inputs, draw_shapes
 
 __all__ = ["check_kv_blocks_visited", "check_kernel_flops", "check_flash_forward", "check_my_flash_forward",
            "forward_gpu_config", "forward_or_course", "needs"]
@@ -71,12 +72,17 @@ def check_kernel_flops(fn):
 
 # --- Exercise (c): the forward's key-tile loop and epilogue, in TileLang ---------------------------
 
-def _forward_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, seed, logit_scale=(1.0,)):
-    """Inputs (float32; head h of Q multiplied by logit_scale[h]) and the float64 reference."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, seq_q, dim, generator=g)
-    q *= torch.tensor(logit_scale + (1.0,) * (heads - len(logit_scale)))[None, :, None, None]
-    k, v = (torch.randn(batch, heads, seq_k, dim, generator=g) for _ in range(2))
+def _forward_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, seed, logit_scale=(1.0,),
+                  kinds=None):
+    """Inputs (float32; head h of Q multiplied by logit_scale[h], or of kind ``kinds[h]`` as in
+    ``shapes.attention_inputs``) and the float64 reference."""
+    if kinds is not None:
+        q, k, v = attention_inputs(batch, heads, seq_q, seq_k, dim, seed=seed, kinds=kinds)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(batch, heads, seq_q, dim, generator=g)
+        q *= torch.tensor(logit_scale + (1.0,) * (heads - len(logit_scale)))[None, :, None, None]
+        k, v = (torch.randn(batch, heads, seq_k, dim, generator=g) for _ in range(2))
     out, lse = attention_reference(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
     kwargs = dict(causal=causal, block_M=block_M, block_N=block_N)
 
@@ -88,23 +94,42 @@ def _forward_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, bl
                       {"O": out, "LSE": lse.double()}, data=dict(q=q, k=k, v=v, **kwargs), rows="query row")
 
 
+_HEADS = "head 0 plain, 1 every score very negative, 2 large logits, 3 every score very large"
+
+
+def drawn_forward_cases(seed=31, dim=16):
+    """The forward's cases, drawn by ``shapes.draw_shapes``: causal shapes whose stops ⌈((qb+1)·block_M +
+    past) / block_N⌉ meet every residue modulo block_N with block_M < block_N and block_M > block_N, rows that
+    see no key, ragged S, then a non-causal shape below one block and a causal one of one row and one key;
+    each with a head of every kind (plain, every score very negative, large, every score very large)."""
+    return [_forward_case(f"{shape.label()}, {_HEADS}", 1, len(HEAD_KINDS), shape.seq_q, shape.seq_k, dim,
+                          causal=shape.causal, block_M=shape.block_M, block_N=shape.block_N, seed=seed + i,
+                          kinds=HEAD_KINDS)
+            for i, shape in enumerate(draw_shapes("keys", seed=seed))]
+
+
 def _forward_cases():
-    """The cases of ``check_flash_forward``, most revealing first. Causal with S_q = 40 > S_k = 29:
-    the diagonal is bottom-right (past = −11), query rows 0–10 see no key at all, and with 32 × 8
-    tiles the first rows of a query block meet two key tiles they cannot see (which a reset running
-    max turns into a wiped row); head 1 has larger logits. Then non-causal with S_q = 7, less than a
-    block, and S_k = 29, not a multiple of block_N (the last key tile holds padding)."""
-    return [
-        _forward_case("causal, S_q=40 > S_k=29, 32×8 tiles", 1, 2, 40, 29, 16, causal=True, block_M=32, block_N=8,
-                      seed=31, logit_scale=(1.0, 4.0)),
-        _forward_case("non-causal, S_q=7 < block_M, S_k=29 (ragged), 32×8 tiles", 1, 1, 7, 29, 16, causal=False,
-                      block_M=32, block_N=8, seed=32),
-    ]
+    """The cases of ``check_flash_forward``: ``drawn_forward_cases``, most revealing first."""
+    return drawn_forward_cases(seed=31)
 
 
-def _simulate_forward(q, k, v, *, causal, block_M, block_N, bugs=()):
-    """The exercise's kernel in float64 PyTorch, tile by tile, with some of the known bugs switched on."""
-    q, k, v = q.double(), k.double(), v.double()
+def _causal_stop(qb, block_M, block_N, past, bugs=()):
+    """The key block a causal query block stops before, ⌈((qb+1)·block_M + past) / block_N⌉, or a known wrong
+    version of it."""
+    end = (qb + 1) * block_M + past
+    if "stop one short at a block edge" in bugs:
+        return -(-(end - 1) // block_N)
+    if "stop rounded down" in bugs:
+        return end // block_N
+    if "stop split" in bugs:  # the query block's own tiles, then the offset's
+        return (qb + 1) * block_M // block_N + -(-past // block_N)
+    return -(-end // block_N)
+
+
+def _simulate_forward(q, k, v, *, causal, block_M, block_N, bugs=(), dtype=torch.float64):
+    """The exercise's kernel in PyTorch (float64, or float32 for a bug that overflows in the kernel), tile
+    by tile, with some of the known bugs switched on."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     batch, heads, seq_q, dim = q.shape
     seq_k = k.shape[2]
     sm_scale = 1.0 if "no sm_scale" in bugs else 1 / math.sqrt(dim)
@@ -112,16 +137,16 @@ def _simulate_forward(q, k, v, *, causal, block_M, block_N, bugs=()):
     c_step = sm_scale if "no log2e" in bugs else c
     past = seq_k - seq_q
     n_k = -(-seq_k // block_N)
-    kp, vp = (torch.zeros(batch, heads, n_k * block_N, dim, dtype=torch.float64) for _ in range(2))
+    kp, vp = (torch.zeros(batch, heads, n_k * block_N, dim, dtype=dtype) for _ in range(2))
     kp[:, :, :seq_k], vp[:, :, :seq_k] = k, v
     out = torch.zeros_like(q)
-    lse = torch.zeros(batch, heads, seq_q, dtype=torch.float64)
-    inf = torch.tensor(-math.inf, dtype=torch.float64)
+    lse = torch.zeros(batch, heads, seq_q, dtype=dtype)
+    inf = torch.tensor(-math.inf, dtype=dtype)
     for qb in range(-(-seq_q // block_M)):
         rows = torch.arange(qb * block_M, min((qb + 1) * block_M, seq_q))
-        m = torch.full((batch, heads, len(rows)), -math.inf, dtype=torch.float64)
-        l, acc = torch.zeros_like(m), torch.zeros(batch, heads, len(rows), dim, dtype=torch.float64)
-        stop = min(n_k, -(-((qb + 1) * block_M + past) // block_N)) if causal else n_k
+        m = torch.full((batch, heads, len(rows)), 0.0 if "max from 0" in bugs else -math.inf, dtype=dtype)
+        l, acc = torch.zeros_like(m), torch.zeros(batch, heads, len(rows), dim, dtype=dtype)
+        stop = min(n_k, _causal_stop(qb, block_M, block_N, past, bugs)) if causal else n_k
         for kb in range(max(stop, 0)):
             keys = torch.arange(kb * block_N, (kb + 1) * block_N)
             k_tile = kp[:, :, keys]
@@ -136,12 +161,14 @@ def _simulate_forward(q, k, v, *, causal, block_M, block_N, bugs=()):
             m_prev = m
             m = s.amax(-1) if "max reset" in bugs else torch.maximum(m_prev, s.amax(-1))
             shift = m * c_step if "no guard" in bugs else torch.where(m == -math.inf, 0.0, m * c_step)
+            if "no max" in bugs:  # e^S summed as it comes, nothing subtracted
+                m_prev, shift = torch.zeros_like(m), torch.zeros_like(m)
             alpha = torch.exp2(m_prev * c_step - shift)
             p = torch.exp2(s * c_step - shift[..., None])
             l = l + p.sum(-1) if "l not rescaled" in bugs else l * alpha + p.sum(-1)
             v_tile = vp[:, :, keys].transpose(-1, -2) if "V transposed" in bugs else vp[:, :, keys]
             acc = (acc if "acc not rescaled" in bugs else acc * alpha[..., None]) + p @ v_tile
-        shift = torch.where(m == -math.inf, 0.0, m * c)
+        shift = torch.zeros_like(m) if "no max" in bugs else torch.where(m == -math.inf, 0.0, m * c)
         log_l = shift + torch.log2(l)
         lse[:, :, rows] = torch.where(l > 0, log_l if "lse base 2" in bugs else log_l / LOG2E, inf)
         out[:, :, rows] = acc / l[..., None] if "no div guard" in bugs else \
@@ -150,11 +177,14 @@ def _simulate_forward(q, k, v, *, causal, block_M, block_N, bugs=()):
 
 
 def _like(*bugs):
+    """Whether the learner's outputs are the tile-by-tile model's with ``bugs``, in float64 or, where the bug
+    overflows or underflows in the kernel, in float32."""
     def test(case, got, kernel):
         d = case.data
-        model = _simulate_forward(d["q"], d["k"], d["v"], causal=d["causal"], block_M=d["block_M"],
-                                  block_N=d["block_N"], bugs=bugs)
-        return same_outputs(got, model)
+        return any(same_outputs(got, _simulate_forward(d["q"], d["k"], d["v"], causal=d["causal"],
+                                                       block_M=d["block_M"], block_N=d["block_N"], bugs=bugs,
+                                                       dtype=dtype))
+                   for dtype in (torch.float64, torch.float32))
     return test
 
 
@@ -198,10 +228,11 @@ def check_flash_forward(factory):
     """Check the learner's forward (``factory(batch, heads, seq_q, seq_k, dim, *, causal, block_M,
     block_N, target)`` returning a prim_func with outputs O and LSE) on the C backend."""
     check_kernel(
-        "flash forward", factory, _forward_cases, suspects=_FORWARD_SUSPECTS,
+        "flash forward", factory, _forward_cases, suspects=_FORWARD_SUSPECTS + _BOUND_SUSPECTS[3:],
         hint="Compare your loop body with section 3: scores by selection after T.gemm, clear=False, the "
              "shift guard, α on both ℓ and acc_o, one division at the end, and the LSE in natural log.",
-        summary="causal with rows that see no key, non-causal with a ragged tail", gpu=forward_gpu_config(),
+        summary="the causal stop at every residue of the tile, block_M ≶ block_N, rows that see no key, ragged S, "
+                "scores all very negative or very large", gpu=forward_gpu_config(),
         learner=("forward_tile_macros",))
 
 
@@ -209,15 +240,8 @@ def check_flash_forward(factory):
 # --- Exercise (d): the whole forward kernel, from an empty body -----------------------------------
 
 def _full_forward_cases():
-    """Property-named cases, most revealing first (the checker stops at the first wrong one)."""
-    return [
-        _forward_case("rows that see no key, ragged S_k, large logits in head 1 (causal, S_q=40 > S_k=29, 32×8 tiles)",
-                      1, 2, 40, 29, 16, causal=True, block_M=32, block_N=8, seed=31, logit_scale=(1.0, 4.0)),
-        _forward_case("S_q below one block (non-causal, S_q=7 < block_M=32, S_k=29 ragged)", 1, 1, 7, 29, 16,
-                      causal=False, block_M=32, block_N=8, seed=32),
-        _forward_case("the block size must not change the answer (causal, S=48, 16×16 tiles, logits ×12 in head 1)",
-                      1, 2, 48, 48, 16, causal=True, block_M=16, block_N=16, seed=33, logit_scale=(1.0, 12.0)),
-    ]
+    """Drawn cases (``drawn_forward_cases``), most revealing first (the checker stops at the first wrong one)."""
+    return drawn_forward_cases(seed=41)
 
 
 # A GPU-sized configuration, lowered for sm_80 and sm_90a on the CPU by the checkers.
@@ -262,6 +286,25 @@ def _nearest_forward(case, got):
     return nearest_variant(got, variants, case.expected, outputs=("O", "LSE"))
 
 
+# The causal stop and the running max's start: wrong only on shapes or scores a fixed list of cases may never draw.
+_BOUND_SUSPECTS = [
+    Suspect("the causal stop is one key block short when the last row's diagonal key is the first key of a block "
+            "((qb+1)·block_M + past ≡ 1 mod block_N): that row sees keys up to (qb+1)·block_M − 1 + past, so the stop "
+            "is T.ceildiv((qb + 1) * block_M + past, block_N), with no − 1.", _like("stop one short at a block edge")),
+    Suspect("the causal stop is rounded down: a key block the last row sees only in part still has to be visited. "
+            "Use T.ceildiv((qb + 1) * block_M + past, block_N).", _like("stop rounded down")),
+    Suspect("the causal stop adds the query block's key blocks and the offset's separately: "
+            "⌈(a + past)/block_N⌉ is not a/block_N + ⌈past/block_N⌉ when block_M is not a multiple of block_N "
+            "(here block_M < block_N). One ceiling division: T.ceildiv((qb + 1) * block_M + past, block_N).",
+            _like("stop split")),
+    Suspect("the running max starts at 0, not −∞: in a row whose every score is very negative (about −700 here), "
+            "exp2((S − 0)·scale_log2) underflows to 0, ℓ = 0 and the row is lost. Start m at −∞ "
+            "(T.fill(m, neg_inf)), so that the max is the row's own.", _like("max from 0")),
+    Suspect("nothing is subtracted before the exponential: in a row whose every score is very large (about +700 "
+            "here), exp2(S·scale_log2) overflows to ∞. Subtract the running max (the shift) in every exp2.",
+            _like("no max")),
+]
+
 _FULL_FORWARD_SUSPECTS = [
     Suspect("NaN where a row has seen no key yet: m = −∞ there, and S·scale_log2 − m·scale_log2 is −∞ − (−∞). "
             "Guard the shift: shift = 0 while m = −∞ (T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)).",
@@ -272,7 +315,7 @@ _FULL_FORWARD_SUSPECTS = [
             _like("V transposed")),
     Suspect("the softmax scale 1/√D is missing: scale_log2 = LOG2E / √D multiplies every score in the exponent.",
             _like("no sm_scale")),
-] + _FORWARD_SUSPECTS
+] + _FORWARD_SUSPECTS + _BOUND_SUSPECTS
 
 
 def check_my_flash_forward(factory):
@@ -284,7 +327,8 @@ def check_my_flash_forward(factory):
         hint="Go through the kernel in order: Q copy and initial state (acc_o = 0, ℓ = 0, m = −∞), the causal "
              "stop, the K/V copies, S = Q Kᵀ, the mask by selection, the online softmax with its guard, α on ℓ "
              "and acc_o, P V, then the guarded division and the natural-log LSE.",
-        summary="rows that see no key, ragged S, S below a block, large logits, two block sizes",
+        summary="the causal stop at every residue of the tile, block_M ≶ block_N, rows that see no key, ragged S, "
+                "S below a block, one row and one key, scores all very negative or very large",
         gpu=forward_gpu_config(), learner=("my_softmax_step",))
 
 

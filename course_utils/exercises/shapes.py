@@ -1,0 +1,187 @@
+"""The shapes and inputs every kernel checker draws, from the classes a kernel's index arithmetic can get wrong.
+
+A checker compiles one kernel per shape (a couple of seconds each on the C backend), so it can afford four
+or five; a fixed list of that size leaves whole classes untried (the causal offset S_k − S_q at other
+residues modulo the tile, block_M ≠ block_N on the causal path). Here the classes are named and the
+shapes are drawn to cover them:
+
+- the tile bound of a causal walk at every residue modulo the tile it is counted in. A query block that
+  walks key blocks (the forward, dQ) stops at ⌈((qb+1)·block_M + past) / block_N⌉; a key block that walks
+  query blocks (dK/dV) starts at ⌊(kb·block_N − past) / block_M⌋ (past = S_k − S_q). Both are drawn with
+  block_M > block_N and block_M < block_N, with tiles that are not multiples of each other (3 × 4, 6 × 4),
+  so that one shape meets several residues, and the offset past at residues 0, 1 and tile − 1;
+- S not a multiple of the tile, S below one block, one query row, one key;
+- rows that see no key (causal with S_q > S_k), and a window's start at its residues where there is one;
+- per head, rows whose scores are all very negative, all very large, or large (``attention_inputs``).
+
+``draw_shapes`` is seeded and greedy: from candidate sequence lengths it keeps the shape that adds the most
+classes still missing, until the required ones are covered; ``shape_classes`` names what one shape covers
+(for the tests and the tables). Every kernel checker and chapter 05's end-to-end check use it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Shape", "shape_classes", "required_classes", "draw_shapes", "attention_inputs", "HEAD_KINDS",
+           "KEY_WALK_TILINGS", "QUERY_WALK_TILINGS"]
+
+# A query block walking key blocks counts its stop in block_N; a key block walking query blocks its start in block_M.
+KEY_WALK_TILINGS = ((3, 4), (6, 4))    # (block_M, block_N): block_M < block_N and block_M > block_N
+QUERY_WALK_TILINGS = ((4, 3), (4, 6))
+
+
+@dataclass(frozen=True)
+class Shape:
+    seq_q: int
+    seq_k: int
+    block_M: int
+    block_N: int
+    causal: bool = True
+    window: int | None = None
+
+    @property
+    def past(self):
+        """The causal offset S_k − S_q: query q sees key k iff k <= q + past."""
+        return self.seq_k - self.seq_q
+
+    def label(self):
+        mask = f"window {self.window}" if self.window is not None else "causal" if self.causal else "non-causal"
+        return f"{mask}, S_q={self.seq_q}, S_k={self.seq_k}, {self.block_M}×{self.block_N} tiles"
+
+
+def _relation(a, b, first, second):
+    return f"{first} {'<' if a < b else '>' if a > b else '='} {second}"
+
+
+def shape_classes(shape, walk="keys"):
+    """The classes ``shape`` covers for a kernel whose thread blocks walk ``walk`` ("keys": a query block
+    visits key blocks, as the forward and dQ do; "queries": a key block visits query blocks, as dK/dV does)."""
+    s, out = shape, set()
+    M, N, past = s.block_M, s.block_N, s.past
+    out.add("non-causal" if not s.causal and s.window is None else "causal")
+    if s.seq_q % M:
+        out.add("S_q not a multiple of block_M")
+    if s.seq_k % N:
+        out.add("S_k not a multiple of block_N")
+    if s.seq_q < M:
+        out.add("S_q below one block")
+    if s.seq_q == 1:
+        out.add("one query row")
+    if s.seq_k == 1:
+        out.add("one key")
+    masked = s.causal or s.window is not None
+    if masked and past < 0:
+        out.add("rows that see no key")
+    if masked and past > 0:
+        out.add("S_q < S_k")
+    if s.window is not None and past >= s.window:  # keys k <= past − window are before every row's window
+        out.add("keys no query sees")
+    if not masked:
+        return frozenset(out)
+    if walk == "keys":
+        tile, rel = N, _relation(M, N, "block_M", "block_N")
+        out.add(f"offset S_k − S_q ≡ {past % N} (mod block_N)")
+        for qb in range(-(-s.seq_q // M)):
+            if (qb + 1) * M > s.seq_q:  # a ragged last block: its last rows are padding, not a visible bound
+                continue
+            end = (qb + 1) * M + past  # keys [0, end) are what the block's last row may see
+            if 0 < end <= s.seq_k:
+                out.add(f"causal stop ≡ {end % tile} (mod block_N), {rel}")
+            if s.window is not None:
+                first = qb * M + past - s.window + 1  # the first key the block's first row sees
+                if 0 < first < s.seq_k:
+                    out.add(f"window start ≡ {first % tile} (mod block_N)")
+    else:
+        tile, rel = M, _relation(N, M, "block_N", "block_M")
+        out.add(f"offset S_k − S_q ≡ {past % M} (mod block_M)")
+        for kb in range(-(-s.seq_k // N)):
+            first_query = kb * N - past  # the first query that sees the block's first key
+            if 0 < first_query < s.seq_q:
+                out.add(f"causal start ≡ {first_query % tile} (mod block_M), {rel}")
+    return frozenset(out)
+
+
+def required_classes(walk, tilings, window=False):
+    """The classes the causal shapes drawn for ``walk`` over ``tilings`` must cover."""
+    out = {"rows that see no key", "S_q < S_k", "S_q not a multiple of block_M", "S_k not a multiple of block_N"}
+    for M, N in tilings:
+        tile = N if walk == "keys" else M
+        rel = _relation(M, N, "block_M", "block_N") if walk == "keys" else _relation(N, M, "block_N", "block_M")
+        bound = "causal stop" if walk == "keys" else "causal start"
+        out |= {f"{bound} ≡ {r} (mod {'block_N' if walk == 'keys' else 'block_M'}), {rel}" for r in range(tile)}
+        out |= {f"offset S_k − S_q ≡ {r} (mod {'block_N' if walk == 'keys' else 'block_M'})"
+                for r in {0, 1, tile - 1}}
+        if window and walk == "keys":
+            out |= {f"window start ≡ {r} (mod block_N)" for r in range(tile)}
+    return out
+
+
+def draw_shapes(walk="keys", *, tilings=None, seed=0, max_seq=40, window=None, limit=4, edges=True):
+    """Shapes that cover ``required_classes(walk, tilings)``, most classes first, then the edge shapes.
+
+    Greedy over seeded candidates (S_q, S_k ≤ ``max_seq`` for each tiling): each step keeps the candidate
+    adding the most required classes still missing (fewer elements break ties), at most ``limit`` masked
+    shapes. ``edges`` adds a non-causal shape with S_q below one block and one key (a kernel that masks
+    when it should not) and a causal one with a single query row. Returns the list of ``Shape``s."""
+    tilings = tilings or (KEY_WALK_TILINGS if walk == "keys" else QUERY_WALK_TILINGS)
+    rng = random.Random(seed)
+    causal = window is None
+    candidates = [Shape(sq, sk, M, N, causal=causal, window=window)
+                  for M, N in tilings for sq in range(1, max_seq + 1) for sk in range(1, max_seq + 1)]
+    rng.shuffle(candidates)
+    covered = {c: shape_classes(c, walk) for c in candidates}
+    missing = set(required_classes(walk, tilings, window=window is not None))
+    chosen = []
+    while missing and len(chosen) < limit:
+        best = max(candidates, key=lambda c: (len(covered[c] & missing), -(c.seq_q * c.seq_k)))
+        if not covered[best] & missing:
+            break
+        chosen.append(best)
+        missing -= covered[best]
+    if missing:
+        raise ValueError(f"draw_shapes({walk!r}, {tilings}): {limit} shapes leave {sorted(missing)} uncovered")
+    if edges:
+        M, N = max(tilings)  # the tiling with the larger block_M, so that S_q can sit below one block
+        chosen.append(Shape(M - 1, 2 * N + 1, M, N, causal=False, window=None))
+        if window is None:
+            chosen.append(Shape(1, 1, M, N, causal=True))
+    return chosen
+
+
+# Per head: what its rows' scores look like. "very negative": every score of a row near −700 (exp of it
+# underflows in float32 unless the running max is subtracted); "very large": near +700 (overflows unless it is).
+HEAD_KINDS = ("plain", "very negative", "large", "very large")
+
+
+def attention_inputs(batch, heads, seq_q, seq_k, dim, *, seed, kinds=HEAD_KINDS, heads_kv=None):
+    """Q [B, H, S_q, D], K and V [B, H_kv, S_k, D], float32, seeded; head h of Q is of kind
+    ``kinds[h % len(kinds)]`` ("plain", "large" logits ×4, every score of a row "very negative" or
+    "very large", of size about 700). K's rows share one direction so that those scores are all extreme."""
+    heads_kv = heads_kv or heads
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq_q, dim, generator=g)
+    k, v = (torch.randn(batch, heads_kv, seq_k, dim, generator=g) for _ in range(2))
+    direction = torch.ones(dim) / dim ** 0.5  # a unit vector every key leans along
+    group = heads // heads_kv
+    for h in range(heads):
+        kind = kinds[h % len(kinds)]
+        if kind == "large":
+            q[:, h] *= 4.0
+        elif kind in ("very negative", "very large"):
+            hk = h // group
+            k[:, hk] = 0.3 * k[:, hk] + 8.0 * direction  # every key ≈ 8·u
+            sign = -1.0 if kind == "very negative" else 1.0
+            q[:, h] = sign * 88.0 * direction + 0.3 * q[:, h]  # every score ≈ ±700, spread by a few units
+    return q, k, v
+
+
+def describe(shapes, walk="keys"):
+    """Every class the shapes cover, sorted (for tables and tests)."""
+    out = set()
+    for shape in shapes:
+        out |= shape_classes(shape, walk)
+    return sorted(out)
