@@ -326,6 +326,7 @@ class _ForwardPlan(NamedTuple):
     and choice that does not read a tensor's values, so one lookup replaces them at the next call."""
 
     launch: object  # (q, k, v, sink logits) -> (O, LSE): the compiled forward, called with the least host work
+    first_key: int  # keys before it are seen by no query (a window behind S_k − S_q): the kernels never get them
     no_sinks: object  # the -inf sink logits of every head, or None when sinks are given
     heads: int
     backward: dict  # attention_backward's options: causal, window_size, sm_scale, config, deterministic
@@ -356,6 +357,14 @@ def _plan_key(q, k, v, causal, sm_scale, window_size, sinks, config, backward_co
             None if sinks is None else (type(sinks), sinks.shape, sinks.dtype, sinks.device))
 
 
+def unseen_leading_keys(seq_q, seq_k, window_size):
+    """How many keys at the start no query sees: those more than ``window_size`` − 1 positions behind the
+    first query's diagonal (which sits at key S_k − S_q). Without a window every key is seen by the last query."""
+    if window_size is None:
+        return 0
+    return max(0, seq_k - seq_q - window_size + 1)
+
+
 def _forward_plan(q, k, v, causal, sm_scale, window_size, sinks, config, backward_config, deterministic):
     """Every check of ``flash_attention`` that the host can make without reading a value, and its choices."""
     check_attention_inputs("flash_attention", q, k, v, window_size=window_size, sinks=sinks, sm_scale=sm_scale)
@@ -363,13 +372,15 @@ def _forward_plan(q, k, v, causal, sm_scale, window_size, sinks, config, backwar
         window_size = None  # a window as long as the keys hides nothing that causal masking does not
         causal = True
     masked = bool(causal or window_size is not None)
+    first_key = unseen_leading_keys(q.shape[2], k.shape[2], window_size)
+    k = k[:, :, first_key:]  # a view: only its shape reaches the compilers
     bwd = (BackwardConfig(*backward_config) if backward_config is not None
            else default_backward_config(q.device.type, q.shape[-1], masked))
     backward_row(bwd).check(AttentionProblem.dense(q, k, causal=masked, window_size=window_size, sm_scale=sm_scale),
                             bwd, deterministic)  # raised now, not at the backward
     fwd = forward_kernel(q, k, causal=masked, window_size=window_size, has_sinks=sinks is not None,
                          sm_scale=sm_scale, config=config)
-    return _ForwardPlan(launch=attention_launcher(fwd), heads=q.shape[1],
+    return _ForwardPlan(launch=attention_launcher(fwd), first_key=first_key, heads=q.shape[1],
                         no_sinks=sink_logits(None, q.shape[1], q.device) if sinks is None else None,
                         backward=dict(causal=masked, window_size=window_size, sm_scale=sm_scale,
                                       config=backward_config, deterministic=bool(deterministic)))
@@ -416,6 +427,8 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, *, window_size=None, s
     """
     args = (q, k, v, causal, sm_scale, window_size, sinks, config, backward_config, deterministic)
     plan = _PLANS.plan(_plan_key(*args), _forward_plan, *args)
+    if plan.first_key:  # keys no query sees: left out, so they cannot influence anything (their gradients are 0)
+        k, v = k[:, :, plan.first_key:], v[:, :, plan.first_key:]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):

@@ -108,8 +108,14 @@ def query_steps(p, kb, block_M, block_N):
 
     A one-key window makes the range a single block, and TVM's bound analysis then rejects the
     loop (chapter 05); counting from 0 avoids that.
+
+    Keys that no query sees still get one step, fully masked, which adds exactly 0 to every gradient: warp
+    specialisation waits for K's and V's loads inside the first step, and the epilogue stages dK and dV over
+    those tiles, so without a step the loads would land over the staged gradients (chunked prefill with a
+    window got K's and V's values back as their gradients).
     """
     q_start, q_end = query_block_range(p, kb, block_M, block_N)
+    q_end = T.max(q_end, q_start + 1)
     return (0, q_end - q_start, q_start) if p.window_size == 1 else (q_start, q_end, 0)
 
 
