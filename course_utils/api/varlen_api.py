@@ -331,6 +331,10 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal
     which calls with the same signature at every step, pays for the checks, the choice of kernels
     and the split count once, and then only for looking the signature up and launching.
     """
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks)):
+        raise ValueError("flash_decode is forward only: it returns no gradient, so it refuses inputs that require "
+                         "one (q, k_cache, v_cache or sinks); call it under torch.no_grad(), pass detached tensors, or "
+                         "use flash_attention / flash_attention_varlen, which are differentiable")
     args = (q, k_cache, v_cache, cache_seqlens, block_table, causal, sm_scale, window_size, sinks, num_splits,
             check_indices)
     plan = _PLANS.plan(_plan_key(*args), _decode_plan, *args)
