@@ -293,3 +293,188 @@ def test_time_side_by_side_keeps_each_rounds_median_and_save_record_stores_the_s
     assert json.loads(json.dumps(rows))[0]["ms"] == float(ms["ours"])
     ratio = speed_ratio(rows[0], {"ms": ms["peer"], "ms_spread": ms["peer"].spread})
     assert ratio.spread_stored and ratio.low <= ratio.value <= ratio.high
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparative prose about a record goes through a claim: a sentence that says "faster", "ahead",
+# "level with", "within noise", "in some cases", "the largest step", ... must sit in the markdown cell
+# right after a cell that computes claims, in a cell that declares its judgements checked by the claims
+# above, or name the claim, count, range or record it reads. What is left is allow-listed with the reason
+# it is not a statement about a record (a mechanism, a paper's title, a definition).
+
+COMPARATIVE = re.compile(
+    r"\b(?:faster|slower|ahead of|behind|level with|on par|within (?:the )?noise|largest (?:single )?step|"
+    r"in (?:some|most|every|all but \w+) (?:cases?|lengths?|shapes?)|at every length|beats?|outperforms?|"
+    r"wins?|loses?|gains?|gained|lost)\b", re.I)
+BACKED = re.compile(r"claim|count(?:s|ed)? above|(?:ratio|range|table|line)s? above|printed above|\(says|\brecord\b",
+                    re.I)
+CLAIM_CALL = re.compile(r"\bclaim_(?:count|ratio|versus|change|order)\(")
+DECLARES_ITS_CLAIMS = re.compile(r"checks each judgement below|every judgement below is one of the checked claims")
+
+# (chapter, words of the sentence) -> why the sentence is not a comparison of measurements.
+ALLOWED_COMPARATIVES = {
+    ("01", "lose accuracy in 16 bit"): "numerics: float32 for the softmax, not a measurement",
+    ("03", "may issue ahead of the compute"): "describes T.Pipelined (ahead in time), not a speed",
+    ("04", "the largest tile wins"): "the sweep's rule (largest tile that fits), explained by reuse",
+    ("04", "above 1 means ours is faster"): "defines the ratio shown next",
+    ("05", "Faster Attention with Better Parallelism"): "a paper's title",
+    ("05", "128 threads are far slower than 256"): "register arithmetic: the accumulators do not fit",
+    ("05", "above 1: ours is faster"): "defines the ratio shown next",
+    ("06", "above 1, ours is faster"): "defines the ratio shown next",
+    ("07", "stays behind cuDNN"): "the chapter's opening question; chapter 04's claims check it",
+    ("07", "issuing them anyway is faster than skipping them"): "points to section 4's generated-code argument",
+    ("07", "no wgmma sits behind a branch"): "code layout (behind a branch), not a speed",
+    ("07", "above 1 means ours is faster"): "defines the ratio shown next",
+    ("07", "two published ideas"): "summary of section 5, whose claims check each",
+    ("07", "why it gains little there"): "points to section 5's takeaways",
+    ("07", "Section 4c's block wins because"): "explains section 4b's claims (register and block limits)",
+    ("08", "lags furthest behind cuDNN"): "the chapter's opening question; chapter 05's claims check it",
+    ("08", "A tiling rejected on one step can win"): "a lesson drawn from the sentence before, which cites its source",
+    ("09", "gained too little to tell from noise"): "a measurement kept in docs/, named as such",
+    ("09", "schedule is slower in the forward"): "section 5's claim (list ÷ grid time, forward) checks it",
+    ("09", "far behind either schedule"): "section 5's claim (padded SDPA ÷ ours) checks it",
+    ("09", "one block per SM read as fast"): "the split rule's reason, from docs/, named as such",
+    ("09", "target: ≤ 5% slower"): "a target, checked by the claims cell below",
+    ("10", "the communication hidden behind"): "defines the 'comm hidden' column",
+    ("10", "Does the communication hide behind"): "a section title",
+    ("10", "a transfer can hide behind its step"): "arithmetic intensity, computed in the next cell",
+}
+
+
+def markdown_cells(path):
+    """(first line number, lines, the code cell before it) of each markdown cell of a percent script, up to its
+    Exercises."""
+    cells, kind, start, lines, code_before, last_code = [], None, 0, [], "", ""
+    for number, line in enumerate(path.read_text().splitlines() + ["# %%"], 1):
+        if line.startswith("# %%"):
+            if kind == "markdown":
+                if lines and lines[0].startswith("# ## Exercises"):
+                    break
+                cells.append((start, lines, code_before))
+            elif kind == "code":
+                last_code = "\n".join(lines)
+            kind = "markdown" if "[markdown]" in line else "code"
+            start, lines, code_before = number + 1, [], last_code
+        elif kind:
+            lines.append(line)
+    return cells
+
+
+def sentences(start, lines):
+    """(line number, sentence) of a markdown cell's prose, split at sentence ends and list items."""
+    text, where = "", []
+    for i, line in enumerate(lines):
+        body = line[2:] if line.startswith("# ") else line.lstrip("#")
+        if re.match(r"\s*[-*] ", body) or not body.strip():
+            text += "\n"
+        where.append((len(text), start + i))
+        text += body + " "
+    for m in re.finditer(r"[^\n]+?(?:[.!?](?=\s)|\n|$)", text):
+        if m.group().strip():
+            yield max(n for pos, n in where if pos <= m.start()), " ".join(m.group().split())
+
+
+def unbacked_comparatives(chapter, cells):
+    found = []
+    for start, lines, code_before in cells:
+        if CLAIM_CALL.search(code_before) or DECLARES_ITS_CLAIMS.search(" ".join(line.lstrip("# ") for line in lines)):
+            continue
+        for number, sentence in sentences(start, lines):
+            if (COMPARATIVE.search(sentence) and not BACKED.search(sentence)
+                    and not any(c == chapter and words in sentence for c, words in ALLOWED_COMPARATIVES)):
+                found.append(f"{chapter}:{number}: {sentence[:140]}")
+    return found
+
+
+def test_comparative_prose_goes_through_a_claim():
+    found = [hit for path in NOTEBOOKS for hit in unbacked_comparatives(path.name[:2], markdown_cells(path))]
+    assert not found, ("comparative sentences about measurements that no claim computes: put the judgement in a "
+                       "claim (course_utils.measure.claims) in the cell before, name the claim the sentence reads, "
+                       "or allow-list it in tests/test_claims.py with why it is no measurement:\n" + "\n".join(found))
+
+
+@pytest.mark.parametrize("sentence", [
+    "# Our kernel is faster than cuDNN at every length.",
+    "# The two schedules ran within noise of each other.",
+    "# The paged lookup is level with the contiguous cache.",
+    "# FlexAttention is still faster in some cases.",
+])
+def test_the_comparative_test_catches_a_planted_sentence(sentence):
+    """A stale sentence planted in a markdown cell that follows no claims cell is caught."""
+    cells = [(10, ["# Some context about kernels.", sentence], "x = 1")]
+    assert unbacked_comparatives("03", cells), f"not caught: {sentence}"
+    assert not unbacked_comparatives("03", [(10, [sentence], "cu.claim_versus('ours', r, says='level')")])
+
+
+def test_every_allowed_comparative_still_occurs():
+    text = {path.name[:2]: " ".join(" ".join(s for _, s in sentences(start, lines))
+                                    for start, lines, _ in markdown_cells(path)) for path in NOTEBOOKS}
+    gone = [key for key in ALLOWED_COMPARATIVES if key[1] not in text.get(key[0], "")]
+    assert not gone, f"allow-list entries whose sentence is gone: {gone}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Every stored output carries the date of the record it shows, and it is the record in figures/.
+
+ANNOUNCEMENT = re.compile(r"\[(?:stored record|measured now): (\w+)\] .*?, (\d{4}-\d{2}-\d{2} \d{2}:\d{2} UTC)")
+LIVE_TIMING = re.compile(r"\btime_your_(?:forward|training)\(")
+STALE_MARK = "**Stale output.**"
+
+
+def record_date(name):
+    from course_utils.measure.bench import load_record
+
+    return load_record(name)["machine"]["date"]
+
+
+def stale_outputs(chapter, cells, date_of=record_date):
+    """What a chapter's stored outputs show that is older than figures/: an announced record whose date is not the
+    record's, a cell that loads a record but prints no announcement, a live timing that shows neither a record
+    nor its own date ("[timed live: GPU, date]") and is not marked stale by the markdown cell after it.
+    ``cells``: nbformat-like dicts."""
+    found = []
+    for number, cell in enumerate(cells):
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        text = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
+        for name, date in ANNOUNCEMENT.findall(text):
+            if date != date_of(name):
+                found.append(f"{chapter} nb:{number}: shows {name} of {date}, figures/ has {date_of(name)}")
+        if "cu.measured(" in source and cell.get("outputs") and not ANNOUNCEMENT.search(text) \
+                and "[no stored record:" not in text:
+            found.append(f"{chapter} nb:{number}: loads a record but its output does not say which, of what date")
+        if LIVE_TIMING.search(source) and cell.get("outputs") and not ANNOUNCEMENT.search(text) \
+                and "[timed live: " not in text:
+            after = next((c for c in cells[number + 1:] if c["cell_type"] == "markdown"), None)
+            if after is None or not "".join(after["source"]).startswith(STALE_MARK):
+                found.append(f"{chapter} nb:{number}: a live timing with no date; mark it {STALE_MARK!r} or re-run it")
+    return found
+
+
+def _ipynb_cells(path):
+    import json
+
+    return json.loads(path.with_suffix(".ipynb").read_text())["cells"]
+
+
+def test_stored_outputs_show_the_records_in_figures():
+    found = [hit for path in NOTEBOOKS for hit in stale_outputs(path.name[:2], _ipynb_cells(path))]
+    assert not found, ("stored outputs older than figures/: re-execute the chapter on the GPU "
+                       "(run_notebooks --in-place) "
+                       "or mark the output stale:\n" + "\n".join(found))
+
+
+def test_the_date_test_catches_an_older_record_and_an_unmarked_live_timing():
+    cells = _ipynb_cells(ROOT / "notebooks" / "07_hopper_overlap.py")
+    shown = next(i for i, c in enumerate(cells) if ANNOUNCEMENT.search(
+        "".join("".join(o.get("text", "")) for o in c.get("outputs", []))))
+    assert not stale_outputs("07", cells)
+    assert stale_outputs("07", cells, date_of=lambda name: "2099-01-01 00:00 UTC"), "a newer record went unnoticed"
+    live = [{"cell_type": "code", "source": "time_your_forward(f, record='x');",
+             "outputs": [{"output_type": "stream", "text": "   cuDNN (SDPA cudnn)   0.147 ms  466 TFLOP/s\n"}]},
+            {"cell_type": "markdown", "source": "The timing above shows ..."}]
+    assert stale_outputs("03", live), "an unmarked live timing went unnoticed"
+    live[1]["source"] = STALE_MARK + " The stored output above is a live timing from an older run."
+    assert not stale_outputs("03", live)
+    assert shown is not None

@@ -54,7 +54,11 @@ def _stored(record, *, mode=None, yours="your kernel", timed="it"):
 
 def _timed(impls, flops):
     """Time ``impls`` side by side and print each one's milliseconds and TFLOP/s."""
+    from ..core.device import machine_info
+
+    info = machine_info()
     ms = time_side_by_side(impls)
+    print(f"[timed live: {info.get('gpu')}, {info['date']}] (no record: this run only)")
     for name, t in ms.items():
         print(f"   {name:32} {t:7.3f} ms  {tflops(flops, t):5.0f} TFLOP/s")
     return ms
