@@ -100,7 +100,7 @@ def vector_add(n, block=256, dtype="float32", target=None):
 n = 1000  # deliberately not a multiple of the block
 add = compile_kernel(vector_add(n), out_idx=[2])
 a, b = torch.randn(n, device=cu.DEVICE), torch.randn(n, device=cu.DEVICE)
-cu.check_close(add(a, b), a + b, "vector add")
+cu.check_close(add(a, b), a + b, "vector add");
 
 # %% [markdown]
 # ## CUDA without a GPU
