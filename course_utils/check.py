@@ -9,6 +9,7 @@ without one (``flash_fwd_hopper`` lowers itself and prints ptxas's report).
     python -m course_utils.check --list          # the registered kernels
     python -m course_utils.check flash_fwd       # one kernel
     python -m course_utils.check all             # every kernel that runs here
+    python -m course_utils.check --fuzz          # the correctness gate: random problems over the whole API
 
 A new kernel is one row of ``CHECKS``.
 """
@@ -108,6 +109,11 @@ CHECKS = {
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--fuzz" in argv:  # the correctness gate: random problems over the public API (checking/fuzz.py)
+        from .checking import fuzz
+
+        return fuzz.main([a for a in argv if a != "--fuzz"])
     parser = argparse.ArgumentParser(prog="python -m course_utils.check", description=__doc__.splitlines()[0])
     parser.add_argument("kernels", nargs="*", help=f"'all' or any of: {', '.join(CHECKS)}")
     parser.add_argument("--list", action="store_true", help="list the registered kernels")

@@ -1,0 +1,53 @@
+"""The correctness gate's CPU tier (``python -m course_utils.check --fuzz``), and the gate failing on planted bugs.
+
+The tier draws at least 200 random problems over the public API from a seed that changes from run to run;
+a failure prints the seed and one reproducer line per failing problem. ``FUZZ_SEED=N`` repeats a run.
+"""
+
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from course_utils.checking import fuzz
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tier runs through the GPU test runner")
+
+CPU_PROBLEMS, CPU_SECONDS = fuzz.default_tier(gpu=False)[:2]
+
+
+def test_cpu_tier_of_random_problems():
+    seed = int(os.environ.get("FUZZ_SEED", random.randrange(2**31)))
+    lines = []
+    start = time.time()
+    problems = fuzz.draw_problems(seed, CPU_PROBLEMS, gpu=False)
+    run, failed = fuzz.run_gate(problems, seconds=CPU_SECONDS, out=lines.append)
+    report = "\n".join([f"seed {seed} (FUZZ_SEED={seed} repeats this run), {time.time() - start:.0f} s", *lines])
+    print(report)
+    assert failed == 0, report
+    assert run >= CPU_PROBLEMS, f"only {run} of {CPU_PROBLEMS} problems ran within {CPU_SECONDS} s\n{report}"
+
+
+# One shape that every planted bug below reaches: a window, S_q ≠ S_k, and keys not a multiple of the tile.
+_PLANT_PROBLEMS = [fuzz.Problem(api="dense", batch=1, heads=2, heads_kv=1, seq_q=20, seq_k=37, dim=16, dtype="float32",
+                                causal=True, window=5, seed=seed) for seed in range(2)]
+
+
+@pytest.mark.parametrize("bug", ["window_off_by_one", "skip_ragged_key_block", "unwritten_output"])
+def test_gate_fails_on_a_planted_bug(bug):
+    lines = []
+    run, failed = fuzz.run_gate(_PLANT_PROBLEMS, seconds=120, plant_name=bug, out=lines.append)
+    assert run == len(_PLANT_PROBLEMS) and failed == run, "\n".join(lines)
+
+
+def test_the_same_problems_pass_without_a_plant():
+    lines = []
+    run, failed = fuzz.run_gate(_PLANT_PROBLEMS, seconds=120, out=lines.append)
+    assert run == len(_PLANT_PROBLEMS) and failed == 0, "\n".join(lines)
+
+
+def test_a_failure_line_replays_its_problem():
+    problem = fuzz.draw_problems(5, 3, gpu=False)[2]
+    assert fuzz.Problem.parse(problem.line().split("--replay ")[1].strip("'")) == problem
