@@ -13,6 +13,10 @@ Masking conventions (the same as FlashAttention-2 and gpt-oss):
 A row that sees no key at all (possible only with unusual S_q > S_k shapes) gets output 0 and
 LSE -inf rather than NaN. NaN in an input the row sees comes out as NaN, as in PyTorch's SDPA;
 a key the row cannot see has no influence, whatever its value.
+
+The kernels keep that promise for a finite key, and for any key that no query sees (``flash_attention``
+never reads those). A NaN or inf in a key that some rows see can also reach the other rows of its tile
+through the matrix products (0 · NaN is NaN), as in PyTorch's SDPA and FlashAttention.
 """
 
 from __future__ import annotations

@@ -163,8 +163,9 @@ def query_block_range(p, kb, block_M, block_N):
 def mask_scores(tb, p, S, qb, kb, block_M, block_N):
     """Set the hidden pairs of score tile (qb, kb) to -inf, after the QKᵀ product.
 
-    Masking by selection, not by adding -inf to the scores: a hidden key then has no influence at
-    all, even if it holds an inf or a NaN. Tiles inside the visible region skip the pass.
+    Masking by selection, not by adding -inf to the scores: a hidden key's score then has no influence,
+    even if the key holds an inf or a NaN (its value row still meets P = 0 in P·V, and 0 · NaN is NaN).
+    Tiles inside the visible region skip the pass.
     """
     if block_needs_mask(p, qb, kb, block_M, block_N):
         for i, j in tb.parallel(block_M, block_N):
