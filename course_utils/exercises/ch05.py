@@ -16,6 +16,7 @@ from ..core.reference import attention_reference, visibility_mask
 from ..kernels.flash_pieces import LOG2E
 from .common import ExerciseWrong, check_exercise, quiet_builder
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
+from .shapes import HEAD_KINDS, attention_inputs, draw_shapes
 
 __all__ = ["backward_cases", "check_blockwise_backward", "check_dq_query_major", "check_flash_backward",
            "check_my_delta", "check_my_dkdv", "check_my_dq", "check_my_flash_attention", "compiled"]
@@ -94,12 +95,17 @@ def check_dq_query_major(fn):
 
 # --- Exercise (c): one step of the main kernel, in TileLang -----------------------------------------
 
-def _backward_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, seed, logit_scale=(1.0,)):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, seq_q, dim, generator=g)
-    q *= torch.tensor(logit_scale + (1.0,) * (heads - len(logit_scale)))[None, :, None, None]
-    k, v = (torch.randn(batch, heads, seq_k, dim, generator=g) for _ in range(2))
-    d_out = torch.randn(batch, heads, seq_q, dim, generator=g)
+def _backward_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, seed, logit_scale=(1.0,),
+                   kinds=None):
+    if kinds is not None:  # heads of the kinds of shapes.attention_inputs
+        q, k, v = attention_inputs(batch, heads, seq_q, seq_k, dim, seed=seed, kinds=kinds)
+        d_out = torch.randn(batch, heads, seq_q, dim, generator=torch.Generator().manual_seed(seed + 1))
+    else:
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(batch, heads, seq_q, dim, generator=g)
+        q *= torch.tensor(logit_scale + (1.0,) * (heads - len(logit_scale)))[None, :, None, None]
+        k, v = (torch.randn(batch, heads, seq_k, dim, generator=g) for _ in range(2))
+        d_out = torch.randn(batch, heads, seq_q, dim, generator=g)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     out, lse = attention_reference(*leaves, causal=causal, return_lse=True)
     dq, dk, dv = torch.autograd.grad(out, leaves, d_out.double())
@@ -117,15 +123,22 @@ def _backward_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, b
                       {"dV": dv, "dK": dk, "dQ": dq}, data=data, rows="row")
 
 
+_HEADS = "head 0 plain, 1 every score very negative, 2 large logits, 3 every score very large"
+
+
+def _drawn(make, walk, seed, **extra):
+    """One case per shape of ``shapes.draw_shapes(walk)``, four heads of the kinds of ``shapes.HEAD_KINDS``."""
+    return [make(f"{shape.label()}, {_HEADS}", 1, len(HEAD_KINDS), shape.seq_q, shape.seq_k, 16,
+                 causal=shape.causal, block_M=shape.block_M, block_N=shape.block_N, seed=seed + i, kinds=HEAD_KINDS,
+                 **extra)
+            for i, shape in enumerate(draw_shapes(walk, seed=seed))]
+
+
 def _backward_cases():
-    """Causal with S_q = 24 < S_k = 40 (bottom-right diagonal, past = 16), head 1 with larger logits; then
-    non-causal self-attention with S = 20, not a multiple of the 16 × 16 tiles."""
-    return [
-        _backward_case("causal, S_q=24 < S_k=40, 16×16 tiles", 1, 2, 24, 40, 16, causal=True, block_M=16, block_N=16,
-                       seed=51, logit_scale=(1.0, 3.0)),
-        _backward_case("non-causal, S=20 (ragged), 16×16 tiles", 1, 1, 20, 20, 16, causal=False, block_M=16,
-                       block_N=16, seed=52),
-    ]
+    """Drawn by ``shapes.draw_shapes`` for a key block walking query blocks: the causal start
+    ⌊(kb·block_N − past) / block_M⌋ at every residue modulo block_M, block_N < and > block_M, rows that see
+    no key, ragged S, a non-causal shape below one block, one row and one key."""
+    return _drawn(_backward_case, "queries", 51)
 
 
 def _model_backward(data, bugs=()):
@@ -138,6 +151,8 @@ def _model_backward(data, bugs=()):
     if data["causal"] and "no mask" in bugs:  # every pair of the tiles the causal walk visits counts
         first_qb = ((torch.arange(seq_k) // data["block_N"]) * data["block_N"] - (seq_k - seq_q)) // data["block_M"]
         visible = (torch.arange(seq_q) // data["block_M"])[:, None] >= first_qb.clamp(min=0)[None, :]
+    if data["causal"]:  # a wrong bound of the causal walk drops the pairs of the blocks it does not visit
+        visible = visible & _walked(seq_q, seq_k, data["block_M"], data["block_N"], bugs)
     lse_log2 = lse if "lse base 2" in bugs else lse * LOG2E
     p = torch.exp2(q @ k.transpose(-1, -2) * scale * LOG2E - lse_log2[..., None]).masked_fill(~visible, 0)
     dp = d_out @ v.transpose(-1, -2)
@@ -145,6 +160,30 @@ def _model_backward(data, bugs=()):
     dk = ds.transpose(-1, -2) @ q * (1 if "dk unscaled" in bugs else scale)
     dq = ds @ k * (1 if "dq unscaled" in bugs else scale)
     return {"dV": p.transpose(-1, -2) @ d_out, "dK": dk, "dQ": dq}
+
+
+def _causal_start(kb, block_M, block_N, past, bugs=()):
+    """The first query block that sees key block kb, ⌊(kb·block_N − past) / block_M⌋ (at least 0), or a known
+    wrong version of it."""
+    first_query = kb * block_N - past
+    if "start rounded up" in bugs:
+        return max(0, -(-first_query // block_M))
+    if "start over block_N" in bugs:
+        return max(0, first_query // block_N)
+    if "start without offset" in bugs:
+        return max(0, kb * block_N // block_M)
+    return max(0, first_query // block_M)
+
+
+def _walked(seq_q, seq_k, block_M, block_N, bugs):
+    """[S_q, S_k]: the (query, key) pairs in the blocks a causal walk with ``bugs`` in its bounds visits."""
+    from .ch03 import _causal_stop
+
+    past = seq_k - seq_q
+    qb, kb = torch.arange(seq_q) // block_M, torch.arange(seq_k) // block_N
+    start = torch.tensor([_causal_start(int(b), block_M, block_N, past, bugs) for b in kb])
+    stop = torch.tensor([_causal_stop(int(b), block_M, block_N, past, bugs) for b in qb])
+    return (qb[:, None] >= start[None, :]) & (kb[None, :] < stop[:, None])
 
 
 def _like(*bugs):
@@ -172,7 +211,8 @@ def check_flash_backward(factory):
         "flash backward", factory, _backward_cases, suspects=_BACKWARD_SUSPECTS,
         hint="Check each product against section 3.2: Pᵀ = exp2(Sᵀ·scale_log2 − LSE·log2 e) masked, dV += Pᵀ dO, "
              "dSᵀ = Pᵀ ∘ (dPᵀ − Δ), dK += dSᵀ Q (scaled once at the end), dQ tile = scale · dS K.",
-        summary="causal with S_q < S_k, non-causal with a ragged tail", gpu=backward_gpu_config(),
+        summary="the causal start at every residue of block_M, block_N ≶ block_M, rows that see no key, ragged S, "
+                "scores all very negative or very large", gpu=backward_gpu_config(),
         learner=("backward_step_macros",))
 
 
@@ -206,9 +246,10 @@ def check_my_delta(factory):
                  gpu=((1, 1, 64, 32), dict(block_M=32)))
 
 
-def _grads_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, seed, outputs, logit_scale=(1.0,)):
+def _grads_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N, seed, outputs, logit_scale=(1.0,),
+                kinds=None):
     case = _backward_case(label, batch, heads, seq_q, seq_k, dim, causal=causal, block_M=block_M, block_N=block_N,
-                          seed=seed, logit_scale=logit_scale)
+                          seed=seed, logit_scale=logit_scale, kinds=kinds)
     d = case.data
     expected = {name: case.expected[name] for name in outputs}
 
@@ -222,12 +263,10 @@ def _grads_case(label, batch, heads, seq_q, seq_k, dim, *, causal, block_M, bloc
 
 
 def _grads_cases(outputs):
-    return [
-        _grads_case("causal, S_q=24 < S_k=40, keys no query sees, 16×16 tiles", 1, 2, 24, 40, 16, causal=True,
-                    block_M=16, block_N=16, seed=51, outputs=outputs, logit_scale=(1.0, 3.0)),
-        _grads_case("non-causal, S_q=20, S_k=29 (both ragged), 16×8 tiles", 1, 1, 20, 29, 16, causal=False,
-                    block_M=16, block_N=8, seed=52, outputs=outputs),
-    ]
+    """Drawn by ``shapes.draw_shapes``: for dK/dV a key block walking query blocks (the causal start at every
+    residue modulo block_M), for dQ a query block walking key blocks (the causal stop at every residue modulo
+    block_N); block sizes both ways, rows that see no key, ragged S, one row and one key, extreme scores."""
+    return _drawn(_grads_case, "queries" if "dK" in outputs else "keys", 51, outputs=outputs)
 
 
 def _like_only(outputs, *bugs):
@@ -235,10 +274,32 @@ def _like_only(outputs, *bugs):
                                                         if k in outputs})
 
 
+# The bounds of the causal walk: wrong only at residues or block sizes a fixed list of cases may never draw.
+_START_SUSPECTS = [
+    (("start without offset",), "the causal walk starts without the offset S_k − S_q: the first query that sees key "
+     "kb·block_N is kb·block_N − past, so start at (kb * block_N - past) // block_M (at least 0)."),
+    (("start rounded up",), "the causal walk starts one query block late when the key block's first key is first seen "
+     "inside a query block: the start is rounded up. The first query that sees key kb·block_N is kb·block_N − past, "
+     "and its block is (kb * block_N - past) // block_M, rounded down."),
+    (("start over block_N",), "the causal walk starts at a query block counted in key blocks: (kb·block_N − past) is "
+     "a query index, so divide it by block_M, not block_N (the two differ here)."),
+]
+_STOP_SUSPECTS = [
+    (("stop one short at a block edge",), "the causal stop is one key block short when the last row's diagonal key "
+     "is the first key of a block: the stop is T.ceildiv((qb + 1) * block_M + past, block_N), with no − 1."),
+    (("stop rounded down",), "the causal stop is rounded down: use T.ceildiv((qb + 1) * block_M + past, block_N)."),
+    (("stop split",), "the causal stop adds the query block's key blocks and the offset's separately: "
+     "⌈(a + past)/block_N⌉ is not a/block_N + ⌈past/block_N⌉ when block_M is not a multiple of block_N. One "
+     "ceiling division: T.ceildiv((qb + 1) * block_M + past, block_N)."),
+]
+
+
 def _suspects(outputs):
+    bounds = _START_SUSPECTS if "dK" in outputs else _STOP_SUSPECTS
     return [Suspect(s.message, _like_only(outputs, *bugs)) for s, bugs in zip(
         _BACKWARD_SUSPECTS, (("no delta",), ("dk unscaled",), ("dq unscaled",), ("lse base 2",), ("no mask",)))
-        if not (bugs == ("no mask",) and "dQ" in outputs)]
+        if not (bugs == ("no mask",) and "dQ" in outputs)] + \
+        [Suspect(message, _like_only(outputs, *bugs)) for bugs, message in bounds]
 
 
 def check_my_dkdv(factory):
@@ -248,7 +309,9 @@ def check_my_dkdv(factory):
                  hint="Per query block: Pᵀ = exp2(Sᵀ·scale_log2 − LSE·log2 e) where visible (0 elsewhere), "
                       "dV += Pᵀ dO, dSᵀ = Pᵀ ∘ (dPᵀ − Δ), dK += dSᵀ Q; dK times the scale once at the end; the "
                       "causal walk starts at the first query block that sees the key block.",
-                 summary="causal S_q < S_k, non-causal ragged", gpu=backward_gpu_config())
+                 summary="the causal start at every residue of block_M, block_N ≶ block_M, rows that see no key, "
+                         "ragged S, one row and one key, scores all very negative or very large",
+                 gpu=backward_gpu_config())
 
 
 def check_my_dq(factory):
@@ -257,7 +320,9 @@ def check_my_dq(factory):
     check_kernel("your dQ kernel", factory, lambda: _grads_cases(("dQ",)), suspects=_suspects(("dQ",)),
                  hint="Per key block up to the causal stop: P = exp2(S·scale_log2 − LSE·log2 e) where visible, "
                       "dP = dO Vᵀ, dS = P ∘ (dP − Δ), dq += dS K; dq times the scale once, then one store.",
-                 summary="causal S_q < S_k, non-causal ragged", gpu=backward_gpu_config())
+                 summary="the causal stop at every residue of block_N, block_M ≶ block_N, rows that see no key, "
+                         "ragged S, one row and one key, scores all very negative or very large",
+                 gpu=backward_gpu_config())
 
 
 _COMPILED = {}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Shape", "shape_classes", "required_classes", "draw_shapes", "attention_inputs", "HEAD_KINDS",
-           "KEY_WALK_TILINGS", "QUERY_WALK_TILINGS"]
+           "KEY_WALK_TILINGS", "QUERY_WALK_TILINGS", "describe"]
 
 # A query block walking key blocks counts its stop in block_N; a key block walking query blocks its start in block_M.
 KEY_WALK_TILINGS = ((3, 4), (6, 4))    # (block_M, block_N): block_M < block_N and block_M > block_N
@@ -105,14 +105,16 @@ def shape_classes(shape, walk="keys"):
     return frozenset(out)
 
 
-def required_classes(walk, tilings, window=False):
-    """The classes the causal shapes drawn for ``walk`` over ``tilings`` must cover."""
+def required_classes(walk, tilings, window=False, residues=None):
+    """The classes the causal shapes drawn for ``walk`` over ``tilings`` must cover: the bound at every residue
+    of its tile, or at ``residues`` ("edges": 0, 1 and tile − 1, what one tiling of equal blocks can afford)."""
     out = {"rows that see no key", "S_q < S_k", "S_q not a multiple of block_M", "S_k not a multiple of block_N"}
     for M, N in tilings:
         tile = N if walk == "keys" else M
         rel = _relation(M, N, "block_M", "block_N") if walk == "keys" else _relation(N, M, "block_N", "block_M")
         bound = "causal stop" if walk == "keys" else "causal start"
-        out |= {f"{bound} ≡ {r} (mod {'block_N' if walk == 'keys' else 'block_M'}), {rel}" for r in range(tile)}
+        every = range(tile) if residues != "edges" else sorted({0, 1, tile - 1})
+        out |= {f"{bound} ≡ {r} (mod {'block_N' if walk == 'keys' else 'block_M'}), {rel}" for r in every}
         out |= {f"offset S_k − S_q ≡ {r} (mod {'block_N' if walk == 'keys' else 'block_M'})"
                 for r in {0, 1, tile - 1}}
         if window and walk == "keys":
@@ -120,9 +122,10 @@ def required_classes(walk, tilings, window=False):
     return out
 
 
-def draw_shapes(walk="keys", *, tilings=None, seed=0, max_seq=40, window=None, limit=4, edges=True):
+def draw_shapes(walk="keys", *, tilings=None, seed=0, max_seq=40, window=None, limit=4, edges=True, residues=None):
     """Shapes that cover ``required_classes(walk, tilings)``, most classes first, then the edge shapes.
 
+    ``walk`` "both": the classes of both walks (a forward and a backward that share one tiling).
     Greedy over seeded candidates (S_q, S_k ≤ ``max_seq`` for each tiling): each step keeps the candidate
     adding the most required classes still missing (fewer elements break ties), at most ``limit`` masked
     shapes. ``edges`` adds a non-causal shape with S_q below one block and one key (a kernel that masks
@@ -133,8 +136,11 @@ def draw_shapes(walk="keys", *, tilings=None, seed=0, max_seq=40, window=None, l
     candidates = [Shape(sq, sk, M, N, causal=causal, window=window)
                   for M, N in tilings for sq in range(1, max_seq + 1) for sk in range(1, max_seq + 1)]
     rng.shuffle(candidates)
-    covered = {c: shape_classes(c, walk) for c in candidates}
-    missing = set(required_classes(walk, tilings, window=window is not None))
+    covered = {c: frozenset().union(*(shape_classes(c, w) for w in (("keys", "queries") if walk == "both"
+                                                                    else (walk,)))) for c in candidates}
+    walks = ("keys", "queries") if walk == "both" else (walk,)
+    missing = set().union(*(required_classes(w, tilings, window=window is not None, residues=residues)
+                            for w in walks))
     chosen = []
     while missing and len(chosen) < limit:
         best = max(candidates, key=lambda c: (len(covered[c] & missing), -(c.seq_q * c.seq_k)))
