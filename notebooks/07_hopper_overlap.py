@@ -584,7 +584,7 @@ ONE_WARPGROUP = by_number[21]
 cu.check_true(set(ahead_64) == {THREE_PINGPONG.strip(), ONE_WARPGROUP.strip()},
               f"the rows above cuDNN's TFLOP/s at D=64 (by the point value): {sorted(set(ahead_64))}")
 cu.claim_ratio("one warpgroup loading for itself ÷ the persistent kernel (D=64)", change(ONE_WARPGROUP, cases[2:]),
-               says="above 1")
+               says="above 1");
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(15, 10), sharex=True)
