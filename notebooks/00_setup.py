@@ -49,6 +49,11 @@ from course_utils.kernels.tiles import TileBackend, compile_kernel
 cu.describe_machine()
 
 # %% [markdown]
+# **Stale output.** The printout above comes from the H100 run of this chapter on 2026-11-24, and its
+# last line is what the code printed then. On a GPU the chapters show the stored records, as on a CPU,
+# and re-measure them only with `COURSE_REFRESH_RECORDS=1` (which `run_notebooks --refresh` sets).
+
+# %% [markdown]
 # ## One kernel source, two targets
 #
 # A TileLang kernel says *where* each tile lives and *how* a loop over a tile is split among
