@@ -121,12 +121,16 @@ def test_solution_lowers_for_the_h100(key):
 
 # --- The chapter 05 capstone: the learner's kernels wrapped in a torch.autograd.Function ------------
 
-def _capstone(edit=None, strip=False):
+def _capstone(edit=None, strip=False, forward_edit=None):
     """The learner's flash_attention of chapter 05 (g), built from the notebook's solution cells (05 d–g)
-    and the course's forward of chapter 03 (d)."""
+    and the course's forward of chapter 03 (d) (with ``forward_edit`` = (find, replace) applied)."""
     from course_utils.exercises.help import _PRELUDE, _load, solution_cells
 
-    forward = _load(solution_cells("03", "d"), "my_flash_forward", "course 03d")
+    forward_cells = solution_cells("03", "d")
+    if forward_edit:
+        assert any(forward_edit[0] in c for c in forward_cells), forward_edit[0]
+        forward_cells = [c.replace(*forward_edit) for c in forward_cells]
+    forward = _load(forward_cells, "my_flash_forward", f"course 03d {abs(hash(forward_edit))}")
     cells = [c for letter in "defg" for c in solution_cells("05", letter)]
     text = "\n\n".join(cells)
     if edit:
@@ -157,6 +161,21 @@ def test_capstone_with_dk_and_dv_swapped_is_named():
     with pytest.raises(ExerciseWrong, match="holds the other gradient") as info:
         check_my_flash_attention(_capstone(("return dq, dk, dv, None", "return dq, dv, dk, None")))
     assert "\n" not in str(info.value)
+
+
+# Kernel bugs that the capstone's end-to-end check passed with its fixed shapes; it now fails on a drawn shape and
+# names the kernel, with that kernel's own diagnosis.
+@pytest.mark.parametrize("edit, forward_edit, named", [
+    (("(kb * block_N - past) // block_M", "T.ceildiv(kb * block_N - past, block_M)"), None, ("my_dkdv", "rounded up")),
+    (None, ("T.fill(m, neg_inf)", "T.fill(m, 0)"), ("my_flash_forward", "running max starts at 0")),
+], ids=["dK/dV start rounded up", "forward's max started at 0"])
+def test_capstone_names_the_wrong_kernel(edit, forward_edit, named):
+    from course_utils.exercises.ch05 import check_my_flash_attention
+
+    with pytest.raises(ExerciseWrong) as info:
+        check_my_flash_attention(_capstone(edit, forward_edit=forward_edit))
+    message = str(info.value)
+    assert "\n" not in message and f"`{named[0]}` is wrong on this shape alone" in message and named[1] in message
 
 
 def test_capstone_blank_says_not_written_yet():

@@ -362,10 +362,83 @@ def compiled(factory, *shape, out_idx, **options):
     return run
 
 
-def _autograd_cases():
-    return [("causal, S=24 (ragged: 16 + 8 rows)", 1, 2, 24, 24, 16, True, 61),
-            ("non-causal, S_q=20, S_k=29 (ragged)", 1, 1, 20, 29, 16, False, 62),
-            ("causal, S_q=29 > S_k=20 (rows that see no key)", 1, 1, 29, 20, 16, True, 63)]
+def _default_tiles(factory, fallback=(16, 16)):
+    """(block_M, block_N) that ``factory`` uses when the call gives none (the capstone's kernels are called so)."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return fallback
+    pick = [params[n].default if n in params and isinstance(params[n].default, int) else f
+            for n, f in zip(("block_M", "block_N"), fallback)]
+    return tuple(pick)
+
+
+def _autograd_cases(fn=None):
+    """(label, batch, heads, seq_q, seq_k, dim, causal, seed, kinds): drawn by ``shapes.draw_shapes`` for the
+    tiles the learner's dK/dV and dQ kernels use by default (the autograd op calls them without tiles): the causal
+    bounds of both walks at residues 0, 1 and tile − 1, rows that see no key, ragged S, then a non-causal shape
+    below one block; four heads of the kinds of ``shapes.HEAD_KINDS``."""
+    dkdv = fn.__globals__.get("my_dkdv") if fn is not None and hasattr(fn, "__globals__") else None
+    tiles = _default_tiles(dkdv) if dkdv is not None else (16, 16)
+    shapes = draw_shapes("both", tilings=(tiles,), residues="edges", seed=61, max_seq=2 * max(tiles) + 8,
+                         limit=3, edges=False)
+    shapes.append(type(shapes[0])(tiles[0] - 1, 2 * tiles[1] + 1, *tiles, causal=False))
+    return [(f"{shape.label().rsplit(',', 1)[0]}, {_HEADS}", 1, len(HEAD_KINDS), shape.seq_q, shape.seq_k, 16,
+             shape.causal, 61 + i, HEAD_KINDS) for i, shape in enumerate(shapes)]
+
+
+# The learner's kernels the autograd op calls, by the names chapter 05 gives them, and how to re-check each alone.
+_KERNELS = (("my_flash_forward", "your forward (03 d)"), ("my_delta", "your Δ kernel (d)"),
+            ("my_dkdv", "your dK/dV kernel (e)"), ("my_dq", "your dQ kernel (f)"))
+
+
+def _kernel_case(name, factory, label, batch, heads, seq_q, seq_k, dim, causal, seed, kinds):
+    """A ``KernelCase`` re-checking the learner's kernel ``name`` alone on one of the capstone's shapes, at the
+    tiles it uses by default."""
+    from .ch03 import _forward_case
+
+    block_M, block_N = _default_tiles(factory, (32, 8) if name == "my_flash_forward" else (16, 16))
+    if name == "my_flash_forward":
+        return _forward_case(label, batch, heads, seq_q, seq_k, dim, causal=causal, block_M=block_M,
+                             block_N=block_N, seed=seed, kinds=kinds)
+    case = _backward_case(label, batch, heads, seq_q, seq_k, dim, causal=causal, block_M=block_M, block_N=block_N,
+                          seed=seed, kinds=kinds)
+    if name == "my_delta":
+        o = attention_reference(*(case.data[n].double() for n in ("q", "k", "v")), causal=causal).float()
+        d_out = case.data["d_out"]
+
+        def run(kernel):
+            return {"Δ": kernel(o, d_out)}
+
+        return KernelCase(label, (batch, heads, seq_q, dim), dict(block_M=block_M), [2], run,
+                          {"Δ": (o.double() * d_out.double()).sum(-1)}, data=dict(o=o, d_out=d_out))
+    outputs = ("dK", "dV") if name == "my_dkdv" else ("dQ",)
+    return _grads_case(label, batch, heads, seq_q, seq_k, dim, causal=causal, block_M=block_M, block_N=block_N,
+                       seed=seed, outputs=outputs, kinds=kinds)
+
+
+def _wrong_kernel(fn, case):
+    """'<which kernel>: <its checker's diagnosis>' for the first of the learner's kernels that is wrong alone on
+    the capstone's failing ``case``, or None when each is right there (then the wiring is wrong)."""
+    import contextlib
+    import io
+
+    from .ch03 import _FULL_FORWARD_SUSPECTS
+
+    suspects = {"my_flash_forward": _FULL_FORWARD_SUSPECTS, "my_dkdv": _suspects(("dK", "dV")),
+                "my_dq": _suspects(("dQ",))}
+    for name, title in _KERNELS:
+        factory = fn.__globals__.get(name)
+        if factory is None:
+            continue
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                check_kernel(title, factory, [_kernel_case(name, factory, *case)], suspects=suspects.get(name, ()))
+        except ExerciseWrong as exc:
+            return f"`{name}` is wrong on this shape alone: {str(exc).removeprefix('✗ ')}"
+    return None
 
 
 def check_my_flash_attention(fn):
@@ -378,10 +451,11 @@ def check_my_flash_attention(fn):
     stale = stale_definition("your flash_attention", fn)
     if stale is not None:
         raise stale
-    for label, batch, heads, seq_q, seq_k, dim, causal, seed in _autograd_cases():
-        g = torch.Generator().manual_seed(seed)
-        q = torch.randn(batch, heads, seq_q, dim, generator=g)
-        k, v, d_out = (torch.randn(batch, heads, n, dim, generator=g) for n in (seq_k, seq_k, seq_q))
+    cases = _autograd_cases(fn)
+    for case in cases:
+        label, batch, heads, seq_q, seq_k, dim, causal, seed, kinds = case
+        q, k, v = attention_inputs(batch, heads, seq_q, seq_k, dim, seed=seed, kinds=kinds)
+        d_out = torch.randn(batch, heads, seq_q, dim, generator=torch.Generator().manual_seed(seed + 1))
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         try:
             with quiet_builder():
@@ -414,16 +488,22 @@ def check_my_flash_attention(fn):
                                     f"expected {tuple(want[name].shape)}.")
         wrong = [n for n in got if not torch.allclose(got[n].double(), want[n], atol=2e-4, rtol=1e-3)]
         if wrong:
+            culprit = _wrong_kernel(fn, case) if hasattr(fn, "__globals__") else None
             err = max(float((got[n].double() - want[n]).abs().nan_to_num(float("inf")).max()) for n in wrong)
             where = "the forward" if "O" in wrong else "the backward"
             swapped = [a for a, b in (("dK", "dV"), ("dV", "dK")) if a in wrong
                        and torch.allclose(got[a].double(), want[b], atol=2e-4, rtol=1e-3)]
             extra = f" ({swapped[0]} holds the other gradient: return dq, dk, dv in that order)" if swapped else ""
+            if culprit is not None and not swapped:
+                raise ExerciseWrong(f"✗ your flash_attention, {label}: {', '.join(wrong)} wrong (off by up to "
+                                    f"{err:.3g}); re-checked alone, {culprit}")
             raise ExerciseWrong(f"✗ your flash_attention, {label}: {', '.join(wrong)} wrong (off by up to {err:.3g}) "
-                                f"— look at {where}{extra}. Each kernel passed its own checker? Then look at how "
-                                "they are wired: what forward saves, the order of the outputs, d_out made contiguous.")
-    print(f"✓ your flash_attention: O, dQ, dK and dV match float64 autograd on {len(_autograd_cases())} cases "
-          "(causal and not, ragged S, S_q ≠ S_k)")
+                                f"— look at {where}{extra}. Each of your kernels is right alone on this shape, so "
+                                "look at how they are wired: what forward saves, the order of the outputs, d_out made "
+                                "contiguous.")
+    print(f"✓ your flash_attention: O, dQ, dK and dV match float64 autograd on {len(cases)} cases "
+          "(the causal bounds at residues 0, 1 and tile − 1 of your tiles, rows that see no key, ragged S, non-causal, "
+          "scores all very negative or very large)")
 
 
 HINTS = {
