@@ -31,6 +31,18 @@ _FLOP_CASES = [
 ]
 
 
+def _drawn_visit_cases():
+    """Every query block of self-attention shapes whose causal stops (q_block+1)·block_M meet every residue
+    modulo block_N, with block_M < block_N and block_M > block_N, tiles that are not multiples of each other,
+    one row, S below one block and ragged S (pure Python: hundreds of cases cost nothing)."""
+    cases = []
+    for block_M, block_N in ((3, 4), (6, 4), (4, 3), (4, 6), (16, 64), (64, 16)):
+        for seq in sorted({1, max(1, block_M - 1), 2 * block_N + 1, 4 * block_M + block_N - 1}):
+            for q_block in range(-(-seq // block_M)):
+                cases += [(q_block, block_M, block_N, seq, True), (q_block, block_M, block_N, seq, False)]
+    return cases
+
+
 def _visited(q_block, block_M, block_N, seq, causal):
     row = tile_classes(seq, seq, block_M, block_N, causal=causal)[q_block]
     kbs = [kb for kb, c in enumerate(row) if c != SKIPPED]
@@ -49,7 +61,7 @@ def check_kv_blocks_visited(fn):
     """``fn(q_block, block_M, block_N, seq, causal)`` must return (first, stop) of the visited key blocks."""
     check_exercise(
         "kv_blocks_visited", lambda *a: torch.tensor(_as_pair(fn(*a))),
-        lambda *a: torch.tensor(_visited(*a)), _VISIT_CASES, atol=0, rtol=0,
+        lambda *a: torch.tensor(_visited(*a)), _VISIT_CASES + _drawn_visit_cases(), atol=0, rtol=0,
         hint="Non-causal: every key block, 0 .. ⌈seq/block_N⌉. Causal: stop after the block that holds "
              "the key of the query block's last row, i.e. ⌈(q_block+1)·block_M / block_N⌉, "
              "but never past the last key block.")

@@ -14,6 +14,7 @@ from ..core.reference import attention_reference, visibility_mask
 from ..kernels.flash_pieces import LOG2E
 from .common import check_exercise, with_diagnosis
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
+from .shapes import HEAD_KINDS, attention_inputs, draw_shapes
 
 __all__ = ["check_sink_attention", "check_dsinks", "check_visible_pairs", "check_gpt_oss_forward",
            "check_my_gpt_oss_forward"]
@@ -166,19 +167,31 @@ def _gpt_oss_case(label, heads, heads_kv, seq_q, seq_k, dim, window, sinks, *, b
                       rows="query row")
 
 
+_WINDOW = 5
+_SINKS = [1.5, float("-inf"), 3.0, float("-inf")]  # the extreme heads without a sink, which would hide their scores
+
+
+def _drawn_gpt_oss_cases(seed=61):
+    """Shapes drawn by ``shapes.draw_shapes`` for a window of 5: the window's first key block and the causal stop
+    at every residue modulo block_N, block_M < and > block_N, rows that see no key, keys no query sees (NaN in
+    their blocks), ragged S; 4 query heads on 2 K/V heads of the kinds of ``shapes.HEAD_KINDS`` (plain with a
+    sink, every score very negative, large logits with a sink, every score very large)."""
+    cases = []
+    for i, shape in enumerate(draw_shapes("keys", window=_WINDOW, seed=seed, edges=False)):
+        def inputs(q, k, v, shape=shape, i=i):
+            return attention_inputs(1, 4, shape.seq_q, shape.seq_k, q.shape[-1], seed=seed + i, kinds=HEAD_KINDS,
+                                    heads_kv=2)
+        cases.append(_gpt_oss_case(f"{shape.label()}, 4 query heads on 2 K/V heads: 0 plain with a sink, 1 every "
+                                   "score very negative, 2 large logits with a sink, 3 every score very large",
+                                   4, 2, shape.seq_q, shape.seq_k, 16, _WINDOW, _SINKS, block_M=shape.block_M,
+                                   block_N=shape.block_N, seed=seed + i, poison=True, inputs=inputs))
+    return cases
+
+
 def _gpt_oss_cases():
-    """Window 9 with S_q = 40 < S_k = 88: the windows of query block 0 (rows 0–19) start at key 40, on a
-    block boundary, those of block 1 at key 60, inside a block; keys 0–39 are seen by no query (NaN
-    here); 4 query heads share 2 K/V heads, each with its own sink. Then window 5 over S = 30."""
-    return [
-        _gpt_oss_case("window 9, S_q=40 < S_k=88, 4 query heads on 2 K/V heads, sinks, 20×8 tiles", 4, 2, 40, 88, 16,
-                      9, [1.5, -1.0, 3.0, 0.0], block_M=20, block_N=8, seed=61, poison=True),
-        _gpt_oss_case("window 5, S=30, 2 query heads on 1 K/V head, sinks, 16×8 tiles", 2, 1, 30, 30, 16, 5,
-                      [0.5, 2.0], block_M=16, block_N=8, seed=62, poison=False),
-        _gpt_oss_case("rows that see no key, with a sink (head 0) and without (head 1, z = −∞), and a last row whose "
-                      "diagonal key is the first of a key block (window 6, S_q=27 > S_k=20, 16×8 tiles)", 2, 1, 27,
-                      20, 16, 6, [1.0, float("-inf")], block_M=16, block_N=8, seed=63, poison=False),
-    ]
+    """The drawn window shapes (``_drawn_gpt_oss_cases``): their heads without a sink (z = −∞) and with one cover
+    rows that see no key both ways."""
+    return _drawn_gpt_oss_cases()
 
 
 def _dominant_sink_inputs(q, k, v):
@@ -401,8 +414,9 @@ def check_gpt_oss_forward(factory, name="gpt-oss forward", learner=("window_bloc
         learner=learner,
         hint="The first key block holds the first key of the block's first row, (qb·block_M + past − W + 1); the "
              "sink adds exp2(sink·log2 e − shift) to ℓ before the division and the LSE.",
-        summary="window with S_q < S_k and GQA, window over a short self-attention, sinks, rows that see no key, "
-                "a diagonal key at a block edge" + summary)
+        summary="the window's first key block and the causal stop at every residue of the tile, block_M ≶ block_N, "
+                "GQA, sinks, rows that see no key, keys no query sees, scores all very negative or very large"
+                + summary)
 
 
 def check_my_gpt_oss_forward(factory):

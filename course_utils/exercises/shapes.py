@@ -80,6 +80,10 @@ def shape_classes(shape, walk="keys"):
         out.add("S_q < S_k")
     if s.window is not None and past >= s.window:  # keys k <= past − window are before every row's window
         out.add("keys no query sees")
+    if s.window is not None and past - s.window + 1 >= N:
+        out.add("a key block no query sees")
+        if (past - s.window + 1) % N == 0:  # visiting one block early reads only keys no query may see
+            out.add("the first key any query sees is the first of a block")
     if not masked:
         return frozenset(out)
     if walk == "keys":
@@ -89,7 +93,7 @@ def shape_classes(shape, walk="keys"):
             if (qb + 1) * M > s.seq_q:  # a ragged last block: its last rows are padding, not a visible bound
                 continue
             end = (qb + 1) * M + past  # keys [0, end) are what the block's last row may see
-            if 0 < end <= s.seq_k:
+            if 1 < end <= s.seq_k:  # (a row that sees one key has dS = 0: its last key must not be its only one)
                 out.add(f"causal stop ≡ {end % tile} (mod block_N), {rel}")
             if s.window is not None:
                 first = qb * M + past - s.window + 1  # the first key the block's first row sees
@@ -119,6 +123,7 @@ def required_classes(walk, tilings, window=False, residues=None):
                 for r in {0, 1, tile - 1}}
         if window and walk == "keys":
             out |= {f"window start ≡ {r} (mod block_N)" for r in range(tile)}
+            out |= {"a key block no query sees", "the first key any query sees is the first of a block"}
     return out
 
 
@@ -141,13 +146,19 @@ def draw_shapes(walk="keys", *, tilings=None, seed=0, max_seq=40, window=None, l
     walks = ("keys", "queries") if walk == "both" else (walk,)
     missing = set().union(*(required_classes(w, tilings, window=window is not None, residues=residues)
                             for w in walks))
-    chosen = []
-    while missing and len(chosen) < limit:
-        best = max(candidates, key=lambda c: (len(covered[c] & missing), -(c.seq_q * c.seq_k)))
-        if not covered[best] & missing:
-            break
-        chosen.append(best)
-        missing -= covered[best]
+    def greedy(first):
+        chosen, left = [first], missing - covered[first]
+        while left and len(chosen) < limit:
+            best = max(candidates, key=lambda c: (len(covered[c] & left), -(c.seq_q * c.seq_k)))
+            if not covered[best] & left:
+                break
+            chosen.append(best)
+            left = left - covered[best]
+        return chosen, left
+
+    # Greedy from each of the few best first shapes; the fewest shapes that cover the most wins.
+    firsts = sorted(candidates, key=lambda c: (-len(covered[c] & missing), c.seq_q * c.seq_k))[:12]
+    chosen, missing = min((greedy(first) for first in firsts), key=lambda r: (len(r[1]), len(r[0])))
     if missing:
         raise ValueError(f"draw_shapes({walk!r}, {tilings}): {limit} shapes leave {sorted(missing)} uncovered")
     if edges:
