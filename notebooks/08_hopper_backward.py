@@ -502,7 +502,7 @@ cu.claim_count("ours at least 0.95× cuDNN", {c: btf[(OURS, *c)] >= 0.95 * btf[(
                says="all");
 
 # %% [markdown]
-# The kernel is well ahead of FlashAttention-2 everywhere. Against cuDNN it is level in most cases and
+# The kernel is well ahead of FlashAttention-2 everywhere (the first claim above). Against cuDNN it is level in most cases and
 # ahead in the few the first cuDNN claim counts, behind in none, at both head dims (the claims above).
 # The target of cuDNN's speed at S = 4k in every case is met in most of them, **not in all** (the
 # lines above give the ratios); the misses are within the spread of one run to the next (section 7's
@@ -571,7 +571,7 @@ cu.claim_ratio("cuDNN ÷ ours, the two timed alone, either order",
                says="near 1");
 
 # %% [markdown]
-# The old order read ours lower than the two kernels timed alone, in every case; this chapter's
+# The old order read ours lower than the two kernels timed alone, in every case (the second claim above); this chapter's
 # comparison above was measured in the changing order, in which every implementation follows every
 # other one equally often. Three lessons that reach beyond attention: on a power-capped GPU a
 # benchmark's order is part of its result; a kernel's own time (a profiler's) can rank two kernels
@@ -626,7 +626,7 @@ cu.claim_versus("the deterministic mode against the default",
 #   kernel stopped waiting where it did not need to (version 22).
 # - Where a thread waits matters as much as what it computes: moving one wait for the copy engine
 #   from right after the reduce-add to the barrier before its tile is rewritten gained in every case
-#   (version 22, section 6).
+#   (version 22: section 6's claim).
 # - A choice measured once is only true for the step it was measured on: 80-row tiles with the causal
 #   mask spilled on version 9's step and are the fastest on version 22's (version 23).
 # - On a power-capped GPU the order of a benchmark's turns is part of its result: the same two

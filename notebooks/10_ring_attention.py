@@ -608,7 +608,8 @@ if rec4 is not None:
 
 # %% [markdown]
 # Four GPUs pay only on long sequences. At 32k tokens a shard is 8k long and every step is short.
-# With the full mask the kernels alone would still run close to four times one GPU's speed, so
+# With the full mask the kernels alone would still run close to four times one GPU's speed (the
+# claims above), so
 # there the transfers and the waits between steps take the gain; the causal zigzag's blocks are
 # halves of a shard, 4k rows, and its kernels alone are already far from that (the column "compute
 # alone"). The speed-up grows with S and passes 3.5 at 256k, where one GPU also runs its own kernel
