@@ -184,15 +184,15 @@ def your_solution(chapter, exercise, name, *, probe=None, workspace=None):
 
 
 def your_code(chapter, exercise):
-    """Print the learner's solution cells of an earlier exercise (from their workspace copy), or the
-    course's with one line saying so when theirs is missing or not written: the start of an exercise
-    that extends the learner's own code."""
+    """Print the learner's solution cells of an earlier exercise (from their workspace copy): the start of an
+    exercise that extends the learner's own code. When theirs is missing or not written it prints one line
+    saying so and how to see the course's answer (``solution``), never the answer itself."""
     chapter, letter = _chapter(chapter), _letter(exercise)
     cells = _learner_cells(chapter, letter)
     if cells and not any(PLACEHOLDER in c for c in cells):
         print(f"# Your exercise {chapter}{letter}, from your copy of chapter {chapter}:\n")
-    else:
-        print(f"# The course's exercise {chapter}{letter} (yours is not written yet, or there is no workspace "
-              f"copy of chapter {chapter}):\n")
-        cells = solution_cells(chapter, letter)
-    print("\n\n".join(cells))
+        print("\n\n".join(cells))
+        return
+    why = "is not written yet in your copy" if cells else f"has no workspace copy of chapter {chapter}"
+    print(f"Exercise {chapter}{letter} {why}: write it first (this exercise extends it), or start from the "
+          f"course's answer with solution(\"{chapter}\", \"{letter}\").")

@@ -65,6 +65,9 @@ def is_solution_cell(cell):
 # Cells whose stored output shows an exercise's answer (the course's code of an earlier exercise,
 # printed as the start of a later one): the learner's edition drops it; running the cell prints theirs.
 _ANSWER_PRINTING = re.compile(r"^\s*(your_code|solution)\(", re.M)
+# Cells that run the learner's own code (or the course's in its place): their stored outputs were made by the
+# course's solution ("✓ O your kernel …"), which the learner did not write; running the cell prints theirs.
+_RUNS_LEARNER_CODE = re.compile(r"\b(time_your_\w+|\w+_or_course|your_solution)\(")
 
 
 def learner_edition(nb):
@@ -74,7 +77,7 @@ def learner_edition(nb):
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        if _ANSWER_PRINTING.search(cell.source):
+        if _ANSWER_PRINTING.search(cell.source) or _RUNS_LEARNER_CODE.search(cell.source):
             cell.outputs, cell.execution_count = [], None
             continue
         if is_solution_cell(cell):
