@@ -1,0 +1,67 @@
+"""The shapes the kernel checkers draw (``course_utils.exercises.shapes``) cover the classes a kernel's index
+arithmetic can get wrong, the same way every time, in well under a second; the heads of every kind are what
+they claim to be."""
+
+import time
+
+import pytest
+import torch
+
+from course_utils.exercises.shapes import (
+    HEAD_KINDS,
+    KEY_WALK_TILINGS,
+    QUERY_WALK_TILINGS,
+    Shape,
+    attention_inputs,
+    describe,
+    draw_shapes,
+    required_classes,
+    shape_classes,
+)
+
+
+@pytest.mark.parametrize("walk, window", [("keys", None), ("queries", None), ("keys", 5)],
+                         ids=["forward and dQ", "dK/dV", "window"])
+def test_drawn_shapes_cover_every_required_class(walk, window):
+    start = time.perf_counter()
+    shapes = draw_shapes(walk, seed=61, window=window)
+    assert time.perf_counter() - start < 2.0
+    tilings = KEY_WALK_TILINGS if walk == "keys" else QUERY_WALK_TILINGS
+    assert required_classes(walk, tilings, window=window is not None) <= set(describe(shapes, walk))
+    assert len(shapes) <= 6  # each is a compilation (about two seconds)
+    assert draw_shapes(walk, seed=61, window=window) == shapes  # seeded
+
+
+def test_every_residue_of_the_bound_is_met_both_ways():
+    covered = set(describe(draw_shapes("keys", seed=31), "keys"))
+    for relation in ("block_M < block_N", "block_M > block_N"):
+        for residue in range(4):
+            assert f"causal stop ≡ {residue} (mod block_N), {relation}" in covered
+    for residue in (0, 1, 3):
+        assert f"offset S_k − S_q ≡ {residue} (mod block_N)" in covered
+    assert {"rows that see no key", "S_q < S_k", "S_q below one block", "one query row", "one key",
+            "non-causal"} <= covered
+
+
+def test_the_capstone_draw_meets_the_edge_residues_of_equal_tiles():
+    shapes = draw_shapes("both", tilings=((16, 16),), residues="edges", seed=61, max_seq=40, limit=3, edges=False)
+    covered = set(describe(shapes, "keys")) | set(describe(shapes, "queries"))
+    for residue in (0, 1, 15):
+        assert f"causal stop ≡ {residue} (mod block_N), block_M = block_N" in covered
+        assert f"causal start ≡ {residue} (mod block_M), block_N = block_M" in covered
+
+
+def test_a_stop_residue_counts_only_where_the_last_row_sees_more_than_one_key():
+    # S_q = 17, S_k = 2 with 16 × 16 tiles: the first block's last row sees key 0 alone (dS = 0 there).
+    assert not any(c.startswith("causal stop") for c in shape_classes(Shape(17, 2, 16, 16), "keys"))
+    assert "causal stop ≡ 1 (mod block_N), block_M = block_N" in shape_classes(Shape(16, 17, 16, 16), "keys")
+
+
+def test_head_kinds_have_the_scores_they_claim():
+    q, k, v = attention_inputs(1, len(HEAD_KINDS), 6, 9, 16, seed=1)
+    scores = q @ k.transpose(-1, -2)
+    assert scores[0, HEAD_KINDS.index("very negative")].max() < -500
+    assert scores[0, HEAD_KINDS.index("very large")].min() > 500
+    # still a spread between keys of a row, or the softmax would be flat
+    assert (scores[0, HEAD_KINDS.index("very large")].std(-1) > 1).all()
+    assert torch.equal(attention_inputs(1, 4, 6, 9, 16, seed=1)[0], q)
