@@ -358,16 +358,44 @@ def same_outputs(got, model, *, atol=1e-3, rtol=1e-3):
     return True
 
 
-def _diagnose(suspects, case, got, kernel):
+def _matching(suspects, case, got, kernel):
+    """The suspects whose test holds on this case, in order."""
+    found = []
     for suspect in suspects:
         try:
             if suspect.test(case, got, kernel):
-                return suspect.message
+                found.append(suspect)
         except ExerciseFailed:
             raise
         except Exception:  # a test that cannot run says nothing
             continue
-    return None
+    return found
+
+
+def _diagnose(suspects, case, got, kernel, later=()):
+    """The message of the suspect that explains the wrong ``case``. Two mistakes can give the same outputs on one
+    shape (a stop rounded down and a stop split in two ceilings, when block_N divides block_M): then the later
+    wrong cases of ``later`` (compiled and run only for this) keep the suspects that explain them too."""
+    found = _matching(suspects, case, got, kernel)
+    for run_later in later:
+        if len(found) < 2:
+            break
+        result = run_later()
+        if result is not None:
+            found = _matching(found, *result) or found
+    return found[0].message if found else None
+
+
+def _wrong_run(name, factory, case, atol, rtol):
+    """(case, outputs, kernel) of ``case`` when the learner's kernel is wrong on it, else None."""
+    captured = _Captured()
+    kernel = compile_c(name, build(name, factory, *case.args, **case.kwargs, target="c", captured=captured),
+                       case.out_idx, captured)
+    try:
+        got = case.run(kernel)
+    except Exception:
+        return None
+    return (case, got, kernel) if _symptom(got, case.expected, atol, rtol, case.rows)[0] is not None else None
 
 
 def check_kernel(name, factory, cases, *, suspects=(), hint="", atol=1e-4, rtol=1e-3, summary=None, gpu=None,
@@ -386,7 +414,7 @@ def check_kernel(name, factory, cases, *, suspects=(), hint="", atol=1e-4, rtol=
     if stale is not None:
         raise stale
     cases = cases() if callable(cases) else cases
-    for case in cases:
+    for index, case in enumerate(cases):
         captured = _Captured()
         prim_func = build(name, factory, *case.args, **case.kwargs, target="c", captured=captured)
         kernel = compile_c(name, prim_func, case.out_idx, captured)
@@ -397,7 +425,8 @@ def check_kernel(name, factory, cases, *, suspects=(), hint="", atol=1e-4, rtol=
         out, symptom = _symptom(got, case.expected, atol, rtol, case.rows)
         if out is None:
             continue
-        cause = _diagnose(suspects, case, got, kernel)
+        later = [lambda c=c: _wrong_run(name, factory, c, atol, rtol) for c in cases[index + 1:]]
+        cause = _diagnose(suspects, case, got, kernel, later)
         if cause is None and nearest is not None:
             try:
                 cause = nearest(case, got)
