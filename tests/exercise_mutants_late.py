@@ -177,6 +177,10 @@ MUTANTS += [
            (("            wait(1)\n", ""),), "the exponentials come before any wait"),
     Mutant("ch07_rotated_loop", "no wait(0) before P is overwritten (race on P)",
            (("            wait(0)\n", ""),), "no wait(0) after the exponentials"),
+    # An asynchronous write hazard: the order of issues and waits is right, but P is stored before the wait(0).
+    Mutant("ch07_rotated_loop", "P written before the wait(0) that retires the P·V reading it",
+           (("            wait(0)\n            T.copy(S, P)\n", "            T.copy(S, P)\n            wait(0)\n"),),
+           "P is written (T.copy(S, P)) while the P·V wgmma that reads it may still be running"),
     Mutant("ch07_rotated_loop", "stage released at the issue",
            (("            stage_in_use[0] = K_s[0, 0] + V_s[0, 0]\n", ""),), "released before the last wait"),
 ]

@@ -131,6 +131,7 @@ _STEPS = {
     "issue P·V": r"tl::wgmma_rs<",
     "wait({0})": r"wait_wgmma<(\d)>",
     "exp2": r"exp2f",
+    "write P": r"\(P \+ [^;]*\) = |\bP\[[^\]]*\] = ",  # a store into P (the P·V wgmma's register operand)
     "release K/V stage": r"\]\.arrive\(\)",
 }
 _GPU_SHAPE = (1, 1024, 128)
@@ -170,6 +171,11 @@ def _order_problem(steps):
         return ("no wait(0) after the exponentials: the next iteration issues P·V on a P that this one overwrites "
                 "while the previous P·V may still read it, and accumulates into acc while it runs (a race the "
                 "CPU cannot show)")
+    writes = [i for i, step in enumerate(steps) if step == "write P"]
+    if writes and not any(pv < w < writes[0] and steps[w] == "wait(0)" for w in waits):
+        return ("P is written (T.copy(S, P)) while the P·V wgmma that reads it may still be running: an operand "
+                "of an asynchronous matmul is overwritten before the wait(0) that retires it (a race the CPU cannot "
+                "show; ptxas answers it by serialising every wgmma of the loop). wait(0), then T.copy(S, P)")
     last_wait = max(waits)
     if not any(step == "release K/V stage" and i > last_wait for i, step in enumerate(steps)):
         return ("the K/V stage is released before the last wait: TileLang frees a stage after the last statement "
