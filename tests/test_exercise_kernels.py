@@ -254,3 +254,33 @@ def test_a_kernel_that_only_the_gpu_compiler_rejects_fails_on_the_cpu():
     with pytest.raises(ExerciseWrong, match="lowered for sm_90a") as info:
         checker(exercise)(load(exercise, source, "fragment into gemm"))
     assert "\n" not in str(info.value) and "shared tile" in str(info.value)
+
+
+# --- A checker run before the exercise it needs -------------------------------------------------------
+
+def test_a_checker_run_before_its_exercise_names_that_exercise(capsys):
+    """In IPython, `check_my_dq(my_dq)` before exercise (f)'s cell ran: one line naming 05 (f), not a NameError."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from course_utils.exercises.help import name_errors_name_their_exercise
+
+    shell = InteractiveShell.instance()
+    try:
+        name_errors_name_their_exercise(shell)
+        shell.run_cell("from course_utils.exercises import ch05\nch05.check_my_dq(my_dq)")
+        shell.run_cell("undefined_name_of_nobody")
+    finally:
+        shell.set_custom_exc((), None)
+        InteractiveShell.clear_instance()
+    out = capsys.readouterr()
+    assert "`my_dq` is not defined yet: it comes from exercise 05 (f)" in out.out
+    assert "NameError" in out.out + out.err and "undefined_name_of_nobody" in out.out + out.err  # others untouched
+
+
+def test_the_capstone_without_an_earlier_kernel_names_its_exercise():
+    from course_utils.exercises.ch05 import check_my_flash_attention
+
+    fn = _capstone()
+    del fn.__globals__["my_delta"]
+    with pytest.raises(ExerciseIncomplete, match=r"`my_delta` is not defined yet: it comes from exercise 05 \(d\)"):
+        check_my_flash_attention(fn)

@@ -472,6 +472,10 @@ def check_my_flash_attention(fn):
         except (ExerciseWrong, ExerciseIncomplete):
             raise
         except Exception as exc:
+            from .help import needed_first
+
+            if needed_first(exc) is not None:
+                raise ExerciseIncomplete(f"your flash_attention: {needed_first(exc)}") from None
             raise ExerciseWrong(f"✗ your flash_attention, {label}: raised {type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:200] if str(exc) else ''}") from None
         ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]

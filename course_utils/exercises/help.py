@@ -18,7 +18,8 @@ from pathlib import Path
 
 from .common import PLACEHOLDER, WORKSPACE
 
-__all__ = ["hint", "solution", "solution_cells", "exercises_of"]
+__all__ = ["hint", "solution", "solution_cells", "exercises_of", "exercise_defining", "needed_first",
+           "name_errors_name_their_exercise"]
 
 TIERS = (1, 2)
 
@@ -117,6 +118,65 @@ def solution(chapter, exercise):
     print(f"# Solution of exercise {chapter}{letter} (from {_notebook(chapter).name}); "
           "paste it into your solution cell, then run that cell and the checker.\n")
     print("\n\n".join(cells))
+
+
+# --- A checker run before the exercise it needs: name that exercise, not a NameError ---------------
+
+_DEFINED = {}
+
+
+def exercise_defining(name):
+    """(chapter, letter) of the exercise whose solution cell defines ``name`` (a ``def`` or a ``class`` at the top
+    of a cell tagged ``ex-<letter>``, or the skeleton cell just before it), or None."""
+    if not _DEFINED:
+        for path in sorted(_notebooks_dir().glob("[0-9][0-9]_*.py")):
+            chapter, letter, last = path.name[:2], None, None
+            for cell in re.split(r"^# %%", path.read_text(encoding="utf-8"), flags=re.M)[1:]:
+                header = cell.splitlines()[0] if cell else ""
+                tagged = re.search(r'"ex-([a-z])"', header)
+                letter = tagged.group(1) if tagged else None
+                for defined in re.findall(r"^(?:def|class) (\w+)", cell, re.M):
+                    if letter:
+                        _DEFINED.setdefault(defined, (chapter, letter))
+                        if last:  # the skeleton cell the solution fills in
+                            for skeleton in last:
+                                _DEFINED.setdefault(skeleton, (chapter, letter))
+                if "[markdown]" not in header:  # a skeleton may sit a few markdown cells above its solution
+                    last = None if letter else re.findall(r"^(?:def|class) (\w+)", cell, re.M)
+    return _DEFINED.get(name)
+
+
+def needed_first(exc):
+    """For a NameError whose name an exercise defines: one line saying which exercise to run first; else None."""
+    match = re.search(r"name '(\w+)' is not defined", str(exc)) if isinstance(exc, NameError) else None
+    found = exercise_defining(match.group(1)) if match else None
+    if found is None:
+        return None
+    chapter, letter = found
+    return (f"`{match.group(1)}` is not defined yet: it comes from exercise {chapter} ({letter}). Run that "
+            f"exercise's cells first (they may still say `raise NotImplementedError`; hint(\"{chapter}\", "
+            f"\"{letter}\", 1) helps).")
+
+
+def _name_error_hint(shell, etype, value, tb, tb_offset=None):
+    line = needed_first(value)
+    if line is None:
+        return shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    print(line)
+    return None
+
+
+def name_errors_name_their_exercise(shell=None):
+    """In IPython, show a NameError of a name an exercise defines as one line naming that exercise (a checker run
+    before its exercise, or out of order); every other error keeps its traceback. Called when the package loads."""
+    if shell is None:
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return
+        shell = get_ipython()
+    if shell is not None and hasattr(shell, "set_custom_exc"):
+        shell.set_custom_exc((NameError,), _name_error_hint)
 
 
 # --- A later chapter builds on an earlier exercise: the learner's version, else the course's -------

@@ -37,7 +37,8 @@ import torch
 
 from ..kernels.flash_pieces import LOG2E
 from ..kernels.tiles import compile_kernel
-from .common import ExerciseFailed, ExerciseWrong, not_written, quiet_builder, stale_definition
+from .common import ExerciseFailed, ExerciseIncomplete, ExerciseWrong, not_written, quiet_builder, stale_definition
+from .help import needed_first
 
 __all__ = ["KernelCase", "Suspect", "check_kernel", "build", "compile_c", "same_outputs", "describe_rows",
            "forward_tile_step", "lower_for_gpus", "nearest_variant", "GPU_ARCHS"]
@@ -185,6 +186,9 @@ def build(name, factory, *args, captured=None, **kwargs):
     except ExerciseFailed:
         raise
     except Exception as exc:
+        first = needed_first(exc)
+        if first is not None:
+            raise ExerciseIncomplete(f"{name}: {first}") from None
         raise ExerciseWrong(f"✗ {name}: your kernel does not build: {_one_line(exc)}{_where(exc)}."
                             f"{_build_cause(exc)}") from None
 
