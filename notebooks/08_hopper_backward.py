@@ -282,16 +282,17 @@ arows = ablation["results"]
 cases = [(dim, causal) for dim in (128, 64) for causal in (False, True)]
 tf = {(r["impl"], r["dim"], r["causal"]): r["tflops"] for r in arows if r.get("tflops")}
 labels = [v.label for v in VERSIONS]
+width = max(len(x) for x in labels) + 2  # every label whole
 check_stored_errors([r for r in arows if r.get("tflops")], "ch08 ablation: every timed version")
-print(f"{'TFLOP/s, fp16, S=4k':58}" + "".join(f"{f'D={d}' + (' causal' if c else ''):>13}" for d, c in cases))
+print(f"{'TFLOP/s, fp16, S=4k':{width}}" + "".join(f"{f'D={d}' + (' causal' if c else ''):>13}" for d, c in cases))
 for impl in labels + [FA2, CUDNN]:
-    print(f"{impl[:58]:58}" + "".join(f"{tf[impl, d, c]:13.0f}" if (impl, d, c) in tf else f"{'–':>13}" for d, c in cases))
+    print(f"{impl:{width}}" + "".join(f"{tf[impl, d, c]:13.0f}" if (impl, d, c) in tf else f"{'–':>13}" for d, c in cases))
 # Versions marked shipped_code run the shipped kernel; flash_attention uses the tiling that won here.
 shipped = {(d, c): shipped_version(d, c, HOPPER_BACKWARD_CONFIGS[d, c]).label for d, c in cases}
-print(f"{'shipped (what flash_attention runs) ÷ cuDNN':58}"
+print(f"{'shipped (what flash_attention runs) ÷ cuDNN':{width}}"
       + "".join(f"{tf[shipped[d, c], d, c] / tf[CUDNN, d, c]:13.2f}" if (shipped[d, c], d, c) in tf
                 else f"{'not measured':>13}" for d, c in cases))
-print(f"{'chapter 05 ÷ cuDNN':58}" + "".join(f"{tf[labels[0], d, c] / tf[CUDNN, d, c]:13.2f}" for d, c in cases))
+print(f"{'chapter 05 ÷ cuDNN':{width}}" + "".join(f"{tf[labels[0], d, c] / tf[CUDNN, d, c]:13.2f}" for d, c in cases))
 
 # %%
 # The text's judgements, checked against the record: a step is its row ÷ the unindented row above it, a
