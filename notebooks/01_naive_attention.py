@@ -410,13 +410,20 @@ for s in (256, 512, 1024):
 # %% [markdown]
 # ## Exercises
 #
+# Stuck on one? `hint("01", "a", 1)` names the idea, `hint("01", "a", 2)` the functions to use;
+# `solution("01", "a")` shows the answer (the same for "b").
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
 # ### (a) The longest sequence that fits
 #
 # Write `max_seq_len(batch, heads, bytes_per_el, capacity_bytes)`: the largest $S$ whose
 # `[batch, heads, S, S]` matrix, at `bytes_per_el` bytes per entry, fits in `capacity_bytes`.
 # The table above only tried powers of two; this gives the exact crossover.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-a"]
 def max_seq_len(batch, heads, bytes_per_el, capacity_bytes):
     """The largest S with batch * heads * S * S * bytes_per_el <= capacity_bytes."""
     ### BEGIN SOLUTION
@@ -438,7 +445,7 @@ for what, per in (("fp16 score matrix", FP16), ("naive_attention peak", NAIVE_PE
 # `naive_attention` or SDPA: scores, the causal mask with `masked_fill`, softmax, then $V$. The
 # checker compares it with the float64 reference and names common mistakes.
 
-# %% tags=["solution"]
+# %% tags=["solution", "ex-b"]
 def causal_attention(q, k, v):
     """softmax(Q Kᵀ / sqrt(D), keys after the query masked out) V."""
     ### BEGIN SOLUTION

@@ -106,3 +106,15 @@ def check_causal_attention(fn):
     except Exception:  # check_exercise reports the exception itself
         pass
     check_exercise("causal attention", fn, _reference_causal, cases, atol=1e-9, rtol=1e-9, hint=hint)
+
+
+HINTS = {
+    "a": ["The matrix holds batch · heads · S² entries of bytes_per_el bytes each. Solve batch · heads · S² · "
+          "bytes_per_el ≤ capacity_bytes for the largest whole S.",
+          "Stay in integers so that the edge is exact: // divides and rounds down, math.isqrt is the exact integer "
+          "square root (a float sqrt can land one off for large numbers)."],
+    "b": ["Four steps: the scaled scores, a mask hiding every key after its query, the softmax over the keys, the "
+          "product with V. A hidden key must get probability 0, so its score becomes −∞ before the softmax.",
+          "torch.tril builds a lower-triangular mask (what each query may see); Tensor.masked_fill writes −∞ where "
+          "a key is hidden; torch.softmax along the key dimension; @ for the two products."],
+}
