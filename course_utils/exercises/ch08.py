@@ -221,6 +221,7 @@ _STEP_LABELS = {  # (label, regex): the first that matches a line names it (orde
     "exp2": r"exp2f",
     "read dPᵀ": r"=.*\bdPT\b",
     "reduce-add dQ": r"tma_store_add",
+    "bulk wait": r"tma_store_wait<",
     "store dSᵀ": r"^(?!.*initialize_wgmma_descriptor).*dST_s\)\[",
     "store dQ": r"^(?!.*initialize_wgmma_descriptor).*\(\(float\*\)dq_s\)",
     "barrier": r"__sync_thread_partial\(",
@@ -268,6 +269,10 @@ def _step_problem(steps):
                 "retires Sᵀ and leaves dPᵀ running")
     if not _done(steps, "issue dPᵀ", at["read dPᵀ"]):
         return f"dSᵀ reads dPᵀ while its batch may still be running {_RACE}: wait(0) before form_ds"
+    if at["store dSᵀ"] > at["issue dQ"] and not _done(steps, "issue dQ", at["store dSᵀ"]):
+        return (f"dSᵀ is stored into dST_s while the dQ wgmma that reads it may still be running {_RACE}: an operand "
+                "of an asynchronous matmul is written before the wait that retires it. Store dSᵀ, barrier, then "
+                "issue dQ")
     if not between(at["store dSᵀ"], at["issue dQ"], "barrier"):
         return ("no barrier between the store of dSᵀ and the dQ issue: dQ = dS K reads all of dST_s, half of it "
                 f"written by the other consumer warpgroup, which may not have stored it yet {_RACE}. Store, "
@@ -288,6 +293,10 @@ def _step_problem(steps):
         return ("no barrier between the store of dQ and the reduce-add: the copy engine reads all of dq_s, half of "
                 f"it the other consumer's, which may not be there yet {_RACE}. Store, barrier(DQ_BARRIER), "
                 "then add_dq")
+    if not any(step == "bulk wait" for step in steps[at["reduce-add dQ"]:]) and \
+            not any(step == "bulk wait" for step in steps[:at["store dQ"]]):
+        return ("nothing waits for the copy engine's reduce-add of dq_s before the next step stores into dq_s again: "
+                f"the bulk copy may still be reading it {_RACE}")
     last_issue = max(i for i, step in enumerate(steps) if step.startswith("issue "))
     if not any(steps[w] == "wait(0)" for w in waits if w > last_issue):
         return ("no wait(0) after the last issue: the next step clears Pᵀ and dPᵀ and overwrites the Pᵀ and dSᵀ "
