@@ -749,6 +749,13 @@ if rec_d is not None:
 # %% [markdown]
 # ## Exercises
 #
+# Stuck on one? `hint("09", "a", 1)` names the idea, `hint("09", "a", 2)` the functions to use;
+# `solution("09", "a")` shows the answer (the same for the other letters).
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
 # ### (a) Pack a padded batch
 #
 # Write `pack(padded, lengths)`: `padded` is `[B, S_max, H, D]` (sequence b's tokens are its first

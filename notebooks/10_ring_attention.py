@@ -650,9 +650,17 @@ if found4:
 #   the memory section), with gpt-oss's few K/V heads and with as many K/V heads as query heads.
 # - More ranks pay on longer sequences only: on four GPUs the shards of a 32k sequence are too short
 #   to hide the ring's steps, while at 256k it runs more than three and a half times one GPU's speed.
-#
+
+# %% [markdown]
 # ## Exercises
 #
+# Stuck on one? `hint("10", "a", 1)` names the idea, `hint("10", "a", 2)` the functions to use;
+# `solution("10", "a")` shows the answer (the same for the other letters).
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
 # ### (a) The zigzag chunk pairs
 #
 # With the zigzag split on `world` ranks, rank r holds chunks r and 2·world − 1 − r of the

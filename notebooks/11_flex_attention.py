@@ -536,6 +536,13 @@ if rec is not None:
 # %% [markdown]
 # ## Exercises
 #
+# Stuck on one? `hint("11", "a", 1)` names the idea, `hint("11", "a", 2)` the functions to use;
+# `solution("11", "a")` shows the answer (the same for the other letters).
+
+# %%
+from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers: the idea, the API, the answer)
+
+# %% [markdown]
 # ### (a) ALiBi as a score_mod
 #
 # ALiBi adds to every score $\text{slope}_h \cdot (\text{kv\_idx} - \text{q\_idx})$: zero on the
