@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.reference import visibility_mask
-from .checks import CheckFailed, check_attention_error, check_close
+from .checks import ERROR_SLACK, CheckFailed, check_attention_error, check_close
 from .validation import (
     decode_references,
     references,
@@ -136,6 +136,7 @@ def _lengths(rng, tile, longest, count):
 # Problems drawn on each compiled shape. Packed and cached problems draw new lengths for each problem, so
 # they get more of them: their kernels read the lengths at run time.
 PER_SHAPE = {"dense": 10, "flex": 10, "varlen": 25, "decode": 25}
+GPU_PER_SHAPE = {"dense": 24, "flex": 16, "varlen": 50, "decode": 50}  # a GPU compile costs more, a problem less
 
 
 def draw_problems(seed, count, *, gpu, apis=APIS, per_shape=None):
@@ -158,7 +159,8 @@ def draw_problems(seed, count, *, gpu, apis=APIS, per_shape=None):
         elif api == "flex":
             base.update(modifier=rng.choice(FLEX_MODIFIERS), sinks=False, window=None, causal=False,
                         heads_kv=base["heads_kv"], seq_q=base["seq_k"])
-        for extra in _runtime_draws(rng, base, min(per_shape or PER_SHAPE[api], count - len(problems))):
+        each = per_shape or (GPU_PER_SHAPE if gpu else PER_SHAPE)[api]
+        for extra in _runtime_draws(rng, base, min(each, count - len(problems))):
             if api == "varlen":
                 n = rng.randint(1, 4)
                 lq = _lengths(rng, tile, longest, n)
@@ -335,9 +337,18 @@ def _run_varlen(pr, f):
                       f"sequence {b}: dK/dV of the keys no query sees are not 0")
 
 
+def rounding_slack(ref, dtype):
+    """FlashAttention's tests' absolute slack: twice the largest rounding error of the reference's values
+    near 0.3 in the kernel's dtype, ``2 · max|(ref + 0.3 − 0.3) − ref|`` (hopper/test_flash_attn.py). It
+    matters where PyTorch's low-precision error is 0 or tiny (a row that sees one key, a gradient whose
+    exact value is 0), and it is far below any planted bug's error."""
+    r = ref.detach().to(dtype)
+    return 2 * float(((r + 0.3) - 0.3 - r).abs().max()) if r.numel() else 0.0
+
+
 def _judge(name, actual, ref, low, dtype):
-    """FlashAttention's criterion (the error of PyTorch in the kernel's precision, times 3); a float32 result
-    also passes within float32's fixed tolerance, which a problem of very large scores can exceed."""
+    """FlashAttention's criterion (3× the error of PyTorch in the kernel's precision, plus its tests' rounding
+    slack); a float32 result also passes within float32's fixed tolerance, which very large scores can exceed."""
     if actual is None:
         raise CheckFailed(f"{name}: no gradient was returned")
     if dtype == torch.float32:
@@ -345,7 +356,9 @@ def _judge(name, actual, ref, low, dtype):
             return check_close(actual, ref, name, dtype=torch.float32, quiet=True)
         except CheckFailed:
             pass
-    return check_attention_error(actual, ref, low, name, quiet=True)
+    finite = ref[torch.isfinite(ref)]
+    return check_attention_error(actual, ref, low, name, quiet=True,
+                                 slack=max(ERROR_SLACK, rounding_slack(finite, dtype)))
 
 
 def _judge_forward(out, lse, refs, dtype):
@@ -564,8 +577,8 @@ def _forget_compiled_kernels():
 
 
 # region: the gate
-def _run_shard(args):
-    """One worker: the problems of a few shapes, stopping at the deadline. Returns (results, shapes run)."""
+def _run_group(args):
+    """One shape's problems in a worker, stopping at the deadline: [(problem, failures, seconds)]."""
     problems, deadline, plant_name = args
     results = []
     with plant(plant_name):
@@ -577,25 +590,52 @@ def _run_shard(args):
     return results
 
 
-def run_gate(problems, *, seconds, workers=1, plant_name=None, out=print):
-    """Run ``problems`` (at most ``seconds``), print a table per API and each failure's reproducer; returns
-    (problems run, failures)."""
+def _describe(pr):
+    lengths = f" lengths {pr.lengths_q}/{pr.lengths_k}" if pr.lengths_q else ""
+    return (f"{pr.api} B={pr.batch} H={pr.heads}/{pr.heads_kv} S={pr.seq_q}/{pr.seq_k} D={pr.dim} {pr.dtype} "
+            f"causal={pr.causal} window={pr.window} sinks={pr.sinks and pr.sink_kind} {pr.modifier or ''}{lengths}")
+
+
+def _groups_done(groups, deadline, workers, plant_name, progress):
+    """Each shape's results as its group finishes (in worker processes when ``workers`` > 1). Groups still
+    running a minute past the deadline are dropped: a compile in flight must not hold the gate."""
+    if workers <= 1:
+        for group in groups:
+            yield _run_group((group, deadline, plant_name))
+        return
+    import multiprocessing
+    from concurrent.futures import TimeoutError as FutureTimeout
+    from concurrent.futures import as_completed
+
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    futures = [pool.submit(_run_group, (group, deadline, plant_name)) for group in groups]
+    try:
+        for future in as_completed(futures, timeout=max(1.0, deadline + 60 - time.time())):
+            yield future.result()
+    except FutureTimeout:
+        progress(f"  (groups still compiling {60} s past the deadline were dropped)")
+    finally:
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run_gate(problems, *, seconds, workers=1, plant_name=None, out=print, progress=None):
+    """Run ``problems`` (starting none after ``seconds``), print a table per API and each failure's reproducer;
+    returns (problems run, failures). ``progress`` gets a line per finished shape (default: none)."""
+    progress = progress or (lambda line: None)
     deadline = time.time() + seconds
     by_shape = {}
     for pr in problems:
         by_shape.setdefault(pr.shape_key(), []).append(pr)
-    groups = list(by_shape.values())
-    shards = [[] for _ in range(max(1, workers))]
-    for i, group in enumerate(groups):
-        shards[i % len(shards)].extend(group)
     start = time.time()
-    if workers <= 1:
-        results = _run_shard((shards[0], deadline, plant_name))
-    else:
-        import multiprocessing
-
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = [r for part in pool.map(_run_shard, [(s, deadline, plant_name) for s in shards]) for r in part]
+    results = []
+    for group_results in _groups_done(list(by_shape.values()), deadline, workers, plant_name, progress):
+        results.extend(group_results)
+        bad = sum(bool(f) for _, f, _ in group_results)
+        if group_results:
+            progress(f"  {time.time() - start:5.0f} s  {_describe(group_results[0][0])}: "
+                     f"{len(group_results)} problems, {bad} failed")
     wall = time.time() - start
     rows = {}
     for pr, failures, seconds_taken in results:
@@ -610,18 +650,17 @@ def run_gate(problems, *, seconds, workers=1, plant_name=None, out=print):
     failed = [(pr, failures) for pr, failures, _ in results if failures]
     out(f"{len(results)} problems ({len(problems) - len(results)} not reached) in {wall:.0f} s on {workers} "
         f"worker(s), {len(failed)} failed" + (f", planted bug: {plant_name}" if plant_name else ""))
-    for pr, failures in failed[:30]:
-        out(f"✗ {pr.api} B={pr.batch} H={pr.heads}/{pr.heads_kv} S={pr.seq_q}/{pr.seq_k} D={pr.dim} {pr.dtype} "
-            f"causal={pr.causal} window={pr.window} sinks={pr.sinks and pr.sink_kind} {pr.modifier or ''}"
-            f"{' lengths ' + str(pr.lengths_q) + '/' + str(pr.lengths_k) if pr.lengths_q else ''}: {failures[0]}")
+    for pr, failures in failed[:200]:
+        out(f"✗ {_describe(pr)}: {failures[0]}")
         out(f"  {pr.line()}")
     return len(results), len(failed)
 
 
 def default_tier(gpu):
-    """(problems, seconds, workers): the GPU tier's 1500 problems in 8 minutes, the CPU tier's 200 in 3."""
+    """(problems, seconds, workers): the GPU tier's 1500 problems in at most 8 minutes (on an H100 with 16 CPU
+    cores: 199 s), the CPU tier's 200 in about 3."""
     if gpu:
-        return 1500, 480, min(8, os.cpu_count() or 1)
+        return 1500, 420, min(10, os.cpu_count() or 1)
     return 200, 300, 1  # about 3 minutes on two cores; the deadline leaves room for a slower machine
 
 
@@ -649,6 +688,6 @@ def main(argv):
     problems = draw_problems(seed, args.problems or problems, gpu=gpu, apis=tuple(args.apis.split(",")))
     print(f"fuzz gate: seed {seed}, device {torch.cuda.get_device_name() if gpu else 'cpu'}, torch {torch.__version__}")
     run, failed = run_gate(problems, seconds=args.seconds or seconds, workers=args.workers or workers,
-                           plant_name=args.plant)
+                           plant_name=args.plant, progress=lambda line: print(line, flush=True))
     return 1 if failed or run == 0 else 0
 # endregion

@@ -72,7 +72,9 @@ def references(q, k, v, *, d_out=None, causal=False, window_size=None, sinks=Non
                     # In low precision, dsinks is what every implementation computes from its rounded O
                     # (FlashAttention's Δ): -Σ_i exp(z - LSE_i) · rowsum(dO ∘ O)_i, in float32.
                     delta = (d_out[b:b + 1, hq].float() * out.detach().float()).sum(-1)
-                    p_sink = torch.exp(sink.detach().float()[None, :, None] - lse.detach())
+                    logit = sink.detach().float()[None, :, None]
+                    # 0 for a sink of logit -inf: a row that saw no key then has LSE -inf too (exp(-inf + inf) is NaN)
+                    p_sink = torch.where(logit == float("-inf"), 0.0, torch.exp(logit - lse.detach()))
                     target[3][hq] += -(p_sink * delta).sum(dim=(0, 2)).double()
     return result
 
