@@ -31,11 +31,13 @@ def test_cpu_tier_of_random_problems():
 
 
 # One shape that every planted bug below reaches: a window, S_q ≠ S_k, and keys not a multiple of the tile.
-_PLANT_PROBLEMS = [fuzz.Problem(api="dense", batch=1, heads=2, heads_kv=1, seq_q=20, seq_k=37, dim=16, dtype="float32",
-                                causal=True, window=5, seed=seed) for seed in range(2)]
+# In float32 and in float16 (whose gradients are judged against the larger of two low-precision baselines).
+_PLANT_PROBLEMS = [fuzz.Problem(api="dense", batch=1, heads=2, heads_kv=1, seq_q=20, seq_k=37, dim=16, dtype=dtype,
+                                causal=True, window=5, seed=seed, score_scale=scale)
+                   for dtype, seed, scale in (("float32", 0, 1.0), ("float32", 1, 12.0), ("float16", 2, 12.0))]
 
 
-@pytest.mark.parametrize("bug", ["window_off_by_one", "skip_ragged_key_block", "unwritten_output"])
+@pytest.mark.parametrize("bug", ["window_off_by_one", "skip_ragged_key_block", "unwritten_output", "scaled_dk"])
 def test_gate_fails_on_a_planted_bug(bug):
     lines = []
     run, failed = fuzz.run_gate(_PLANT_PROBLEMS, seconds=120, plant_name=bug, out=lines.append)

@@ -249,7 +249,7 @@ def _run_dense(pr, f):
     sinks = _sinks(gen, pr, device)
     kw = dict(causal=pr.causal, window_size=pr.window, sinks=sinks, sm_scale=pr.sm_scale)
     out, lse, grads = _dense_call(pr, q, k, v, sinks, d_out)
-    refs = references(q, k, v, d_out=d_out, **kw)
+    refs = references(q, k, v, d_out=d_out, rounded_out_delta=True, **kw)
     _judge_all(f, out, lse, grads, refs, dtype)
     _exact_dense_properties(pr, f, q, k, v, sinks, d_out, out, lse, grads)
 
@@ -321,7 +321,7 @@ def _run_varlen(pr, f):
     sink_leaf = None if sinks is None else sinks.detach().clone().requires_grad_()
     out, lse = flash_attention_varlen(*leaves, cq, ck, max(pr.lengths_q, default=0), max(pr.lengths_k, default=0),
                                       return_lse=True, **{**kw, "sinks": sink_leaf})
-    refs = varlen_references(q, k, v, cq, ck, d_out=d_out, **kw)
+    refs = varlen_references(q, k, v, cq, ck, d_out=d_out, rounded_out_delta=True, **kw)
     out.backward(d_out)
     grads = [t.grad for t in leaves] + ([] if sink_leaf is None else [sink_leaf.grad])
     _judge_all(f, out.detach(), lse.detach(), grads, refs, dtype)
@@ -366,13 +366,24 @@ def _judge_forward(out, lse, refs, dtype):
     check_close(lse, refs["lse"], "LSE", dtype=torch.float32, quiet=True)
 
 
+def _baseline(ref, lows):
+    """Of the low-precision results given, the one farther from ``ref``: PyTorch's in the kernel's dtype, and
+    the float64 gradient with FlashAttention's one rounding of Δ (``references(..., rounded_out_delta=True)``)."""
+    lows = [low for low in lows if low is not None and torch.isfinite(low).all()]
+    if not lows:
+        return None
+    return max(lows, key=lambda low: float((low.double() - ref).abs().nan_to_num(0).max()))
+
+
 def _judge_all(f, out, lse, grads, refs, dtype):
     """O and the LSE, then every gradient (dQ, dK, dV, and dsinks when the sinks are a leaf)."""
     with f.judging("forward"):
         _judge_forward(out, lse, refs, dtype)
-    for name, g, ref, low in zip(("dQ", "dK", "dV", "dsinks"), grads, refs.get("grads", ()), refs.get("grads_low", ())):
+    delta_refs = refs.get("grads_delta", [None] * 4)
+    for name, g, ref, low, low_delta in zip(("dQ", "dK", "dV", "dsinks"), grads, refs.get("grads", ()),
+                                            refs.get("grads_low", ()), delta_refs):
         with f.judging("backward"):
-            _judge(name, g, ref, low, dtype)
+            _judge(name, g, ref, _baseline(ref, (low, low_delta)) if dtype != torch.float32 else low, dtype)
 # endregion
 
 
@@ -543,8 +554,22 @@ def _plant_unwritten_output():
     return undo
 
 
+def _plant_scaled_dk():
+    from ..api import attention
+
+    original = attention.attention_backward
+
+    def attention_backward(*args, **kwargs):
+        dq, dk, dv, d_sinks = original(*args, **kwargs)
+        return dq, dk * 0.9, dv, d_sinks  # a gradient 10% off: the smallest planted bug a check must catch
+    undo = [(attention, "attention_backward", original)]
+    attention.attention_backward = attention_backward
+    return undo
+
+
 PLANTS = {"window_off_by_one": _plant_window_off_by_one, "skip_ragged_key_block": _plant_skip_ragged_key_block,
-          "no_unseen_key_fix": _plant_no_unseen_key_fix, "unwritten_output": _plant_unwritten_output}
+          "no_unseen_key_fix": _plant_no_unseen_key_fix, "unwritten_output": _plant_unwritten_output,
+          "scaled_dk": _plant_scaled_dk}
 
 
 @contextlib.contextmanager

@@ -30,13 +30,20 @@ __all__ = ["references", "check_forward", "check_backward", "forward_bugs", "bac
 
 
 
-def references(q, k, v, *, d_out=None, causal=False, window_size=None, sinks=None, sm_scale=None):
+def references(q, k, v, *, d_out=None, causal=False, window_size=None, sinks=None, sm_scale=None,
+               rounded_out_delta=False):
     """The float64 reference and the low-precision (input dtype) PyTorch reference, on every head.
 
     Returns a dict with ``out``, ``lse`` (float64 reference), ``out_low`` (low precision) and, with
     ``d_out``, the gradients ``dq, dk, dv[, dsinks]`` of both (keys ``grads`` and ``grads_low``).
     The low-precision gradients come from autograd through the low-precision reference, except
     dsinks, which FlashAttention-style backwards compute from the rounded O (see below).
+
+    ``rounded_out_delta`` (16-bit inputs, with ``d_out``) adds ``grads_delta``: the float64 gradients with
+    one rounding, the one every FlashAttention backward makes, Δ = rowsum(dO ∘ O) from O in the input dtype.
+    With Δ off by ε, dS = P ∘ (dP − Δ − ε) is the gradient whose LSE gets −ε, so autograd computes it. The
+    cancellation in dP − Δ makes this error large where a row's probabilities are nearly one-hot (rows that
+    see one or two keys, very large scores); PyTorch's autograd, which keeps P, never makes it.
     """
     kw = dict(causal=causal, window_size=window_size, sm_scale=sm_scale)
     want_grads = d_out is not None
@@ -49,6 +56,9 @@ def references(q, k, v, *, d_out=None, causal=False, window_size=None, sinks=Non
             if sinks is not None:
                 grads.append(torch.zeros(sinks.shape, dtype=torch.float64, device=sinks.device))
             result[key] = grads
+    rounded_out_delta = rounded_out_delta and want_grads and _sixteen_bit(q)
+    if rounded_out_delta:
+        result["grads_delta"] = [torch.zeros_like(g) for g in result["grads"]]
     for b, hq, hkv in head_chunks(q, k):
         for key, dtype in (("", torch.float64), ("_low", q.dtype)):
             leaves = [t[b:b + 1, h].detach().to(dtype).requires_grad_(want_grads)
@@ -62,7 +72,15 @@ def references(q, k, v, *, d_out=None, causal=False, window_size=None, sinks=Non
                 if not want_grads:
                     continue
                 wrt = leaves + ([sink] if sink is not None and not key else [])
-                grads = torch.autograd.grad(out, wrt, d_out[b:b + 1, hq].to(out.dtype))
+                d_chunk = d_out[b:b + 1, hq].to(out.dtype)
+                grads = torch.autograd.grad(out, wrt, d_chunk, retain_graph=rounded_out_delta and not key)
+                if rounded_out_delta and not key:
+                    eps = (d_chunk * (out.detach().to(q.dtype).double() - out.detach())).sum(-1)
+                    delta_grads = torch.autograd.grad((out, lse), wrt, (d_chunk, -eps.to(lse.dtype)))
+                    for index, (h, g) in enumerate(zip((hq, hkv, hkv), delta_grads)):
+                        result["grads_delta"][index][b:b + 1, h] = g
+                    if sink is not None:
+                        result["grads_delta"][3][hq] += delta_grads[3].to(torch.float64)
                 target = result["grads" + key]
                 for index, (h, g) in enumerate(zip((hq, hkv, hkv), grads)):
                     target[index][b:b + 1, h] = g
@@ -244,7 +262,7 @@ def _empty_keys_row(sinks, heads):
 
 
 def varlen_references(q, k, v, cu_seqlens_q, cu_seqlens_k, *, d_out=None, causal=False, window_size=None,
-                      sinks=None, sm_scale=None):
+                      sinks=None, sm_scale=None, rounded_out_delta=False):
     """``references`` for a packed batch (q [total_q, H, D], k/v [total_k, H_kv, D]): every sequence on
     its own, packed back (O [total_q, H, D], LSE [H, total_q], gradients like q, k, v and sinks)."""
     bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -252,9 +270,10 @@ def varlen_references(q, k, v, cu_seqlens_q, cu_seqlens_k, *, d_out=None, causal
     result = {"out": torch.zeros(q.shape, dtype=torch.float64, device=q.device), "out_low": torch.zeros_like(q),
               "lse": torch.empty(heads, q.shape[0], dtype=torch.float32, device=q.device)}
     want_grads = d_out is not None
+    kinds = ("grads", "grads_low") + (("grads_delta",) if rounded_out_delta and _sixteen_bit(q) else ())
     if want_grads:
-        for key in ("grads", "grads_low"):
-            dtype = torch.float64 if key == "grads" else q.dtype
+        for key in kinds:
+            dtype = q.dtype if key == "grads_low" else torch.float64
             result[key] = [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v)]
             if sinks is not None:
                 result[key].append(torch.zeros(sinks.shape, dtype=torch.float64, device=sinks.device))
@@ -270,11 +289,12 @@ def varlen_references(q, k, v, cu_seqlens_q, cu_seqlens_k, *, d_out=None, causal
             result["lse"][:, rows] = _empty_keys_row(sinks, heads).float().to(q.device)[:, None]
             continue
         r = references(as_bhsd(q, rows), as_bhsd(k, keys), as_bhsd(v, keys), causal=causal, window_size=window_size,
-                       sinks=sinks, sm_scale=sm_scale, d_out=None if d_out is None else as_bhsd(d_out, rows))
+                       sinks=sinks, sm_scale=sm_scale, d_out=None if d_out is None else as_bhsd(d_out, rows),
+                       rounded_out_delta=rounded_out_delta)
         result["out"][rows] = r["out"][0].transpose(0, 1)
         result["out_low"][rows] = r["out_low"][0].transpose(0, 1)
         result["lse"][:, rows] = r["lse"][0]
-        for key in ("grads", "grads_low") if want_grads else ():
+        for key in kinds if want_grads else ():
             for index, part in enumerate((rows, keys, keys)):
                 result[key][index][part] = r[key][index][0].transpose(0, 1).to(result[key][index].dtype)
             if sinks is not None:
