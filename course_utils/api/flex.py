@@ -604,18 +604,21 @@ def flex_reference(q, k, v, *, score_mod=None, mask_mod=None, sm_scale=None, com
     return out, (row_max + torch.log(denom)).squeeze(-1).to(torch.float32)
 
 
-def flex_references(q, k, v, *, d_out=None, score_mod=None, mask_mod=None, sm_scale=None):
+def flex_references(q, k, v, *, d_out=None, score_mod=None, mask_mod=None, sm_scale=None, rounded_out_delta=False):
     """``validation.references`` for modifiers: float64 and low-precision O, LSE (and gradients), every head.
 
     The result plugs into ``check_forward(..., refs=...)`` and ``check_backward(..., refs=...)``.
     Computed one batch entry and one K/V head group at a time, with the b and h the modifiers see.
+    ``rounded_out_delta``: also ``grads_delta``, as ``validation.references`` makes it.
     """
     kw = dict(score_mod=score_mod, mask_mod=mask_mod, sm_scale=sm_scale)
     want = d_out is not None
+    rounded_out_delta = rounded_out_delta and want and q.dtype in (torch.float16, torch.bfloat16)
     result = {"out": torch.empty_like(q, dtype=torch.float64), "lse": q.new_empty(q.shape[:3], dtype=torch.float32),
               "out_low": torch.empty_like(q)}
     if want:
-        for key, dtype in (("grads", torch.float64), ("grads_low", q.dtype)):
+        for key, dtype in (("grads", torch.float64), ("grads_low", q.dtype)) + (
+                (("grads_delta", torch.float64),) if rounded_out_delta else ()):
             result[key] = [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v)]
     for b, hq, hkv in head_chunks(q, k):
         heads = range(q.shape[1])[hq]
@@ -627,10 +630,19 @@ def flex_references(q, k, v, *, d_out=None, score_mod=None, mask_mod=None, sm_sc
                 if not suffix:
                     result["lse"][b:b + 1, hq] = lse
                 if want:
-                    grads = torch.autograd.grad(out, leaves, d_out[b:b + 1, hq].to(out.dtype), allow_unused=True)
+                    d_chunk = d_out[b:b + 1, hq].to(out.dtype)
+                    delta_too = rounded_out_delta and not suffix
+                    grads = torch.autograd.grad(out, leaves, d_chunk, allow_unused=True, retain_graph=delta_too)
                     for index, (hh, g) in enumerate(zip((hq, hkv, hkv), grads)):
                         if g is not None:
                             result["grads" + suffix][index][b:b + 1, hh] = g
+                    if delta_too:  # Δ from the 16-bit O: the gradient whose LSE gets −ε (validation.references)
+                        eps = (d_chunk * (out.detach().to(q.dtype).double() - out.detach())).sum(-1)
+                        grads = torch.autograd.grad((out, lse), leaves, (d_chunk, -eps.to(lse.dtype)),
+                                                    allow_unused=True)
+                        for index, (hh, g) in enumerate(zip((hq, hkv, hkv), grads)):
+                            if g is not None:
+                                result["grads_delta"][index][b:b + 1, hh] = g
     return result
 
 

@@ -463,7 +463,8 @@ def _run_flex(pr, f):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse = flex_attention(*leaves, score_mod=score_mod, mask_mod=mask_mod, sm_scale=pr.sm_scale, return_lse=True)
     out.backward(d_out)
-    refs = flex_references(q, k, v, d_out=d_out, score_mod=score_mod, mask_mod=mask_mod, sm_scale=pr.sm_scale)
+    refs = flex_references(q, k, v, d_out=d_out, score_mod=score_mod, mask_mod=mask_mod, sm_scale=pr.sm_scale,
+                           rounded_out_delta=True)
     _judge_all(f, out.detach(), lse.detach(), [t.grad for t in leaves], refs, dtype)
 # endregion
 
