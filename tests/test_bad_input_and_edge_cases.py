@@ -161,3 +161,31 @@ def test_scale_other_than_default_matches_reference():
     for scale in (0.05, 1.0, 2 / math.sqrt(16)):
         check_close(flash_attention(q, k, v, causal=True, sm_scale=scale),
                     attention_reference(q, k, v, causal=True, sm_scale=scale), f"sm_scale={scale}")
+
+
+def test_keys_no_query_sees_are_left_out_and_get_zero_gradients():
+    """Few queries against many keys with a window (chunked prefill): the keys before the first query's window
+    are never read, so NaN and inf there change nothing, and their dK and dV are exactly 0."""
+    q, k, v = _qkv(s=60)
+    q = q[:, :, -5:].clone().requires_grad_()
+    k, v = k.clone().requires_grad_(), v.clone().requires_grad_()
+    out = flash_attention(q, k, v, causal=True, window_size=7)
+    out.backward(torch.ones_like(out))
+    unseen = 60 - 5 - 7 + 1  # keys 0 .. 48 are behind every query's window
+    assert (k.grad[:, :, :unseen] == 0).all() and (v.grad[:, :, :unseen] == 0).all()
+    assert (k.grad[:, :, unseen:] != 0).any()
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[:, :, :unseen], v2[:, :, :unseen] = float("nan"), float("inf")
+    assert torch.equal(flash_attention(q.detach(), k2, v2, causal=True, window_size=7), out.detach())
+
+
+def test_flash_decode_refuses_inputs_that_require_a_gradient():
+    from course_utils import flash_decode
+
+    q = torch.randn(1, 1, 2, 32, requires_grad=True)
+    cache = torch.randn(1, 8, 2, 32)
+    lengths = torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="forward only"):
+        flash_decode(q, cache, cache, lengths)
+    with torch.no_grad():
+        assert flash_decode(q, cache, cache, lengths).shape == q.shape
