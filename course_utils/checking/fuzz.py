@@ -239,13 +239,19 @@ def _dense_call(pr, q, k, v, sinks, d_out):
     return out.detach(), lse.detach(), grads
 
 
-def _run_dense(pr, f):
+def _dense_inputs(pr):
+    """q, k, v and dO of a problem in the [B, H, S, D] layout (dense and flex), and the generator they came from."""
     device, dtype = _device(), getattr(torch, pr.dtype)
     gen = torch.Generator().manual_seed(pr.seed)
     q = _tensor(gen, (pr.batch, pr.heads, pr.seq_q, pr.dim), dtype, device, pr.score_scale)
     k = _tensor(gen, (pr.batch, pr.heads_kv, pr.seq_k, pr.dim), dtype, device)
     v = _tensor(gen, (pr.batch, pr.heads_kv, pr.seq_k, pr.dim), dtype, device)
-    d_out = _tensor(gen, q.shape, dtype, device)
+    return q, k, v, _tensor(gen, q.shape, dtype, device), gen
+
+
+def _run_dense(pr, f):
+    q, k, v, d_out, gen = _dense_inputs(pr)
+    device, dtype = q.device, q.dtype
     sinks = _sinks(gen, pr, device)
     kw = dict(causal=pr.causal, window_size=pr.window, sinks=sinks, sm_scale=pr.sm_scale)
     out, lse, grads = _dense_call(pr, q, k, v, sinks, d_out)
@@ -453,13 +459,9 @@ def _flex_modifiers(pr, device):
 def _run_flex(pr, f):
     from ..api.flex import flex_attention, flex_references
 
-    device, dtype = _device(), getattr(torch, pr.dtype)
-    gen = torch.Generator().manual_seed(pr.seed)
-    q = _tensor(gen, (pr.batch, pr.heads, pr.seq_q, pr.dim), dtype, device, pr.score_scale)
-    k = _tensor(gen, (pr.batch, pr.heads_kv, pr.seq_k, pr.dim), dtype, device)
-    v = _tensor(gen, (pr.batch, pr.heads_kv, pr.seq_k, pr.dim), dtype, device)
-    d_out = _tensor(gen, q.shape, dtype, device)
-    score_mod, mask_mod = _flex_modifiers(pr, device)
+    q, k, v, d_out, _ = _dense_inputs(pr)
+    dtype = q.dtype
+    score_mod, mask_mod = _flex_modifiers(pr, q.device)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse = flex_attention(*leaves, score_mod=score_mod, mask_mod=mask_mod, sm_scale=pr.sm_scale, return_lse=True)
     out.backward(d_out)
