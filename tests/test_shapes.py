@@ -65,3 +65,17 @@ def test_head_kinds_have_the_scores_they_claim():
     # still a spread between keys of a row, or the softmax would be flat
     assert (scores[0, HEAD_KINDS.index("very large")].std(-1) > 1).all()
     assert torch.equal(attention_inputs(1, 4, 6, 9, 16, seed=1)[0], q)
+
+
+def test_the_capstone_lengths_meet_each_kernels_own_tiles():
+    """Chapter 05's capstone calls the forward (32 × 8 tiles by default) and dK/dV, dQ (16 × 16) on the same
+    lengths: they meet the edge residues of every kernel's bound at its own tiles."""
+    from course_utils.exercises.shapes import draw_lengths
+
+    lengths = draw_lengths([((32, 8), ("keys",)), ((16, 16), ("keys", "queries"))], max_seq=80)
+    assert len(lengths) <= 4
+    for M, N, walk, bound, residues in ((32, 8, "keys", "causal stop", (0, 1, 7)),
+                                        (16, 16, "keys", "causal stop", (0, 1, 15)),
+                                        (16, 16, "queries", "causal start", (0, 1, 15))):
+        covered = set(describe([Shape(sq, sk, M, N) for sq, sk in lengths], walk))
+        assert {r for r in residues if any(c.startswith(f"{bound} ≡ {r} ") for c in covered)} == set(residues)

@@ -16,7 +16,7 @@ from ..core.reference import attention_reference, visibility_mask
 from ..kernels.flash_pieces import LOG2E
 from .common import ExerciseWrong, check_exercise, quiet_builder
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
-from .shapes import HEAD_KINDS, attention_inputs, draw_shapes
+from .shapes import HEAD_KINDS, attention_inputs, draw_lengths, draw_shapes
 
 __all__ = ["backward_cases", "check_blockwise_backward", "check_dq_query_major", "check_flash_backward",
            "check_my_delta", "check_my_dkdv", "check_my_dq", "check_my_flash_attention", "compiled"]
@@ -376,17 +376,20 @@ def _default_tiles(factory, fallback=(16, 16)):
 
 
 def _autograd_cases(fn=None):
-    """(label, batch, heads, seq_q, seq_k, dim, causal, seed, kinds): drawn by ``shapes.draw_shapes`` for the
-    tiles the learner's dK/dV and dQ kernels use by default (the autograd op calls them without tiles): the causal
-    bounds of both walks at residues 0, 1 and tile − 1, rows that see no key, ragged S, then a non-causal shape
-    below one block; four heads of the kinds of ``shapes.HEAD_KINDS``."""
-    dkdv = fn.__globals__.get("my_dkdv") if fn is not None and hasattr(fn, "__globals__") else None
-    tiles = _default_tiles(dkdv) if dkdv is not None else (16, 16)
-    shapes = draw_shapes("both", tilings=(tiles,), residues="edges", seed=61, max_seq=2 * max(tiles) + 8,
-                         limit=3, edges=False)
-    shapes.append(type(shapes[0])(tiles[0] - 1, 2 * tiles[1] + 1, *tiles, causal=False))
-    return [(f"{shape.label().rsplit(',', 1)[0]}, {_HEADS}", 1, len(HEAD_KINDS), shape.seq_q, shape.seq_k, 16,
-             shape.causal, 61 + i, HEAD_KINDS) for i, shape in enumerate(shapes)]
+    """(label, batch, heads, seq_q, seq_k, dim, causal, seed, kinds): lengths drawn by ``shapes.draw_lengths`` for
+    the tiles each of the learner's kernels uses by default (the autograd op calls them without tiles): the
+    forward's causal stop, dQ's stop and dK/dV's start at residues 0, 1 and tile − 1, rows that see no key, ragged
+    S, then a non-causal shape below one block; four heads of the kinds of ``shapes.HEAD_KINDS``."""
+    found = fn.__globals__ if fn is not None and hasattr(fn, "__globals__") else {}
+    forward_tiles = _default_tiles(found["my_flash_forward"], (32, 8)) if "my_flash_forward" in found else (32, 8)
+    dq_tiles = _default_tiles(found["my_dq"]) if "my_dq" in found else (16, 16)
+    dkdv_tiles = _default_tiles(found["my_dkdv"]) if "my_dkdv" in found else (16, 16)
+    specs = [(forward_tiles, ("keys",)), (dq_tiles, ("keys",)), (dkdv_tiles, ("queries",))]
+    lengths = draw_lengths(specs, max_seq=2 * max(max(t) for t, _ in specs) + 16)
+    lengths.append((dkdv_tiles[0] - 1, 2 * dkdv_tiles[1] + 1))
+    return [(f"{'causal' if i < len(lengths) - 1 else 'non-causal'}, S_q={sq}, S_k={sk}, {_HEADS}", 1,
+             len(HEAD_KINDS), sq, sk, 16, i < len(lengths) - 1, 61 + i, HEAD_KINDS)
+            for i, (sq, sk) in enumerate(lengths)]
 
 
 # The learner's kernels the autograd op calls, by the names chapter 05 gives them, and how to re-check each alone.
@@ -419,9 +422,10 @@ def _kernel_case(name, factory, label, batch, heads, seq_q, seq_k, dim, causal, 
                        seed=seed, outputs=outputs, kinds=kinds)
 
 
-def _wrong_kernel(fn, case):
+def _wrong_kernel(fn, case, others=()):
     """'<which kernel>: <its checker's diagnosis>' for the first of the learner's kernels that is wrong alone on
-    the capstone's failing ``case``, or None when each is right there (then the wiring is wrong)."""
+    the capstone's failing ``case``, or None when each is right there (then the wiring is wrong). The wrong one is
+    checked on ``others`` too where two of its known mistakes explain the failing case alike."""
     import contextlib
     import io
 
@@ -436,8 +440,14 @@ def _wrong_kernel(fn, case):
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 check_kernel(title, factory, [_kernel_case(name, factory, *case)], suspects=suspects.get(name, ()))
-        except ExerciseWrong as exc:
-            return f"`{name}` is wrong on this shape alone: {str(exc).removeprefix('✗ ')}"
+        except ExerciseWrong:
+            def cases(name=name, factory=factory):
+                return [_kernel_case(name, factory, *c) for c in (case, *others)]
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    check_kernel(title, factory, cases, suspects=suspects.get(name, ()))
+            except ExerciseWrong as exc:
+                return f"`{name}` is wrong on this shape alone: {str(exc).removeprefix('✗ ')}"
     return None
 
 
@@ -492,7 +502,8 @@ def check_my_flash_attention(fn):
                                     f"expected {tuple(want[name].shape)}.")
         wrong = [n for n in got if not torch.allclose(got[n].double(), want[n], atol=2e-4, rtol=1e-3)]
         if wrong:
-            culprit = _wrong_kernel(fn, case) if hasattr(fn, "__globals__") else None
+            culprit = _wrong_kernel(fn, case, [c for c in cases if c is not case]) \
+                if hasattr(fn, "__globals__") else None
             err = max(float((got[n].double() - want[n]).abs().nan_to_num(float("inf")).max()) for n in wrong)
             where = "the forward" if "O" in wrong else "the backward"
             swapped = [a for a, b in (("dK", "dV"), ("dV", "dK")) if a in wrong

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Shape", "shape_classes", "required_classes", "draw_shapes", "attention_inputs", "HEAD_KINDS",
-           "KEY_WALK_TILINGS", "QUERY_WALK_TILINGS", "describe"]
+           "KEY_WALK_TILINGS", "QUERY_WALK_TILINGS", "describe",
+           "draw_lengths"]
 
 # A query block walking key blocks counts its stop in block_N; a key block walking query blocks its start in block_M.
 KEY_WALK_TILINGS = ((3, 4), (6, 4))    # (block_M, block_N): block_M < block_N and block_M > block_N
@@ -166,6 +167,36 @@ def draw_shapes(walk="keys", *, tilings=None, seed=0, max_seq=40, window=None, l
         chosen.append(Shape(M - 1, 2 * N + 1, M, N, causal=False, window=None))
         if window is None:
             chosen.append(Shape(1, 1, M, N, causal=True))
+    return chosen
+
+
+def draw_lengths(specs, *, residues="edges", limit=4, max_seq=48):
+    """Sequence lengths (S_q, S_k) for kernels that share them but not their tiles (chapter 05's capstone: the
+    forward at its tiles, dK/dV and dQ at theirs). ``specs``: ((block_M, block_N), walks) pairs; the lengths cover
+    ``required_classes`` of every walk of every tiling (named per tiling), greedily as ``draw_shapes`` does."""
+    def classes(seq_q, seq_k):
+        return frozenset(f"{M}×{N} {c}" for (M, N), walks in specs for w in walks
+                         for c in shape_classes(Shape(seq_q, seq_k, M, N), w))
+
+    required = {f"{M}×{N} {c}" for (M, N), walks in specs for w in walks
+                for c in required_classes(w, ((M, N),), residues=residues)}
+    candidates = [(sq, sk) for sq in range(1, max_seq + 1) for sk in range(1, max_seq + 1)]
+    covered = {c: classes(*c) for c in candidates}
+
+    def greedy(first):
+        chosen, left = [first], required - covered[first]
+        while left and len(chosen) < limit:
+            best = max(candidates, key=lambda c: (len(covered[c] & left), -(c[0] * c[1])))
+            if not covered[best] & left:
+                break
+            chosen.append(best)
+            left = left - covered[best]
+        return chosen, left
+
+    firsts = sorted(candidates, key=lambda c: (-len(covered[c] & required), c[0] * c[1]))[:12]
+    chosen, missing = min((greedy(first) for first in firsts), key=lambda r: (len(r[1]), len(r[0])))
+    if missing:
+        raise ValueError(f"draw_lengths: {limit} pairs of lengths leave {sorted(missing)} uncovered")
     return chosen
 
 
