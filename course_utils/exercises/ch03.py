@@ -62,9 +62,8 @@ def check_kv_blocks_visited(fn):
     check_exercise(
         "kv_blocks_visited", lambda *a: torch.tensor(_as_pair(fn(*a))),
         lambda *a: torch.tensor(_visited(*a)), _VISIT_CASES + _drawn_visit_cases(), atol=0, rtol=0,
-        hint="Non-causal: every key block, 0 .. ⌈seq/block_N⌉. Causal: stop after the block that holds "
-             "the key of the query block's last row, i.e. ⌈(q_block+1)·block_M / block_N⌉, "
-             "but never past the last key block.")
+        hint="Which key does the query block's last row see last, and which key block holds it? The stop is the "
+             "block after that one, and never past the last key block (hint(\"03\", \"a\", 1) says more).")
 
 
 def _kernel_flops(batch, heads, seq, dim, block_M, block_N, causal):
@@ -78,8 +77,8 @@ def check_kernel_flops(fn):
     check_exercise(
         "kernel_flops", lambda *a: torch.tensor(float(fn(*a)), dtype=torch.float64),
         lambda *a: torch.tensor(_kernel_flops(*a), dtype=torch.float64), _FLOP_CASES, atol=0, rtol=1e-12,
-        hint="Each visited tile costs two block_M×block_N×dim matmuls, 2·2·block_M·block_N·dim FLOPs; "
-             "sum the visited tiles of every query block and multiply by batch·heads.")
+        hint="What does one visited tile cost, masked parts included, and how many tiles does each query block "
+             "visit? (hint(\"03\", \"b\", 1) says more.)")
 
 
 # --- Exercise (c): the forward's key-tile loop and epilogue, in TileLang ---------------------------
