@@ -281,3 +281,36 @@ def test_a_block_the_backward_walks_in_smaller_steps():
     q, k, v, d_out = _inputs(batch=1, heads=1, seq=40)
     bm = create_block_mask(causal, None, None, 40, 40, block=(24, 16))
     _check("24 × 16 blocks", q, k, v, d_out, block_mask=bm)
+
+
+def test_plans_are_reused_until_what_the_modifier_reads_changes():
+    global CAP
+    first = flex.cached_plan(capped_by_global)
+    assert flex.cached_plan(capped_by_global) is first  # nothing changed: no new trace
+    CAP = 7.0
+    try:
+        changed = flex.cached_plan(capped_by_global)
+        assert changed is not first and changed.key != first.key
+    finally:
+        CAP = 5.0
+    assert flex.cached_plan(capped_by_global).key == first.key
+    assert flex.cached_plan(capped_by_dict) is not flex.cached_plan(capped_by_dict)  # a dict: traced every call
+
+    def twin(score, b, h, q_idx, kv_idx):  # another function, the same formula: the same kernel
+        return CAP * torch.tanh(score / CAP)
+
+    assert flex.cached_plan(twin).key == first.key
+
+
+def test_closed_over_boolean_table_and_torch_functions_on_duals():
+    allowed = torch.rand(S, S, generator=torch.Generator().manual_seed(3)) > 0.4
+    allowed.fill_diagonal_(True)
+
+    def from_table(b, h, q_idx, kv_idx):
+        return allowed[q_idx, kv_idx]
+
+    def smooth(score, b, h, q_idx, kv_idx):
+        return torch.clamp(score, min=-4.0) + torch.sigmoid(score) * torch.exp(-torch.abs(score) / 4)
+
+    q, k, v, d_out = _inputs(batch=1, scale=2.0)
+    _check("bool table, sigmoid/clamp/exp/abs", q, k, v, d_out, score_mod=smooth, mask_mod=from_table)

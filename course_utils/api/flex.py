@@ -13,9 +13,13 @@ operators and the helpers below (``where``, ``tanh``, ``exp``, …). The same fu
 * on ``Dual`` numbers (value, derivative) in the backward kernel: the chain rule through
   ``score_mod`` comes from evaluating it once on ``Dual(score, 1)``.
 
-Tensors a modifier reads (ALiBi slopes, document ids) are declared with ``captured(tensor)``; the
-handle is indexed like the tensor (``doc[b, q_idx]``). The kernels receive every captured tensor
-packed into one float32 and one int32 input, so one kernel serves new values of the same shapes.
+Tensors a modifier reads (ALiBi slopes, document ids) are found when it indexes them with b, h,
+q_idx or kv_idx (``slopes[h]``), or declared with ``captured(tensor)``, a handle indexed like the
+tensor (``doc[b, q_idx]``). The kernels receive every such tensor packed into one float32 and one
+int32 input, so one kernel serves new values of the same shapes. ``torch.tanh``, ``torch.where``,
+``torch.exp`` and the other torch functions of the helpers work on kernel values and Duals, so a
+modifier written for PyTorch's FlexAttention runs unchanged. Kernels are cached on the formula a
+modifier traces to (with the Python values it reads), not on the function's identity.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from ..kernels.flash_flex import EMPTY, FULL, PARTIAL, FlexFunction
 from .inputs import check_attention_inputs
 
 __all__ = ["flex_attention", "create_block_mask", "BlockMask", "captured", "Captured", "where", "tanh", "exp", "log",
-           "sqrt", "abs", "minimum", "maximum", "Sym", "Dual", "ModifierPlan", "plan_modifiers", "flex_reference",
+           "sqrt", "abs", "minimum", "maximum", "sigmoid", "clamp", "ReadOutOfRange", "Sym", "Dual", "ModifierPlan", "plan_modifiers", "flex_reference",
            "flex_references", "noop_mask", "visible_pairs", "EMPTY", "PARTIAL", "FULL", "HELPERS", "default_block",
            "causal_mask", "soft_cap", "alibi_slopes", "alibi", "document_ids", "document_mask", "prefix_lm",
            "window_with_globals"]
@@ -507,7 +511,7 @@ class _Loader:
         if self.plan is None:
             self.reads.append((self.which, self.fn, handle, tuple(exprs)))
         value = self.buffers[0 if handle.buffer_kind == "float" else 1][flat]
-        return Sym(value != 0 if handle.kind == "bool" else value)
+        return Sym(_tir.NE(value, _const(0, "int32")) if handle.kind == "bool" else value)
 
 
 @contextlib.contextmanager
@@ -777,6 +781,19 @@ def cached_plan(score_mod=None, mask_mod=None):
                 _PLANS.pop(next(iter(_PLANS)))
             _PLANS[key] = plan
     return plan
+
+
+def _forget_plans_and_kernels():
+    """Drop the traced plans and the compiled flex kernels (``cached_plan.cache_clear``)."""
+    from ..kernels import flash_flex
+
+    with _PLANS_LOCK:
+        _PLANS.clear()
+    flash_flex._compiled_forward.cache_clear()
+    flash_flex._compiled_backward.cache_clear()
+
+
+cached_plan.cache_clear = _forget_plans_and_kernels
 
 
 def plan_modifiers(score_mod=None, mask_mod=None):
