@@ -284,3 +284,12 @@ def test_the_capstone_without_an_earlier_kernel_names_its_exercise():
     del fn.__globals__["my_delta"]
     with pytest.raises(ExerciseIncomplete, match=r"`my_delta` is not defined yet: it comes from exercise 05 \(d\)"):
         check_my_flash_attention(fn)
+
+
+def test_your_code_never_prints_the_courses_answer(capsys, monkeypatch):
+    from course_utils.exercises import help as exercise_help
+
+    monkeypatch.setattr(exercise_help, "_learner_cells", lambda chapter, letter, workspace=None: None)
+    exercise_help.your_code("03", "d")
+    out = capsys.readouterr().out
+    assert 'solution("03", "d")' in out and "def my_flash_forward" not in out and out.count("\n") == 1
