@@ -3,6 +3,7 @@ run unchanged against float64, and each answer that used to be silently wrong, n
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import or_masks
 
 import course_utils as cu
 from course_utils.api import flex
@@ -79,10 +80,11 @@ def document_causal_mask(b, h, q_idx, kv_idx):
 prefix_length = torch.tensor([5, 13])  # one per batch entry
 
 
-def prefix_lm_causal(b, h, q_idx, kv_idx):
-    prefix_mask = kv_idx <= prefix_length[b]
-    causal_mask = q_idx >= kv_idx
-    return prefix_mask | causal_mask
+def prefix_mask(b, h, q_idx, kv_idx):
+    return kv_idx <= prefix_length[b]
+
+
+prefix_lm_causal = or_masks(prefix_mask, causal)  # torch.nn.attention.flex_attention's own combinator
 
 
 head_bias_table = torch.tensor([0.75, -1.5])
@@ -242,6 +244,12 @@ def test_clear_errors():
     with pytest.raises(TypeError, match="mask_mod `huge`.*3000000000 does not fit the kernel's int32"):
         flex_attention(q, k, v, mask_mod=huge)
 
+    def overflows(b, h, q_idx, kv_idx):
+        return q_idx * 2 ** 20 * 2 ** 20 >= kv_idx  # fine in torch's int64, wraps in int32
+
+    with pytest.raises(ValueError, match="mask_mod `overflows` computes .* past int32"):
+        flex_attention(q, k, v, mask_mod=overflows)
+
     def own_error(score, b, h, q_idx, kv_idx):
         raise KeyError("my own problem")
 
@@ -310,7 +318,7 @@ def test_closed_over_boolean_table_and_torch_functions_on_duals():
         return allowed[q_idx, kv_idx]
 
     def smooth(score, b, h, q_idx, kv_idx):
-        return torch.clamp(score, min=-4.0) + torch.sigmoid(score) * torch.exp(-torch.abs(score) / 4)
+        return torch.clamp(score, min=-4.0) + torch.sigmoid(score) * torch.exp(-score.abs() / 4) + score.tanh()
 
     q, k, v, d_out = _inputs(batch=1, scale=2.0)
     _check("bool table, sigmoid/clamp/exp/abs", q, k, v, d_out, score_mod=smooth, mask_mod=from_table)

@@ -171,6 +171,21 @@ class Sym:
     def __invert__(self): return Sym(_tir.Not(_need_bool(self, "~")))
     __hash__ = None
 
+    def _new(self, size, fill, dtype):
+        if tuple(size) not in ((), (1,)):
+            raise TypeError(f"a kernel value makes scalars only (new_zeros/new_ones of size (), not {tuple(size)})")
+        dtype = self.dtype if dtype is None else {torch.bool: "bool"}.get(
+            dtype, "float32" if dtype.is_floating_point else "int32")
+        return Sym(_const(bool(fill) if dtype == "bool" else fill, dtype))
+
+    def new_zeros(self, size, dtype=None, **_):
+        """A scalar 0 (False for torch.bool), as ``Tensor.new_zeros(())`` (torch's and_masks/or_masks use it)."""
+        return self._new(size, 0, dtype)
+
+    def new_ones(self, size, dtype=None, **_):
+        """A scalar 1 (True for torch.bool), as ``Tensor.new_ones(())``."""
+        return self._new(size, 1, dtype)
+
     def __bool__(self):
         raise TypeError("a kernel value has no Python truth value: `if`, `and`, `or`, `not` and chained comparisons "
                         "cannot be compiled; write where(cond, a, b), &, |, ~ instead")
@@ -341,6 +356,21 @@ def _torch_where(condition, input, other):  # noqa: A002 - torch.where's names
 
 _TORCH_HELPERS = {"tanh": tanh, "exp": exp, "log": log, "sqrt": sqrt, "abs": abs, "where": _torch_where,
                   "minimum": minimum, "maximum": maximum, "sigmoid": sigmoid, "clamp": clamp}
+
+
+def _method(helper):
+    def method(self, *args, **kwargs):
+        return helper(self, *args, **kwargs)
+
+    method.__name__ = helper.__name__
+    method.__doc__ = f"``Tensor.{helper.__name__}``: the course helper on a kernel value or a Dual."
+    return method
+
+
+for _helper_name in ("tanh", "exp", "log", "sqrt", "abs", "minimum", "maximum", "sigmoid", "clamp"):
+    setattr(Sym, _helper_name, _method(_TORCH_HELPERS[_helper_name]))  # score.tanh(), as on a tensor
+    setattr(Dual, _helper_name, _method(_TORCH_HELPERS[_helper_name]))
+del _helper_name
 
 
 # --- Captured tensors ------------------------------------------------------------------------------------------
@@ -608,7 +638,7 @@ class ModifierPlan:
     def __init__(self, score_mod, mask_mod, loader, traced):
         self.score_mod, self.mask_mod = score_mod, mask_mod
         self.handles, self.offsets, self.sequences = loader.handles, loader.offsets, loader.sequences
-        self.reads = loader.reads
+        self.reads, self.traced = loader.reads, traced
         self._checked = set()  # (B, H, Q_LEN, KV_LEN) whose reads check_reads found in range
         self.sizes = (max(1, loader.sizes["float"]), max(1, loader.sizes["int"]))
         mask = traced.get("mask")
@@ -669,7 +699,42 @@ class ModifierPlan:
                         f"{tuple(handle.tensor.shape)}) at index {bound.min_value}..{bound.max_value} in dimension "
                         f"{dim} (for B={batch}, H={heads}, Q_LEN={seq_q}, KV_LEN={seq_k}), past its size {size}: "
                         f"give it {bound.max_value + 1} entries, or keep the index in range (torch.clamp, %)")
+        self._check_overflow(analyzer, batch, heads, seq_q, seq_k)
         self._checked.add((batch, heads, seq_q, seq_k))
+
+    def _check_overflow(self, analyzer, batch, heads, seq_q, seq_k):
+        """Raise ``ValueError`` where integer arithmetic on b, h, q_idx, kv_idx alone leaves int32 (the kernel's
+        index type; torch computes it in int64 and would not overflow)."""
+        indices = [_TRACE_VARS[n] for n in ("b", "h", "q_idx", "kv_idx")]
+
+        def index_only(expr):
+            other = []
+
+            def visit(node):
+                if isinstance(node, _tir.BufferLoad) or (isinstance(node, _tir.Var)
+                                                         and not any(node.same_as(v) for v in indices)):
+                    other.append(node)
+
+            tvm.tirx.stmt_functor.post_order_visit(expr, visit)
+            return not other
+
+        def visit(node):
+            if isinstance(node, (_tir.Add, _tir.Sub, _tir.Mul)) and str(node.dtype) == "int32" and not found:
+                bound = analyzer.const_int_bound(node)
+                if (bound.min_value < -2 ** 31 or bound.max_value >= 2 ** 31) and index_only(node):
+                    found.append((node, bound))
+
+        for name, expr in self.traced.items():
+            found = []
+            tvm.tirx.stmt_functor.post_order_visit(expr, visit)
+            if found:
+                node, bound = found[0]
+                fn = self.mask_mod if name == "mask" else self.score_mod
+                raise ValueError(
+                    f"{'mask_mod' if name == 'mask' else 'score_mod'} `{_name(fn)}` computes {node}, which reaches "
+                    f"{bound.min_value}..{bound.max_value} for B={batch}, H={heads}, Q_LEN={seq_q}, KV_LEN={seq_k}: "
+                    "past int32, the kernel's integer type (torch's int64 would not overflow). Keep the integers "
+                    "smaller, or compute in floats (multiply by 1.0 first)")
 
     def check_no_grad(self):
         """Refuse, where autograd is on, a tensor the modifiers read that requires grad: it would get none."""
