@@ -227,7 +227,8 @@ def test_integer_division_by_zero_is_zero_not_a_crash():
 
     def banded_safe(score, b, h, q_idx, kv_idx):  # the same, with x // 0 = x % 0 = 0
         p = period[h].clamp(min=1)
-        return score + torch.where(period[h] == 0, 0, q_idx // p) * 0.25 + torch.where(period[h] == 0, 0, kv_idx % p) * 0.5
+        zero = period[h] == 0
+        return score + torch.where(zero, 0, q_idx // p) * 0.25 + torch.where(zero, 0, kv_idx % p) * 0.5
 
     q, k, v, d_out = _inputs()
     _check("// and % by a runtime 0", q, k, v, d_out, score_mod=banded, ref_score=banded_safe)

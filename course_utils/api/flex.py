@@ -41,10 +41,10 @@ from ..kernels.flash_flex import EMPTY, FULL, PARTIAL, FlexFunction
 from .inputs import check_attention_inputs
 
 __all__ = ["flex_attention", "create_block_mask", "BlockMask", "captured", "Captured", "where", "tanh", "exp", "log",
-           "sqrt", "abs", "minimum", "maximum", "sigmoid", "clamp", "ReadOutOfRange", "Sym", "Dual", "ModifierPlan", "plan_modifiers", "flex_reference",
-           "flex_references", "noop_mask", "visible_pairs", "EMPTY", "PARTIAL", "FULL", "HELPERS", "default_block",
-           "causal_mask", "soft_cap", "alibi_slopes", "alibi", "document_ids", "document_mask", "prefix_lm",
-           "window_with_globals"]
+           "sqrt", "abs", "minimum", "maximum", "sigmoid", "clamp", "ReadOutOfRange", "Sym", "Dual", "ModifierPlan",
+           "plan_modifiers", "flex_reference", "flex_references", "noop_mask", "visible_pairs", "EMPTY", "PARTIAL",
+           "FULL", "HELPERS", "default_block", "causal_mask", "soft_cap", "alibi_slopes", "alibi", "document_ids",
+           "document_mask", "prefix_lm", "window_with_globals"]
 
 _tir = tvm.tirx
 HELPERS = ("where", "tanh", "exp", "log", "sqrt", "abs", "minimum", "maximum")
@@ -449,7 +449,8 @@ def _index_tensor(source, index):
 _TRACE_BUFFERS = (tvm.tirx.decl_buffer((2 ** 31 - 1,), "float32", "CapturedF"),
                   tvm.tirx.decl_buffer((2 ** 31 - 1,), "int32", "CapturedI"))
 # The modifiers' arguments while tracing: the same variables every time, so equal formulas hash equal.
-_TRACE_VARS = {"score": _tir.Var("score", "float32"), **{n: _tir.Var(n, "int32") for n in ("b", "h", "q_idx", "kv_idx")}}
+_TRACE_VARS = {"score": _tir.Var("score", "float32"),
+               **{n: _tir.Var(n, "int32") for n in ("b", "h", "q_idx", "kv_idx")}}
 
 
 def _tensor_name(fn, tensor):
@@ -680,9 +681,10 @@ class ModifierPlan:
             return _mask_result(self.mask_mod, _call(self.mask_mod, "mask_mod", self._indices(b, h, q_idx, kv_idx)))
 
     def check_reads(self, batch, heads, seq_q, seq_k):
-        """Raise ``ReadOutOfRange`` (an IndexError) where a read's index, bounded on the host over b < batch, h < heads, q_idx < seq_q,
-        kv_idx < seq_k, leaves the tensor (negative indices count from the end, as in torch). Indices that
-        depend on the score or on other reads are not checked (the kernel clamps them)."""
+        """Raise ``ReadOutOfRange`` (an IndexError) where a read's index, bounded on the host over b < batch,
+        h < heads, q_idx < seq_q, kv_idx < seq_k, leaves the tensor (negative indices count from the end, as in
+        torch), and ``ValueError`` where integer arithmetic leaves int32. Indices that depend on the score or on
+        other reads are not checked (the kernel clamps them)."""
         if (batch, heads, seq_q, seq_k) in self._checked:
             return
         analyzer = tvm.arith.Analyzer()
