@@ -133,16 +133,11 @@ check_slope(dual.deriv)
 cu.expect_failure("derivative without tanh′ (chain rule dropped)", lambda: check_slope(torch.ones_like(s)))
 
 # %% [markdown]
-# Tensors a modifier reads — ALiBi's slopes, the document id of each token — become kernel inputs.
-# A tensor the modifier closes over and indexes with `b`, `h`, `q_idx` or `kv_idx` (`slopes[h]`) is
-# found as it is read; `flex.captured(tensor)` declares one explicitly, with a name and a handle
-# indexed like the tensor (`doc[q_idx]`). In a kernel every one is packed into one float32 and one
-# int32 input; a negative index counts from the end, as in torch, an index the host can bound past
-# the end is an error, and a row past the end of the sequence reads a clamped entry (the mask hides
-# it anyway). New values of the same shapes reuse the compiled kernel: kernels are cached on the
-# formula a modifier traces to, so changing a global it reads compiles a new one. `torch.tanh`,
-# `torch.where`, `torch.exp` and the other torch functions of the helpers work on kernel values
-# too, so a modifier written for PyTorch's `flex_attention` runs unchanged.
+# Tensors a modifier reads — ALiBi's slopes, the document id of each token — are declared with
+# `flex.captured(tensor)`. The handle is indexed like the tensor (`doc[q_idx]`); in a kernel, every
+# captured tensor is packed into one float32 and one int32 input, each index clamped to its
+# dimension (a row past the end of the sequence reads a valid entry, and the mask hides it anyway).
+# New values of the same shapes reuse the compiled kernel.
 #
 # A modifier the kernel cannot run gets an error that names it:
 
@@ -523,8 +518,8 @@ if rec is not None:
 #   code; run on `Dual`s they give the derivative the backward needs. One definition, no drift.
 # - The block mask turns any mask into chapter 03's tile skipping: empty tiles are never loaded,
 #   full tiles never evaluate the mask, only partial tiles pay for it.
-# - Tensors a modifier reads (closed over, or `captured`) become kernel inputs; their values can change
-#   without a recompilation.
+# - Tensors a modifier reads (`captured`) become kernel inputs; their values can change without a
+#   recompilation.
 # - The backward adds one factor, $\partial s'/\partial s$, to $dS$; forward-mode differentiation
 #   of the modifier supplies it. For soft-capping it is $1 - \tanh^2(s/c)$.
 # - Without a `score_mod`, the causal flex kernel is chapter 03's kernel: on the CPU the two agree
