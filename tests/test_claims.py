@@ -348,7 +348,6 @@ ALLOWED_COMPARATIVES = {
     ("09", "target: ≤ 5% slower"): "a target, checked by the claims cell below",
     ("10", "the communication hidden behind"): "defines the 'comm hidden' column",
     ("10", "Does the communication hide behind"): "a section title",
-    ("10", "a transfer can hide behind its step"): "arithmetic intensity, computed in the next cell",
 }
 
 
