@@ -135,7 +135,7 @@ def _lengths(rng, tile, longest, count):
 
 # Problems drawn on each compiled shape. Packed and cached problems draw new lengths for each problem, so
 # they get more of them: their kernels read the lengths at run time.
-PER_SHAPE = {"dense": 10, "flex": 10, "varlen": 25, "decode": 25}
+PER_SHAPE = {"dense": 16, "flex": 16, "varlen": 40, "decode": 40}
 GPU_PER_SHAPE = {"dense": 24, "flex": 16, "varlen": 50, "decode": 50}  # a GPU compile costs more, a problem less
 
 
@@ -689,7 +689,7 @@ def default_tier(gpu):
     cores: 199 s), the CPU tier's 200 in about 3."""
     if gpu:
         return 1500, 420, min(10, os.cpu_count() or 1)
-    return 200, 300, 1  # about 3 minutes on two cores; the deadline leaves room for a slower machine
+    return 200, 300, 1  # 65-99 s on two idle cores; the deadline leaves room for a slower or busier machine
 
 
 def main(argv):

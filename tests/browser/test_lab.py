@@ -191,12 +191,13 @@ def test_run_chapter_00_first_cells_through_the_ui(lab, page):
     first = cells.nth(1)
     assert "NVIDIA H100" in first.locator(".jp-OutputArea").inner_text(), "the stored output before running"
 
-    # select the first cell and press Shift+Enter through the first four code cells (0..7)
+    # select the first cell and press Shift+Enter through the first four code cells (0..8; cell 2 is the note
+    # that the stored machine printout is the H100's)
     cells.nth(0).locator(".jp-InputPrompt").click()
     page.keyboard.press("Escape")
-    for _ in range(8):
+    for _ in range(9):
         page.keyboard.press("Shift+Enter")
-    last = cells.nth(7)
+    last = cells.nth(8)
     # queued or running: [*]; the stored outputs keep their execution counts, so wait for the star first
     sync_api.expect(last.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\*\]"), timeout=30_000)
     sync_api.expect(last.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=240_000)
@@ -206,7 +207,7 @@ def test_run_chapter_00_first_cells_through_the_ui(lab, page):
     assert "NVIDIA H100" not in machine
     assert first.locator("[data-mime-type='application/vnd.jupyter.stderr']").count() == 0, \
         f"a warning in the course's very first output:\n{machine}"
-    assert "def shared(self, shape, dtype):" in cells.nth(3).locator(".jp-OutputArea").inner_text()
+    assert "def shared(self, shape, dtype):" in cells.nth(4).locator(".jp-OutputArea").inner_text()
     assert "✓ vector add" in last.locator(".jp-OutputArea").inner_text()
     assert panel.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").count() == 0
 
