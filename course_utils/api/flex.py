@@ -31,7 +31,7 @@ import tilelang.language as T
 import torch
 from tilelang import tvm
 
-from ..core.reference import head_chunks
+from ..core.reference import head_chunks, rounded_out_delta_grads
 from ..kernels.flash_flex import EMPTY, FULL, PARTIAL, FlexFunction
 from .inputs import check_attention_inputs
 
@@ -636,10 +636,8 @@ def flex_references(q, k, v, *, d_out=None, score_mod=None, mask_mod=None, sm_sc
                     for index, (hh, g) in enumerate(zip((hq, hkv, hkv), grads)):
                         if g is not None:
                             result["grads" + suffix][index][b:b + 1, hh] = g
-                    if delta_too:  # Δ from the 16-bit O: the gradient whose LSE gets −ε (validation.references)
-                        eps = (d_chunk * (out.detach().to(q.dtype).double() - out.detach())).sum(-1)
-                        grads = torch.autograd.grad((out, lse), leaves, (d_chunk, -eps.to(lse.dtype)),
-                                                    allow_unused=True)
+                    if delta_too:
+                        grads = rounded_out_delta_grads(out, lse, leaves, d_chunk, q.dtype, allow_unused=True)
                         for index, (hh, g) in enumerate(zip((hq, hkv, hkv), grads)):
                             if g is not None:
                                 result["grads_delta"][index][b:b + 1, hh] = g

@@ -12,8 +12,9 @@ runs the same checks on each and passes only if every one of them fails.
 
 import torch
 
+from ..api.inputs import sink_probability
 from ..core.labels import NAIVE, PEERS
-from ..core.reference import attention_reference, head_chunks
+from ..core.reference import attention_reference, head_chunks, rounded_out_delta_grads
 from .checks import (
     ERROR_FACTOR,
     ERROR_SLACK,
@@ -75,8 +76,7 @@ def references(q, k, v, *, d_out=None, causal=False, window_size=None, sinks=Non
                 d_chunk = d_out[b:b + 1, hq].to(out.dtype)
                 grads = torch.autograd.grad(out, wrt, d_chunk, retain_graph=rounded_out_delta and not key)
                 if rounded_out_delta and not key:
-                    eps = (d_chunk * (out.detach().to(q.dtype).double() - out.detach())).sum(-1)
-                    delta_grads = torch.autograd.grad((out, lse), wrt, (d_chunk, -eps.to(lse.dtype)))
+                    delta_grads = rounded_out_delta_grads(out, lse, wrt, d_chunk, q.dtype)
                     for index, (h, g) in enumerate(zip((hq, hkv, hkv), delta_grads)):
                         result["grads_delta"][index][b:b + 1, h] = g
                     if sink is not None:
@@ -90,9 +90,7 @@ def references(q, k, v, *, d_out=None, causal=False, window_size=None, sinks=Non
                     # In low precision, dsinks is what every implementation computes from its rounded O
                     # (FlashAttention's Δ): -Σ_i exp(z - LSE_i) · rowsum(dO ∘ O)_i, in float32.
                     delta = (d_out[b:b + 1, hq].float() * out.detach().float()).sum(-1)
-                    logit = sink.detach().float()[None, :, None]
-                    # 0 for a sink of logit -inf: a row that saw no key then has LSE -inf too (exp(-inf + inf) is NaN)
-                    p_sink = torch.where(logit == float("-inf"), 0.0, torch.exp(logit - lse.detach()))
+                    p_sink = sink_probability(sink.detach().float()[None, :, None], lse.detach())
                     target[3][hq] += -(p_sink * delta).sum(dim=(0, 2)).double()
     return result
 

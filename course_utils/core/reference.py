@@ -25,8 +25,8 @@ import math
 
 import torch
 
-__all__ = ["attention_reference", "visibility_mask", "validate_attention_inputs", "check_qkv_agree",
-           "check_window_and_sinks", "head_chunks"]
+__all__ = ["attention_reference", "rounded_out_delta_grads", "visibility_mask", "validate_attention_inputs",
+           "check_qkv_agree", "check_window_and_sinks", "head_chunks"]
 
 
 def check_qkv_agree(q, k, v):
@@ -156,3 +156,13 @@ def head_chunks(q, k):
         for g0 in range(0, k.shape[1], groups_per_chunk):
             g1 = min(k.shape[1], g0 + groups_per_chunk)
             yield b, slice(g0 * group, g1 * group), slice(g0, g1)
+
+
+def rounded_out_delta_grads(out, lse, wrt, d_out, dtype, allow_unused=False):
+    """The float64 gradients with FlashAttention's one rounding: Δ = rowsum(dO ∘ O) from O rounded to ``dtype``.
+
+    ``out`` and ``lse`` are a float64 reference's outputs (their graph kept), ``wrt`` its leaves. With Δ off by
+    ε, dS = P ∘ (dP − Δ − ε) is the gradient whose LSE gets −ε (∂LSE_i/∂S_ij = P_ij), so autograd computes it.
+    """
+    eps = (d_out * (out.detach().to(dtype).double() - out.detach())).sum(-1)
+    return torch.autograd.grad((out, lse), wrt, (d_out, -eps.to(lse.dtype)), allow_unused=allow_unused)
