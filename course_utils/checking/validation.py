@@ -13,7 +13,7 @@ runs the same checks on each and passes only if every one of them fails.
 import torch
 
 from ..api.inputs import sink_probability
-from ..core.labels import NAIVE, PEERS
+from ..core.labels import FA4, NAIVE, PEERS
 from ..core.reference import attention_reference, head_chunks, rounded_out_delta_grads
 from .checks import (
     ERROR_FACTOR,
@@ -165,7 +165,7 @@ def stored_bounds(errors):
             yield quantity, value, tol.atol + tol.rtol
 
 
-def check_stored_errors(rows, what="record", *, unchecked=PEERS + (NAIVE,), legacy_tolerance=None):
+def check_stored_errors(rows, what="record", *, unchecked=PEERS + (FA4, NAIVE), legacy_tolerance=None):
     """Check that every measured row of a record (but the ``unchecked`` implementations: the peers,
     whose correctness is not ours to prove) was validated, and within its bound.
 

@@ -173,9 +173,13 @@ def time_side_by_side(fns, *, warmup=5, rounds=6, rep=8, balanced=True):
     return {name: Timing(statistics.median(times), round_medians[name]) for name, times in samples.items()}
 
 
-def refreshing():
-    """True when this run should re-measure GPU records instead of loading the stored ones."""
-    return HAS_GPU and os.environ.get("COURSE_REFRESH_RECORDS") == "1"
+def refreshing(name=None):
+    """True when this run should re-measure GPU records (``name``'s, where given) instead of loading the stored
+    ones. ``COURSE_REFRESH_RECORDS`` is "1" for every record, or a comma-separated list of record names."""
+    wanted = os.environ.get("COURSE_REFRESH_RECORDS", "")
+    if not HAS_GPU or not wanted:
+        return False
+    return wanted == "1" or name in wanted.split(",")
 
 
 def save_record(name, results, *, notes=None, timing=TIMING_METHOD):
@@ -205,7 +209,7 @@ def measured(name, measure, *, notes=None, pending_ok=False):
     ``pending_ok``, a record that has never been measured gives None (and says so) instead of an
     error: the chapter then shows that the measurement is pending, never a number.
     """
-    if refreshing():
+    if refreshing(name):
         record = save_record(name, measure(), notes=notes)
         origin = "measured now"
     elif pending_ok:

@@ -5,6 +5,7 @@
     python -m course_utils.tooling.run_notebooks --jobs 4     # several notebooks at once
     python -m course_utils.tooling.run_notebooks --in-place   # on a GPU: rewrite the committed notebooks and figures
     python -m course_utils.tooling.run_notebooks --refresh    # on a GPU: --in-place, and re-measure the records
+    python -m course_utils.tooling.run_notebooks 07 --refresh-records ch07_forward_vs_peers_h100  # only this one
     python -m course_utils.tooling.run_notebooks --normalise  # only normalise the committed notebooks (no execution)
 
 By default nothing tracked is touched: each chapter is made from its ``.py`` source and its
@@ -104,17 +105,29 @@ def normalise(nb, root=ROOT):
     return nb
 
 
-def execute(nb, cwd, timeout=900):
+def execute(nb, cwd, timeout=900, keep_going=False):
     start = time.perf_counter()
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}},
+                   allow_errors=keep_going).execute()
     return time.perf_counter() - start
 
 
-def run_in_place(source):
-    """Execute the committed notebook of ``source`` and write it back (GPU runs only)."""
+def failed_cells(nb):
+    """The numbers of the code cells whose output is an error."""
+    return [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+            and any(o.get("output_type") == "error" for o in cell.get("outputs", []))]
+
+
+def run_in_place(source, keep_going=False):
+    """Execute the committed notebook of ``source`` and write it back (GPU runs only). With ``keep_going`` every
+    cell runs even after one fails (a claim the new record contradicts, say); the notebook is written with the
+    error in place, and this raises afterwards, naming the cells to fix."""
     notebook = source.with_suffix(".ipynb")
     nb = nbformat.read(notebook, as_version=4)
-    seconds = execute(nb, NOTEBOOKS)
+    seconds = execute(nb, NOTEBOOKS, keep_going=keep_going)
+    if keep_going and failed_cells(nb):
+        nbformat.write(normalise(shrink_images(nb)), notebook)
+        raise RuntimeError(f"cells {failed_cells(nb)} failed (the notebook was written with their errors)")
     nbformat.write(normalise(shrink_images(nb)), notebook)
     return notebook, seconds
 
@@ -160,6 +173,10 @@ def main(argv=None):
                         help="GPU only: rewrite the committed notebooks/*.ipynb and figures/*.png")
     parser.add_argument("--refresh", action="store_true",
                         help="GPU only: re-measure the stored records too (implies --in-place)")
+    parser.add_argument("--refresh-records", metavar="NAMES",
+                        help="GPU only: --in-place, and re-measure only these records (comma-separated names)")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="with --in-place: run every cell even after one fails, and write the notebook")
     parser.add_argument("--normalise", action="store_true",
                         help="only normalise the committed notebooks' metadata and paths; execute nothing")
     parser.add_argument("--out", type=Path, default=EXECUTED, help="where executed copies go (default: %(default)s)")
@@ -174,7 +191,7 @@ def main(argv=None):
             print(f"normalised {_shown(notebook)}")
         return
 
-    in_place = args.in_place or args.refresh
+    in_place = args.in_place or args.refresh or bool(args.refresh_records)
     if in_place:
         from course_utils.core.device import HAS_GPU
 
@@ -183,8 +200,8 @@ def main(argv=None):
                      "they run on a GPU only. On this machine run without them: the executed copies go to "
                      f"{EXECUTED.relative_to(ROOT)}/ and nothing tracked changes.")
         os.environ["COURSE_WRITE_FIGURES"] = "1"  # plots.save writes figures/*.png in this run only
-        if args.refresh:
-            os.environ["COURSE_REFRESH_RECORDS"] = "1"
+        if args.refresh or args.refresh_records:
+            os.environ["COURSE_REFRESH_RECORDS"] = "1" if args.refresh else args.refresh_records
         if not args.no_sync:
             for source in sources:
                 sync(source)
@@ -192,7 +209,7 @@ def main(argv=None):
     def run(source):
         try:
             if in_place:
-                notebook, seconds = run_in_place(source)
+                notebook, seconds = run_in_place(source, keep_going=args.keep_going)
             else:
                 notebook, seconds = run_copy(source, args.out, from_ipynb=args.no_sync)
             print(f"ok    {_shown(notebook):60} {seconds:7.1f} s", flush=True)

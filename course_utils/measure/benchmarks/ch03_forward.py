@@ -10,7 +10,7 @@ from ...checking.validation import check_forward, references
 from ...core.labels import NAIVE, OURS
 from ..bench import attention_flops, tflops, time_cuda, time_side_by_side
 from .ch01_naive import naive_attention
-from .common import SDPA_PEERS, comparison_shapes, empty_query, in_parallel, random_inputs, sdpa, sweep
+from .common import comparison_shapes, empty_query, in_parallel, peer_attentions, random_inputs, sweep
 
 __all__ = ["forward_vs_peers", "forward_config_sweep"]
 
@@ -23,7 +23,8 @@ def _config_for(config, shape, causal):
 
 def forward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, True), config=None,
                      include_naive_up_to=4096):
-    """TFLOP/s of our forward (``config``, else the default kernel), FA2, cuDNN (and naive PyTorch)."""
+    """TFLOP/s of our forward (``config``, else the default kernel), FA2, cuDNN, FA4 where installed (and naive
+    PyTorch)."""
     rows = []
     jobs = list(itertools.product(shapes or comparison_shapes(), dtypes, causal_options))
 
@@ -42,8 +43,8 @@ def forward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, Tr
         out, lse = flash_attention(q, k, v, causal=causal, config=used, return_lse=True)
         errors = check_forward(q, k, v, out, lse, causal=causal, name=f"S={shape['seq']} causal={causal}", quiet=True)
         impls = {OURS: ours}
-        for name, backend in SDPA_PEERS.items():
-            impls[name] = lambda backend=backend: sdpa(q, k, v, causal, backend)
+        for name, peer in peer_attentions(causal).items():
+            impls[name] = lambda peer=peer: peer(q, k, v)
         if shape["seq"] <= include_naive_up_to:
             impls[NAIVE] = lambda: naive_attention(q, k, v, causal)
         for impl, ms in time_side_by_side(impls).items():

@@ -13,7 +13,7 @@ from ...api.attention import BackwardConfig, backward_kernels, default_backward_
 from ...checking.validation import check_backward, references
 from ...core.labels import OURS
 from ..bench import attention_flops, tflops, time_cuda, time_side_by_side
-from .common import SDPA_PEERS, backward_timer, comparison_shapes, empty_query, in_parallel, random_inputs, sdpa, sweep
+from .common import backward_timer, comparison_shapes, empty_query, in_parallel, peer_attentions, random_inputs, sweep
 
 __all__ = ["backward_config_sweep", "backward_vs_peers"]
 
@@ -57,7 +57,8 @@ def _training_step(attn, q, k, v, seed=1):
 
 def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, True), config=None,
                       modes=("bwd", "fwd+bwd")):
-    """Backward and forward+backward TFLOP/s of ours vs SDPA's FlashAttention-2 and cuDNN, side by side.
+    """Backward and forward+backward TFLOP/s of ours vs SDPA's FlashAttention-2 and cuDNN (and FlashAttention-4
+    where it is installed), side by side.
 
     Ours is ``flash_attention`` as it runs by default (``config`` sets the backward tiling only).
     ``modes``: what is timed, the backward alone ("bwd") and a whole training step ("fwd+bwd").
@@ -76,8 +77,7 @@ def backward_vs_peers(shapes=None, dtypes=("float16",), causal_options=(False, T
         q, k, v = random_inputs(shape, getattr(torch, dtype_name))
         b, h, s, d = shape["batch"], shape["heads"], shape["seq"], shape["dim"]
         attns = {OURS: lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=causal, backward_config=config)}
-        for name, backend in SDPA_PEERS.items():
-            attns[name] = lambda q_, k_, v_, b_=backend: sdpa(q_, k_, v_, causal, b_)
+        attns.update(peer_attentions(causal))
         errors, _ = _validate(attns[OURS], q, k, v, causal, name=f"S={s} causal={causal}")
         timers = {"bwd": lambda a: backward_timer(a, q, k, v)[0], "fwd+bwd": lambda a: _training_step(a, q, k, v)}
         for mode, make in ((mode, timers[mode]) for mode in modes):

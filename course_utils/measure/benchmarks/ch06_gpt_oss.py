@@ -6,10 +6,10 @@ import torch
 
 from ...api.attention import default_forward_config, flash_attention
 from ...checking.validation import check_backward, check_forward, references
-from ...core.labels import NAIVE, OURS
+from ...core.labels import FA4, NAIVE, OURS
 from ...core.reference import attention_reference
 from ..bench import attention_flops, tflops, time_cuda, time_side_by_side
-from .common import SDPA_PEERS, backward_timer, sdpa
+from .common import SDPA_PEERS, backward_timer, flash_attention_4, sdpa
 
 __all__ = ["GPT_OSS_SHAPE", "gpt_oss_inputs", "gpt_oss_vs_peers", "gqa_backward_strategies"]
 
@@ -30,7 +30,9 @@ def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
     """Forward and backward of gpt-oss attention: ours (checked on every head, O, LSE and every
     gradient including dsinks), the naive PyTorch reference with sinks (float32 math), and SDPA's
     FlashAttention-2 and cuDNN backends *without* sinks or windows on K/V expanded to 64 heads: an
-    upper bound of what a sink-free kernel does on the causal layers."""
+    upper bound of what a sink-free kernel does on the causal layers. FlashAttention-4, where it is
+    installed, runs the same layer as ours (GQA, sinks, window); its rows store how far its output is from
+    ours (``max_diff_vs_ours``), which shows that both computed the same attention."""
     rows = []
     base = shape or GPT_OSS_SHAPE
     for dim, window in itertools.product(dims, (None, base["window"])):
@@ -50,6 +52,10 @@ def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
                     q_, k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1), True, b_)
         out, lse = flash_attention(q, k, v, return_lse=True, **variant)
         errors = check_forward(q, k, v, out, lse, quiet=True, **variant)
+        fa4, fa4_diff = flash_attention_4(), None
+        if fa4 is not None:
+            impls[FA4] = lambda q_, k_, v_: fa4(q_, k_, v_, True, window=window, sinks=sinks)
+            fa4_diff = (impls[FA4](q, k, v).float() - out.float()).abs().max().item()
         leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
         d_out = torch.randn_like(q)
         grads = torch.autograd.grad(flash_attention(*leaves[:3], causal=True, window_size=window, sinks=leaves[3]),
@@ -61,6 +67,8 @@ def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
             for mode, ms in (("fwd", fwd_ms[impl]), ("bwd", bwd_ms[impl])):
                 rows.append(dict(sh, impl=impl, mode=mode, window=window, dtype=str(q.dtype).split(".")[1], ms=ms,
                                  tflops=tflops(flops * (2.5 if mode == "bwd" else 1.0), ms)))
+                if impl == FA4:
+                    rows[-1].update(max_diff_vs_ours=fa4_diff)
                 if impl == OURS:
                     config = default_forward_config("cuda", dim, True, seq_len=s, window=window is not None)
                     rows[-1].update(errors=errors, config=config._asdict())

@@ -20,7 +20,16 @@ from ...core.labels import OURS
 from ...kernels.versions.flash_fwd_hopper_versions import versions_for
 from ..bench import attention_flops, tflops, time_side_by_side
 from .ch03_forward import forward_config_sweep
-from .common import SDPA_PEERS, AblationCase, ablation, comparison_shapes, in_parallel, random_inputs, sdpa
+from .common import (
+    SDPA_PEERS,
+    AblationCase,
+    ablation,
+    comparison_shapes,
+    in_parallel,
+    peer_attentions,
+    random_inputs,
+    sdpa,
+)
 
 __all__ = ["forward_ablation", "hopper_tiling_sweep", "ROTATED_LOOP_CONFIGS", "ROTATED", "persistent_vs_rotated",
            "PERSISTENT_ALTERNATIVES"]
@@ -56,7 +65,7 @@ def forward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(False
             out, lse = kernel(q, k, v, no_sinks)
             return check_forward(q, k, v, out, lse, causal=causal, refs=refs, quiet=True, name=name)
 
-        peers = {name: (lambda backend=backend: sdpa(q, k, v, causal, backend)) for name, backend in SDPA_PEERS.items()}
+        peers = {name: (lambda peer=peer: peer(q, k, v)) for name, peer in peer_attentions(causal).items()}
         return AblationCase(check, lambda kernel: (lambda: kernel(q, k, v, no_sinks)), peers)
 
     return ablation(itertools.product(dims, causal_options),

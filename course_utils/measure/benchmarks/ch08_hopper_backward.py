@@ -21,6 +21,7 @@ from .common import (
     comparison_shapes,
     empty_query,
     in_parallel,
+    peer_attentions,
     random_inputs,
     sdpa,
 )
@@ -45,8 +46,7 @@ def backward_ablation(dims=(128, 64), dtype_name="float16", causal_options=(Fals
             grads = backward(q, k, v, out, lse, d_out)
             return check_backward(q, k, v, d_out, grads, causal=causal, refs=refs, quiet=True, name=name)
 
-        peers = {name: backward_timer(lambda q_, k_, v_, b_=backend: sdpa(q_, k_, v_, causal, b_), q, k, v)[0]
-                 for name, backend in SDPA_PEERS.items()}
+        peers = {name: backward_timer(peer, q, k, v)[0] for name, peer in peer_attentions(causal).items()}
         return AblationCase(check, lambda backward: (lambda: backward(q, k, v, out, lse, d_out)), peers)
 
     return ablation(itertools.product(dims, causal_options),

@@ -37,15 +37,18 @@ from ...kernels.flash_flex import flex_backward_kernels, flex_forward_kernel
 from ..bench import tflops, time_side_by_side
 from .common import backward_timer, in_parallel, random_inputs
 
-__all__ = ["FLEX_SHAPE", "TORCH_FLEX", "SDPA_MASKED", "OURS_NO_SKIP", "OURS_CAUSAL", "flex_cases", "flex_vs_peers",
-           "packed_lengths"]
+__all__ = ["FLEX_SHAPE", "TORCH_FLEX", "TORCH_FLEX_FA4", "SDPA_MASKED", "OURS_NO_SKIP", "OURS_CAUSAL", "flex_cases",
+           "flex_vs_peers", "packed_lengths"]
 
 FLEX_SHAPE = dict(batch=2, heads=16, seq=8192, dim=128)
 TORCH_FLEX = "PyTorch flex_attention (compiled)"
+# The same call with kernel_options={"BACKEND": "FLASH"}: PyTorch's FlexAttention on FlashAttention-4's kernels,
+# where flash-attn-4 is installed and the variant is one it runs.
+TORCH_FLEX_FA4 = "PyTorch flex_attention (compiled, FLASH backend: FlashAttention-4)"
 SDPA_MASKED = "SDPA, explicit mask"
 OURS_NO_SKIP = "TileLang (ours), no block skipping"
 OURS_CAUSAL = "TileLang flash_attention(causal=True)"
-UNCHECKED = (TORCH_FLEX, SDPA_MASKED)  # peers: not ours to prove (check_stored_errors's ``unchecked``)
+UNCHECKED = (TORCH_FLEX, TORCH_FLEX_FA4, SDPA_MASKED)  # peers: not ours to prove (check_stored_errors's ``unchecked``)
 PREFIX = 2048
 
 
@@ -112,6 +115,27 @@ def _torch_flex():
     return torch.compile(torch_flex_attention), torch_block_mask
 
 
+def _flash_backend(compiled_flex, score_mod, torch_mask, q, k, v):
+    """PyTorch's flex_attention on its FLASH backend (FlashAttention-4) as f(q, k, v), or None where flash-attn-4
+    is not installed or refuses this variant (the refusal is printed: it is part of what the record says)."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError:
+        return None
+
+    def on_fa4(q_, k_, v_):
+        return compiled_flex(q_, k_, v_, score_mod=score_mod, block_mask=torch_mask,
+                             kernel_options={"BACKEND": "FLASH"})
+
+    try:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        torch.autograd.grad(on_fa4(*leaves), leaves, torch.ones_like(q))
+    except Exception as exc:  # a variant the FLASH backend does not run
+        print(f"  FLASH backend refused this case: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}")
+        return None
+    return on_fa4
+
+
 def _ours_with_lse(score_mod, block_mask, causal):
     """Each implementation of ours as a function (q, k, v) -> (O, LSE), for the checks."""
     every_tile = block_mask.without_skipping()
@@ -159,6 +183,9 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
         ours = _ours_with_lse(score_mod, block_mask, case == "causal")
         impls = {name: (lambda q_, k_, v_, f=f: f(q_, k_, v_)[0]) for name, f in ours.items()}
         impls[TORCH_FLEX] = lambda q_, k_, v_: compiled_flex(q_, k_, v_, score_mod=score_mod, block_mask=torch_mask)
+        on_fa4 = _flash_backend(compiled_flex, score_mod, torch_mask, q, k, v)
+        if on_fa4 is not None:
+            impls[TORCH_FLEX_FA4] = on_fa4
         if dense is not None:
             mask_tensor = dense(dtype)
             impls[SDPA_MASKED] = lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask_tensor)

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ...core.labels import CUDNN, FA2
+from ...core.labels import CUDNN, FA2, FA4
 from ..bench import attention_flops, tflops, time_side_by_side
 
-__all__ = ["SDPA_PEERS", "sdpa", "comparison_shapes", "random_inputs", "empty_query", "in_parallel", "sweep",
-           "backward_timer", "AblationCase", "ablation"]
+__all__ = ["SDPA_PEERS", "sdpa", "flash_attention_4", "peer_attentions", "comparison_shapes", "random_inputs",
+           "empty_query", "in_parallel", "sweep", "backward_timer", "AblationCase", "ablation"]
 
 SDPA_PEERS = {FA2: SDPBackend.FLASH_ATTENTION, CUDNN: SDPBackend.CUDNN_ATTENTION}
 
@@ -22,6 +22,37 @@ def sdpa(q, k, v, causal, backend):
     """PyTorch's scaled_dot_product_attention, forced onto one backend."""
     with sdpa_kernel(backend):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def flash_attention_4():
+    """FlashAttention-4's ``flash_attn_func`` taking q, k, v as [B, H, S, D] like SDPA, or None where
+    ``flash-attn-4`` is not installed. Its own layout is [B, S, H, D]; the transposes are views (it keeps
+    any strides whose last is 1), so nothing is copied inside what is timed.
+
+    ``window`` is the course's (each query sees its last ``window`` keys, itself included), which is
+    FlashAttention's ``window_size=(window - 1, 0)``; ``sinks`` are gpt-oss's logits, its ``learnable_sink``.
+    """
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+
+    def attention(q, k, v, causal, window=None, sinks=None):
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                              window_size=(None, None) if window is None else (window - 1, 0), learnable_sink=sinks)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+    return attention
+
+
+def peer_attentions(causal):
+    """The fast peers a user can install, each as ``f(q, k, v)`` on [B, H, S, D]: SDPA's FlashAttention-2
+    and cuDNN backends, and FlashAttention-4 where it is installed."""
+    peers = {name: (lambda q, k, v, b=backend: sdpa(q, k, v, causal, b)) for name, backend in SDPA_PEERS.items()}
+    fa4 = flash_attention_4()
+    if fa4 is not None:
+        peers[FA4] = lambda q, k, v: fa4(q, k, v, causal)
+    return peers
 
 
 def comparison_shapes(seq_lens=(512, 1024, 2048, 4096, 8192, 16384), dim=128, tokens=16384, hidden=2048):
