@@ -11,7 +11,6 @@ are not EMPTY. The backward's query tile may be a fraction of the mask's query b
     python -m course_utils.check flex     # check against the float64 reference (and time it, on a GPU)
 """
 
-import functools
 from typing import NamedTuple
 
 import tilelang.language as T
@@ -128,8 +127,10 @@ def recompute_probabilities(tb, plan, captured, PT, GT, lse, bz, by, qb, bx, blo
         if plan.score_mod is not None:
             value, slope = plan.score_and_derivative(captured, PT[j, i] * sm_scale, bz, by, qb * block_M + i,
                                                      bx * block_N + j)
-            GT[j, i] = T.if_then_else(seen, slope, 0)
-            PT[j, i] = T.if_then_else(seen, T.exp2((value - lse[i]) * LOG2E), 0)
+            # A score the modifier sets to −∞ has P = 0 (and no gradient), even in a row whose LSE is −∞ too.
+            live = T.And(seen, value > NEG_INF)
+            GT[j, i] = T.if_then_else(live, slope, 0)
+            PT[j, i] = T.if_then_else(live, T.exp2((value - lse[i]) * LOG2E), 0)
         else:
             PT[j, i] = T.if_then_else(seen, T.exp2(PT[j, i] * scale_log2 - lse[i] * LOG2E), 0)
 
@@ -256,8 +257,8 @@ class FlexConfig(NamedTuple):
 def default_flex_config(device_type, mask_block):
     """Small and serial on the CPU; on a GPU the threads and stages of chapter 04's tuned forward and chapter 05's
     tuned backward (``TUNED_FORWARD_CONFIG``, ``TUNED_BACKWARD_CONFIG``: 128 × 128 and 64 × 128 tiles)."""
-    if device_type != "cuda":
-        return FlexConfig(1, 1, min(16, mask_block[0]), 1, 1)
+    if device_type != "cuda":  # the backward's query tile: the largest divisor of the mask's query block up to 16
+        return FlexConfig(1, 1, max(d for d in range(1, 17) if mask_block[0] % d == 0), 1, 1)
     return FlexConfig(256, 1, min(64, mask_block[0]), 256, 1)
 
 
@@ -284,8 +285,26 @@ def _problem(q, k, block_mask, sm_scale):
 _CACHE_SIZE = 64
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _compiled_forward(pr, plan_key, plan, config):
+class _KernelCache:
+    """Compiled kernels by (problem, ``plan.key``, config): the plan itself (the modifier functions, the tensors of
+    this call) is not part of the key, so an equal formula of another function object reuses the kernel."""
+
+    def __init__(self, build):
+        self.build, self.kernels = build, {}
+
+    def __call__(self, pr, plan_key, plan, config):
+        key = (pr, plan_key, config)
+        if key not in self.kernels:
+            if len(self.kernels) >= _CACHE_SIZE:
+                self.kernels.pop(next(iter(self.kernels)))
+            self.kernels[key] = self.build(pr, plan, config)
+        return self.kernels[key]
+
+    def cache_clear(self):
+        self.kernels.clear()
+
+
+def _build_forward(pr, plan, config):
     block_M, block_N = pr.mask_block
     func = flex_fwd_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, plan, pr.mask_shape, heads_kv=pr.heads_kv,
                            sm_scale=pr.sm_scale, dtype=pr.dtype, block_M=block_M, block_N=block_N,
@@ -300,8 +319,10 @@ class FlexBackwardKernels(NamedTuple):
     postprocess_dkv: object
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _compiled_backward(pr, plan_key, plan, config):
+_compiled_forward = _KernelCache(_build_forward)
+
+
+def _build_backward(pr, plan, config):
     small = 16 if pr.target == "c" else 64
     threads = 1 if pr.target == "c" else 128
     common = dict(dtype=pr.dtype, target=pr.target)
@@ -321,6 +342,9 @@ def _compiled_backward(pr, plan_key, plan, config):
         post_kv = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads_kv, pr.seq_k, pr.dim, block=small,
                                                      threads=threads, **common), [1])
     return FlexBackwardKernels(pre, main, post_q, post_kv)
+
+
+_compiled_backward = _KernelCache(_build_backward)
 
 
 def flex_forward_kernel(q, k, plan, block_mask, sm_scale, config=None):
