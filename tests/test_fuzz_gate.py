@@ -44,6 +44,23 @@ def test_gate_fails_on_a_planted_bug(bug):
     assert run == len(_PLANT_PROBLEMS) and failed == run, "\n".join(lines)
 
 
+# dsinks sums one term per row: its baseline includes the sum taken from the kernel's own O and LSE, which must
+# not hide a dsinks 10% off. In float16, with more rows than one tile, causal or not, and a window of 2.
+_SINK_PROBLEMS = [fuzz.Problem(api="dense", batch=2, heads=2, heads_kv=1, seq_q=40, seq_k=37, dim=16, dtype="float16",
+                               causal=causal, window=window, sinks=True, sink_kind=kind, seed=seed)
+                  for seed, (kind, causal, window) in enumerate((("normal", True, None), ("normal", False, None),
+                                                                 ("normal", True, 2)))]
+
+
+def test_gate_fails_on_dsinks_scaled_by_0_9_and_passes_without():
+    lines = []
+    run, failed = fuzz.run_gate(_SINK_PROBLEMS, seconds=120, plant_name="scaled_dsinks", out=lines.append)
+    assert run == len(_SINK_PROBLEMS) and failed == run, "\n".join(lines)
+    lines = []
+    run, failed = fuzz.run_gate(_SINK_PROBLEMS, seconds=120, out=lines.append)
+    assert run == len(_SINK_PROBLEMS) and failed == 0, "\n".join(lines)
+
+
 def test_the_same_problems_pass_without_a_plant():
     lines = []
     run, failed = fuzz.run_gate(_PLANT_PROBLEMS, seconds=120, out=lines.append)

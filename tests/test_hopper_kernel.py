@@ -77,8 +77,8 @@ def test_ptxas_keeps_wgmma_async_only_without_conditional_issue():
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in good), good
 
 
+@pytest.mark.skipif(is_hopper(), reason="the defaults and errors of a machine without a Hopper GPU")
 def test_cpu_defaults_unchanged_and_overlap_rejected_off_hopper():
-    assert not is_hopper()
     assert default_forward_config("cpu", 64).kernel == "flash_fwd"
     q = torch.randn(1, 2, 32, 16)
     with pytest.raises(ValueError, match="sm_90"):

@@ -237,7 +237,7 @@ def _compiled_backward(problem, config, deterministic=False):
                               lambda out, d_out: (torch.empty(out.shape[:3], dtype=torch.float32, device=out.device),))
     row = backward_row(config)
     row.check(pr, config, deterministic)
-    main = launcher(row.compile(pr, config, **(dict(deterministic=deterministic) if row.deterministic else {})))
+    main = launcher(_compile_main(row, pr, config, deterministic))
     if deterministic:
         block_M, block_N = HOPPER_DQ_TILES[pr.dim]
         dq = build(flash_bwd_hopper_dq_kernel(*pr.shape, **pr.kernel_options(), block_M=block_M, block_N=block_N), [6])
@@ -252,6 +252,34 @@ def _compiled_backward(problem, config, deterministic=False):
                                                                          block=small, threads=threads, **common), [1]),
                                       like_input)
     return BackwardKernels(pre, main, post_q, post_kv)
+
+
+def _registers_ran_out(exc):
+    return "Register allocation failed" in str(exc)
+
+
+def _compile_main(row, problem, config, deterministic):
+    """The backward's main kernel. ptxas fails to allocate chapter 08's kernel's registers at a few tiny query
+    counts (S_q = 1, 3 or 6 at D = 128 among those tried; 4, 8, 32 and 64 compile): there it is built with 64-row
+    query blocks, and failing that the default backward runs chapter 05's kernel, which takes the same arguments
+    and computes the same gradients (the deterministic one has no such second choice: a clear error)."""
+    options = dict(deterministic=deterministic) if row.deterministic else {}
+    try:
+        return row.compile(problem, config, **options)
+    except Exception as exc:
+        if not _registers_ran_out(exc) or config.kernel != "flash_bwd_hopper" or config.block_M == 64:
+            raise
+        failure = exc
+    try:
+        return row.compile(problem, config._replace(block_M=64), **options)
+    except Exception as exc:
+        if not _registers_ran_out(exc):
+            raise
+    if deterministic:
+        raise ValueError(f"deterministic=True: ptxas cannot allocate the registers of chapter 08's deterministic "
+                         f"backward at S_q={problem.seq_q}, S_k={problem.seq_k}, D={problem.dim} ({problem.dtype}); "
+                         "the default backward runs this shape") from failure
+    return backward_row(TUNED_BACKWARD_CONFIG).compile(problem, TUNED_BACKWARD_CONFIG)
 
 
 def forward_kernel(q, k, *, causal=False, window_size=None, has_sinks=False, sm_scale=None, config=None):

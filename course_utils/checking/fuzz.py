@@ -256,7 +256,8 @@ def _run_dense(pr, f):
     kw = dict(causal=pr.causal, window_size=pr.window, sinks=sinks, sm_scale=pr.sm_scale)
     out, lse, grads = _dense_call(pr, q, k, v, sinks, d_out)
     refs = references(q, k, v, d_out=d_out, rounded_out_delta=True, **kw)
-    _judge_all(f, out, lse, grads, refs, dtype)
+    own = None if sinks is None else dsinks_from_outputs(sinks, out, lse, d_out)
+    _judge_all(f, out, lse, grads, refs, dtype, dsinks_own=own)
     _exact_dense_properties(pr, f, q, k, v, sinks, d_out, out, lse, grads)
 
 
@@ -330,7 +331,8 @@ def _run_varlen(pr, f):
     refs = varlen_references(q, k, v, cq, ck, d_out=d_out, rounded_out_delta=True, **kw)
     out.backward(d_out)
     grads = [t.grad for t in leaves] + ([] if sink_leaf is None else [sink_leaf.grad])
-    _judge_all(f, out.detach(), lse.detach(), grads, refs, dtype)
+    own = None if sinks is None else dsinks_from_outputs(sinks, out.detach(), lse.detach(), d_out)
+    _judge_all(f, out.detach(), lse.detach(), grads, refs, dtype, dsinks_own=own)
     starts_k = ck.tolist()
     for b, (lq, lk) in enumerate(zip(pr.lengths_q, pr.lengths_k)):
         if lk == 0 or grads[1] is None:
@@ -381,15 +383,35 @@ def _baseline(ref, lows):
     return max(lows, key=lambda low: float((low.double() - ref).abs().nan_to_num(0).max()))
 
 
-def _judge_all(f, out, lse, grads, refs, dtype):
-    """O and the LSE, then every gradient (dQ, dK, dV, and dsinks when the sinks are a leaf)."""
+def dsinks_from_outputs(sinks, out, lse, d_out):
+    """dsinks in float64 from a kernel's own O and LSE: -Σ_rows exp(sink_h - LSE) · rowsum(dO ∘ O), over every row
+    of head h. O and the LSE are judged on their own; given them, this is the gradient every FlashAttention-style
+    backward computes (Δ from its rounded O), summed without rounding. ``out``/``d_out`` [B, H, S, D] with ``lse``
+    [B, H, S], or packed: [T, H, D] with ``lse`` [H, T]."""
+    delta = (d_out.double() * out.double()).sum(-1)
+    packed = out.dim() == 3
+    if packed:
+        delta = delta.transpose(0, 1)
+    logits = sinks.double()[:, None] if packed else sinks.double()[None, :, None]
+    terms = torch.exp(logits - lse.double()) * delta
+    terms = torch.where(delta == 0, torch.zeros_like(terms), terms)  # a row that sees nothing (and no sink): Δ = 0
+    return -terms.sum(1 if packed else (0, 2))
+
+
+def _judge_all(f, out, lse, grads, refs, dtype, dsinks_own=None):
+    """O and the LSE, then every gradient (dQ, dK, dV, and dsinks when the sinks are a leaf).
+
+    dsinks sums one term per row over every row of a head, so its rounding error grows with the rows; its
+    baseline also includes ``dsinks_own`` (``dsinks_from_outputs``): the error of that sum taken from the
+    kernel's own, already judged, O and LSE."""
     with f.judging("forward"):
         _judge_forward(out, lse, refs, dtype)
     delta_refs = refs.get("grads_delta", [None] * 4)
     for name, g, ref, low, low_delta in zip(("dQ", "dK", "dV", "dsinks"), grads, refs.get("grads", ()),
                                             refs.get("grads_low", ()), delta_refs):
+        lows = (low, low_delta, dsinks_own if name == "dsinks" else None)
         with f.judging("backward"):
-            _judge(name, g, ref, _baseline(ref, (low, low_delta)) if dtype != torch.float32 else low, dtype)
+            _judge(name, g, ref, _baseline(ref, lows) if dtype != torch.float32 else low, dtype)
 # endregion
 
 
@@ -570,9 +592,22 @@ def _plant_scaled_dk():
     return undo
 
 
+def _plant_scaled_dsinks():
+    from ..api import attention
+
+    original = attention.attention_backward
+
+    def attention_backward(*args, **kwargs):
+        dq, dk, dv, d_sinks = original(*args, **kwargs)
+        return dq, dk, dv, None if d_sinks is None else d_sinks * 0.9  # the sum over rows 10% off
+    undo = [(attention, "attention_backward", original)]
+    attention.attention_backward = attention_backward
+    return undo
+
+
 PLANTS = {"window_off_by_one": _plant_window_off_by_one, "skip_ragged_key_block": _plant_skip_ragged_key_block,
           "no_unseen_key_fix": _plant_no_unseen_key_fix, "unwritten_output": _plant_unwritten_output,
-          "scaled_dk": _plant_scaled_dk}
+          "scaled_dk": _plant_scaled_dk, "scaled_dsinks": _plant_scaled_dsinks}
 
 
 @contextlib.contextmanager
