@@ -53,7 +53,8 @@ from tilelang import tvm
 from course_utils.api import flex
 from course_utils.pictures import plots
 from course_utils.measure.benchmarks import RECORDS
-from course_utils.measure.benchmarks.ch11_flex import OURS_CAUSAL, OURS_NO_SKIP, SDPA_MASKED, TORCH_FLEX, UNCHECKED
+from course_utils.measure.benchmarks.ch11_flex import (OURS_CAUSAL, OURS_NO_SKIP, SDPA_MASKED, TORCH_FLEX,
+                                                        TORCH_FLEX_FA4, UNCHECKED)
 from course_utils.kernels.flash_flex import flex_backward, flex_bwd_kernel, flex_forward, flex_forward_kernel, flex_fwd_kernel
 from course_utils.api.flex import Dual, Sym, causal_mask, create_block_mask, flex_attention, prefix_lm, soft_cap
 from course_utils.core.labels import OURS
@@ -133,11 +134,16 @@ check_slope(dual.deriv)
 cu.expect_failure("derivative without tanh′ (chain rule dropped)", lambda: check_slope(torch.ones_like(s)))
 
 # %% [markdown]
-# Tensors a modifier reads — ALiBi's slopes, the document id of each token — are declared with
-# `flex.captured(tensor)`. The handle is indexed like the tensor (`doc[q_idx]`); in a kernel, every
-# captured tensor is packed into one float32 and one int32 input, each index clamped to its
-# dimension (a row past the end of the sequence reads a valid entry, and the mask hides it anyway).
-# New values of the same shapes reuse the compiled kernel.
+# Tensors a modifier reads — ALiBi's slopes, the document id of each token — become kernel inputs.
+# A tensor the modifier closes over and indexes with `b`, `h`, `q_idx` or `kv_idx` (`slopes[h]`) is
+# found as it is read; `flex.captured(tensor)` declares one explicitly, with a name and a handle
+# indexed like the tensor (`doc[q_idx]`). In a kernel every one is packed into one float32 and one
+# int32 input; a negative index counts from the end, as in torch, an index the host can bound past
+# the end is an error, and a row past the end of the sequence reads a clamped entry (the mask hides
+# it anyway). New values of the same shapes reuse the compiled kernel: kernels are cached on the
+# formula a modifier traces to, so changing a global it reads compiles a new one. `torch.tanh`,
+# `torch.where`, `torch.exp` and the other torch functions of the helpers work on kernel values
+# too, so a modifier written for PyTorch's `flex_attention` runs unchanged.
 #
 # A modifier the kernel cannot run gets an error that names it:
 
@@ -454,7 +460,7 @@ else:
     rows = rec["results"]
     check_stored_errors(rows, "ch11 flex record (O, LSE, dQ, dK, dV)", unchecked=UNCHECKED)
     short = {OURS: "ours", OURS_NO_SKIP: "ours, no skip", TORCH_FLEX: "torch flex", SDPA_MASKED: "SDPA+mask",
-             OURS_CAUSAL: "flash causal"}
+             OURS_CAUSAL: "flash causal", TORCH_FLEX_FA4: "torch flex FA4"}
     shape = {key: rows[0][key] for key in ("batch", "heads", "seq", "dim", "dtype")}
     print("share of tiles skipped: " + ", ".join(f"{r['case']} {r['skipped']:.0%}" for r in rows
                                                  if r["impl"] == OURS and r["mode"] == "fwd"))
@@ -487,6 +493,9 @@ if rec is not None:
 # The chapter's two targets, judged on the record: faster than PyTorch's FlexAttention in every case,
 # forward and backward; and within 10% of our specialised causal kernel (its time ÷ the flex kernel's
 # at least 0.9).
+# PyTorch's FlexAttention also runs on FlashAttention-4's kernels (`kernel_options={"BACKEND": "FLASH"}`,
+# with `flash-attn-4` installed) for the variants those kernels take; the last claims count ours against
+# it in the cases it ran.
 
 # %%
 if rec is not None:
@@ -501,6 +510,14 @@ if rec is not None:
         cu.claim_versus(f"{mode}: ours against PyTorch's FlexAttention",
                         {c: cu.speed_ratio(by_row[c, OURS, mode], by_row[c, TORCH_FLEX, mode]) for c in cases},
                         says=says)
+    on_fa4 = [c for c in cases if (c, TORCH_FLEX_FA4, "fwd") in by_row]
+    if on_fa4:  # PyTorch's FlexAttention on its FLASH backend (FlashAttention-4), where it runs the variant
+        for mode in ("fwd", "bwd"):
+            cu.claim_versus(f"{mode}: ours against PyTorch's FlexAttention on FlashAttention-4",
+                            {c: cu.speed_ratio(by_row[c, OURS, mode], by_row[c, TORCH_FLEX_FA4, mode]) for c in on_fa4})
+        print("cases the FLASH backend did not run: " + (", ".join(c for c in cases if c not in on_fa4) or "none"))
+    else:
+        print("no rows of PyTorch's FlexAttention on FlashAttention-4 in this record")
     # The specialised causal backward of this record against chapter 08's newer record of the same shape.
     newer = cu.measured("ch08_backward_vs_peers_h100", RECORDS["ch08_backward_vs_peers_h100"])
     flash_bwd = by_row["causal", OURS_CAUSAL, "bwd"]
@@ -518,8 +535,8 @@ if rec is not None:
 #   code; run on `Dual`s they give the derivative the backward needs. One definition, no drift.
 # - The block mask turns any mask into chapter 03's tile skipping: empty tiles are never loaded,
 #   full tiles never evaluate the mask, only partial tiles pay for it.
-# - Tensors a modifier reads (`captured`) become kernel inputs; their values can change without a
-#   recompilation.
+# - Tensors a modifier reads (closed over, or `captured`) become kernel inputs; their values can change
+#   without a recompilation.
 # - The backward adds one factor, $\partial s'/\partial s$, to $dS$; forward-mode differentiation
 #   of the modifier supplies it. For soft-capping it is $1 - \tanh^2(s/c)$.
 # - Without a `score_mod`, the causal flex kernel is chapter 03's kernel: on the CPU the two agree

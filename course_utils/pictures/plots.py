@@ -13,7 +13,7 @@ import os
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ..core.labels import CUDNN, FA2, NAIVE, OURS
+from ..core.labels import CUDNN, FA2, FA4, NAIVE, OURS
 from ..measure.bench import FIGURES
 
 __all__ = ["COLORS", "IMPL_COLORS", "style", "save", "heatmap", "line_chart", "speedup_bars", "order_effect_bars",
@@ -21,7 +21,7 @@ __all__ = ["COLORS", "IMPL_COLORS", "style", "save", "heatmap", "line_chart", "s
            "peer_ratio_heatmaps", "kernel_timeline"]
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-IMPL_COLORS = {OURS: "#d62728", FA2: "#1f77b4", CUDNN: "#2ca02c", NAIVE: "#7f7f7f"}
+IMPL_COLORS = {OURS: "#d62728", FA2: "#1f77b4", CUDNN: "#2ca02c", FA4: "#9467bd", NAIVE: "#7f7f7f"}
 
 
 def style():
