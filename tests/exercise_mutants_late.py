@@ -183,6 +183,15 @@ MUTANTS += [
            "P is written (T.copy(S, P)) while the P·V wgmma that reads it may still be running"),
     Mutant("ch07_rotated_loop", "stage released at the issue",
            (("            stage_in_use[0] = K_s[0, 0] + V_s[0, 0]\n", ""),), "released before the last wait"),
+    Mutant("ch07_rotated_loop", "exponentials written straight into P before the wait(0)",
+           (("                S[i, j] = T.exp2(S[i, j] * scale_log2)\n            wait(0)\n            T.copy(S, P)\n",
+             "                P[i, j] = T.exp2(S[i, j] * scale_log2)\n            wait(0)\n"),),
+           "P is written"),
+    # Right on the CPU (the first P·V adds P = 0) and no step of the order check touches acc, but the clear
+    # writes the P·V wgmma's accumulator while wait(1) leaves that wgmma running: only ptxas sees it.
+    Mutant("ch07_rotated_loop", "accumulator cleared after the first, wasted P·V, before the wait(0) (ptxas)",
+           (("            wait(1)\n", "            wait(1)\n            if kb == 0:\n                T.clear(acc)\n"),),
+           "ptxas serialises every wgmma of the kernel (C751"),
 ]
 MUTANTS += [
     Mutant("ch07_rotated_loop", "scores never issued (TileLang's warning names S)",

@@ -4,14 +4,16 @@ Exercise (c), the learner's rotated loop, is checked twice: on TileLang's C back
 synchronous there, so this checks the loop's indices: the extra iteration, which block's K and V, P
 taken after the exponentials) against float64 and PyTorch models of the usual mistakes; then lowered
 for sm_90a, where the order of the wgmma issues, the waits and the exponentials in the generated
-consumer loop is what makes the overlap, and a wait in the wrong place is a race or a lost overlap.
+consumer loop is what makes the overlap, and a wait in the wrong place is a race or a lost overlap;
+last, compiled by nvcc, where ptxas serialising the wgmmas (an operand or accumulator touched while a wgmma
+runs) or spilling registers fails it too.
 """
 
 import torch
 
 from .common import ExerciseWrong, check_exercise
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
-from .late_tools import c_lowering, lowered_steps, surfacing_warnings
+from .late_tools import c_lowering, loop_steps, lowered_source, ptxas_verdict, surfacing_warnings
 
 __all__ = ["check_wasted_share", "check_wait_count", "check_rotated_loop", "check_blocks_per_sm", "HINTS"]
 
@@ -137,9 +139,8 @@ _STEPS = {
 _GPU_SHAPE = (1, 1024, 128)
 
 
-def _consumer_steps(name, factory):
-    steps = lowered_steps(name, factory, _GPU_SHAPE, r"for \(int kb_1 = ", _STEPS)
-    return [step for step in steps if step != "mbarrier wait"]
+def _consumer_steps(source):
+    return [step for step in loop_steps(source, r"for \(int kb_1 = ", _STEPS) if step != "mbarrier wait"]
 
 
 def _order_problem(steps):
@@ -197,11 +198,13 @@ def check_rotated_loop(factory):
             check_kernel(name, factory, _rotated_case, suspects=_ROTATED_SUSPECTS,
                          hint="Hint: iteration kb multiplies P of block kb − 1 with V of block kb − 1, and the loop "
                               "runs num_blocks + 1 times.")
-        steps = _consumer_steps(name, factory)
+        source = lowered_source(name, factory, _GPU_SHAPE)
+        steps = _consumer_steps(source)
         problem = _order_problem(steps)
         if problem:
             raise ExerciseWrong(f"✗ {name}: right on the CPU, but in the sm_90a code ({' → '.join(steps)}) {problem}.")
-        print(f"✓ {name}: right on the C backend; sm_90a consumer loop: {' → '.join(steps)}")
+        compiled = ptxas_verdict(name, source)
+        print(f"✓ {name}: right on the C backend; sm_90a consumer loop: {' → '.join(steps)}; {compiled}")
 
     surfacing_warnings(run, c_lowering(factory, 2, 64, 16, block_M=16, block_N=16, dtype="float32"))
 

@@ -5,7 +5,8 @@ rotated loop: on TileLang's C backend (matmuls synchronous, waits and barriers n
 the order of the mathematics) against float64 and PyTorch models of the usual mistakes; then lowered
 for sm_90a, where each property of the schedule (every result read only after a wait that retires
 its batch, the overlaps kept, a barrier between the shared dSᵀ and dQ tiles and their readers, the
-stage released after the last wait) is checked on the generated consumer loop.
+stage released after the last wait) is checked on the generated consumer loop; last, nvcc compiles it, and
+serialised wgmmas, a wait ptxas injects, or a register spill fail it too.
 """
 
 import random
@@ -14,7 +15,7 @@ import torch
 
 from .common import ExerciseIncomplete, ExerciseWrong, check_exercise
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
-from .late_tools import c_lowering, lowered_steps, surfacing_warnings
+from .late_tools import c_lowering, loop_steps, lowered_source, ptxas_verdict, surfacing_warnings
 
 __all__ = ["check_dq_reduce_bytes", "check_fixed_order_sum", "check_wait_before_dq_store", "check_backward_step",
            "check_reduce_wait", "NEXT_STEP", "HINTS"]
@@ -324,12 +325,13 @@ def check_backward_step(factory):
             check_kernel(name, factory, _step_case, suspects=_STEP_SUSPECTS,
                          hint="Hint: probabilities before form_ds; dV takes Pᵀ (PT_cast), dK takes dSᵀ (dST); dQ "
                               "reads dSᵀ from dST_s, so store it before issuing dQ; add_dq reads dq_s.")
-        steps = lowered_steps(name, factory, _STEP_GPU_SHAPE, r"for \(int qb_1 = ", _STEP_LABELS,
-                              pass_configs=PASS_CONFIGS)
+        source = lowered_source(name, factory, _STEP_GPU_SHAPE, pass_configs=PASS_CONFIGS)
+        steps = loop_steps(source, r"for \(int qb_1 = ", _STEP_LABELS)
         problem = _step_problem(steps)
         shown = " → ".join(step for step in steps if step != "release a stage")
         if problem:
             raise ExerciseWrong(f"✗ {name}: right on the CPU, but in the sm_90a code ({shown}) {problem}.")
-        print(f"✓ {name}: dQ, dK, dV right on the C backend; sm_90a consumer loop: {shown}")
+        compiled = ptxas_verdict(name, source)
+        print(f"✓ {name}: dQ, dK, dV right on the C backend; sm_90a consumer loop: {shown}; {compiled}")
 
     surfacing_warnings(run, c_lowering(factory, 2, 64, 16, block_M=16, block_N=32, dtype="float32"))
