@@ -161,6 +161,10 @@ MUTANTS += [
     Mutant("ch07_rotated_loop", "no extra iteration",
            (("T.Pipelined(num_blocks + 1, num_stages=2)", "T.Pipelined(num_blocks, num_stages=2)"),),
            "one extra iteration"),
+    # Equal tiles (the one case of old) hide it; the drawn tilings 8 × 6 and 6 × 8 do not.
+    Mutant("ch07_rotated_loop", "K's rows counted with block_M",
+           (("T.copy(K[b, k_blk * block_N:(k_blk + 1) * block_N, :], K_s)",
+             "T.copy(K[b, k_blk * block_M:(k_blk + 1) * block_M, :], K_s)"),), "its own block size"),
     Mutant("ch07_rotated_loop", "V of the same block as K",
            (("v_blk = T.max(kb - 1, 0)", "v_blk = k_blk"),), "one behind K"),
     Mutant("ch07_rotated_loop", "P copied before the exponentials",

@@ -14,6 +14,7 @@ import torch
 from .common import ExerciseWrong, check_exercise
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 from .late_tools import c_lowering, loop_steps, lowered_source, ptxas_verdict, surfacing_warnings
+from .shapes import draw_whole_blocks
 
 __all__ = ["check_wasted_share", "check_wait_count", "check_rotated_loop", "check_blocks_per_sm", "HINTS"]
 
@@ -100,14 +101,21 @@ def _chain_model(q, k, v, block_N, *, extra=True, same_block_v=False, p_before_e
 
 
 def _rotated_case():
+    """One case per shape of ``shapes.draw_whole_blocks``: one, two and three key blocks (with one, the first and
+    the extra iteration clamp to the same block), block_M > block_N first and then <, S not a multiple of block_M."""
     g = torch.Generator().manual_seed(7)
-    batch, seq, dim, block = 2, 64, 16, 16
-    q, k, v = (torch.randn(batch, seq, dim, generator=g) for _ in range(3))
-    expected = torch.exp(q.double() @ k.double().transpose(1, 2) / dim ** 0.5) @ v.double()
-    return [KernelCase("B=2, S=64, D=16, 16 × 16 tiles (C backend: matmuls synchronous)", (batch, seq, dim),
-                       dict(block_M=block, block_N=block, dtype="float32"), [3],
-                       lambda kernel: {"O": kernel(q, k, v)[:, None]},  # [B, 1, S, D]: messages name query rows
-                       {"O": expected[:, None]}, data=dict(q=q, k=k, v=v, block_N=block), rows="query row")]
+    batch, dim, cases = 2, 16, []
+    for shape in draw_whole_blocks():
+        seq, block_M, block_N = shape.seq_k, shape.block_M, shape.block_N
+        q, k, v = (torch.randn(batch, seq, dim, generator=g) for _ in range(3))
+        expected = torch.exp(q.double() @ k.double().transpose(1, 2) / dim ** 0.5) @ v.double()
+        blocks = f"{seq // block_N} key block{'s' if seq > block_N else ''}"
+        cases.append(KernelCase(
+            f"B=2, S={seq} ({blocks}), D=16, {block_M} × {block_N} tiles (C backend: matmuls synchronous)",
+            (batch, seq, dim), dict(block_M=block_M, block_N=block_N, dtype="float32"), [3],
+            lambda kernel, q=q, k=k, v=v: {"O": kernel(q, k, v)[:, None]},  # [B, 1, S, D]: messages name query rows
+            {"O": expected[:, None]}, data=dict(q=q, k=k, v=v, block_N=block_N), rows="query row"))
+    return cases
 
 
 def _model_suspect(message, **bug):
@@ -206,7 +214,7 @@ def check_rotated_loop(factory):
         compiled = ptxas_verdict(name, source)
         print(f"✓ {name}: right on the C backend; sm_90a consumer loop: {' → '.join(steps)}; {compiled}")
 
-    surfacing_warnings(run, c_lowering(factory, 2, 64, 16, block_M=16, block_N=16, dtype="float32"))
+    surfacing_warnings(run, c_lowering(factory, 2, 18, 16, block_M=8, block_N=6, dtype="float32"))
 
 
 # --- Exercise (d): how many blocks share an SM -------------------------------------------------------

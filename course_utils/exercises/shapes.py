@@ -16,7 +16,8 @@ shapes are drawn to cover them:
 
 ``draw_shapes`` is seeded and greedy: from candidate sequence lengths it keeps the shape that adds the most
 classes still missing, until the required ones are covered; ``shape_classes`` names what one shape covers
-(for the tests and the tables). Every kernel checker and chapter 05's end-to-end check use it.
+(for the tests and the tables). Every kernel checker and chapter 05's end-to-end check use it; chapter 07's
+rotated loop, whose key length is a whole number of blocks, draws from ``draw_whole_blocks``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 __all__ = ["Shape", "shape_classes", "required_classes", "draw_shapes", "attention_inputs", "HEAD_KINDS",
            "KEY_WALK_TILINGS", "QUERY_WALK_TILINGS", "describe",
-           "draw_lengths"]
+           "draw_lengths", "WHOLE_BLOCK_TILINGS", "whole_block_classes", "draw_whole_blocks"]
 
 # A query block walking key blocks counts its stop in block_N; a key block walking query blocks its start in block_M.
 KEY_WALK_TILINGS = ((3, 4), (6, 4))    # (block_M, block_N): block_M < block_N and block_M > block_N
@@ -198,6 +199,36 @@ def draw_lengths(specs, *, residues="edges", limit=4, max_seq=48):
     if missing:
         raise ValueError(f"draw_lengths: {limit} pairs of lengths leave {sorted(missing)} uncovered")
     return chosen
+
+
+# A key length that is a whole number of key blocks (chapter 07's rotated loop): block_M > block_N and block_M <
+# block_N, tiles that are not multiples of each other, so that a tile counted with the other block size shows.
+WHOLE_BLOCK_TILINGS = ((8, 6), (6, 8))
+
+
+def whole_block_classes(shape):
+    """The classes a non-causal shape whose S_k is a whole number of key blocks covers: how many key blocks (one:
+    the rotated loop's first and extra iterations clamp to the same block), the tiles' relation, ragged query rows."""
+    blocks = shape.seq_k // shape.block_N
+    out = {f"{min(blocks, 3)}{'+' if blocks >= 3 else ''} key block{'s' if blocks > 1 else ''}",
+           _relation(shape.block_M, shape.block_N, "block_M", "block_N")}
+    if shape.seq_q % shape.block_M:
+        out.add("S_q not a multiple of block_M")
+    if shape.seq_q < shape.block_M:
+        out.add("S_q below one block")
+    return frozenset(out)
+
+
+def draw_whole_blocks(tilings=WHOLE_BLOCK_TILINGS, counts=(1, 2, 3)):
+    """Non-causal shapes, S_q = S_k = n · block_N for each n of ``counts``, the tilings taken in turn, block_M >
+    block_N first (a tile counted with the other block size then fails to compile, which names it). With the
+    default tilings every S_q is ragged in block_M; ``whole_block_classes`` names what each covers."""
+    order = sorted(tilings, key=lambda tiling: tiling[0] < tiling[1])
+    shapes = []
+    for index, n in enumerate(counts):
+        M, N = order[index % len(order)]
+        shapes.append(Shape(n * N, n * N, M, N, causal=False))
+    return shapes
 
 
 # Per head: what its rows' scores look like. "very negative": every score of a row near −700 (exp of it
