@@ -75,6 +75,11 @@ MUTANTS = [
            (("T.ceildiv(length, block_N)", "length // block_N"),), "last, partial tile is skipped"),
     Mutant("ch09_paged_lookup", "every tile from its page's start",
            (("first = kb * block_N % page_size", "first = 0"),), "first row of its page"),
+    # Right when a page holds two tiles, the one configuration checked before; three tiles a page show it.
+    Mutant("ch09_paged_lookup", "two tiles per page written in",
+           (("page = BlockTable[b, kb * block_N // page_size]", "page = BlockTable[b, kb // 2]"),
+            ("first = kb * block_N % page_size", "first = kb % 2 * block_N")),
+           "the number of tiles in a page is written in as a constant"),
 ]
 
 # Correct solutions written differently: the checker must pass them.

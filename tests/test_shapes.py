@@ -90,3 +90,14 @@ def test_whole_block_shapes_cover_one_two_and_more_blocks_both_ways():
             "S_q not a multiple of block_M", "S_q below one block"} <= covered
     assert all(s.seq_k % s.block_N == 0 and not s.causal for s in shapes)
     assert shapes[0].block_M > shapes[0].block_N  # a tile counted with the other block size fails to compile first
+
+
+def test_residue_lengths_meet_every_edge_of_the_tile_and_the_page():
+    from course_utils.exercises.shapes import draw_residue_lengths, length_classes
+
+    for moduli in ((4, 8), (2, 6)):
+        lengths = draw_residue_lengths(moduli, max_length=3 * max(moduli), seed=5)
+        covered = set().union(*(length_classes(n, moduli) for n in lengths))
+        assert {f"length ≡ {r} (mod {m})" for m in moduli for r in (0, 1, m - 1)} <= covered
+        assert {"empty", "shorter than one tile", "past one page"} <= covered
+        assert draw_residue_lengths(moduli, max_length=3 * max(moduli), seed=5) == lengths  # seeded

@@ -29,7 +29,8 @@ import torch
 
 __all__ = ["Shape", "shape_classes", "required_classes", "draw_shapes", "attention_inputs", "HEAD_KINDS",
            "KEY_WALK_TILINGS", "QUERY_WALK_TILINGS", "describe",
-           "draw_lengths", "WHOLE_BLOCK_TILINGS", "whole_block_classes", "draw_whole_blocks"]
+           "draw_lengths", "WHOLE_BLOCK_TILINGS", "whole_block_classes", "draw_whole_blocks",
+           "length_classes", "draw_residue_lengths"]
 
 # A query block walking key blocks counts its stop in block_N; a key block walking query blocks its start in block_M.
 KEY_WALK_TILINGS = ((3, 4), (6, 4))    # (block_M, block_N): block_M < block_N and block_M > block_N
@@ -229,6 +230,41 @@ def draw_whole_blocks(tilings=WHOLE_BLOCK_TILINGS, counts=(1, 2, 3)):
         M, N = order[index % len(order)]
         shapes.append(Shape(n * N, n * N, M, N, causal=False))
     return shapes
+
+
+def length_classes(length, moduli):
+    """The classes one sequence length covers against the tiles it is cut into (``moduli``: a tile, a page):
+    its residue modulo each at 0, 1 and m − 1 (an empty one has none: it reads no tile), empty, shorter than the
+    smallest, longer than the largest."""
+    out = {f"length ≡ {length % m} (mod {m})" for m in moduli if length and length % m in (0, 1, m - 1)}
+    if length == 0:
+        out.add("empty")
+    elif length < min(moduli):
+        out.add("shorter than one tile")
+    if length > max(moduli):
+        out.add("past one page")
+    return frozenset(out)
+
+
+def draw_residue_lengths(moduli, *, max_length, seed=0, limit=6):
+    """Sequence lengths (at most ``limit``, up to ``max_length``) that cover ``length_classes`` for every residue 0,
+    1 and m − 1 of every modulus, an empty sequence, one shorter than a tile and one past a page; seeded greedy as
+    ``draw_shapes`` is. Chapter 09's paged lookup cuts a sequence into tiles of block_N inside pages of
+    page_size, and a slip in either shows at its own residues."""
+    required = {f"length ≡ {r} (mod {m})" for m in moduli for r in {0, 1, m - 1}}
+    required |= {"empty", "shorter than one tile", "past one page"}
+    candidates = list(range(max_length + 1))
+    random.Random(seed).shuffle(candidates)
+    chosen, left = [], set(required)
+    while left and len(chosen) < limit:
+        best = max(candidates, key=lambda n: (len(length_classes(n, moduli) & left), -n))
+        if not length_classes(best, moduli) & left:
+            break
+        chosen.append(best)
+        left -= length_classes(best, moduli)
+    if left:
+        raise ValueError(f"draw_residue_lengths({moduli}): {limit} lengths leave {sorted(left)} uncovered")
+    return chosen
 
 
 # Per head: what its rows' scores look like. "very negative": every score of a row near −700 (exp of it
