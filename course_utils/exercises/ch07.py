@@ -36,8 +36,9 @@ HINTS = {
           "iteration; one read of K_s and V_s into stage_in_use after the last wait keeps the stage."],
     "d": ["Each limit gives its own count of blocks (registers, threads, shared memory, and 32 blocks at most); the "
           "SM runs the smallest of them.",
-          "Warps: a ceiling division of threads by 32. A warp's registers: registers rounded up to a multiple of 8, "
-          "times 32. Shared memory: 228 // (shared_kib + 1). Then min() of the four counts."],
+          "The SM has 65,536 registers, handed to a warp in units of 256 (8 per thread), 228 KiB of shared "
+          "memory of which each block also reserves 1 KiB, room for 2048 threads and for 32 blocks. Integer "
+          "division turns each limit into a count of blocks (a partial warp is a whole one); min() of them."],
 }
 
 

@@ -32,9 +32,9 @@ HINTS = {
           "Exercise 07 (b)'s rule: n is the number of batches issued after the one you read; list them."],
     "d": ["One thread issued the reduce-add and only that thread can wait for it; the other 255 write their parts "
           "of dq_s too. How can they know that the copy engine has finished reading it?",
-          "They learn it only at a barrier that all of them pass after the issuing thread's wait. Find the store of "
-          "dq_s in NEXT_STEP, walk back to the last barrier before it: the wait goes directly before that barrier "
-          "(in the kernel: T.tma_store_wait(0, True), then consumer_barrier)."],
+          "They learn it only at a barrier that all of them pass after the issuing thread's wait and before any of "
+          "them writes dq_s. Read NEXT_STEP from the store of dq_s backwards: which barriers could carry that news? "
+          "The later the wait, the longer the copy engine's read runs under the step."],
     "e": ["Section 3's step: issue Sᵀ and dPᵀ together, wait only for Sᵀ and compute Pᵀ while dPᵀ runs, wait for "
           "dPᵀ before forming dSᵀ. dQ reads dSᵀ from shared memory, half of it written by the other consumer: "
           "store, then meet, then issue. Issue dV, dQ, dK together and wait for dQ only; the copy engine reads dq_s, "
