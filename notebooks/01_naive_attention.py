@@ -115,12 +115,9 @@ fig.tight_layout()
 # `course_utils.measure.benchmarks.naive_attention` is the textbook version, and the one timed on the
 # H100 later in this chapter. The softmax runs in float32 even for float16 inputs, as mixed
 # precision training usually does, because the exponentials and the row sums lose accuracy in
-# 16 bits.
-
-# %%
-print(inspect.getsource(naive_attention))
-
-# %% [markdown]
+# 16 bits. Exercise (b) asks you to write its causal version for `[B, H, S, D]` tensors, so its source
+# is listed at the end of the chapter, after the exercises.
+#
 # Check it on random inputs, with and without the mask, against the float64 reference and
 # against PyTorch's own fused attention (SDPA). On the CPU the inputs are float32; on the GPU they
 # are float16 at a larger size.
@@ -459,3 +456,12 @@ def causal_attention(q, k, v):
 
 # %%
 check_causal_attention(causal_attention)
+
+# %% [markdown]
+# ## The course's code, listed (read after the exercises)
+#
+# `naive_attention`, the version timed in this chapter (section "The PyTorch implementation"): kept until
+# after the exercises so that it cannot give exercise (b)'s answer away.
+
+# %%
+print(inspect.getsource(naive_attention))

@@ -198,10 +198,11 @@ cu.check_true(len(rows_128) == 6, "one row per (num_stages, causal)")
 #
 # ## 2 · Shared-memory banks and swizzling
 #
-# Shared memory is split into **32 banks**, 4 bytes wide: byte address `a` lives in bank
-# `(a // 4) % 32`. A warp's request is served in **wavefronts** of up to 128 bytes; two threads
-# that need *different* 4-byte words of the *same* bank must wait for separate wavefronts (a
-# **bank conflict**). Reading the same word is free (a broadcast).
+# Shared memory is split into **32 banks**, 4 bytes wide, dealt out word by word: successive 4-byte
+# words sit in successive banks, and after bank 31 the next word is in bank 0 again (exercise (a) turns
+# this into the bank of any byte address). A warp's request is served in **wavefronts** of up to
+# 128 bytes; two threads that need *different* 4-byte words of the *same* bank must wait for separate
+# wavefronts (a **bank conflict**). Reading the same word is free (a broadcast).
 #
 # The gemms read their operands from shared memory with `ldmatrix`: each phase of it reads
 # **8 rows × 16 bytes** (8 fp16 of one row each). In a row-major K tile of 128 fp16 per row, a row

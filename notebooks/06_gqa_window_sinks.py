@@ -87,12 +87,8 @@ fig.tight_layout()
 # The forward grid is still one thread block per (query block, **query** head, batch entry).
 # Query head `by` simply reads K and V from head `by // group`. Nothing else in the loop
 # changes: the prelude computes the group size once (`Prelude.group`, chapter 03), the setup maps
-# the query head to its K/V head, and the two tile loads use it.
-
-# %%
-show_source(flash_fwd_kernel, "setup")
-show_source(flash_fwd_kernel, "scores")
-show_source(flash_fwd_kernel, "pv")
+# the query head to its K/V head, and the two tile loads use it. Exercise (e) makes that change in
+# your own kernel, so the course's lines are listed at the end of the chapter, after the exercises.
 
 # %% [markdown]
 # ### The backward: a sum over the group
@@ -206,10 +202,8 @@ diagrams.visit_table(128, 128, 16, 16, window_size=23)
 # diagonal when S_k > S_q (it is 0 for self-attention). The first row of query block `qb`,
 # `qb·block_M`, has the earliest window, starting at key `qb·block_M + past − W + 1`, so the
 # loop starts at that key's block; the last row has the latest causal limit, so the loop
-# ends after its block:
-
-# %%
-show_source(key_block_range)
+# ends after its block. Exercises (d) and (e) write that start in TileLang; the course's
+# `key_block_range` is listed after the exercises.
 
 # %% [markdown]
 # The backward walks the other way: each thread block holds one key block and loops over query
@@ -259,10 +253,8 @@ cu.check_true(not wrong, f"forward and backward bounds visit exactly the needed 
 # %% [markdown]
 # Inside a visited tile, the mask does the rest: after the `Q Kᵀ` product, `mask_scores` selects
 # $-\infty$ for every pair that is not visible (chapter 03), on the tiles that cross a boundary.
-# The window adds one condition to the causal one:
-
-# %%
-show_source(visible)
+# The window adds one condition to the causal one, which exercise (e) adds to your mask (the course's
+# `visible` is listed after the exercises).
 
 # %% [markdown]
 # ### The row that has seen nothing yet: `check_inf`
@@ -316,9 +308,7 @@ print("query block 2 starts at key block", key_blocks(2, 40, 23, 16, 16).start,
 # so the loop starts at key block 0 (keys 0–15); row 38's window starts at key 16, so for it block
 # 0 is fully masked. The kernel has the same guard: `shift` is 0 while `m` is $-\infty$, both in
 # the loop and in the epilogue (where a row that saw nothing at all keeps $\ell = 0$, and gets output 0).
-
-# %%
-show_source(online_softmax)
+# The course's `online_softmax` is listed after the exercises.
 
 # %% [markdown]
 # ### Checking windows on our kernels
@@ -414,11 +404,8 @@ fig.tight_layout()
 # a sink that dominates scores of −100, cannot overflow. And once, after the last key block, the
 # denominator gets the sink's term, $\ell \mathrel{+}= e^{z_h - m}$, written with `exp2` and the
 # same guarded `shift` as the scores. The LSE written for the backward is then the $\log_2$-based
-# $m + \log \ell$ converted to natural log, and it includes the sink:
-
-# %%
-show_source(init_running_max)
-show_source(normalise_rows)
+# $m + \log \ell$ converted to natural log, and it includes the sink. Exercise (d) writes that
+# epilogue; the course's `init_running_max` and `normalise_rows` are listed after the exercises.
 
 # %% [markdown]
 # The sink logit is read straight from the `Sinks` tensor, one value per head. (TileLang's
@@ -458,10 +445,8 @@ show_source(cu.attention.sink_logits)
 # chapter 05's formula; only $p_j$ must be the probabilities *with* the sink, and recomputing
 # them as $e^{s_j - \mathrm{LSE}}$ from the saved LSE gives exactly that. (The same formula for the
 # sink itself, $p_\text{sink}(0 - \Delta)$, is the boxed result again.) So the backward kernels
-# are untouched, and dsinks is a few PyTorch operations on two $[B, H, S]$ tensors:
-
-# %%
-show_source(attention_backward, "dsinks")
+# are untouched, and dsinks is a few PyTorch operations on two $[B, H, S]$ tensors (exercise (b);
+# the course's lines are listed after the exercises).
 
 # %% [markdown]
 # Checked two ways: our kernels (dsinks included) against autograd through the float64 reference,
@@ -1005,3 +990,40 @@ def my_gpt_oss_forward(batch, heads, heads_kv, seq_q, seq_k, dim, *, window, blo
 from course_utils.exercises.ch06 import check_my_gpt_oss_forward
 
 check_my_gpt_oss_forward(my_gpt_oss_forward)
+
+
+# %% [markdown]
+# ## The course's kernels, listed (read after the exercises)
+#
+# The course's own code for what the exercises above asked you to write, kept until after them so that
+# it cannot give the answer away.
+
+# %% [markdown]
+# From section 1 · Grouped-query attention: the forward's K/V head.
+
+# %%
+show_source(flash_fwd_kernel, "setup")
+show_source(flash_fwd_kernel, "scores")
+show_source(flash_fwd_kernel, "pv")
+
+# %% [markdown]
+# From section 2 · Sliding windows: the forward's key blocks, the mask, the guarded online softmax.
+
+# %%
+show_source(key_block_range)
+
+# %%
+show_source(visible)
+
+# %%
+show_source(online_softmax)
+
+# %% [markdown]
+# From section 3 · Attention sinks: the running max started at the sink, the epilogue, and dsinks.
+
+# %%
+show_source(init_running_max)
+show_source(normalise_rows)
+
+# %%
+show_source(attention_backward, "dsinks")

@@ -876,8 +876,9 @@ ch09.check_merge_kernel(merge_kernel)
 # in order. The kernel below reads sequence b's keys tile by tile (`block_N` keys, a divisor of
 # `page_size`) and writes the scores q<sub>b</sub> · k of its first `Lengths[b]` keys (−∞ past them).
 # Write the two pieces that touch the cache: how many tiles sequence b has, and where tile `kb` of it
-# lies in the pool. The checker uses pages of 8 keys, tiles of 4, a shuffled pool, sequences that
-# end inside a page and on a page's edge, and an empty one; unused block-table entries point at a page
+# lies in the pool. The checker uses pages of 8 keys in tiles of 4 and pages of 6 in tiles of 2, a
+# shuffled pool, and lengths drawn to end at every edge of a tile and of a page (one key past it, one key
+# short of the next), past a page, below a tile, and empty; unused block-table entries point at a page
 # of NaN, as a never-written page would hold garbage.
 #
 # Stuck? `hint("09", "d", 1)`, then `hint("09", "d", 2)`; `solution("09", "d")` shows the answer.

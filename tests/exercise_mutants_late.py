@@ -75,6 +75,11 @@ MUTANTS = [
            (("T.ceildiv(length, block_N)", "length // block_N"),), "last, partial tile is skipped"),
     Mutant("ch09_paged_lookup", "every tile from its page's start",
            (("first = kb * block_N % page_size", "first = 0"),), "first row of its page"),
+    # Right when a page holds two tiles, the one configuration checked before; three tiles a page show it.
+    Mutant("ch09_paged_lookup", "two tiles per page written in",
+           (("page = BlockTable[b, kb * block_N // page_size]", "page = BlockTable[b, kb // 2]"),
+            ("first = kb * block_N % page_size", "first = kb % 2 * block_N")),
+           "the number of tiles in a page is written in as a constant"),
 ]
 
 # Correct solutions written differently: the checker must pass them.
@@ -161,6 +166,10 @@ MUTANTS += [
     Mutant("ch07_rotated_loop", "no extra iteration",
            (("T.Pipelined(num_blocks + 1, num_stages=2)", "T.Pipelined(num_blocks, num_stages=2)"),),
            "one extra iteration"),
+    # Equal tiles (the one case of old) hide it; the drawn tilings 8 × 6 and 6 × 8 do not.
+    Mutant("ch07_rotated_loop", "K's rows counted with block_M",
+           (("T.copy(K[b, k_blk * block_N:(k_blk + 1) * block_N, :], K_s)",
+             "T.copy(K[b, k_blk * block_M:(k_blk + 1) * block_M, :], K_s)"),), "its own block size"),
     Mutant("ch07_rotated_loop", "V of the same block as K",
            (("v_blk = T.max(kb - 1, 0)", "v_blk = k_blk"),), "one behind K"),
     Mutant("ch07_rotated_loop", "P copied before the exponentials",
@@ -183,6 +192,15 @@ MUTANTS += [
            "P is written (T.copy(S, P)) while the P·V wgmma that reads it may still be running"),
     Mutant("ch07_rotated_loop", "stage released at the issue",
            (("            stage_in_use[0] = K_s[0, 0] + V_s[0, 0]\n", ""),), "released before the last wait"),
+    Mutant("ch07_rotated_loop", "exponentials written straight into P before the wait(0)",
+           (("                S[i, j] = T.exp2(S[i, j] * scale_log2)\n            wait(0)\n            T.copy(S, P)\n",
+             "                P[i, j] = T.exp2(S[i, j] * scale_log2)\n            wait(0)\n"),),
+           "P is written"),
+    # Right on the CPU (the first P·V adds P = 0) and no step of the order check touches acc, but the clear
+    # writes the P·V wgmma's accumulator while wait(1) leaves that wgmma running: only ptxas sees it.
+    Mutant("ch07_rotated_loop", "accumulator cleared after the first, wasted P·V, before the wait(0) (ptxas)",
+           (("            wait(1)\n", "            wait(1)\n            if kb == 0:\n                T.clear(acc)\n"),),
+           "ptxas serialises every wgmma of the kernel (C751"),
 ]
 MUTANTS += [
     Mutant("ch07_rotated_loop", "scores never issued (TileLang's warning names S)",

@@ -79,3 +79,25 @@ def test_the_capstone_lengths_meet_each_kernels_own_tiles():
                                         (16, 16, "queries", "causal start", (0, 1, 15))):
         covered = set(describe([Shape(sq, sk, M, N) for sq, sk in lengths], walk))
         assert {r for r in residues if any(c.startswith(f"{bound} ≡ {r} ") for c in covered)} == set(residues)
+
+
+def test_whole_block_shapes_cover_one_two_and_more_blocks_both_ways():
+    from course_utils.exercises.shapes import draw_whole_blocks, whole_block_classes
+
+    shapes = draw_whole_blocks()
+    covered = set().union(*(whole_block_classes(s) for s in shapes))
+    assert {"1 key block", "2 key blocks", "3+ key blocks", "block_M > block_N", "block_M < block_N",
+            "S_q not a multiple of block_M", "S_q below one block"} <= covered
+    assert all(s.seq_k % s.block_N == 0 and not s.causal for s in shapes)
+    assert shapes[0].block_M > shapes[0].block_N  # a tile counted with the other block size fails to compile first
+
+
+def test_residue_lengths_meet_every_edge_of_the_tile_and_the_page():
+    from course_utils.exercises.shapes import draw_residue_lengths, length_classes
+
+    for moduli in ((4, 8), (2, 6)):
+        lengths = draw_residue_lengths(moduli, max_length=3 * max(moduli), seed=5)
+        covered = set().union(*(length_classes(n, moduli) for n in lengths))
+        assert {f"length ≡ {r} (mod {m})" for m in moduli for r in (0, 1, m - 1)} <= covered
+        assert {"empty", "shorter than one tile", "past one page"} <= covered
+        assert draw_residue_lengths(moduli, max_length=3 * max(moduli), seed=5) == lengths  # seeded

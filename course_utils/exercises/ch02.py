@@ -199,16 +199,19 @@ def check_online_softmax_kernel(factory):
 HINTS = {
     "a": ["Both states must be expressed against the same maximum before they can be added: the larger of "
           "the two maxima. Each ℓ is a sum of exponentials relative to its own maximum.",
-          "m = torch.maximum(m_a, m_b); rescale each ℓ by torch.exp(m_x − m) (≤ 1, finite even when one "
-          "side is empty with m_x = −∞ and m finite)."],
+          "torch.maximum takes the larger of two tensors elementwise; torch.exp of a state's own maximum minus "
+          "the common one is the factor its ℓ needs (at most 1, and 0, not NaN, for an empty side whose maximum is "
+          "−∞ while the other's is finite)."],
     "b": ["exp(LSE_a) is block A's softmax denominator; the total is the sum of both. Each half's output "
           "is weighted by its share of the total denominator.",
-          "lse = torch.logaddexp(lse_a, lse_b); the weights are torch.exp(lse_a − lse) and "
-          "torch.exp(lse_b − lse), broadcast over D with [..., None]."],
+          "torch.logaddexp adds two denominators given as their logarithms, without overflow; a half's share of "
+          "the total is, in logarithms, a difference, and torch.exp turns it back into a weight; [..., None] "
+          "broadcasts a [B, H, S] weight over D."],
     "c": ["For each block: remember the old max, fold the block's maxima into m, shift by m·c (but by 0 "
           "while m is still −∞), exponentiate the block, and rescale ℓ by exp2(m_prev·c − shift) before "
           "adding the block's row sums.",
-          "T.copy(m, m_prev); T.reduce_max(x, m, dim=1, clear=False); T.if_then_else(m[i] == neg_inf, 0, "
-          "m[i] * scale_log2); T.exp2(...); T.reduce_sum(x, row_sum, dim=1); loops with tb.parallel(block_M) "
-          "and tb.parallel(block_M, block_N)."],
+          "T.copy saves a fragment (the old max); T.reduce_max folds a tile's rows into a row vector along dim=1, "
+          "and clear=False keeps what the vector held; T.if_then_else(cond, a, b) selects (neg_inf is −∞); T.exp2 "
+          "and T.reduce_sum give the tile's exponentials and their row sums; tb.parallel(block_M) loops over rows, "
+          "tb.parallel(block_M, block_N) over the tile."],
 }

@@ -23,16 +23,18 @@ __all__ = ["check_bank_of", "check_swizzle", "check_pipelined_gemm", "HINTS"]
 
 HINTS = {
     "a": ["Successive 4-byte words go to successive banks, and there are 32 of them.",
-          "Integer division by 4, then the remainder modulo 32: (byte_address // 4) % 32."],
+          "Python's // (integer division) tells which 4-byte word a byte is in; % wraps a count around a cycle "
+          "of the length you give it."],
     "b": ["Keep each 16-byte chunk (8 fp16) whole and in its row's 128-byte line, but move chunk c of row r "
           "to position c XOR (r mod 8).",
-          "chunk = (j // 8) ^ (i % 8); the offset is (i // 8) * 512 + (i % 8) * 64 + chunk * 8 + j % 8."],
+          "Python's ^ is XOR. Build the offset from four parts: the 8-row group (512 elements each), the row in "
+          "it (64 each), the chunk's position after the XOR (8 each), and the element's place in its chunk."],
     "c": ["Two buffers per tile let the copy of tile ko + 1 run while the gemm reads tile ko; a swizzled shared "
           "layout lets ldmatrix read 8 rows of a 16-byte column without bank conflicts. Layouts exist only "
           "on the GPU (tb.on_gpu).",
-          "T.annotate_layout({A_s: make_swizzled_layout(A_s), ...}); for ko in T.Pipelined(T.ceildiv(K, "
-          "block_K), num_stages=...): T.copy(A[row, ko * block_K], A_s), the same for B, then "
-          "T.gemm(A_s, B_s, C_frag, transpose_B=True)."],
+          "T.annotate_layout takes a dict from each shared tile to its layout (make_swizzled_layout(tile)), only "
+          "when tb.on_gpu; T.Pipelined(number of K tiles, num_stages=...) is the K loop whose copies run ahead; in "
+          "it, T.copy each operand's tile at column ko · block_K, then T.gemm with transpose_B=True (C = A Bᵀ)."],
 }
 
 

@@ -4,14 +4,17 @@ Exercise (c), the learner's rotated loop, is checked twice: on TileLang's C back
 synchronous there, so this checks the loop's indices: the extra iteration, which block's K and V, P
 taken after the exponentials) against float64 and PyTorch models of the usual mistakes; then lowered
 for sm_90a, where the order of the wgmma issues, the waits and the exponentials in the generated
-consumer loop is what makes the overlap, and a wait in the wrong place is a race or a lost overlap.
+consumer loop is what makes the overlap, and a wait in the wrong place is a race or a lost overlap;
+last, compiled by nvcc, where ptxas serialising the wgmmas (an operand or accumulator touched while a wgmma
+runs) or spilling registers fails it too.
 """
 
 import torch
 
 from .common import ExerciseWrong, check_exercise
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
-from .late_tools import c_lowering, lowered_steps, surfacing_warnings
+from .late_tools import c_lowering, loop_steps, lowered_source, ptxas_verdict, surfacing_warnings
+from .shapes import draw_whole_blocks
 
 __all__ = ["check_wasted_share", "check_wait_count", "check_rotated_loop", "check_blocks_per_sm", "HINTS"]
 
@@ -33,8 +36,9 @@ HINTS = {
           "iteration; one read of K_s and V_s into stage_in_use after the last wait keeps the stage."],
     "d": ["Each limit gives its own count of blocks (registers, threads, shared memory, and 32 blocks at most); the "
           "SM runs the smallest of them.",
-          "Warps: a ceiling division of threads by 32. A warp's registers: registers rounded up to a multiple of 8, "
-          "times 32. Shared memory: 228 // (shared_kib + 1). Then min() of the four counts."],
+          "The SM has 65,536 registers, handed to a warp in units of 256 (8 per thread), 228 KiB of shared "
+          "memory of which each block also reserves 1 KiB, room for 2048 threads and for 32 blocks. Integer "
+          "division turns each limit into a count of blocks (a partial warp is a whole one); min() of them."],
 }
 
 
@@ -98,14 +102,21 @@ def _chain_model(q, k, v, block_N, *, extra=True, same_block_v=False, p_before_e
 
 
 def _rotated_case():
+    """One case per shape of ``shapes.draw_whole_blocks``: one, two and three key blocks (with one, the first and
+    the extra iteration clamp to the same block), block_M > block_N first and then <, S not a multiple of block_M."""
     g = torch.Generator().manual_seed(7)
-    batch, seq, dim, block = 2, 64, 16, 16
-    q, k, v = (torch.randn(batch, seq, dim, generator=g) for _ in range(3))
-    expected = torch.exp(q.double() @ k.double().transpose(1, 2) / dim ** 0.5) @ v.double()
-    return [KernelCase("B=2, S=64, D=16, 16 × 16 tiles (C backend: matmuls synchronous)", (batch, seq, dim),
-                       dict(block_M=block, block_N=block, dtype="float32"), [3],
-                       lambda kernel: {"O": kernel(q, k, v)[:, None]},  # [B, 1, S, D]: messages name query rows
-                       {"O": expected[:, None]}, data=dict(q=q, k=k, v=v, block_N=block), rows="query row")]
+    batch, dim, cases = 2, 16, []
+    for shape in draw_whole_blocks():
+        seq, block_M, block_N = shape.seq_k, shape.block_M, shape.block_N
+        q, k, v = (torch.randn(batch, seq, dim, generator=g) for _ in range(3))
+        expected = torch.exp(q.double() @ k.double().transpose(1, 2) / dim ** 0.5) @ v.double()
+        blocks = f"{seq // block_N} key block{'s' if seq > block_N else ''}"
+        cases.append(KernelCase(
+            f"B=2, S={seq} ({blocks}), D=16, {block_M} × {block_N} tiles (C backend: matmuls synchronous)",
+            (batch, seq, dim), dict(block_M=block_M, block_N=block_N, dtype="float32"), [3],
+            lambda kernel, q=q, k=k, v=v: {"O": kernel(q, k, v)[:, None]},  # [B, 1, S, D]: messages name query rows
+            {"O": expected[:, None]}, data=dict(q=q, k=k, v=v, block_N=block_N), rows="query row"))
+    return cases
 
 
 def _model_suspect(message, **bug):
@@ -137,9 +148,8 @@ _STEPS = {
 _GPU_SHAPE = (1, 1024, 128)
 
 
-def _consumer_steps(name, factory):
-    steps = lowered_steps(name, factory, _GPU_SHAPE, r"for \(int kb_1 = ", _STEPS)
-    return [step for step in steps if step != "mbarrier wait"]
+def _consumer_steps(source):
+    return [step for step in loop_steps(source, r"for \(int kb_1 = ", _STEPS) if step != "mbarrier wait"]
 
 
 def _order_problem(steps):
@@ -197,13 +207,15 @@ def check_rotated_loop(factory):
             check_kernel(name, factory, _rotated_case, suspects=_ROTATED_SUSPECTS,
                          hint="Hint: iteration kb multiplies P of block kb − 1 with V of block kb − 1, and the loop "
                               "runs num_blocks + 1 times.")
-        steps = _consumer_steps(name, factory)
+        source = lowered_source(name, factory, _GPU_SHAPE)
+        steps = _consumer_steps(source)
         problem = _order_problem(steps)
         if problem:
             raise ExerciseWrong(f"✗ {name}: right on the CPU, but in the sm_90a code ({' → '.join(steps)}) {problem}.")
-        print(f"✓ {name}: right on the C backend; sm_90a consumer loop: {' → '.join(steps)}")
+        compiled = ptxas_verdict(name, source)
+        print(f"✓ {name}: right on the C backend; sm_90a consumer loop: {' → '.join(steps)}; {compiled}")
 
-    surfacing_warnings(run, c_lowering(factory, 2, 64, 16, block_M=16, block_N=16, dtype="float32"))
+    surfacing_warnings(run, c_lowering(factory, 2, 18, 16, block_M=8, block_N=6, dtype="float32"))
 
 
 # --- Exercise (d): how many blocks share an SM -------------------------------------------------------

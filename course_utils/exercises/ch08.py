@@ -5,7 +5,8 @@ rotated loop: on TileLang's C backend (matmuls synchronous, waits and barriers n
 the order of the mathematics) against float64 and PyTorch models of the usual mistakes; then lowered
 for sm_90a, where each property of the schedule (every result read only after a wait that retires
 its batch, the overlaps kept, a barrier between the shared dSᵀ and dQ tiles and their readers, the
-stage released after the last wait) is checked on the generated consumer loop.
+stage released after the last wait) is checked on the generated consumer loop; last, nvcc compiles it, and
+serialised wgmmas, a wait ptxas injects, or a register spill fail it too.
 """
 
 import random
@@ -14,7 +15,7 @@ import torch
 
 from .common import ExerciseIncomplete, ExerciseWrong, check_exercise
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
-from .late_tools import c_lowering, lowered_steps, surfacing_warnings
+from .late_tools import c_lowering, loop_steps, lowered_source, ptxas_verdict, surfacing_warnings
 
 __all__ = ["check_dq_reduce_bytes", "check_fixed_order_sum", "check_wait_before_dq_store", "check_backward_step",
            "check_reduce_wait", "NEXT_STEP", "HINTS"]
@@ -31,9 +32,9 @@ HINTS = {
           "Exercise 07 (b)'s rule: n is the number of batches issued after the one you read; list them."],
     "d": ["One thread issued the reduce-add and only that thread can wait for it; the other 255 write their parts "
           "of dq_s too. How can they know that the copy engine has finished reading it?",
-          "They learn it only at a barrier that all of them pass after the issuing thread's wait. Find the store of "
-          "dq_s in NEXT_STEP, walk back to the last barrier before it: the wait goes directly before that barrier "
-          "(in the kernel: T.tma_store_wait(0, True), then consumer_barrier)."],
+          "They learn it only at a barrier that all of them pass after the issuing thread's wait and before any of "
+          "them writes dq_s. Read NEXT_STEP from the store of dq_s backwards: which barriers could carry that news? "
+          "The later the wait, the longer the copy engine's read runs under the step."],
     "e": ["Section 3's step: issue Sᵀ and dPᵀ together, wait only for Sᵀ and compute Pᵀ while dPᵀ runs, wait for "
           "dPᵀ before forming dSᵀ. dQ reads dSᵀ from shared memory, half of it written by the other consumer: "
           "store, then meet, then issue. Issue dV, dQ, dK together and wait for dQ only; the copy engine reads dq_s, "
@@ -324,12 +325,13 @@ def check_backward_step(factory):
             check_kernel(name, factory, _step_case, suspects=_STEP_SUSPECTS,
                          hint="Hint: probabilities before form_ds; dV takes Pᵀ (PT_cast), dK takes dSᵀ (dST); dQ "
                               "reads dSᵀ from dST_s, so store it before issuing dQ; add_dq reads dq_s.")
-        steps = lowered_steps(name, factory, _STEP_GPU_SHAPE, r"for \(int qb_1 = ", _STEP_LABELS,
-                              pass_configs=PASS_CONFIGS)
+        source = lowered_source(name, factory, _STEP_GPU_SHAPE, pass_configs=PASS_CONFIGS)
+        steps = loop_steps(source, r"for \(int qb_1 = ", _STEP_LABELS)
         problem = _step_problem(steps)
         shown = " → ".join(step for step in steps if step != "release a stage")
         if problem:
             raise ExerciseWrong(f"✗ {name}: right on the CPU, but in the sm_90a code ({shown}) {problem}.")
-        print(f"✓ {name}: dQ, dK, dV right on the C backend; sm_90a consumer loop: {shown}")
+        compiled = ptxas_verdict(name, source)
+        print(f"✓ {name}: dQ, dK, dV right on the C backend; sm_90a consumer loop: {shown}; {compiled}")
 
     surfacing_warnings(run, c_lowering(factory, 2, 64, 16, block_M=16, block_N=32, dtype="float32"))

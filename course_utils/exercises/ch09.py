@@ -18,6 +18,7 @@ from ..kernels.softmax import merge_attention_states
 from .common import ExerciseWrong, check_exercise, with_diagnosis
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 from .late_tools import c_lowering, surfacing_warnings
+from .shapes import draw_residue_lengths
 
 __all__ = ["check_pack", "check_merge_with_sink", "check_merge_kernel", "check_paged_scores", "HINTS"]
 
@@ -257,10 +258,21 @@ def _paged_case(label, lengths, max_pages, page_size, block_N, dim, seed):
                       data=dict(q=q, pages=pages, table=table, lengths=lengths, block_N=block_N), rows="sequence")
 
 
+# (page_size, block_N): two and three tiles per page, so a page or row counted for one of them alone shows.
+_PAGED_CONFIGS = ((8, 4), (6, 2))
+
+
 def _paged_cases():
-    """Pages of 8 keys read in tiles of 4 (two tiles per page); lengths with a partial last page (13, 5),
-    exactly full pages (16), an empty sequence and one shorter than a tile (3)."""
-    return [_paged_case("pages of 8, tiles of 4, lengths 13, 16, 0, 5, 3", [13, 16, 0, 5, 3], 4, 8, 4, 8, 93)]
+    """Per configuration of ``_PAGED_CONFIGS``, lengths from ``shapes.draw_residue_lengths``: residues 0, 1 and
+    m − 1 modulo the tile and the page (a partial last tile, a partial last page, exactly full pages), an empty
+    sequence, one shorter than a tile, one past a page."""
+    cases = []
+    for index, (page_size, block_N) in enumerate(_PAGED_CONFIGS):
+        max_pages = 4
+        lengths = draw_residue_lengths((block_N, page_size), max_length=3 * page_size, seed=93 + index)
+        cases.append(_paged_case(f"pages of {page_size}, tiles of {block_N}, lengths {', '.join(map(str, lengths))}",
+                                 lengths, max_pages, page_size, block_N, 8, 93 + index))
+    return cases
 
 
 def _paged_model(case, *, page_of, row_of, tiles):
@@ -305,6 +317,22 @@ _PAGED_SUSPECTS = [
 ]
 
 
+def _fixed_tiles_per_page(case, got, kernel):
+    """Whether the outputs are those of a kernel that counts a fixed number of tiles per page (right for one
+    tiling alone): some count other than page_size // block_N explains them."""
+    page_size, block_N = case.data["pages"].shape[1], case.data["block_N"]
+    tiles = lambda n: -(-n // block_N)  # noqa: E731
+    return any(same_outputs(got, _paged_model(case, page_of=lambda flat, b, kb, width, c=count: int(
+                   flat[b * width + kb // c]), row_of=lambda kb, c=count: kb % c * block_N, tiles=tiles))
+               for count in range(1, page_size + 1) if count != page_size // block_N)
+
+
+_PAGED_SUSPECTS.append(Suspect(
+    "the number of tiles in a page is written in as a constant: a page holds page_size // block_N tiles, so tile kb "
+    "is in block-table entry kb · block_N // page_size, at row kb · block_N % page_size (the checker draws pages of "
+    "two and of three tiles).", _fixed_tiles_per_page))
+
+
 def check_paged_scores(paged_scores):
     """Run the learner's ``paged_scores(batch, max_pages, num_pages, page_size, dim, block_N, target=...)``
     on the C backend: the scores q · k of each sequence's keys read through the block table, −∞ past
@@ -313,5 +341,6 @@ def check_paged_scores(paged_scores):
         "paged-cache lookup", paged_scores, _paged_cases, suspects=_PAGED_SUSPECTS,
         hint="Hint: key p of sequence b is row p % page_size of page BlockTable[b, p // page_size]; a sequence of "
              "n keys has ⌈n / block_N⌉ tiles.",
-        summary="partial and full last pages, an empty sequence, two tiles per page"),
+        summary="lengths at residues 0, 1 and m − 1 of the tile and the page, an empty sequence, two and three tiles "
+                "per page"),
         c_lowering(paged_scores, 5, 4, 10, 8, 8, 4))

@@ -21,11 +21,13 @@ HINTS = {
     "a": ["ALiBi adds to each score a penalty that grows linearly with the distance from the query back to the "
           "key, with one slope per head. With causal masking the key is never after the query, so the distance "
           "kv_idx − q_idx is ≤ 0 and the bias is ≤ 0.",
-          "Return score + slope[h] * (kv_idx - q_idx). `slope` is the captured() handle made for you: index it "
-          "with the head, h, like a tensor. Only ordinary operators are needed."],
+          "`slope` is the captured() handle made for you: index it with the head, h, like a tensor, and multiply "
+          "it by the signed distance from the query to the key (which of q_idx, kv_idx comes first decides the "
+          "sign). Only ordinary operators are needed: the score plus that bias."],
     "b": ["A query may see a key when both belong to the same document and the key is not in the query's future.",
-          "Index the captured handle with the positions: doc[q_idx] == doc[kv_idx]. Join two conditions with & "
-          "(not `and`: a kernel value has no Python truth value), and causality is q_idx >= kv_idx."],
+          "Index the captured handle `doc` with a position to get its document, and compare two of them with ==; "
+          "causality compares the two positions. Join two conditions with & (not `and`: a kernel value has no "
+          "Python truth value)."],
     "c": ["A tile (query block qb, key block kb) is skipped when no pair in it is visible. With a causal document "
           "mask, a pair is visible when query and key share a document and the key is not later.",
           "Loop over the blocks; for each, ask whether some document has a query in the query block and a key in the "

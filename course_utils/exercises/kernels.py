@@ -168,6 +168,9 @@ _BUILD_CAUSES = (
      "A [M, K] and B [K, N]; a tile stored [N, K] (K_s, V_s are [block_N, D]) is passed with transpose_B=True, "
      "as in S = Q Kᵀ."),
     ("but got `tirx.B", "a whole tile is used where one element is expected: index it (alpha[i], not alpha)."),
+    ("Selected loop range is smaller than original src range", "a T.copy's region and its tile differ in size: "
+     "a slice counted in block_M rows copied into a tile of block_N rows, or the other way round (equal tiles "
+     "hide it). Count each tile's rows with its own block size."),
 )
 
 
@@ -200,7 +203,7 @@ def compile_c(name, prim_func, out_idx, captured=None):
             return compile_kernel(prim_func, out_idx=out_idx, target="c")
     except Exception as exc:
         raise ExerciseWrong(f"✗ {name}: your kernel builds but does not compile: {_one_line(exc)}{_where(exc)}"
-                            f"{_warned(captured)}") from None
+                            f"{_build_cause(exc) or _warned(captured)}") from None
 
 
 def _warned(captured, limit=2):

@@ -16,7 +16,8 @@ shapes are drawn to cover them:
 
 ``draw_shapes`` is seeded and greedy: from candidate sequence lengths it keeps the shape that adds the most
 classes still missing, until the required ones are covered; ``shape_classes`` names what one shape covers
-(for the tests and the tables). Every kernel checker and chapter 05's end-to-end check use it.
+(for the tests and the tables). Every kernel checker and chapter 05's end-to-end check use it; chapter 07's
+rotated loop, whose key length is a whole number of blocks, draws from ``draw_whole_blocks``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 
 __all__ = ["Shape", "shape_classes", "required_classes", "draw_shapes", "attention_inputs", "HEAD_KINDS",
            "KEY_WALK_TILINGS", "QUERY_WALK_TILINGS", "describe",
-           "draw_lengths"]
+           "draw_lengths", "WHOLE_BLOCK_TILINGS", "whole_block_classes", "draw_whole_blocks",
+           "length_classes", "draw_residue_lengths"]
 
 # A query block walking key blocks counts its stop in block_N; a key block walking query blocks its start in block_M.
 KEY_WALK_TILINGS = ((3, 4), (6, 4))    # (block_M, block_N): block_M < block_N and block_M > block_N
@@ -197,6 +199,71 @@ def draw_lengths(specs, *, residues="edges", limit=4, max_seq=48):
     chosen, missing = min((greedy(first) for first in firsts), key=lambda r: (len(r[1]), len(r[0])))
     if missing:
         raise ValueError(f"draw_lengths: {limit} pairs of lengths leave {sorted(missing)} uncovered")
+    return chosen
+
+
+# A key length that is a whole number of key blocks (chapter 07's rotated loop): block_M > block_N and block_M <
+# block_N, tiles that are not multiples of each other, so that a tile counted with the other block size shows.
+WHOLE_BLOCK_TILINGS = ((8, 6), (6, 8))
+
+
+def whole_block_classes(shape):
+    """The classes a non-causal shape whose S_k is a whole number of key blocks covers: how many key blocks (one:
+    the rotated loop's first and extra iterations clamp to the same block), the tiles' relation, ragged query rows."""
+    blocks = shape.seq_k // shape.block_N
+    out = {f"{min(blocks, 3)}{'+' if blocks >= 3 else ''} key block{'s' if blocks > 1 else ''}",
+           _relation(shape.block_M, shape.block_N, "block_M", "block_N")}
+    if shape.seq_q % shape.block_M:
+        out.add("S_q not a multiple of block_M")
+    if shape.seq_q < shape.block_M:
+        out.add("S_q below one block")
+    return frozenset(out)
+
+
+def draw_whole_blocks(tilings=WHOLE_BLOCK_TILINGS, counts=(1, 2, 3)):
+    """Non-causal shapes, S_q = S_k = n · block_N for each n of ``counts``, the tilings taken in turn, block_M >
+    block_N first (a tile counted with the other block size then fails to compile, which names it). With the
+    default tilings every S_q is ragged in block_M; ``whole_block_classes`` names what each covers."""
+    order = sorted(tilings, key=lambda tiling: tiling[0] < tiling[1])
+    shapes = []
+    for index, n in enumerate(counts):
+        M, N = order[index % len(order)]
+        shapes.append(Shape(n * N, n * N, M, N, causal=False))
+    return shapes
+
+
+def length_classes(length, moduli):
+    """The classes one sequence length covers against the tiles it is cut into (``moduli``: a tile, a page):
+    its residue modulo each at 0, 1 and m − 1 (an empty one has none: it reads no tile), empty, shorter than the
+    smallest, longer than the largest."""
+    out = {f"length ≡ {length % m} (mod {m})" for m in moduli if length and length % m in (0, 1, m - 1)}
+    if length == 0:
+        out.add("empty")
+    elif length < min(moduli):
+        out.add("shorter than one tile")
+    if length > max(moduli):
+        out.add("past one page")
+    return frozenset(out)
+
+
+def draw_residue_lengths(moduli, *, max_length, seed=0, limit=6):
+    """Sequence lengths (at most ``limit``, up to ``max_length``) that cover ``length_classes`` for every residue 0,
+    1 and m − 1 of every modulus, an empty sequence, one shorter than a tile and one past a page; seeded greedy as
+    ``draw_shapes`` is. Chapter 09's paged lookup cuts a sequence into tiles of block_N inside pages of
+    page_size, and a slip in either shows at its own residues."""
+    required = {f"length ≡ {r} (mod {m})" for m in moduli for r in {0, 1, m - 1}}
+    required |= {"empty", "shorter than one tile", "past one page"}
+    candidates = list(range(max_length + 1))
+    random.Random(seed).shuffle(candidates)
+    chosen, left = [], set(required)
+    while left and len(chosen) < limit:
+        best = max(candidates, key=lambda n: (len(length_classes(n, moduli) & left), -n))
+        if not length_classes(best, moduli) & left:
+            break
+        chosen.append(best)
+        left -= length_classes(best, moduli)
+    if left:
+        raise ValueError(f"draw_residue_lengths({moduli}): {limit} lengths leave {sorted(left)} uncovered")
     return chosen
 
 
