@@ -7,7 +7,7 @@ ones included) and fails on an upward import or an import circle.
   reference attention and its input checks (``reference``), reading code and generated CUDA (``source``).
   Imports nothing of the course.
 - ``kernels``: the TileLang kernels and their pieces (``tiles``, ``flash_pieces``, ``hopper_pieces``,
-  ``softmax``, ``flash_fwd*``, ``flash_bwd*``, ``flash_varlen``, ``flash_decode``), and in
+  ``softmax``, ``flash_fwd*``, ``flash_bwd*``, ``flash_varlen*``, ``flash_decode``), and in
   ``kernels/versions`` the ablation versions of chapters 07 and 08. A kernel factory returns a
   ``@T.prim_func``; nothing here validates user input or caches compiled kernels.
 - ``api``: the front doors (``attention``: ``flash_attention``; ``varlen_api``: packed batches and

@@ -37,15 +37,17 @@ from ..kernels.flash_decode import (
 from ..kernels.flash_varlen import (
     OWN_BARRIERS_PASS_CONFIGS,
     SCHEDULES,
-    flash_varlen_bwd_hopper_kernel,
     flash_varlen_bwd_kernel,
     flash_varlen_fwd_kernel,
-    flash_varlen_fwd_persistent_kernel,
     lse_row_layout,
     scale_cast_kernel,
     varlen_delta_kernel,
-    varlen_pair_list,
     varlen_work_list,
+)
+from ..kernels.flash_varlen_hopper import (
+    flash_varlen_bwd_hopper_kernel,
+    flash_varlen_fwd_persistent_kernel,
+    varlen_pair_list,
 )
 from ..kernels.tiles import compile_kernel, launcher
 from .attention import (
