@@ -10,9 +10,9 @@ ones included) and fails on an upward import or an import circle.
   ``softmax``, ``flash_fwd*``, ``flash_bwd*``, ``flash_varlen*``, ``flash_decode``), and in
   ``kernels/versions`` the ablation versions of chapters 07 and 08. A kernel factory returns a
   ``@T.prim_func``; nothing here validates user input or caches compiled kernels.
-- ``api``: the front doors (``attention``: ``flash_attention``; ``varlen_api``: packed batches and
-  decoding; ``ring``, ``gloo``: ring attention; ``ring_harness``: ring attention run and checked on gloo
-  processes), which check inputs, pick a kernel and its tiling, and compile and cache it.
+- ``api``: the front doors (``attention``: ``flash_attention``; ``varlen_api``: packed batches;
+  ``decode_api``: decoding; ``ring``, ``gloo``: ring attention; ``ring_harness``: ring attention run and
+  checked on gloo processes), which check inputs, pick a kernel and its tiling, and compile and cache it.
 - ``checking``: the check primitives (``checks``) and the checks of the course's kernels against the
   references with planted bugs (``validation``).
 - ``measure``: timing and records (``bench``), the memory of ring attention's lap against its accounting

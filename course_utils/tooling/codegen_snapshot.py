@@ -237,6 +237,7 @@ def _cuda_jobs():
 def _cpu_jobs():
     """(name, thunk returning the list of kernels compiled): the CPU kernels, through the public API."""
     att, vapi = _module("attention"), _module("varlen_api")
+    dapi = _first_module("decode_api", "varlen_api")
 
     def dense(dtype, heads_kv, dim, **kw):
         q = torch.zeros(1, 4, 64, dim, dtype=dtype)
@@ -253,7 +254,7 @@ def _cpu_jobs():
         q = torch.zeros(2, 1, 4, 64, dtype=dtype)
         k = torch.zeros(8, 16, 2, 64, dtype=dtype) if paged else torch.zeros(2, 64, 2, 64, dtype=dtype)
         table = torch.zeros(2, 4, dtype=torch.int32) if paged else None
-        vapi.decode_kernels(q, k, block_table=table, **kw)
+        dapi.decode_kernels(q, k, block_table=table, **kw)
 
     return [
         ("cpu_dense_f32_d64", lambda: dense(torch.float32, 4, 64)),

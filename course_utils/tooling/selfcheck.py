@@ -151,7 +151,7 @@ def check_one_warpgroup_forward():
 
 def check_decode():
     """``python -m course_utils.check flash_decode``: contiguous and paged decoding against the float64 reference."""
-    from ..api.varlen_api import flash_decode
+    from ..api.decode_api import flash_decode
     from ..core.device import DEVICE, HAS_GPU
     from ..core.reference import attention_reference
 
