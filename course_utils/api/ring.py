@@ -22,6 +22,8 @@ Communication is torch.distributed's point-to-point ops (``batch_isend_irecv``):
 processes, NCCL between GPUs. NCCL runs them on its own CUDA stream, so they overlap the kernels of
 the compute stream; gloo runs them on its own threads.
 
+``ring_harness`` runs and checks it on gloo processes; ``measure.ring_memory`` measures what a lap holds.
+
 Credits: Liu, Zaharia and Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
 Context" (2023); Brandon et al., "Striped Attention" (2023) on causal load imbalance; the two-chunk
 ("zigzag") split as in zhuzilin/ring-flash-attention and Llama 3's context parallelism (Meta, "The

@@ -21,7 +21,16 @@ Rows of a tile that run past the end of their sequence hold the *next* sequence'
 hides those keys, and stores are guarded row by row so a block never writes another sequence's
 rows.
 
-On Hopper the same prelude sits under chapter 07's and 08's faster loops: ``flash_varlen_hopper``.
+This module holds the loops of chapters 03 and 05 under that prelude, which run on the CPU and on every
+CUDA GPU (``flash_varlen_fwd_kernel``, ``flash_varlen_bwd_kernel``; the forward's ``hopper`` option swaps
+in chapter 07's rotated loop, measured no faster here), and what every packed kernel shares: the two
+schedules and their work lists, the backward's LSE layout (``lse_row_layout``) and the per-token kernels
+of the backward (``varlen_delta_kernel``, ``scale_cast_kernel``).
+
+On Hopper the same prelude sits under the faster loops, in ``flash_varlen_hopper``: chapter 07's
+persistent forward (one block per SM walking a work list made on the device, so nothing is read back to
+the host) and chapter 08's backward. FlashAttention-3's ``hopper/`` varlen kernels have the same
+structure: a tile scheduler over (sequence, block) pairs and the sequence's bounds read per tile.
 
     python -m course_utils.check flash_varlen  # check against the reference (and time it, on a GPU)
 """
