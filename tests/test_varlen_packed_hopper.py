@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from course_utils import flash_attention_varlen
-from course_utils.api import varlen_api
+from course_utils.api import registry, varlen_api
 from course_utils.api.attention import BackwardConfig, ForwardConfig
 from course_utils.kernels.flash_varlen_hopper import varlen_pair_list
 
@@ -187,8 +187,10 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     assert "(i * 64), ((((int)blockIdx.x) * 128) + k0), ((int)blockIdx.y));" in plain  # K: key block x, head y
     assert "(i * 64), ((((int)blockIdx.y) * 128) + k0), ((int)blockIdx.x));" in first  # key block y, head x
     seen = {}
-    monkeypatch.setattr(varlen_api, "flash_varlen_bwd_hopper_kernel", lambda *a, **kw: seen.update(kw))
-    monkeypatch.setattr(varlen_api, "compile_kernel", lambda *a, **kw: None)
+    row = registry.PACKED_BACKWARD["flash_bwd_hopper"]
+    monkeypatch.setitem(registry.PACKED_BACKWARD, "flash_bwd_hopper",
+                        dataclasses.replace(row, factory=lambda *a, **kw: seen.update(kw)))
+    monkeypatch.setattr(registry, "compile_kernel", lambda *a, **kw: None)
     x = torch.empty(8, 4, 128, dtype=torch.float16)
     problem = dataclasses.replace(varlen_api.AttentionProblem.packed(x, x, causal=True), target="cuda")
     fields = dict(dv_under_ds=True, dkdv_by_tma=True, longest_first=True, defer_dq_wait=True)

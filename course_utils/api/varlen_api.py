@@ -20,22 +20,15 @@ from torch.autograd.function import once_differentiable
 
 from ..core.device import is_hopper, sm_count
 from ..core.problem import AttentionProblem
-from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
 from ..kernels.flash_varlen import (
     OWN_BARRIERS_PASS_CONFIGS,
     SCHEDULES,
-    flash_varlen_bwd_kernel,
-    flash_varlen_fwd_kernel,
     lse_row_layout,
     scale_cast_kernel,
     varlen_delta_kernel,
     varlen_work_list,
 )
-from ..kernels.flash_varlen_hopper import (
-    flash_varlen_bwd_hopper_kernel,
-    flash_varlen_fwd_persistent_kernel,
-    varlen_pair_list,
-)
+from ..kernels.flash_varlen_hopper import varlen_pair_list
 from ..kernels.tiles import compile_kernel
 from .attention import (
     HOPPER_BACKWARD_CONFIGS,
@@ -65,6 +58,7 @@ from .inputs import (
     sink_probability,
     wants_index_check,
 )
+from .registry import PACKED_BACKWARD, PACKED_FORWARD
 
 __all__ = ["flash_attention_varlen", "varlen_kernels",
            "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG", "VARLEN_CUDA_BACKWARD_CONFIG", "VARLEN_PERSISTENT_CONFIG",
@@ -103,8 +97,8 @@ VARLEN_HOPPER_BACKWARD_CONFIGS = {
     (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True),
     (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True),
 }
-VARLEN_FORWARD_KERNELS = ("flash_fwd", "flash_fwd_hopper", "flash_fwd_hopper_persistent")
-VARLEN_BACKWARD_KERNELS = ("flash_bwd", "flash_bwd_hopper")
+VARLEN_FORWARD_KERNELS = tuple(PACKED_FORWARD)
+VARLEN_BACKWARD_KERNELS = tuple(PACKED_BACKWARD)
 
 
 class _Plan(NamedTuple):
@@ -177,38 +171,39 @@ def _check_bounds(name, bounds, total, max_seqlen, max_name):
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than the length {longest} of sequence {b}")
 
 
+def _default_configs(target, dim, masked):
+    """The (forward, backward) configs of the fastest packed kernels measured for ``target`` and head dim."""
+    if target != "cuda":
+        return default_forward_config("cpu", dim, masked), default_backward_config("cpu")
+    if is_hopper() and dim in VARLEN_HOPPER_DIMS:
+        return VARLEN_PERSISTENT_CONFIG, VARLEN_HOPPER_BACKWARD_CONFIGS[dim, bool(masked)]
+    return VARLEN_CUDA_CONFIG, VARLEN_CUDA_BACKWARD_CONFIG
+
+
 def _varlen_configs(target, dim, masked, config, backward_config):
+    """The configs to run (the given ones, else the defaults), after checking that their rows of
+    ``PACKED_FORWARD``/``PACKED_BACKWARD`` exist and run here."""
+    if config is None or backward_config is None:
+        fwd, bwd = _default_configs(target, dim, masked)
     if config is not None:
         fwd = ForwardConfig(*config)
-        if fwd.pingpong and fwd.kernel != "flash_fwd_hopper_persistent":
+        if fwd.pingpong and "pingpong" not in getattr(PACKED_FORWARD.get(fwd.kernel), "options", ()):
             raise ValueError("config.pingpong is available for packed batches only with kernel="
                              "'flash_fwd_hopper_persistent': the packed ping-pong of the rotated loop never finished "
                              "on the H100 (2026-11-23)")
         if fwd.blocks_per_sm != 1:
             raise ValueError(f"config.blocks_per_sm={fwd.blocks_per_sm!r}: the packed forward runs one block per SM")
-    elif target == "cuda" and is_hopper() and dim in VARLEN_HOPPER_DIMS:
-        fwd = VARLEN_PERSISTENT_CONFIG
-    elif target == "cuda":
-        fwd = VARLEN_CUDA_CONFIG
-    else:
-        fwd = default_forward_config("cpu", dim, masked)
     if backward_config is not None:
         bwd = BackwardConfig(*backward_config)
-    elif target == "cuda" and is_hopper() and dim in VARLEN_HOPPER_DIMS:
-        bwd = VARLEN_HOPPER_BACKWARD_CONFIGS[dim, bool(masked)]
-    elif target == "cuda":
-        bwd = VARLEN_CUDA_BACKWARD_CONFIG
-    else:
-        bwd = default_backward_config("cpu")
-    if fwd.kernel not in VARLEN_FORWARD_KERNELS:
+    if fwd.kernel not in PACKED_FORWARD:
         raise ValueError(f"config.kernel must be one of {VARLEN_FORWARD_KERNELS}; got {fwd.kernel!r}")
-    if bwd.kernel not in VARLEN_BACKWARD_KERNELS:
+    if bwd.kernel not in PACKED_BACKWARD:
         raise ValueError(f"backward_config.kernel must be one of {VARLEN_BACKWARD_KERNELS}; got {bwd.kernel!r}")
     on_hopper = target == "cuda" and is_hopper()
-    if fwd.kernel != "flash_fwd" and not on_hopper:
-        raise ValueError(f"config.kernel={fwd.kernel!r} is one of chapter 07's Hopper kernels: it needs an sm_90 GPU")
-    if bwd.kernel != "flash_bwd" and not on_hopper:
-        raise ValueError(f"backward_config.kernel={bwd.kernel!r} is chapter 08's Hopper kernel: it needs an sm_90 GPU")
+    for field, kernel, row in (("config", fwd.kernel, PACKED_FORWARD[fwd.kernel]),
+                               ("backward_config", bwd.kernel, PACKED_BACKWARD[bwd.kernel])):
+        if row.hopper_only and not on_hopper:
+            raise ValueError(f"{field}.kernel={kernel!r} is {row.what}: it needs an sm_90 GPU")
     if fwd.kernel == "flash_fwd_hopper_persistent" and fwd.threads != 2 * fwd.block_M:
         raise ValueError(f"the persistent forward runs one consumer warpgroup per 64 query rows: config.threads must "
                          f"be 2 * block_M = {2 * fwd.block_M}; got {fwd.threads}")
@@ -219,22 +214,12 @@ def _varlen_configs(target, dim, masked, config, backward_config):
 def _varlen_forward(pr, config, schedule, num_ctas=None):
     """The compiled packed forward; ``num_ctas`` (the GPU's SMs) for the persistent kernel, which ignores
     ``schedule`` (it walks ``varlen_pair_list``)."""
-    if config.kernel == "flash_fwd_hopper_persistent":
-        func = flash_varlen_fwd_persistent_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
-                                                  window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
-                                                  block_M=config.block_M, block_N=config.block_N,
-                                                  num_stages=config.num_stages, threads=config.threads,
-                                                  pingpong=config.pingpong, num_ctas=num_ctas)
-        return compile_kernel(func, out_idx=[8, 9], target=pr.target, dtype=pr.dtype)
-    hopper = config.kernel == "flash_fwd_hopper"
-    own = pr.target == "cuda" and not hopper and is_hopper()  # chapter 03's loop on sm_90: its own barriers
-    func = flash_varlen_fwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
-                                   window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
-                                   block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
-                                   threads=config.threads, schedule=schedule, target=pr.target, hopper=hopper,
-                                   own_barriers=own)
-    return compile_kernel(func, out_idx=[7, 8], target=pr.target, dtype=pr.dtype,
-                          pass_configs=OWN_BARRIERS_PASS_CONFIGS if own else None)
+    row = PACKED_FORWARD[config.kernel]
+    if not row.takes_schedule:
+        return row.compile_packed(pr, config, num_ctas=num_ctas)
+    own = pr.target == "cuda" and config.kernel == "flash_fwd" and is_hopper()  # chapter 03's loop on sm_90
+    return row.compile_packed(pr, config, pass_configs=OWN_BARRIERS_PASS_CONFIGS if own else None, schedule=schedule,
+                              own_barriers=own)
 
 
 def _forward_ctas(config, device):
@@ -246,21 +231,7 @@ def _forward_ctas(config, device):
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _varlen_backward(pr, config, schedule):
-    if config.kernel == "flash_bwd_hopper":
-        func = flash_varlen_bwd_hopper_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
-                                              window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
-                                              block_M=config.block_M, block_N=config.block_N,
-                                              num_stages=config.num_stages, threads=config.threads,
-                                              schedule=schedule, dv_under_ds=config.dv_under_ds,
-                                              dkdv_by_tma=config.dkdv_by_tma, longest_first=config.longest_first,
-                                              defer_dq_wait=config.defer_dq_wait)
-        return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype,
-                              pass_configs=HOPPER_BACKWARD_PASS_CONFIGS)
-    func = flash_varlen_bwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
-                                   window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
-                                   block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
-                                   threads=config.threads, schedule=schedule, target=pr.target)
-    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype)
+    return PACKED_BACKWARD[config.kernel].compile_packed(pr, config, schedule=schedule)
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
