@@ -19,6 +19,7 @@ logging.getLogger("tilelang.cache.kernel_cache").addFilter(lambda record: "in me
 # The modules this file imported before the layers were folders were attributes of the package, and
 # the chapters read them so (`cu.attention.sink_logits`, `cu.validation.references`): they still are.
 from .api import attention as attention
+from .api import decode_api as decode_api
 from .api import ring as ring
 from .api import varlen_api as varlen_api
 from .api.attention import (
@@ -30,9 +31,10 @@ from .api.attention import (
                         flash_attention,
                         forward_kernel,
 )
+from .api.decode_api import flash_decode
 from .api.flex import create_block_mask, flex_attention
 from .api.ring import ring_attention, shard_sequence, shard_zigzag, unshard_sequence, unshard_zigzag
-from .api.varlen_api import flash_attention_varlen, flash_decode
+from .api.varlen_api import flash_attention_varlen
 from .checking import checks as checks
 from .checking import validation as validation
 from .checking.checks import CheckFailed, check_attention_error, check_close, check_true, expect_failure

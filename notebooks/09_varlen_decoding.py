@@ -67,7 +67,7 @@ from course_utils.kernels.softmax import merge_attention_states
 from course_utils.core.source import show_source
 from course_utils.checking.validation import (check_backward, check_forward, check_stored_errors, decode_references,
                                      varlen_references)
-from course_utils.api.varlen_api import decode_kernels
+from course_utils.api.decode_api import decode_kernels
 
 torch.manual_seed(0)
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)

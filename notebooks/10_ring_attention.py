@@ -47,7 +47,7 @@ import torch
 
 from course_utils.pictures import diagrams, plots
 
-from course_utils.api import ring
+from course_utils.api import ring, ring_harness
 from course_utils.measure.benchmarks import ch10_ring
 from course_utils.core.reference import visibility_mask
 from course_utils.kernels.softmax import merge_attention
@@ -288,11 +288,11 @@ show_source(ring.ring_backward, "pieces")
 #
 # ## 4 · The check: two processes on the CPU
 #
-# `ring.run_ring_attention(cases, world=2)` starts two processes joined by a gloo process group.
+# `ring_harness.run_ring_attention(cases, world=2)` starts two processes joined by a gloo process group.
 # Each takes its shards of the global tensors, runs `ring_attention` and its backward, and returns
 # its shards of O, dQ, dK and dV; they are put back in sequence order here and checked against the
 # float64 reference on every head (GQA: 4 query heads on 2 K/V heads). The same run makes each bad
-# call of `ring.BAD_INPUTS` on both ranks.
+# call of `ring_harness.BAD_INPUTS` on both ranks.
 
 # %%
 cases = {}
@@ -300,8 +300,8 @@ for layout in ring.LAYOUTS:
     for causal in (False, True):
         q = torch.randn(B, H, S, D)
         k, v = (torch.randn(B, H_KV, S, D) for _ in range(2))
-        cases[layout, causal] = ring.RingCase(q, k, v, torch.randn(B, H, S, D), causal, layout)
-results, bad_input_errors = ring.run_ring_attention(list(cases.values()), world=2, bad_inputs=True)
+        cases[layout, causal] = ring_harness.RingCase(q, k, v, torch.randn(B, H, S, D), causal, layout)
+results, bad_input_errors = ring_harness.run_ring_attention(list(cases.values()), world=2, bad_inputs=True)
 results = dict(zip(cases, results))
 for (layout, causal), case in cases.items():
     out, grads = results[layout, causal]
@@ -329,7 +329,7 @@ cu.show_bugs_caught(lambda *g: cu.check_backward(case.q, case.k, case.v, case.d_
 # And the errors of the bad calls, as each rank saw them:
 
 # %%
-for name in ring.BAD_INPUTS:
+for name in ring_harness.BAD_INPUTS:
     answers = {errors[name] for errors in bad_input_errors}
     cu.check_true(all(a.startswith("ValueError") for a in answers), f"{name}: a ValueError on both ranks")
     print("   ", min(answers, key=len)[:150])
@@ -536,7 +536,7 @@ if found:
 # so the shards that travel and the buffers that receive them are small next to what each rank keeps
 # of its own. With as many K/V heads as query heads, a rank at the last step holds its own Q, O, dO
 # and their gradients plus its own dK/dV, a received K/V shard and the buffers its kernel writes:
-# about two thirds of one GPU's memory per token (what `ring.lap_memory_model`
+# about two thirds of one GPU's memory per token (what `measure.ring_memory.lap_memory_model`
 # predicts, `docs/ring_memory.md`). In eight pieces of the heads those three pairs are an eighth as
 # large, and the ring holds more than twice one GPU's longest sequence in both head layouts, at the
 # speed of one lap (the claim under the table above).

@@ -1,17 +1,44 @@
-"""Read a kernel exercise from its notebook, plant a mutant, and run the checker on it (used by
-``test_exercise_kernels.py``, also in worker processes)."""
+"""The exercises that run the learner's code, their mutants, and how a checker is run on either: read the
+exercise's cells from its notebook, plant a mutant, load it like a notebook cell and call the checker.
+
+Two lists of exercises use it: ``exercise_mutants.py`` (the flash kernels of chapters 02–06,
+``test_exercise_kernels.py``) and ``exercise_mutants_speed_and_scale.py`` (chapters 04 and 07–10,
+``test_exercises_speed_and_scale.py``). Mutants are checked in worker processes, which import the list they
+come from by its module name.
+"""
 
 import importlib
 import linecache
+import os
 import re
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from multiprocessing import get_context
 from pathlib import Path
 
 import jupytext
-from exercise_mutants import EXERCISES, MUTANTS, PRELUDE
 
 from course_utils.tooling.workspace import strip_solutions  # noqa: F401  (the learner's edition of a cell)
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+@dataclass(frozen=True)
+class Exercise:
+    notebook: str  # stem of notebooks/<stem>.py
+    defines: tuple  # functions whose cells make up the exercise (skeleton and solution)
+    checker: str  # "module:function" in course_utils.exercises
+    factory: str  # the name passed to the checker
+    prelude: str  # what the chapter's earlier cells provide (imports, constants)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    exercise: str
+    name: str
+    edits: tuple  # ((find, replace), ...): each find text must occur; every occurrence is replaced
+    diagnosis: str  # must appear in the checker's message ("" for a correct variant)
 
 
 def exercise_source(exercise):
@@ -26,7 +53,7 @@ def exercise_source(exercise):
 def load(exercise, source, label):
     """Execute ``source`` like a notebook cell (TileLang reads a function's source through linecache)."""
     filename = f"<{exercise.notebook} {label}>"
-    text = PRELUDE + "\n" + source
+    text = exercise.prelude + "\n" + source
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     namespace = {"__name__": f"exercise_{abs(hash(filename))}"}
     exec(compile(text, filename, "exec"), namespace)
@@ -45,14 +72,23 @@ def mutate(source, mutant):
     return source
 
 
-def mutant_verdict(index):
-    """Run the checker on mutant ``index``: (exception class name or "passed", message)."""
+def mutant_verdict(mutants_module, index):
+    """Run the checker on mutant ``index`` of ``mutants_module``: (exception class name or "passed", message)."""
     import course_utils  # noqa: F401  (quiets TileLang's logging, as in the notebooks)
 
-    mutant = MUTANTS[index]
-    exercise = EXERCISES[mutant.exercise]
+    mutants = importlib.import_module(mutants_module)
+    mutant = mutants.MUTANTS[index]
+    exercise = mutants.EXERCISES[mutant.exercise]
     try:
         checker(exercise)(load(exercise, mutate(exercise_source(exercise), mutant), mutant.name))
     except Exception as exc:  # the verdict is the point; AssertionError from mutate included
         return type(exc).__name__, str(exc)
     return "passed", ""
+
+
+def mutant_verdicts(mutants_module):
+    """(kind, message) of the checker on every mutant of ``mutants_module``, two worker processes at a time."""
+    count = len(importlib.import_module(mutants_module).MUTANTS)
+    workers = max(1, min(2, os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(partial(mutant_verdict, mutants_module), range(count)))

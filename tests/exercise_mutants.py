@@ -7,7 +7,7 @@ source (each find text must occur; every occurrence is replaced) and a piece of 
 checker must give. ``tests/test_exercise_kernels.py`` runs them.
 """
 
-from dataclasses import dataclass
+from exercise_harness import Exercise, Mutant
 
 PRELUDE = """
 import math
@@ -17,40 +17,22 @@ from course_utils.kernels.flash_pieces import LOG2E
 from course_utils.kernels.tiles import TileBackend
 """
 
-
-@dataclass(frozen=True)
-class Exercise:
-    notebook: str  # stem of notebooks/<stem>.py
-    defines: tuple  # functions whose cells make up the exercise (skeleton and solution)
-    checker: str  # "module:function" in course_utils.exercises
-    factory: str  # the name passed to the checker
-
-
-@dataclass(frozen=True)
-class Mutant:
-    exercise: str
-    name: str
-    edits: tuple  # ((find, replace), ...)
-    diagnosis: str  # must appear in the checker's message
-
-
 EXERCISES = {
     "ch02_online_softmax": Exercise("02_online_softmax", ("online_softmax",), "ch02:check_online_softmax_kernel",
-                                    "online_softmax"),
+                                    "online_softmax", PRELUDE),
     "ch03_forward": Exercise("03_flash_forward", ("flash_forward", "forward_tile_macros"),
-                             "ch03:check_flash_forward", "flash_forward"),
+                             "ch03:check_flash_forward", "flash_forward", PRELUDE),
     "ch03_full_forward": Exercise("03_flash_forward", ("my_softmax_step", "my_flash_forward"),
-                                  "ch03:check_my_flash_forward", "my_flash_forward"),
-    "ch05_delta": Exercise("05_backward", ("my_delta",), "ch05:check_my_delta", "my_delta"),
-    "ch05_dkdv": Exercise("05_backward", ("my_dkdv",), "ch05:check_my_dkdv", "my_dkdv"),
-    "ch05_dq": Exercise("05_backward", ("my_dq",), "ch05:check_my_dq", "my_dq"),
+                                  "ch03:check_my_flash_forward", "my_flash_forward", PRELUDE),
+    "ch05_delta": Exercise("05_backward", ("my_delta",), "ch05:check_my_delta", "my_delta", PRELUDE),
+    "ch05_dkdv": Exercise("05_backward", ("my_dkdv",), "ch05:check_my_dkdv", "my_dkdv", PRELUDE),
+    "ch05_dq": Exercise("05_backward", ("my_dq",), "ch05:check_my_dq", "my_dq", PRELUDE),
     "ch05_backward": Exercise("05_backward", ("flash_backward", "backward_step_macros"),
-                              "ch05:check_flash_backward", "flash_backward"),
+                              "ch05:check_flash_backward", "flash_backward", PRELUDE),
     "ch06_own_gpt_oss": Exercise("06_gqa_window_sinks", ("my_softmax_step", "my_gpt_oss_forward"),
-                                 "ch06:check_my_gpt_oss_forward",
-                                 "my_gpt_oss_forward"),
+                                 "ch06:check_my_gpt_oss_forward", "my_gpt_oss_forward", PRELUDE),
     "ch06_window_sinks": Exercise("06_gqa_window_sinks", ("gpt_oss_forward", "window_block_range", "sink_epilogue"),
-                                  "ch06:check_gpt_oss_forward", "gpt_oss_forward"),
+                                  "ch06:check_gpt_oss_forward", "gpt_oss_forward", PRELUDE),
 }
 
 # Exercise 06 (e)'s start of the running max, at the sink (the line before it included).

@@ -7,13 +7,9 @@ checkers stop at the first wrong case, so most mutants cost one compilation, and
 checked two at a time in worker processes.
 """
 
-import os
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
-
 import jupytext
 import pytest
-from exercise_harness import NOTEBOOKS, checker, exercise_source, load, mutant_verdict, mutate, strip_solutions
+from exercise_harness import NOTEBOOKS, checker, exercise_source, load, mutant_verdicts, mutate, strip_solutions
 from exercise_mutants import EXERCISES, MUTANTS, VARIANTS
 
 from course_utils.exercises.common import ExerciseFailed, ExerciseIncomplete, ExerciseWrong
@@ -22,9 +18,7 @@ from course_utils.exercises.common import ExerciseFailed, ExerciseIncomplete, Ex
 @pytest.fixture(scope="module")
 def verdicts():
     """(kind, message) of the checker on every mutant, computed in parallel worker processes."""
-    workers = max(1, min(2, os.cpu_count() or 1))
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        return list(pool.map(mutant_verdict, range(len(MUTANTS))))
+    return mutant_verdicts("exercise_mutants")
 
 
 @pytest.mark.parametrize("key", EXERCISES)

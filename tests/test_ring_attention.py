@@ -5,11 +5,12 @@ import pytest
 import torch
 
 import course_utils as cu
-from course_utils.api import ring
+from course_utils.api import ring, ring_harness
 from course_utils.core.reference import attention_reference, visibility_mask
 from course_utils.exercises import ch10
 from course_utils.exercises.common import ExerciseWrong
 from course_utils.kernels.softmax import merge_attention
+from course_utils.measure import ring_memory
 from course_utils.measure.benchmarks.ch10_ring import timeline_spans
 
 # The shards of every case have the same shape on 2 and 4 ranks, so both runs use the same few
@@ -41,9 +42,9 @@ def _run(world, seed, cases, bad_inputs):
         q, d_out = (torch.randn(B, H, seq, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
         k, v = (torch.randn(B, heads_kv, seq, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
         chunks = 2 if "chunks2" in extra else None
-        problems[(layout, causal, dtype, *extra)] = ring.RingCase(q, k, v, d_out, causal, layout, ranks=ranks,
+        problems[(layout, causal, dtype, *extra)] = ring_harness.RingCase(q, k, v, d_out, causal, layout, ranks=ranks,
                                                                    backward_chunks=chunks)
-    results, errors = ring.run_ring_attention(list(problems.values()), world, bad_inputs=bad_inputs)
+    results, errors = ring_harness.run_ring_attention(list(problems.values()), world, bad_inputs=bad_inputs)
     return problems, dict(zip(problems, results)), errors
 
 
@@ -101,7 +102,7 @@ EXPECTED_ERRORS = {
 
 def test_bad_input_raises_the_same_clear_error_on_every_rank(two_ranks):
     errors = two_ranks[2]
-    assert set(EXPECTED_ERRORS) == set(ring.BAD_INPUTS)
+    assert set(EXPECTED_ERRORS) == set(ring_harness.BAD_INPUTS)
     for name, text in EXPECTED_ERRORS.items():
         for rank, rank_errors in enumerate(errors):
             assert rank_errors[name].startswith("ValueError") and text in rank_errors[name], (name, rank)
@@ -114,9 +115,9 @@ def test_lap_memory_matches_the_accounting():
     ring_backward on 2 gloo ranks (float16, MHA), are those of docs/ring_memory.md; a float32
     buffer of a whole shard added anywhere fails the check."""
     q_shape, kv_shape = (B, H, S_LOCAL, D), (B, H, S_LOCAL, D)
-    measured = ring.lap_memory(q_shape, kv_shape, 2, dtype=torch.float16)
+    measured = ring_memory.lap_memory(q_shape, kv_shape, 2, dtype=torch.float16)
     for rank_memory in measured:
-        model = ring.check_lap_memory(rank_memory, q_shape, kv_shape, 2)
+        model = ring_memory.check_lap_memory(rank_memory, q_shape, kv_shape, 2)
         # What the first version held (float32 running O and dK/dV sums, a receive buffer per step):
         # 15.9 and 24.1 Q shards (float16) above the inputs on this problem; now:
         shard = B * H * S_LOCAL * D * 2
@@ -126,12 +127,12 @@ def test_lap_memory_matches_the_accounting():
         planted = {p: dict(m) for p, m in measured[0].items()}
         planted[phase] = dict(sizes=planted[phase]["sizes"] + [whole_f32], peak=planted[phase]["peak"] + whole_f32)
         with pytest.raises(AssertionError, match=phase):
-            ring.check_lap_memory(planted, q_shape, kv_shape, 2)
+            ring_memory.check_lap_memory(planted, q_shape, kv_shape, 2)
     # A float32 buffer alive only off the peak is caught by its size.
     planted = {p: dict(m) for p, m in measured[0].items()}
     planted["forward"] = dict(planted["forward"], sizes=planted["forward"]["sizes"] + [whole_f32])
     with pytest.raises(AssertionError, match="float32 buffers of a whole Q shard"):
-        ring.check_lap_memory(planted, q_shape, kv_shape, 2)
+        ring_memory.check_lap_memory(planted, q_shape, kv_shape, 2)
     assert model["backward"][0] == whole_f32 + 2 * shard + 2 * 2 * shard  # dQ sum, K/V received, 2 dK/dV sets
 
 

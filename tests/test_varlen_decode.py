@@ -230,15 +230,15 @@ def test_a_wrong_page_fails_the_check():
 @pytest.fixture
 def kv_heads_per_block(request, monkeypatch):
     """The CPU default with ``kv_heads_per_block`` set (plans and configs made under it are dropped after)."""
-    import course_utils.api.varlen_api as va
+    import course_utils.api.decode_api as decode_api
     import course_utils.kernels.flash_decode as fd
 
     monkeypatch.setitem(fd.DECODE_CONFIGS, "c", fd.DECODE_CONFIGS["c"]._replace(kv_heads_per_block=request.param))
     fd.decode_config.cache_clear()
-    va._PLANS.clear()
+    decode_api._PLANS.clear()
     yield request.param
     fd.decode_config.cache_clear()
-    va._PLANS.clear()
+    decode_api._PLANS.clear()
 
 
 @pytest.mark.parametrize("kv_heads_per_block", [2, 4], indirect=True)
@@ -246,7 +246,7 @@ def kv_heads_per_block(request, monkeypatch):
 def test_decode_several_kv_heads_per_block(kv_heads_per_block, num_splits):
     """A block owning 2 or 4 K/V heads (block-diagonal query tile over the cache read as [.., H_kv / c, c·D]):
     every head of every sequence, causal with two new tokens and sinks, contiguous and paged with a window."""
-    from course_utils.api.varlen_api import _decode_problem
+    from course_utils.api.decode_api import _decode_problem
 
     heads, heads_kv, dim, lengths = 8, 4, 16, [0, 1, 17, 40]
     q = torch.randn(len(lengths), 2, heads, dim)
@@ -386,7 +386,7 @@ def test_decode_plan_is_kept_per_signature():
     """The second call with the same host-known signature reuses the first's plan (no checks, no kernel
     choice) and gives the reference's answer for new contents; a new signature (another batch size, the
     cache paged) gets its own plan."""
-    from course_utils.api.varlen_api import _PLANS, _plan_key
+    from course_utils.api.decode_api import _PLANS, _plan_key
 
     args, _ = _decode_args()
     flash_decode(*args)

@@ -126,7 +126,7 @@ def test_decode_launches_through_the_compiled_host_function():
     """flash_decode calls TVM-FFI's compiled host function (``tiles.launcher``, found once), not TileLang's
     Python adapter: the same kernel, so the same result bit for bit (the host function still checks every
     argument; the adapter only found it)."""
-    from course_utils.api.varlen_api import decode_single_kernel
+    from course_utils.api.decode_api import decode_single_kernel
     from course_utils.kernels.tiles import launcher
 
     q, k, v, lengths = _cache(8, 4096, 8, 64, 1, 64)
@@ -231,7 +231,8 @@ def test_varlen_window_sinks(heads, heads_kv, dim, dtype, window):
 
 def precompile():
     """Compile the kernels these tests use that the chapter 09 records do not, in parallel threads."""
-    from course_utils.api.varlen_api import _varlen_small_kernels, decode_kernels, decode_single_kernel, varlen_kernels
+    from course_utils.api.decode_api import decode_kernels, decode_single_kernel
+    from course_utils.api.varlen_api import _varlen_small_kernels, varlen_kernels
     from course_utils.measure.benchmarks.common import in_parallel
 
     def q_cache(heads, heads_kv, dim, seq_new, dtype=torch.bfloat16):

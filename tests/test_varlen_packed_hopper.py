@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from course_utils import flash_attention_varlen
-from course_utils.api import varlen_api
+from course_utils.api import registry, varlen_api
 from course_utils.api.attention import BackwardConfig, ForwardConfig
-from course_utils.kernels.flash_varlen import varlen_pair_list
+from course_utils.kernels.flash_varlen_hopper import varlen_pair_list
 
 
 def _walk(pairs, count, lengths, block_M, num_ctas):
@@ -116,7 +116,7 @@ def test_persistent_packed_forward_code():
     """sm_90a lowering, no GPU: the consumers never meet in a barrier of their own (the producer zeroes the value
     rows past a sequence's end: it waits for that load itself, zeroes, fences, and only then lets them read)."""
     from course_utils.core.source import cuda_source
-    from course_utils.kernels.flash_varlen import flash_varlen_fwd_persistent_kernel
+    from course_utils.kernels.flash_varlen_hopper import flash_varlen_fwd_persistent_kernel
 
     source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True, pingpong=False, o_by_tma=False))
     assert not re.search(r"__sync_thread_partial\([^;]*, 256\)", source)  # no consumer barrier
@@ -131,7 +131,7 @@ def test_persistent_packed_forward_stores_full_tiles_by_tma():
     """``o_by_tma``: a tile whose 128 rows are all its sequence's goes through shared memory by TMA (after the
     previous store has read it), a ragged one row by row; the block waits for its last store before it exits."""
     from course_utils.core.source import cuda_source
-    from course_utils.kernels.flash_varlen import flash_varlen_fwd_persistent_kernel
+    from course_utils.kernels.flash_varlen_hopper import flash_varlen_fwd_persistent_kernel
 
     source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True, pingpong=False))  # the default
     full = source.index("if (128 <= rows_left) {")
@@ -146,7 +146,7 @@ def test_packed_hopper_backward_code():
     zero them (K/V on a block's first step, Q/dO on a query block past the end), each after its fence."""
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
-    from course_utils.kernels.flash_varlen import flash_varlen_bwd_hopper_kernel
+    from course_utils.kernels.flash_varlen_hopper import flash_varlen_bwd_hopper_kernel
 
     source = cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, causal=True, block_M=64), pass_configs=PASS_CONFIGS)
     assert len(re.findall(r"fence_proxy_async\(\);\s*tl::__sync_thread_partial\(7, 256\)", source)) == 2
@@ -162,7 +162,7 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     ``_varlen_backward`` passes the fields on."""
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
-    from course_utils.kernels.flash_varlen import flash_varlen_bwd_hopper_kernel
+    from course_utils.kernels.flash_varlen_hopper import flash_varlen_bwd_hopper_kernel
     from course_utils.kernels.generated_code import _EARLY_WAIT, MOVED_WAIT
 
     def source(**kw):
@@ -187,8 +187,10 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     assert "(i * 64), ((((int)blockIdx.x) * 128) + k0), ((int)blockIdx.y));" in plain  # K: key block x, head y
     assert "(i * 64), ((((int)blockIdx.y) * 128) + k0), ((int)blockIdx.x));" in first  # key block y, head x
     seen = {}
-    monkeypatch.setattr(varlen_api, "flash_varlen_bwd_hopper_kernel", lambda *a, **kw: seen.update(kw))
-    monkeypatch.setattr(varlen_api, "compile_kernel", lambda *a, **kw: None)
+    row = registry.PACKED_BACKWARD["flash_bwd_hopper"]
+    monkeypatch.setitem(registry.PACKED_BACKWARD, "flash_bwd_hopper",
+                        dataclasses.replace(row, factory=lambda *a, **kw: seen.update(kw)))
+    monkeypatch.setattr(registry, "compile_kernel", lambda *a, **kw: None)
     x = torch.empty(8, 4, 128, dtype=torch.float16)
     problem = dataclasses.replace(varlen_api.AttentionProblem.packed(x, x, causal=True), target="cuda")
     fields = dict(dv_under_ds=True, dkdv_by_tma=True, longest_first=True, defer_dq_wait=True)

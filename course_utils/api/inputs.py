@@ -112,3 +112,33 @@ def sink_logits(sinks, heads, device):
     "No sink" is a sink of logit -inf: its exp() is 0, so one kernel signature serves both.
     """
     return sinks.detach().float().contiguous() if sinks is not None else _no_sinks(heads, device)
+
+
+def check_tensor_dims(name, t, dims, layout):
+    """A tensor with ``dims`` dimensions; ``layout`` names them in the error (the packed and decoding front doors)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have shape {layout}; got {tuple(t.shape)}")
+
+
+def check_index_tensor(name, t, shape, device):
+    """An int32 index tensor of the given shape on ``device`` (FlashAttention's convention)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of dtype int32; got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must have dtype torch.int32; got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}; got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (with q); got {t.device}")
+
+
+def wants_index_check(check_indices, *tensors):
+    """``check_indices=None``: check where the index tensors are on the host already (free); on the GPU the
+    check would wait for it (a sync per call), so it runs only when asked for."""
+    if check_indices is None:
+        return all(t.device.type == "cpu" for t in tensors if t is not None)
+    if not isinstance(check_indices, bool):
+        raise ValueError(f"check_indices must be True, False or None; got {check_indices!r}")
+    return check_indices

@@ -2,7 +2,9 @@
 
 ``flash_attention`` picks a row by the ``kernel`` field of its ``ForwardConfig``/``BackwardConfig`` and
 calls ``row.compile(problem, config)``; nothing downstream asks for a kernel by name. A new kernel is
-one row here (and, for its default tiling, one entry in ``attention``'s configs).
+one row here (and, for its default tiling, one entry in ``attention``'s configs). ``flash_attention_varlen``
+picks its rows from ``PACKED_FORWARD`` and ``PACKED_BACKWARD`` by the same names: each is the packed prelude
+under the loop of the dense kernel of that name (``row.compile_packed``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from ..kernels.flash_fwd import flash_fwd_kernel
 from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
 from ..kernels.flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
 from ..kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
+from ..kernels.flash_varlen import flash_varlen_bwd_kernel, flash_varlen_fwd_kernel
+from ..kernels.flash_varlen_hopper import flash_varlen_bwd_hopper_kernel, flash_varlen_fwd_persistent_kernel
 from ..kernels.tiles import compile_kernel
 
-__all__ = ["KernelRow", "FORWARD", "BACKWARD", "OPTION_OFF", "forward_row", "backward_row"]
+__all__ = ["KernelRow", "FORWARD", "BACKWARD", "PACKED_FORWARD", "PACKED_BACKWARD", "OPTION_OFF", "forward_row",
+           "backward_row"]
 
 
 def _sm_count():
@@ -51,6 +56,8 @@ class KernelRow:
     pass_configs: dict = field(default_factory=dict)  # TileLang pass options it is compiled with
     per_device: object = None  # () -> more factory arguments read from the GPU (num_ctas)
     keyless_blocks_unaliased: bool = False  # see CH03_LOOP_KEYLESS_PASS_CONFIGS
+    fixed: tuple = ()  # ((argument, value), ...): what makes a factory that serves two rows this row's loop
+    takes_schedule: bool = False  # a packed kernel that hands out its blocks by a "grid" or "list" schedule
 
     def check(self, problem, config, deterministic=False):
         """A clear ``ValueError`` for a config this kernel cannot run here."""
@@ -88,6 +95,17 @@ class KernelRow:
         return compile_kernel(self.build(problem, config, **extra), out_idx=list(self.out_idx), target=problem.target,
                               dtype=problem.dtype, pass_configs=pass_configs or None)
 
+    def compile_packed(self, problem, config, *, pass_configs=None, **extra):
+        """Build this packed-batch kernel (its factory takes heads and dim, the lengths are run-time) for ``problem``
+        with ``config``'s tiling, and compile it for ``problem.target`` with ``pass_configs`` added to the row's."""
+        kwargs = dict(problem.kernel_options(), **config.tiling(), **{o: getattr(config, o) for o in self.options},
+                      **dict(self.fixed))
+        if self.on_cpu:
+            kwargs["target"] = problem.target
+        func = self.factory(problem.heads, problem.dim, **kwargs, **extra)
+        return compile_kernel(func, out_idx=list(self.out_idx), target=problem.target, dtype=problem.dtype,
+                              pass_configs={**self.pass_configs, **(pass_configs or {})} or None)
+
 
 _HOPPER_FORWARD = "one of chapter 07's Hopper kernels"
 # Chapter 03's loop on sm_90: TileLang's shared-memory plan puts O's staging tile over Q's and waits for Q's
@@ -118,6 +136,25 @@ BACKWARD = {row.name: row for row in (
               on_cpu=False, options=("dv_under_ds", "policies", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
               deterministic=True,
               pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
+)}
+
+
+# The packed-batch kernels (``flash_attention_varlen``), named as the dense kernels whose loops they run.
+# ``flash_fwd_hopper`` is chapter 07's rotated loop under the packed prelude; its ping-pong never finished on the
+# H100, so it takes no ``pingpong``.
+PACKED_FORWARD = {row.name: row for row in (
+    KernelRow("flash_fwd", flash_varlen_fwd_kernel, (7, 8), "chapter 03/04's kernel", fixed=(("hopper", False),),
+              takes_schedule=True),
+    KernelRow("flash_fwd_hopper", flash_varlen_fwd_kernel, (7, 8), _HOPPER_FORWARD, hopper_only=True,
+              fixed=(("hopper", True),), takes_schedule=True),
+    KernelRow("flash_fwd_hopper_persistent", flash_varlen_fwd_persistent_kernel, (8, 9), _HOPPER_FORWARD,
+              hopper_only=True, on_cpu=False, options=("pingpong",)),
+)}
+PACKED_BACKWARD = {row.name: row for row in (
+    KernelRow("flash_bwd", flash_varlen_bwd_kernel, (), "chapter 05's kernel", takes_schedule=True),
+    KernelRow("flash_bwd_hopper", flash_varlen_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
+              on_cpu=False, options=("dv_under_ds", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
+              takes_schedule=True, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
 )}
 
 

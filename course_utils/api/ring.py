@@ -22,6 +22,8 @@ Communication is torch.distributed's point-to-point ops (``batch_isend_irecv``):
 processes, NCCL between GPUs. NCCL runs them on its own CUDA stream, so they overlap the kernels of
 the compute stream; gloo runs them on its own threads.
 
+``ring_harness`` runs and checks it on gloo processes; ``measure.ring_memory`` measures what a lap holds.
+
 Credits: Liu, Zaharia and Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
 Context" (2023); Brandon et al., "Striped Attention" (2023) on causal load imbalance; the two-chunk
 ("zigzag") split as in zhuzilin/ring-flash-attention and Llama 3's context parallelism (Meta, "The
@@ -30,7 +32,6 @@ Llama 3 Herd of Models", 2024). Our code is written from those descriptions.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -45,8 +46,7 @@ __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "s
            "sequence_positions", "Block", "step_blocks", "step_work", "kernel_shapes", "compile_ring_kernels",
            "RingComm", "NoComm", "ring_forward", "ring_backward", "head_pieces",
            "default_backward_chunks", "LONG_SHARD", "backward_lap", "pair_backward_lap", "travelling_backward_lap",
-           "host_group",
-           "RingCase", "run_ring_attention", "BAD_INPUTS", "lap_memory", "lap_memory_model", "check_lap_memory"]
+           "host_group"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -740,137 +740,6 @@ def ring_attention(q, k, v, *, causal=False, sm_scale=None, group=None, layout="
                                 layout, backward_chunks)
 
 
-# --- Checking on CPU processes (gloo) ----------------------------------------------------------
-
-class RingCase(NamedTuple):
-    """One global problem for ``run_ring_attention``: tensors of the whole sequence, and the options.
-
-    ``ranks``: the global ranks of the process group that runs it (None: all of them).
-    """
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    d_out: torch.Tensor
-    causal: bool = False
-    layout: str = "contiguous"
-    sm_scale: float | None = None
-    ranks: tuple | None = None
-    backward_chunks: int | None = None
-
-
-def _groups(cases):
-    """The process group of each case (new_group is collective: every rank makes them all, in order)."""
-    made = {}
-    for case in cases:
-        if case.ranks is not None and case.ranks not in made:
-            made[case.ranks] = dist.new_group(list(case.ranks))
-    return [made.get(case.ranks) for case in cases]
-
-
-def _run_cases(cases):
-    """On every rank: take this rank's shards of each case, run ring_attention and its backward;
-    returns (rank in the case's group, its shards of O, dQ, dK, dV) for each case (None for a case
-    whose group this rank is not in)."""
-    results = []
-    for case, group in zip(cases, _groups(cases)):
-        if case.ranks is not None and dist.get_rank() not in case.ranks:
-            results.append(None)
-            continue
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        q, k, v, d_out = (shard_sequence(t, world, rank, case.layout) for t in case[:4])
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*leaves, causal=case.causal, sm_scale=case.sm_scale, layout=case.layout, group=group,
-                             backward_chunks=case.backward_chunks)
-        results.append((rank, (out.detach(), *torch.autograd.grad(out, leaves, d_out))))
-    return results
-
-
-def _bad_calls(rank, world, dtype):
-    """Each bad input, as the call every rank makes (some ranks differ on purpose)."""
-    def shard(seq=32, heads_kv=2, dtypes=(dtype,) * 3, dims=4):
-        q, k, v = (torch.randn((1, 4 if i == 0 else heads_kv, seq, 16)[4 - dims:], dtype=t)
-                   for i, t in enumerate(dtypes))
-        return q, k, v
-
-    rank_dtype = dtype if rank == 0 else torch.float16
-    return {
-        "lengths differ across ranks": lambda: ring_attention(*shard(seq=32 if rank == 0 else 48)),
-        "dtypes differ across ranks": lambda: ring_attention(*shard(dtypes=(rank_dtype,) * 3)),
-        "causal on some ranks only": lambda: ring_attention(*shard(), causal=rank == 0),
-        "a group of one": lambda: ring_attention(*shard(), group=_own_group(rank, world)),
-        "q, k, v dtypes differ": lambda: ring_attention(*shard(dtypes=(dtype, torch.float16, dtype))),
-        "bad shape on rank 1 only": lambda: ring_attention(*shard(dims=3 if rank == 1 else 4)),
-        "K/V shard shorter than Q's": lambda: ring_attention(shard()[0], *shard(seq=16)[1:]),
-        "zigzag with an odd S_local": lambda: ring_attention(*shard(seq=31), layout="zigzag"),
-        "unknown layout": lambda: ring_attention(*shard(), layout="striped"),
-        "backward_chunks not dividing H_kv": lambda: ring_attention(*shard(), backward_chunks=3),
-        "backward_chunks differ across ranks": lambda: ring_attention(*shard(), backward_chunks=1 + rank),
-    }
-
-
-_OWN_GROUPS = {}
-
-
-def _own_group(rank, world):
-    # new_group is collective: every rank creates every one-rank group, in the same order.
-    if not _OWN_GROUPS:
-        _OWN_GROUPS.update({r: dist.new_group([r]) for r in range(world)})
-    return _OWN_GROUPS[rank]
-
-
-BAD_INPUTS = tuple(_bad_calls(0, 2, torch.float32))
-
-
-def _run_bad_inputs():
-    """On every rank: make each bad call; returns {name: "ExceptionType: message"} (or "no error")."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    errors = {}
-    for name, call in _bad_calls(rank, world, torch.float32).items():
-        try:
-            call()
-            errors[name] = "no error"
-        except Exception as exc:  # noqa: BLE001 (reported, and checked by the caller)
-            errors[name] = f"{type(exc).__name__}: {exc}"
-    return errors
-
-
-def _worker(cases, bad_inputs):
-    # Rank 0 compiles the kernels first; the others then load them from TileLang's disk cache
-    # instead of all compiling the same kernels at once.
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        for case in cases:
-            size = world if case.ranks is None else len(case.ranks)
-            q, k = (shard_sequence(t, size, 0, case.layout) for t in case[:2])
-            compile_ring_kernels(q, k, size, causal=case.causal, sm_scale=case.sm_scale, layout=case.layout,
-                                 backward_chunks=case.backward_chunks)
-    dist.barrier()
-    return _run_cases(cases), (_run_bad_inputs() if bad_inputs else None)
-
-
-def run_ring_attention(cases, world=2, *, bad_inputs=False):
-    """Run each ``RingCase`` on ``world`` CPU processes (gloo), in one go.
-
-    Every rank (of the case's ``ranks``, if given) takes its shards of the case's global tensors,
-    runs ``ring_attention`` and its backward, and returns its shards of O, dQ, dK, dV; they are
-    put back in sequence order here.
-    Returns ``[(out, (dq, dk, dv)) for each case]`` and, with ``bad_inputs``, each rank's error
-    for each bad call of ``BAD_INPUTS`` (a list of dicts in rank order, else None).
-    """
-    from .gloo import run_on_ranks
-
-    per_rank = run_on_ranks(_worker, world, list(cases), bad_inputs)
-    results = []
-    for index, case in enumerate(cases):
-        members = range(world) if case.ranks is None else case.ranks
-        # (rank in the group, shards) from each member, put in group order
-        shards = [result for _, result in sorted(per_rank[rank][0][index] for rank in members)]
-        out, dq, dk, dv = (unshard_sequence([s[i] for s in shards], case.layout) for i in range(4))
-        results.append((out, (dq, dk, dv)))
-    return results, ([errors for _, errors in per_rank] if bad_inputs else None)
-
-
 def _allocations(fn):
     """Run ``fn`` under torch's CPU memory profiler; returns (its result, the byte sizes of the
     allocations it made, in order, and the peak of the bytes it held at once)."""
@@ -888,63 +757,3 @@ def _allocations(fn):
         held += nbytes
         peak = max(peak, held)
     return result, sizes, peak
-
-
-def _memory_worker(shapes, dtype, causal, layout):
-    """On every rank (CPU, gloo): the allocations of ring_forward and of ring_backward, measured apart
-    (the inputs and the forward's results are made outside the measured windows)."""
-    comm = RingComm()
-    g = torch.Generator().manual_seed(comm.rank)
-    q, k, v, d_out = (torch.randn(shape, generator=g).to(dtype) for shape in shapes)
-    compile_ring_kernels(q, k, comm.world, causal=causal, layout=layout)
-    options = dict(causal=causal, layout=layout)
-    ring_forward(q, k, v, comm, **options)  # warm: TileLang's and the allocator's first-call costs
-    (out, lse), forward_sizes, forward_peak = _allocations(lambda: ring_forward(q, k, v, comm, **options))
-    ring_backward(q, k, v, out, lse, d_out, comm, **options)
-    _, backward_sizes, backward_peak = _allocations(
-        lambda: ring_backward(q, k, v, out, lse, d_out, comm, **options))
-    return dict(forward=dict(sizes=forward_sizes, peak=forward_peak),
-                backward=dict(sizes=backward_sizes, peak=backward_peak))
-
-
-def lap_memory(q_shape, kv_shape, world=2, *, dtype=torch.float16, causal=False, layout="contiguous"):
-    """Measured on ``world`` CPU processes (gloo): per rank, {"forward"|"backward": {"peak": the most
-    bytes the lap held at once, above its inputs, "sizes": every allocation's bytes}} for shards of
-    ``q_shape`` and ``kv_shape`` (q, dO and k, v)."""
-    from .gloo import run_on_ranks
-
-    return run_on_ranks(_memory_worker, world, (q_shape, kv_shape, kv_shape, q_shape), dtype, causal, layout)
-
-
-def lap_memory_model(q_shape, kv_shape, world=2, *, dtype=torch.float16):
-    """The accounting of docs/ring_memory.md for a contiguous non-causal lap (every block whole):
-    {"forward"|"backward": (bytes of the whole-shard buffers the lap holds at its peak, what small
-    buffers may add: LSE-sized ones and the merge's float32 pieces)}, per rank, above the inputs."""
-    size = torch.empty((), dtype=dtype).element_size()
-    n_q, n_kv = math.prod(q_shape), math.prod(kv_shape)
-    row = math.prod(q_shape[:3]) * 4  # one float32 per query row: LSE, Δ, the merge's weights
-    kv_held = 2 * n_kv * size  # the receive buffer of K and V (one set on a ring of two)
-    sums = 2 * 2 * n_kv * (size if world <= 2 else max(size, 4))  # two sets of dK/dV buffers
-    piece = 4 * n_q // min(MERGE_PIECES, q_shape[0] * q_shape[1])  # one float32 piece of the merge
-    return {"forward": (kv_held + 2 * n_q * size, 8 * row + 2 * piece),  # running O, this step's O
-            "backward": (4 * n_q + kv_held + sums, 4 * row)}  # the float32 dQ sum
-
-
-def check_lap_memory(measured, q_shape, kv_shape, world=2, *, dtype=torch.float16):
-    """Raise AssertionError unless one rank's ``lap_memory`` result matches ``lap_memory_model``: each
-    peak within [model, model + small buffers], and no float32 buffer of a whole Q shard other than
-    the backward's dQ sum (none in the forward)."""
-    model = lap_memory_model(q_shape, kv_shape, world, dtype=dtype)
-    whole_f32 = 4 * math.prod(q_shape)
-    for phase, (big, small) in model.items():
-        peak = measured[phase]["peak"]
-        if not big <= peak <= big + small:
-            raise AssertionError(f"{phase}: peak {peak} bytes above the inputs; the accounting says {big} "
-                                 f"(+ up to {small} in small buffers)")
-        count = sum(n == whole_f32 for n in measured[phase]["sizes"])
-        allowed = 1 if phase == "backward" and dtype != torch.float32 else 0
-        if dtype != torch.float32 and count != allowed:
-            raise AssertionError(f"{phase}: {count} float32 buffers of a whole Q shard ({whole_f32} bytes); "
-                                 f"the accounting has {allowed}")
-    return model
-

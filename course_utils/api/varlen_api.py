@@ -1,20 +1,15 @@
-"""``flash_attention_varlen`` and ``flash_decode``: chapter 09's kernels behind FlashAttention's conventions.
+"""``flash_attention_varlen``: chapter 09's packed kernels behind FlashAttention's ``flash_attn_varlen_func``.
 
-* ``flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``: a batch
-  of sequences of different lengths, packed without padding (``q`` is ``[total_q, H, D]``; sequence
-  ``b`` is rows ``cu_seqlens_q[b] … cu_seqlens_q[b+1] − 1``), each attended independently.
-  Differentiable with respect to q, k, v and sinks. FlashAttention's ``flash_attn_varlen_func``.
-* ``flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, ...)``: one decoding step
-  against a KV cache, contiguous or paged. FlashAttention's ``flash_attn_with_kvcache``.
+``flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``: a batch of
+sequences of different lengths, packed without padding (``q`` is ``[total_q, H, D]``; sequence ``b`` is rows
+``cu_seqlens_q[b] … cu_seqlens_q[b+1] − 1``), each attended independently. Differentiable with respect to q, k, v
+and sinks. Decoding against a KV cache, the chapter's other front door, is ``decode_api.flash_decode``.
 
-Every input is checked here, before anything is compiled or launched: a bad input gets a
-``ValueError`` (or ``TypeError``) that says what is wrong. Shapes, dtypes, devices and the
-``max_seqlen`` arguments are checked from what the host knows, with no wait for the GPU. The *values*
-of the index tensors (``cu_seqlens``, ``cache_seqlens``, ``block_table``) would have to be read back
-for a check, a wait for the GPU on every call (and no CUDA graph): ``check_indices=None`` (default)
-checks them only where they are CPU tensors already, ``True`` everywhere (a debug mode), ``False``
-never. Unchecked on the GPU, the decoding kernel clamps every index into the cache, so a bad one
-gives a wrong answer for its sequence, never a read outside the cache.
+Every input is checked here, before anything is compiled or launched: a bad input gets a ``ValueError`` (or
+``TypeError``) that says what is wrong. Shapes, dtypes, devices and the ``max_seqlen`` arguments are checked from
+what the host knows, with no wait for the GPU. The *values* of ``cu_seqlens`` would have to be read back for a
+check, a wait for the GPU on every call (and no CUDA graph): ``check_indices=None`` (default) checks them only
+where they are CPU tensors already, ``True`` everywhere (a debug mode), ``False`` never.
 """
 
 import functools
@@ -23,31 +18,18 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..core.device import is_hopper
+from ..core.device import is_hopper, sm_count
 from ..core.problem import AttentionProblem
-from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
-from ..kernels.flash_decode import (
-    choose_num_splits,
-    decode_config,
-    decode_row_tiles,
-    decode_rows,
-    flash_decode_kernel,
-    flash_decode_merge_kernel,
-)
 from ..kernels.flash_varlen import (
     OWN_BARRIERS_PASS_CONFIGS,
     SCHEDULES,
-    flash_varlen_bwd_hopper_kernel,
-    flash_varlen_bwd_kernel,
-    flash_varlen_fwd_kernel,
-    flash_varlen_fwd_persistent_kernel,
     lse_row_layout,
     scale_cast_kernel,
     varlen_delta_kernel,
-    varlen_pair_list,
     varlen_work_list,
 )
-from ..kernels.tiles import compile_kernel, launcher
+from ..kernels.flash_varlen_hopper import varlen_pair_list
+from ..kernels.tiles import compile_kernel
 from .attention import (
     HOPPER_BACKWARD_CONFIGS,
     BackwardConfig,
@@ -55,315 +37,35 @@ from .attention import (
     default_backward_config,
     default_forward_config,
 )
-from .inputs import PLAN_SCALAR_TYPES, PlanCache, check_attention_inputs, sink_logits, sink_probability
 
-__all__ = ["flash_attention_varlen", "flash_decode", "varlen_kernels", "decode_kernels", "decode_single_kernel",
-           "decode_num_splits",
+# checking.fuzz and measure.benchmarks.ch09_varlen_decode reach decoding through this module: fuzz clears the
+# compiled kernels and plans it finds here between planted bugs.
+from .decode_api import (  # noqa: F401
+    _PLANS,
+    _decode_merge,
+    _decode_single,
+    _decode_split,
+    decode_kernels,
+    decode_num_splits,
+    decode_single_kernel,
+    flash_decode,
+)
+from .inputs import (
+    check_attention_inputs,
+    check_index_tensor,
+    check_tensor_dims,
+    sink_logits,
+    sink_probability,
+    wants_index_check,
+)
+from .registry import PACKED_BACKWARD, PACKED_FORWARD
+
+__all__ = ["flash_attention_varlen", "varlen_kernels",
            "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG", "VARLEN_CUDA_BACKWARD_CONFIG", "VARLEN_PERSISTENT_CONFIG",
            "VARLEN_HOPPER_BACKWARD_CONFIGS"]
 
 _CACHE_SIZE = 32
 
-
-# ---------------------------------------------------------------------------------------------- checks
-
-def _check_tensor(name, t, dims, layout):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must have shape {layout}; got {tuple(t.shape)}")
-
-
-def _check_index_tensor(name, t, shape, device):
-    """An int32 index tensor of the given shape on ``device`` (FlashAttention's convention)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of dtype int32; got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise ValueError(f"{name} must have dtype torch.int32; got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}; got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} (with q); got {t.device}")
-
-
-# ---------------------------------------------------------------------------------------------- decode
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _decode_split(pr, config):
-    func = flash_decode_kernel(pr.heads, pr.heads_kv, pr.dim, pr.seq_new, page_size=pr.page_size, causal=pr.causal,
-                               window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype, target=pr.target,
-                               **config._asdict())
-    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype, pass_configs=config.pass_configs())
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _decode_single(pr, config):
-    func = flash_decode_kernel(pr.heads, pr.heads_kv, pr.dim, pr.seq_new, page_size=pr.page_size, causal=pr.causal,
-                               window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype, target=pr.target,
-                               single=True, **config._asdict())
-    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype, pass_configs=config.pass_configs())
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _decode_merge(heads, dim, seq_new, dtype, target, allocates=True):
-    """``allocates``: the kernel returns (O, LSE), allocated by TileLang's wrapper; ``False``: the caller passes
-    them (``flash_decode``: the wrapper resolves each output's run-time shape on the host at every call)."""
-    return compile_kernel(flash_decode_merge_kernel(heads, dim, seq_new, dtype=dtype, target=target),
-                          out_idx=[3, 4] if allocates else [], target=target, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=16)
-def _no_block_table(batch, device):
-    """What a contiguous cache passes for the block table (the kernel never reads it)."""
-    return torch.zeros(batch, 1, dtype=torch.int32, device=device)
-
-
-def _cache_layout(q, k_cache, block_table):
-    """(capacity of each sequence's cache, page_size or None) after checking the cache's shape."""
-    batch = q.shape[0]
-    if block_table is None:
-        if k_cache.shape[0] != batch:
-            raise ValueError(f"a contiguous cache has one row per sequence: k_cache.shape[0] must be {batch}; "
-                             f"got {k_cache.shape[0]}")
-        return k_cache.shape[1], None
-    if block_table.dim() != 2:
-        raise ValueError(f"block_table must have shape [batch, max_pages]; got {list(block_table.shape)}")
-    _check_index_tensor("block_table", block_table, (batch, block_table.shape[1]), q.device)
-    page_size = k_cache.shape[1]
-    if page_size == 0 or page_size % 16:
-        raise ValueError(f"page_size (k_cache.shape[1] = {page_size}) must be a positive multiple of 16 (a key "
-                         "tile never straddles two pages)")
-    return block_table.shape[1] * page_size, page_size
-
-
-def _decode_problem(q, k_cache, block_table, causal, window_size, sm_scale):
-    pr = AttentionProblem.decode(q, k_cache, page_size=None if block_table is None else k_cache.shape[1],
-                                 causal=causal, window_size=window_size, sm_scale=sm_scale)
-    return pr, decode_config(pr.target, pr.heads, pr.heads_kv, pr.dim, pr.seq_new, pr.page_size)
-
-
-def decode_kernels(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None,
-                   merge_allocates=True):
-    """The compiled (split, merge) kernels and their ``DecodeConfig`` that ``flash_decode`` runs here
-    with two splits or more (one split: ``decode_single_kernel``). The merge returns (O, LSE), or with
-    ``merge_allocates=False`` (as ``flash_decode`` calls it) writes them into its last two arguments."""
-    pr, config = _decode_problem(q, k_cache, block_table, causal, window_size, sm_scale)
-    return (_decode_split(pr, config), _decode_merge(pr.heads, pr.dim, pr.seq_new, pr.dtype, pr.target,
-                                                     merge_allocates), config)
-
-
-def decode_single_kernel(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None):
-    """The compiled one-split kernel ``flash_decode`` runs when one split suffices (no merge launch)."""
-    return _decode_single(*_decode_problem(q, k_cache, block_table, causal, window_size, sm_scale))
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def decode_num_splits(q, k_cache, *, block_table=None):
-    """The split count ``flash_decode`` picks when ``num_splits=None`` (``choose_num_splits``).
-
-    It looks at shapes only (the cache's capacity, not ``cache_seqlens``), so choosing costs no wait
-    for the GPU; on the CPU it is 1.
-    """
-    if q.device.type != "cuda":
-        return 1
-    batch, seq_new, heads, dim = q.shape
-    heads_kv = k_cache.shape[2]
-    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-    page_size = None if block_table is None else k_cache.shape[1]
-    config = decode_config("cuda", heads, heads_kv, dim, seq_new, page_size)
-    rows = decode_rows(heads, heads_kv, seq_new)
-    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    return choose_num_splits(batch, heads_kv, capacity, num_sms=sms, config=config,
-                             row_tiles=decode_row_tiles(rows, config.block_M, config.kv_heads_per_block))
-
-
-def _wants_index_check(check_indices, *tensors):
-    """``check_indices=None``: check where the index tensors are on the host already (free); on the GPU the
-    check would wait for it (a sync per call), so it runs only when asked for."""
-    if check_indices is None:
-        return all(t.device.type == "cpu" for t in tensors if t is not None)
-    if not isinstance(check_indices, bool):
-        raise ValueError(f"check_indices must be True, False or None; got {check_indices!r}")
-    return check_indices
-
-
-def _check_decode_indices(cache_seqlens, block_table, capacity, page_size, num_pages):
-    lengths = cache_seqlens.cpu()  # on a GPU: one wait for it
-    if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > capacity):
-        where = "the pages given (max_pages × page_size)" if page_size else "the cache (k_cache.shape[1])"
-        raise ValueError(f"cache_seqlens must lie in [0, {capacity}], the capacity of {where}; got values from "
-                         f"{int(lengths.min())} to {int(lengths.max())}")
-    if page_size is None:
-        return
-    table = block_table.cpu()
-    pages_used = (lengths.long() + page_size - 1) // page_size
-    used = torch.arange(table.shape[1])[None, :] < pages_used[:, None]
-    bad = used & ((table < 0) | (table >= num_pages))
-    if bad.any():
-        b, j = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the cache "
-                         f"(pages 0 … {num_pages - 1}); sequence {b} uses its first {int(pages_used[b])} entries")
-
-
-class _DecodePlan(NamedTuple):
-    """What ``flash_decode`` concluded from one signature of its arguments (``_plan_key``): everything
-    but the tensors' contents, so one lookup replaces the checks and the kernel and split choices."""
-
-    splits: int
-    launch: object  # the one-split kernel, or the split kernel (a callable taking torch tensors)
-    merge: object  # None with one split
-    out_shape: tuple
-    lse_shape: tuple
-    part_shape: tuple  # O_part's shape (splits > 1); LSE_part's is part_shape[:-1]
-    dtype: torch.dtype
-    device: torch.device
-    no_table: "torch.Tensor | None"  # what a contiguous cache passes for the block table
-    no_sinks: "torch.Tensor | None"  # -inf logits, when sinks is None
-    check_indices: bool  # read the index values on the host at every call (CPU tensors, or asked for)
-    capacity: int
-    page_size: "int | None"
-    num_pages: int
-
-
-_PLANS = PlanCache(max_size=256)  # signatures kept (a model decodes with a handful: one per batch size and layout)
-_Tensor = torch.Tensor
-
-
-def _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, sm_scale, window_size, sinks, num_splits,
-              check_indices):
-    """Everything the checks and choices of ``flash_decode`` depend on, or None where an argument is of a kind
-    the signature cannot describe (the full checks then run, and reject it or not, at every call).
-
-    Scalars are keyed with their type (``num_splits=True`` is refused but equals 1); a tensor by its type,
-    shape, dtype and device, and the cache by its contiguity too. Values are never part of it: they are
-    checked at every call where they are checked at all (``_DecodePlan.check_indices``). Written out
-    inline: it runs at every decoding step (a few µs, against the checks' tens)."""
-    if not (isinstance(q, _Tensor) and isinstance(k_cache, _Tensor) and isinstance(v_cache, _Tensor)
-            and isinstance(cache_seqlens, _Tensor) and (block_table is None or isinstance(block_table, _Tensor))
-            and (sinks is None or isinstance(sinks, _Tensor))):
-        return None
-    types = (type(causal), type(sm_scale), type(window_size), type(num_splits), type(check_indices))
-    if not PLAN_SCALAR_TYPES.issuperset(types):
-        return None
-    return (types, causal, sm_scale, window_size, num_splits, check_indices,
-            type(q), q.shape, q.dtype, q.device,
-            type(k_cache), k_cache.shape, k_cache.dtype, k_cache.device, k_cache.is_contiguous(),
-            type(v_cache), v_cache.shape, v_cache.dtype, v_cache.device, v_cache.is_contiguous(),
-            type(cache_seqlens), cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device,
-            None if block_table is None else (type(block_table), block_table.shape, block_table.dtype,
-                                              block_table.device),
-            None if sinks is None else (type(sinks), sinks.shape, sinks.dtype, sinks.device))
-
-
-def _decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, sm_scale, window_size, sinks, num_splits,
-                 check_indices):
-    """Every check of ``flash_decode`` that the host can make without reading a value, and its choices."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        layout = "[batch, new_tokens, heads, head_dim]" if name == "q" else \
-            "[batch, seq_max, heads_kv, head_dim] or [num_pages, page_size, heads_kv, head_dim]"
-        _check_tensor(name, t, 4, layout)
-    check_attention_inputs("flash_decode", q, k_cache, v_cache, layout="decode", sinks=sinks, window_size=window_size,
-                           sm_scale=sm_scale)
-    batch, seq_new = q.shape[:2]
-    if batch == 0 or seq_new == 0:
-        raise ValueError(f"q must hold at least one sequence and one new token; got {tuple(q.shape)}")
-    _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
-    capacity, page_size = _cache_layout(q, k_cache, block_table)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous (decoding reads the cache in place; a copy "
-                         "would cost more than the step)")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int or None; got {num_splits!r}")
-    wants_check = _wants_index_check(check_indices, cache_seqlens, block_table)
-    if window_size is not None and window_size >= capacity:
-        window_size, causal = None, True  # a window as long as the cache hides only what causal hides
-
-    splits = decode_num_splits(q, k_cache, block_table=block_table) if num_splits is None else num_splits
-    heads, dim = q.shape[2], q.shape[3]
-    kernel_args = dict(block_table=block_table, causal=causal, window_size=window_size, sm_scale=sm_scale)
-    if splits == 1:  # one kernel writes the result: no partials, no merge launch
-        launch, merge = launcher(decode_single_kernel(q, k_cache, **kernel_args)), None
-    else:
-        split, merge, _ = decode_kernels(q, k_cache, merge_allocates=False, **kernel_args)
-        launch, merge = launcher(split), launcher(merge)
-    return _DecodePlan(splits=splits, launch=launch, merge=merge, out_shape=tuple(q.shape),
-                       lse_shape=(batch, heads, seq_new), part_shape=(batch, seq_new, heads, splits, dim),
-                       dtype=q.dtype, device=q.device,
-                       no_table=_no_block_table(batch, q.device) if block_table is None else None,
-                       no_sinks=sink_logits(None, heads, q.device) if sinks is None else None,
-                       check_indices=wants_check, capacity=capacity, page_size=page_size,
-                       num_pages=k_cache.shape[0])
-
-
-def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal=False, sm_scale=None,
-                 window_size=None, sinks=None, num_splits=None, return_lse=False, check_indices=None):
-    """One decoding step against a KV cache (FlashAttention's ``flash_attn_with_kvcache`` layout).
-
-    q: [B, S_new, H, D], the S_new new query tokens of each sequence. The cache is contiguous,
-    k_cache/v_cache [B, S_max, H_kv, D], or paged, [num_pages, page_size, H_kv, D] with an int32
-    ``block_table`` [B, max_pages] listing each sequence's pages in order. ``cache_seqlens`` (int32 [B])
-    counts each sequence's valid keys, the S_new new tokens (already written to the cache, last)
-    included. With ``causal``, new token i of sequence b sits at position ``cache_seqlens[b] − S_new + i``;
-    a ``window_size`` W (implies causal) lets it see its last W keys; ``sinks`` (float [H]) are
-    gpt-oss's per-head sink logits. ``num_splits`` (None: ``decode_num_splits``) is how many thread
-    blocks share one sequence's cache; with one split a single kernel writes the result (no merge
-    launch). Returns O [B, S_new, H, D] (and the natural-log LSE [B, H, S_new], float32, with
-    ``return_lse``). Forward only.
-
-    No wait for the GPU: every check of shapes, dtypes and devices uses what the host knows, and the
-    split count comes from shapes, so a decoding step can be captured in a CUDA graph and replayed with
-    new q, cache contents and ``cache_seqlens``. The *values* of the indices are not read on the host
-    unless they are there already: ``check_indices`` None (default) checks them (``cache_seqlens`` in
-    [0, capacity], the block-table entries a sequence uses naming pages of the cache; ValueError
-    otherwise) when they are CPU tensors, and not when they are on a GPU, where reading them would
-    stall every step (20–45% of a step on the H100, and no CUDA graph). ``True`` checks them anywhere
-    (a debug mode: one sync per call); ``False`` never. Unchecked, the kernel clamps every index into
-    the cache (a length into [0, capacity], a page number into [0, num_pages − 1]): a bad index gives
-    a wrong result for its own sequence, never a read outside the cache or a fault.
-
-    What the checks conclude depends only on what the host knows (types, shapes, dtypes, devices,
-    contiguity, the options), so it is kept per such signature (``_decode_plan``): a decoding loop,
-    which calls with the same signature at every step, pays for the checks, the choice of kernels
-    and the split count once, and then only for looking the signature up and launching.
-    """
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks)):
-        raise ValueError("flash_decode is forward only: it returns no gradient, so it refuses inputs that require "
-                         "one (q, k_cache, v_cache or sinks); call it under torch.no_grad(), pass detached tensors, or "
-                         "use flash_attention / flash_attention_varlen, which are differentiable")
-    args = (q, k_cache, v_cache, cache_seqlens, block_table, causal, sm_scale, window_size, sinks, num_splits,
-            check_indices)
-    plan = _PLANS.plan(_plan_key(*args), _decode_plan, *args)
-    if plan.check_indices:
-        _check_decode_indices(cache_seqlens, block_table, plan.capacity, plan.page_size, plan.num_pages)
-    # The kernels take dense tensors; a strided view (block_table = wide[:, :n], a cache_seqlens view, a
-    # transposed q) is copied, as FlashAttention accepts it. Contiguous ones pass as they are.
-    table = plan.no_table if block_table is None else block_table.contiguous()
-    if sinks is None:
-        logits = plan.no_sinks
-    elif sinks.dtype is torch.float32 and not sinks.requires_grad and sinks.is_contiguous():
-        logits = sinks  # what sink_logits would return (the same memory), without making three views of it
-    else:
-        logits = sink_logits(sinks, plan.out_shape[2], plan.device)
-    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
-    if plan.merge is None:
-        plan.launch(q.contiguous(), k_cache, v_cache, table, cache_seqlens.contiguous(), logits, out, lse)
-        return (out, lse) if return_lse else out
-    o_part = torch.empty(plan.part_shape, dtype=torch.float32, device=plan.device)
-    lse_part = torch.empty(plan.part_shape[:-1], dtype=torch.float32, device=plan.device)
-    plan.launch(q.contiguous(), k_cache, v_cache, table, cache_seqlens.contiguous(), o_part, lse_part)
-    plan.merge(o_part, lse_part, logits, out, lse)
-    return (out, lse) if return_lse else out
-
-
-
-
-# ---------------------------------------------------------------------------------------------- varlen
 
 # The schedule both kernels use when none is given. Measured on the H100 (64k tokens in sequences of
 # 128–8192, 2026-11-23, two runs), the two are within 5% of each other once each block reads its
@@ -395,8 +97,8 @@ VARLEN_HOPPER_BACKWARD_CONFIGS = {
     (64, False): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True),
     (64, True): BackwardConfig(128, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True),
 }
-VARLEN_FORWARD_KERNELS = ("flash_fwd", "flash_fwd_hopper", "flash_fwd_hopper_persistent")
-VARLEN_BACKWARD_KERNELS = ("flash_bwd", "flash_bwd_hopper")
+VARLEN_FORWARD_KERNELS = tuple(PACKED_FORWARD)
+VARLEN_BACKWARD_KERNELS = tuple(PACKED_BACKWARD)
 
 
 class _Plan(NamedTuple):
@@ -469,38 +171,39 @@ def _check_bounds(name, bounds, total, max_seqlen, max_name):
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than the length {longest} of sequence {b}")
 
 
+def _default_configs(target, dim, masked):
+    """The (forward, backward) configs of the fastest packed kernels measured for ``target`` and head dim."""
+    if target != "cuda":
+        return default_forward_config("cpu", dim, masked), default_backward_config("cpu")
+    if is_hopper() and dim in VARLEN_HOPPER_DIMS:
+        return VARLEN_PERSISTENT_CONFIG, VARLEN_HOPPER_BACKWARD_CONFIGS[dim, bool(masked)]
+    return VARLEN_CUDA_CONFIG, VARLEN_CUDA_BACKWARD_CONFIG
+
+
 def _varlen_configs(target, dim, masked, config, backward_config):
+    """The configs to run (the given ones, else the defaults), after checking that their rows of
+    ``PACKED_FORWARD``/``PACKED_BACKWARD`` exist and run here."""
+    if config is None or backward_config is None:
+        fwd, bwd = _default_configs(target, dim, masked)
     if config is not None:
         fwd = ForwardConfig(*config)
-        if fwd.pingpong and fwd.kernel != "flash_fwd_hopper_persistent":
+        if fwd.pingpong and "pingpong" not in getattr(PACKED_FORWARD.get(fwd.kernel), "options", ()):
             raise ValueError("config.pingpong is available for packed batches only with kernel="
                              "'flash_fwd_hopper_persistent': the packed ping-pong of the rotated loop never finished "
                              "on the H100 (2026-11-23)")
         if fwd.blocks_per_sm != 1:
             raise ValueError(f"config.blocks_per_sm={fwd.blocks_per_sm!r}: the packed forward runs one block per SM")
-    elif target == "cuda" and is_hopper() and dim in VARLEN_HOPPER_DIMS:
-        fwd = VARLEN_PERSISTENT_CONFIG
-    elif target == "cuda":
-        fwd = VARLEN_CUDA_CONFIG
-    else:
-        fwd = default_forward_config("cpu", dim, masked)
     if backward_config is not None:
         bwd = BackwardConfig(*backward_config)
-    elif target == "cuda" and is_hopper() and dim in VARLEN_HOPPER_DIMS:
-        bwd = VARLEN_HOPPER_BACKWARD_CONFIGS[dim, bool(masked)]
-    elif target == "cuda":
-        bwd = VARLEN_CUDA_BACKWARD_CONFIG
-    else:
-        bwd = default_backward_config("cpu")
-    if fwd.kernel not in VARLEN_FORWARD_KERNELS:
+    if fwd.kernel not in PACKED_FORWARD:
         raise ValueError(f"config.kernel must be one of {VARLEN_FORWARD_KERNELS}; got {fwd.kernel!r}")
-    if bwd.kernel not in VARLEN_BACKWARD_KERNELS:
+    if bwd.kernel not in PACKED_BACKWARD:
         raise ValueError(f"backward_config.kernel must be one of {VARLEN_BACKWARD_KERNELS}; got {bwd.kernel!r}")
     on_hopper = target == "cuda" and is_hopper()
-    if fwd.kernel != "flash_fwd" and not on_hopper:
-        raise ValueError(f"config.kernel={fwd.kernel!r} is one of chapter 07's Hopper kernels: it needs an sm_90 GPU")
-    if bwd.kernel != "flash_bwd" and not on_hopper:
-        raise ValueError(f"backward_config.kernel={bwd.kernel!r} is chapter 08's Hopper kernel: it needs an sm_90 GPU")
+    for field, kernel, row in (("config", fwd.kernel, PACKED_FORWARD[fwd.kernel]),
+                               ("backward_config", bwd.kernel, PACKED_BACKWARD[bwd.kernel])):
+        if row.hopper_only and not on_hopper:
+            raise ValueError(f"{field}.kernel={kernel!r} is {row.what}: it needs an sm_90 GPU")
     if fwd.kernel == "flash_fwd_hopper_persistent" and fwd.threads != 2 * fwd.block_M:
         raise ValueError(f"the persistent forward runs one consumer warpgroup per 64 query rows: config.threads must "
                          f"be 2 * block_M = {2 * fwd.block_M}; got {fwd.threads}")
@@ -511,48 +214,24 @@ def _varlen_configs(target, dim, masked, config, backward_config):
 def _varlen_forward(pr, config, schedule, num_ctas=None):
     """The compiled packed forward; ``num_ctas`` (the GPU's SMs) for the persistent kernel, which ignores
     ``schedule`` (it walks ``varlen_pair_list``)."""
-    if config.kernel == "flash_fwd_hopper_persistent":
-        func = flash_varlen_fwd_persistent_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
-                                                  window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
-                                                  block_M=config.block_M, block_N=config.block_N,
-                                                  num_stages=config.num_stages, threads=config.threads,
-                                                  pingpong=config.pingpong, num_ctas=num_ctas)
-        return compile_kernel(func, out_idx=[8, 9], target=pr.target, dtype=pr.dtype)
-    hopper = config.kernel == "flash_fwd_hopper"
-    own = pr.target == "cuda" and not hopper and is_hopper()  # chapter 03's loop on sm_90: its own barriers
-    func = flash_varlen_fwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
-                                   window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
-                                   block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
-                                   threads=config.threads, schedule=schedule, target=pr.target, hopper=hopper,
-                                   own_barriers=own)
-    return compile_kernel(func, out_idx=[7, 8], target=pr.target, dtype=pr.dtype,
-                          pass_configs=OWN_BARRIERS_PASS_CONFIGS if own else None)
+    row = PACKED_FORWARD[config.kernel]
+    if not row.takes_schedule:
+        return row.compile_packed(pr, config, num_ctas=num_ctas)
+    own = pr.target == "cuda" and config.kernel == "flash_fwd" and is_hopper()  # chapter 03's loop on sm_90
+    return row.compile_packed(pr, config, pass_configs=OWN_BARRIERS_PASS_CONFIGS if own else None, schedule=schedule,
+                              own_barriers=own)
 
 
 def _forward_ctas(config, device):
     """One persistent block per SM of ``device`` for the persistent forward; None for the others."""
     if config.kernel != "flash_fwd_hopper_persistent":
         return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device)
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _varlen_backward(pr, config, schedule):
-    if config.kernel == "flash_bwd_hopper":
-        func = flash_varlen_bwd_hopper_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
-                                              window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
-                                              block_M=config.block_M, block_N=config.block_N,
-                                              num_stages=config.num_stages, threads=config.threads,
-                                              schedule=schedule, dv_under_ds=config.dv_under_ds,
-                                              dkdv_by_tma=config.dkdv_by_tma, longest_first=config.longest_first,
-                                              defer_dq_wait=config.defer_dq_wait)
-        return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype,
-                              pass_configs=HOPPER_BACKWARD_PASS_CONFIGS)
-    func = flash_varlen_bwd_kernel(pr.heads, pr.dim, heads_kv=pr.heads_kv, causal=pr.causal,
-                                   window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype,
-                                   block_M=config.block_M, block_N=config.block_N, num_stages=config.num_stages,
-                                   threads=config.threads, schedule=schedule, target=pr.target)
-    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype)
+    return PACKED_BACKWARD[config.kernel].compile_packed(pr, config, schedule=schedule)
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
@@ -650,15 +329,15 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     wrong results, and the backward's writes stay clamped in bounds). The "list" schedule makes its
     work lists on the host, so it reads ``cu_seqlens`` (and checks them) on every call.
     """
-    _check_tensor("q", q, 3, "[total_q, heads, head_dim]")
-    _check_tensor("k", k, 3, "[total_k, heads_kv, head_dim]")
-    _check_tensor("v", v, 3, "[total_k, heads_kv, head_dim]")
+    check_tensor_dims("q", q, 3, "[total_q, heads, head_dim]")
+    check_tensor_dims("k", k, 3, "[total_k, heads_kv, head_dim]")
+    check_tensor_dims("v", v, 3, "[total_k, heads_kv, head_dim]")
     check_attention_inputs("flash_attention_varlen", q, k, v, layout="packed", sinks=sinks, window_size=window_size,
                            sm_scale=sm_scale)
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if isinstance(t, torch.Tensor) and t.dim() != 1:
             raise ValueError(f"{name} must be 1-D ([batch + 1]); got shape {list(t.shape)}")
-        _check_index_tensor(name, t, (t.shape[0] if isinstance(t, torch.Tensor) else 0,), q.device)
+        check_index_tensor(name, t, (t.shape[0] if isinstance(t, torch.Tensor) else 0,), q.device)
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have batch + 1 ≥ 2 entries; got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
@@ -670,7 +349,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     bounds_q = bounds_k = None
-    if schedule == "list" or _wants_index_check(check_indices, cu_seqlens_q):
+    if schedule == "list" or wants_index_check(check_indices, cu_seqlens_q):
         bounds_q, bounds_k = tuple(cu_seqlens_q.tolist()), tuple(cu_seqlens_k.tolist())  # on a GPU: a wait for it
         _check_bounds("cu_seqlens_q", bounds_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
         _check_bounds("cu_seqlens_k", bounds_k, k.shape[0], max_seqlen_k, "max_seqlen_k")

@@ -9,7 +9,7 @@ import subprocess
 
 import torch
 
-__all__ = ["HAS_GPU", "DEVICE", "TILE_TARGET", "pick", "is_hopper", "machine_info", "describe_machine"]
+__all__ = ["HAS_GPU", "DEVICE", "TILE_TARGET", "pick", "is_hopper", "sm_count", "machine_info", "describe_machine"]
 
 HAS_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
@@ -30,6 +30,16 @@ def is_hopper():
 @functools.cache
 def _major_capability(device_index):  # asked once per GPU: the public API calls is_hopper at every backward
     return torch.cuda.get_device_capability(device_index)[0]
+
+
+def sm_count(device):
+    """The number of SMs of CUDA ``device`` (a ``torch.device``; without an index, the current GPU)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index):  # asked once per GPU: the decoding and packed front doors ask at every call
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _nvidia_smi(query):

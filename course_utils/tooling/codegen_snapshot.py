@@ -45,6 +45,14 @@ def _module(name):
     return importlib.import_module(f"course_utils.{name}")
 
 
+def _first_module(*names):
+    """The first of modules ``names`` that exists: a kernel or front door split off its module keeps its jobs."""
+    for name in names[:-1]:
+        with contextlib.suppress(ModuleNotFoundError):
+            return _module(name)
+    return _module(names[-1])
+
+
 def _benchmarks():
     for name in ("course_utils.measure.benchmarks", "course_utils" + ".benchmarks"):  # after, before the layers
         with contextlib.suppress(ModuleNotFoundError):
@@ -101,6 +109,7 @@ def _cuda_jobs():
     fwd, fwd_h = _module("flash_fwd"), _module("flash_fwd_hopper")
     bwd, bwd_h = _module("flash_bwd"), _module("flash_bwd_hopper")
     var, dec = _module("flash_varlen"), _module("flash_decode")
+    var_h = _first_module("flash_varlen_hopper", "flash_varlen")
     vapi, reg = _module("varlen_api"), _module("registry")
     bench = _benchmarks()
     ch07 = importlib.import_module(f"{bench.__name__}.ch07_hopper")
@@ -193,21 +202,21 @@ def _cuda_jobs():
     for dim in vapi.VARLEN_HOPPER_DIMS:
         for masked in (False, True):
             jobs.append((f"varlen_fwd_persistent_d{dim}_{'masked' if masked else 'full'}", hopper,
-                         lambda dim=dim, masked=masked: var.flash_varlen_fwd_persistent_kernel(
+                         lambda dim=dim, masked=masked: var_h.flash_varlen_fwd_persistent_kernel(
                              4, dim, heads_kv=2, causal=masked, block_M=pc.block_M, block_N=pc.block_N,
                              num_stages=pc.num_stages, threads=pc.threads, pingpong=pc.pingpong, num_ctas=132), None))
     jobs.append(("varlen_fwd_persistent_d128_window_nopingpong", hopper,
-                 lambda: var.flash_varlen_fwd_persistent_kernel(
+                 lambda: var_h.flash_varlen_fwd_persistent_kernel(
                      4, 128, causal=True, window_size=128, block_M=pc.block_M, block_N=pc.block_N,
                      num_stages=pc.num_stages, threads=pc.threads, pingpong=False, num_ctas=132), None))
     for (dim, masked), config in vapi.VARLEN_HOPPER_BACKWARD_CONFIGS.items():
         for schedule in ("grid", "list"):
             jobs.append((f"varlen_bwd_hopper_d{dim}_{'masked' if masked else 'full'}_{schedule}", hopper,
                          lambda config=config, dim=dim, masked=masked, schedule=schedule:
-                         var.flash_varlen_bwd_hopper_kernel(4, dim, heads_kv=2, causal=masked, schedule=schedule,
+                         var_h.flash_varlen_bwd_hopper_kernel(4, dim, heads_kv=2, causal=masked, schedule=schedule,
                                                             **config.tiling()), bwd_h.PASS_CONFIGS))
     jobs.append(("varlen_bwd_hopper_d128_mha_window", hopper,
-                 lambda: var.flash_varlen_bwd_hopper_kernel(
+                 lambda: var_h.flash_varlen_bwd_hopper_kernel(
                      4, 128, causal=True, window_size=128, **vapi.VARLEN_HOPPER_BACKWARD_CONFIGS[128, True].tiling()),
                  bwd_h.PASS_CONFIGS))
     jobs.append(("varlen_delta", both, lambda: var.varlen_delta_kernel(128, block=64, threads=128, target="cuda"),
@@ -228,6 +237,7 @@ def _cuda_jobs():
 def _cpu_jobs():
     """(name, thunk returning the list of kernels compiled): the CPU kernels, through the public API."""
     att, vapi = _module("attention"), _module("varlen_api")
+    dapi = _first_module("decode_api", "varlen_api")
 
     def dense(dtype, heads_kv, dim, **kw):
         q = torch.zeros(1, 4, 64, dim, dtype=dtype)
@@ -244,7 +254,7 @@ def _cpu_jobs():
         q = torch.zeros(2, 1, 4, 64, dtype=dtype)
         k = torch.zeros(8, 16, 2, 64, dtype=dtype) if paged else torch.zeros(2, 64, 2, 64, dtype=dtype)
         table = torch.zeros(2, 4, dtype=torch.int32) if paged else None
-        vapi.decode_kernels(q, k, block_table=table, **kw)
+        dapi.decode_kernels(q, k, block_table=table, **kw)
 
     return [
         ("cpu_dense_f32_d64", lambda: dense(torch.float32, 4, 64)),

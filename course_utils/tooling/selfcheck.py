@@ -151,7 +151,7 @@ def check_one_warpgroup_forward():
 
 def check_decode():
     """``python -m course_utils.check flash_decode``: contiguous and paged decoding against the float64 reference."""
-    from ..api.varlen_api import flash_decode
+    from ..api.decode_api import flash_decode
     from ..core.device import DEVICE, HAS_GPU
     from ..core.reference import attention_reference
 
@@ -232,7 +232,8 @@ def check_varlen():
 def check_ring(world=2):
     """``python -m course_utils.check ring``: ring attention on ``world`` CPU processes (gloo), contiguous
     and zigzag, causal or not, GQA; O and every gradient vs the float64 reference; the bad inputs."""
-    from ..api.ring import BAD_INPUTS, LAYOUTS, RingCase, run_ring_attention
+    from ..api.ring import LAYOUTS
+    from ..api.ring_harness import BAD_INPUTS, RingCase, run_ring_attention
     from ..checking.checks import check_true
     from ..checking.validation import check_backward, check_forward, references
 

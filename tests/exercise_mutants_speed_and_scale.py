@@ -1,15 +1,9 @@
-"""The exercises of chapters 04, 07, 08, 09 and 10 that run the learner's code, and their mutants.
-
-Same format as ``exercise_mutants.py``: an exercise names the notebook, the functions its cells define
-(read from the notebook's .py), the checker and the function passed to it; a mutant is a list of
-(find, replace) edits applied to that source (each find text must occur) and a piece of the diagnosis
-the checker must give. ``prelude`` is what the chapter's earlier cells provide. Run by
-``tests/test_exercises_late.py``.
+"""The exercises of chapters 04, 07, 08, 09 and 10 that run the learner's code (the chapters on speed and scale),
+and their mutants, in ``exercise_harness``'s format; each exercise's prelude is what the chapter's earlier cells
+provide. Run by ``tests/test_exercises_speed_and_scale.py``.
 """
 
-from dataclasses import dataclass
-
-from exercise_mutants import Mutant
+from exercise_harness import Exercise, Mutant
 
 TILE_PRELUDE = """
 import math
@@ -19,21 +13,11 @@ from course_utils.kernels.tiles import TileBackend
 NEG_INF = -T.infinity("float32")
 """
 
-
-@dataclass(frozen=True)
-class Exercise:
-    notebook: str  # stem of notebooks/<stem>.py
-    defines: tuple  # functions whose cells make up the exercise (skeleton and solution)
-    checker: str  # "module:function" in course_utils.exercises
-    factory: str  # the name passed to the checker
-    prelude: str = TILE_PRELUDE
-
-
 EXERCISES = {
     "ch09_merge_kernel": Exercise("09_varlen_decoding", ("merge_kernel", "merge_macros"), "ch09:check_merge_kernel",
-                                  "merge_kernel"),
+                                  "merge_kernel", TILE_PRELUDE),
     "ch09_paged_lookup": Exercise("09_varlen_decoding", ("paged_scores", "paged_macros"), "ch09:check_paged_scores",
-                                  "paged_scores"),
+                                  "paged_scores", TILE_PRELUDE),
     "ch07_blocks_per_sm": Exercise("07_hopper_overlap", ("blocks_per_sm",), "ch07:check_blocks_per_sm",
                                    "blocks_per_sm", prelude=""),
 }
@@ -269,7 +253,7 @@ VARIANTS += [
 ]
 
 EXERCISES["ch08_reduce_wait"] = Exercise("08_hopper_backward", ("reduce_wait_before",), "ch08:check_reduce_wait",
-                                         "reduce_wait_before")
+                                         "reduce_wait_before", TILE_PRELUDE)
 _ANSWER = 'return "dSᵀ barrier"'
 MUTANTS += [
     # --- chapter 08 (d): where the copy engine's read of dq_s is waited for ---
