@@ -753,9 +753,10 @@ else:
 # D = 128, S = 4k target and every case whose ratio is below 1, all of them level:
 #
 # - D = 128 without a mask at some lengths, by about one percent: within the spread between two runs
-#   of this comparison. Section 4b's record, taken side by side a minute before this one, has the same
-#   kernels and cases and moves several of them by more than that either way, so which record one reads
-#   decides whether such a case is a little ahead or a little behind; only "level" holds in both
+#   of this comparison. Section 4b's record and this one, when they were taken side by side a minute
+#   apart (commit 0edbad2), had the same kernels and cases and moved several of them by more than that
+#   either way, so which record one reads decides whether such a case is a little ahead or a little
+#   behind; only "level" holds in both
 #   (chapter 08, section 7, measures what the order of the turns does to such ratios). The
 #   one-warpgroup block does not help at D = 128: its 64 × 128 tile fits only one block per SM next to
 #   its registers, and with 64-key tiles (two blocks) it ran far behind cuDNN (`docs/hopper_forward.md`).

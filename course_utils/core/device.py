@@ -76,7 +76,19 @@ def machine_info():
             driver=_nvidia_smi("driver_version"),
             clocks_mhz=_nvidia_smi("clocks.sm,clocks.max.sm,clocks.mem"),
         )
+        fa4 = _installed_version("flash-attn-4")
+        if fa4 is not None:  # a peer in the records measured with it
+            info["flash_attn_4"] = fa4
     return info
+
+
+def _installed_version(distribution):
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def describe_machine():

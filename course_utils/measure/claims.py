@@ -24,8 +24,8 @@ when both store ``ms_spread`` (the min, median and max of each round's median, `
 the bounds are the peer's fastest round ÷ ours' slowest and the peer's slowest ÷ ours' fastest. A
 record without a stored spread, and a plain number given to a claim function, gets the band
 ``NO_SPREAD_BAND`` (±6%) around its value: two records of chapter 07's forward taken side by side a
-minute apart (``ch07_persistent_vs_rotated_h100`` and ``ch07_forward_vs_peers_h100``) put ours ÷ cuDNN
-up to 11% apart on the same case (1.109 at fp16, D=128, S=16k), and ±6% is the smallest band in which
+minute apart (``ch07_persistent_vs_rotated_h100`` and ``ch07_forward_vs_peers_h100``, as of commit 0edbad2)
+put ours ÷ cuDNN up to 11% apart on the same case (1.109 at fp16, D=128, S=16k), and ±6% is the smallest band in which
 every such pair overlaps (√1.109 ≈ 1.053; tests/test_claims.py recomputes it). A ratio is *above 1*
 (ours faster, ahead, ≥) only when its lower bound clears 1, *below 1* only when its upper bound is
 under 1, and *level* otherwise. ``claim_versus`` counts cases that way, and ``claim_count`` refuses a
@@ -259,7 +259,7 @@ def _quiet(fn, *args, **kwargs):
 
 def readme_claims() -> str:
     """The README's prose about the records, computed from them (tests/test_claims.py compares)."""
-    from ..core.labels import CUDNN, FA2, OURS
+    from ..core.labels import CUDNN, FA2, FA4, OURS
     from .bench import FIGURES, load_record
 
     def paired(rows, keys, peer, mode=None):
@@ -285,6 +285,14 @@ def readme_claims() -> str:
                       fa2_b.values()) + ", " + _quiet(claim_ratio, "÷ cuDNN", cudnn_b.values()) + ";",
         "- " + _quiet(claim_versus, "chapter 08's backward against cuDNN", list(cudnn_b.values())) + ";",
     ]
+    fa4_f, fa4_b = paired(fwd, keys, FA4), paired(bwd, keys, FA4, "bwd")
+    if fa4_f:
+        lines.append("- " + _quiet(claim_versus, "chapter 07's forward against FlashAttention-4", list(fa4_f.values()),
+                                   cases=forward_cases) + ";")
+    if fa4_b:
+        lines.append("- " + _quiet(claim_ratio, f"chapter 08's backward over {len(fa4_b)} cases: ÷ FlashAttention-4",
+                                   fa4_b.values()) + ", " + _quiet(claim_versus, "against it", list(fa4_b.values()))
+                     + ";")
     ring = load_record("ch10_ring_attention_h200x2")["results"]["rows"]
     speedups = {}
     for row in ring:

@@ -9,6 +9,10 @@ committed notebook, keeping its execution counts. Only the cells the test names 
 
     python -m course_utils.tooling.run_notebooks 07            # the CPU run
     python -m course_utils.tooling.splice_shown_source 07      # then this
+
+``--record-cells N ...`` also copies the named cells, for a cell whose output is computed from stored records
+alone (a claims cell whose prose was corrected after the GPU run, or a cell added since): on the CPU it prints
+what the GPU would. The cell must not time or run a kernel; say which in the commit.
 """
 
 import argparse
@@ -41,8 +45,9 @@ def stale_listings(notebook, library):
     return stale
 
 
-def splice(prefix, library=None):
-    """Splice chapter ``prefix``'s stale show_source cells; returns the cell numbers replaced."""
+def splice(prefix, library=None, record_cells=()):
+    """Splice chapter ``prefix``'s stale show_source cells (and ``record_cells``); returns the cell numbers
+    replaced."""
     library = course_library() if library is None else library
     (committed_path,) = (ROOT / "notebooks").glob(f"{prefix}_*.ipynb")
     executed_path = ROOT / "workspace" / "executed" / committed_path.name
@@ -50,7 +55,7 @@ def splice(prefix, library=None):
     executed = nbformat.read(executed_path, as_version=4)
     if [c.source for c in committed.cells] != [c.source for c in executed.cells]:
         raise ValueError(f"{executed_path} was made from other cells than {committed_path}: run the chapter again")
-    cells = sorted({number for number, _ in stale_listings(committed, library)})
+    cells = sorted({number for number, _ in stale_listings(committed, library)} | set(record_cells))
     for number in cells:
         committed.cells[number].outputs = executed.cells[number].outputs
     still = stale_listings(committed, library)
@@ -65,6 +70,11 @@ def splice(prefix, library=None):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prefixes", nargs="+")
+    parser.add_argument("--record-cells", type=int, nargs="*", default=(),
+                        help="cells (of the one chapter named) whose output comes from stored records alone")
+    args = parser.parse_args()
+    if args.record_cells and len(args.prefixes) != 1:
+        parser.error("--record-cells names cells of one chapter")
     library = course_library()
-    for prefix in parser.parse_args().prefixes:
-        print(prefix, "cells replaced:", splice(prefix, library))
+    for prefix in args.prefixes:
+        print(prefix, "cells replaced:", splice(prefix, library, args.record_cells))

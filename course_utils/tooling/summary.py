@@ -6,21 +6,25 @@ tests/test_readme.py checks that the README shows exactly this table, so the REA
 can only come from the records.
 """
 
-from ..core.labels import OURS, PEERS
+from ..core.labels import FA4, OURS, PEERS
 from ..measure.bench import load_record
 
 
-def _pick(rows, impl, causal, seq=4096, dim=128, dtype="float16"):
-    """The TFLOP/s of one row (backward records also time fwd+bwd: their "bwd" rows are the backward)."""
-    (row,) = [r for r in rows if r["impl"] == impl and r["causal"] == causal and r["seq"] == seq
-              and r["dim"] == dim and r["dtype"] == dtype and r.get("mode", "bwd") in ("fwd", "bwd")]
+def _pick(rows, impl, causal, seq=4096, dim=128, dtype="float16", optional=False):
+    """The TFLOP/s of one row (backward records also time fwd+bwd: their "bwd" rows are the backward); with
+    ``optional``, None where the record has no such row (FlashAttention-4 in records measured without it)."""
+    found = [r for r in rows if r["impl"] == impl and r["causal"] == causal and r["seq"] == seq
+             and r["dim"] == dim and r["dtype"] == dtype and r.get("mode", "bwd") in ("fwd", "bwd")]
+    if optional and not found:
+        return None
+    (row,) = found
     return row["tflops"]
 
 
 def headline_table():
-    lines = ["| pass (fp16, B=4, H=16, S=4096, D=128) | ours TFLOP/s | FlashAttention-2 | cuDNN | ours ÷ FA2 "
-             "| ours ÷ cuDNN |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| pass (fp16, B=4, H=16, S=4096, D=128) | ours TFLOP/s | FlashAttention-2 | cuDNN | FlashAttention-4 "
+             "| ours ÷ FA2 | ours ÷ cuDNN | ours ÷ FA4 |",
+             "|---|---|---|---|---|---|---|---|"]
     sources = []
     for label, name in (("forward (ch07 kernel, Hopper)", "ch07_forward_vs_peers_h100"),
                         ("forward (ch04 kernel)", "ch04_forward_final_h100"),
@@ -30,18 +34,25 @@ def headline_table():
         for causal in (False, True):
             ours = _pick(record["results"], OURS, causal)
             fa2, cudnn = (_pick(record["results"], p, causal) for p in PEERS)
+            fa4 = _pick(record["results"], FA4, causal, optional=True)
+            fa4_cells = ("–", "–") if fa4 is None else (f"{fa4:.0f}", f"{ours / fa4:.2f}×")
             lines.append(f"| {label}, {'causal' if causal else 'non-causal'} | {ours:.0f} | {fa2:.0f} | {cudnn:.0f} "
-                         f"| {ours / fa2:.2f}× | {ours / cudnn:.2f}× |")
+                         f"| {fa4_cells[0]} | {ours / fa2:.2f}× | {ours / cudnn:.2f}× | {fa4_cells[1]} |")
         m = record["machine"]
         timing = record.get("timing") or ""
         timing = ("synchronised after each call" if not timing else
                   "calls back to back, in changing orders" if "order changes" in timing else "calls back to back")
         sources.append(f"`figures/{name}.json` ({m['gpu']}, {m['date']}, {timing})")
     m = record["machine"]
+    # Records of 2026-11-28 06:10-06:13 UTC predate the version's field; the GPU bundle installed 4.0.0b36
+    # (../shared/gpu/make-fa4-bundle.sh pins it).
+    fa4_version = next((load_record(n)["machine"].get("flash_attn_4") for n in ("ch07_forward_vs_peers_h100",
+                        "ch08_backward_vs_peers_h100") if load_record(n)["machine"].get("flash_attn_4")), "4.0.0b36")
     lines.append("")
     lines.append(f"Measured side by side in one run per record: {', '.join(sources)}; torch {m['torch']}, "
                  f"tilelang {m['tilelang']}, CUDA {m['cuda']}, cuDNN {m['cudnn']}, driver {m['driver']}. "
-                 "FLOPs: forward 4·B·H·S²·D, backward 2.5× forward, both halved for causal.")
+                 "FLOPs: forward 4·B·H·S²·D, backward 2.5× forward, both halved for causal. FlashAttention-4 is "
+                 f"`flash-attn-4` {fa4_version}, timed where a record was measured with it installed (– elsewhere).")
     return "\n".join(lines)
 
 

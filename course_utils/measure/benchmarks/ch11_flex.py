@@ -35,7 +35,7 @@ from ...checking.validation import check_backward, check_forward
 from ...core.labels import OURS
 from ...kernels.flash_flex import flex_backward_kernels, flex_forward_kernel
 from ..bench import tflops, time_side_by_side
-from .common import backward_timer, in_parallel, random_inputs
+from .common import backward_timer, in_parallel, quiet_flash_attention_4_compiles, random_inputs
 
 __all__ = ["FLEX_SHAPE", "TORCH_FLEX", "TORCH_FLEX_FA4", "SDPA_MASKED", "OURS_NO_SKIP", "OURS_CAUSAL", "flex_cases",
            "flex_vs_peers", "packed_lengths"]
@@ -122,6 +122,7 @@ def _flash_backend(compiled_flex, score_mod, torch_mask, q, k, v):
         import flash_attn.cute  # noqa: F401
     except ImportError:
         return None
+    quiet_flash_attention_4_compiles()
 
     def on_fa4(q_, k_, v_):
         return compiled_flex(q_, k_, v_, score_mod=score_mod, block_mask=torch_mask,

@@ -2,6 +2,7 @@
 timing, a runner for tiling sweeps and one for the ablations (chapter 07's forward, chapter 08's backward)."""
 
 import itertools
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -12,8 +13,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ...core.labels import CUDNN, FA2, FA4
 from ..bench import attention_flops, tflops, time_side_by_side
 
-__all__ = ["SDPA_PEERS", "sdpa", "flash_attention_4", "peer_attentions", "comparison_shapes", "random_inputs",
-           "empty_query", "in_parallel", "sweep", "backward_timer", "AblationCase", "ablation"]
+__all__ = ["SDPA_PEERS", "sdpa", "flash_attention_4", "quiet_flash_attention_4_compiles", "peer_attentions",
+           "comparison_shapes", "random_inputs", "empty_query", "in_parallel", "sweep", "backward_timer",
+           "AblationCase", "ablation"]
 
 SDPA_PEERS = {FA2: SDPBackend.FLASH_ATTENTION, CUDNN: SDPBackend.CUDNN_ATTENTION}
 
@@ -36,6 +38,7 @@ def flash_attention_4():
         from flash_attn.cute import flash_attn_func
     except ImportError:
         return None
+    quiet_flash_attention_4_compiles()
 
     def attention(q, k, v, causal, window=None, sinks=None):
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
@@ -43,6 +46,13 @@ def flash_attention_4():
         return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
 
     return attention
+
+
+def quiet_flash_attention_4_compiles():
+    """FlashAttention-4 4.0.0b36's CuTe DSL warns at each first compile that an argument (``aux_data``) cannot
+    be a JIT argument: noise about the peer's own build, printed into notebooks with its install path."""
+    warnings.filterwarnings("ignore", message=r"Argument aux_data \(position \d+\) cannot be converted to a "
+                                              r"JitArgument")
 
 
 def peer_attentions(causal):
