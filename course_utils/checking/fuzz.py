@@ -628,14 +628,14 @@ def plant(name):
 
 def _forget_compiled_kernels():
     """Drop the front doors' kernel and plan caches, so that the next call builds its kernels again."""
-    from ..api import attention, flex, varlen_api
+    from ..api import attention, decode_api, flex, varlen_api
 
-    for module in (attention, varlen_api, flex):
+    for module in (attention, varlen_api, decode_api, flex):
         for value in vars(module).values():
             if hasattr(value, "cache_clear"):
                 value.cache_clear()
     attention._PLANS.clear()
-    varlen_api._PLANS.clear()
+    decode_api._PLANS.clear()
 # endregion
 
 
