@@ -131,6 +131,14 @@ MUTANTS += [
            "8-way bank conflicts"),
     Mutant("ch04_pipelined_gemm", "B not transposed",
            (("T.gemm(A_s, B_s, C_frag, transpose_B=True)", "T.gemm(A_s, B_s, C_frag)"),), "pipelined GEMM loop"),
+    # Right with the equal 64 × 64 × 64 tiles of the one case of old; the drawn tilings tell the block sizes apart.
+    Mutant("ch04_pipelined_gemm", "A's rows counted with block_N",
+           (("A[by * block_M, ko * block_K]", "A[by * block_N, ko * block_K]"),), "A's rows are counted with block_N"),
+    Mutant("ch04_pipelined_gemm", "K tiles counted with block_M",
+           (("T.ceildiv(K, block_K)", "T.ceildiv(K, block_M)"),), "the K loop counts its tiles in block_M"),
+    Mutant("ch04_pipelined_gemm", "B's K columns stepped with block_N",
+           (("B[bx * block_N, ko * block_K]", "B[bx * block_N, ko * block_N]"),),
+           "B's K columns are stepped with block_N"),
 ]
 VARIANTS += [
     Mutant("ch04_pipelined_gemm", "no annotation: TileLang's own choice is the swizzle",
