@@ -290,7 +290,8 @@ class GemmShape:
 def gemm_classes(shape):
     """The classes a GEMM shape (C = A Bᵀ, A [M, K], B [N, K], one block per block_M × block_N tile of C, a K loop
     over block_K) covers: each size ragged in its block and past two blocks (where an offset counted with another
-    block size differs, and still reads inside the matrix), the blocks' relation, and a K loop counted in another block size ending early."""
+    block size differs, and still reads inside the matrix), the blocks' relation, and a K loop counted in another
+    block size ending early."""
     s, out = shape, set()
     for name, size, block in (("M", s.M, s.block_M), ("N", s.N, s.block_N), ("K", s.K, s.block_K)):
         if size % block:
