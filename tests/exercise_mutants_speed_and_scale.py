@@ -253,6 +253,15 @@ MUTANTS += [
     Mutant("ch08_backward_step", "wait between the issues of dV and dQ",
            (("        issue_dv(PT_cast, dO_s, dv)\n", "        issue_dv(PT_cast, dO_s, dv)\n        wait(0)\n"),),
            "between the issues of dV, dQ and dK"),
+    # Right on the CPU (the last dK is complete when it is scaled there) and no step of the order check touches dk,
+    # but the scale reads and writes dK's accumulator while wait(1) leaves its wgmma running: only ptxas sees it.
+    Mutant("ch08_backward_step", "dK scaled by 1/√D in the last step, before the wait(0) (ptxas)",
+           (("            for j, d in tb.parallel(block_N, dim):\n                dk[j, d] *= 1 / dim ** 0.5\n", ""),
+            ("        wait(1)\n        T.copy(dq, dq_s)\n",
+             "        wait(1)\n        if qb == T.ceildiv(dQ_acc.shape[1], dq.shape[0]) - 1:\n"
+             "            for j, d in tb.parallel(dk.shape[0], dk.shape[1]):\n"
+             "                dk[j, d] *= 1 / int(dk.shape[1]) ** 0.5\n        T.copy(dq, dq_s)\n")),
+           "ptxas serialises every wgmma of the kernel (C751"),
 ]
 VARIANTS += [
     Mutant("ch08_backward_step", "dQ issued before dV (dK still last, so wait(1) retires both)",
