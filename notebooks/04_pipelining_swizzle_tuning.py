@@ -611,7 +611,8 @@ ch04.check_swizzle(swizzled_offset)
 # - **swizzled shared tiles**, asked for explicitly with `T.annotate_layout` (section 2). Layouts exist
 #   only on the GPU; the C backend's tiles are plain arrays, so annotate only when `tb.on_gpu`.
 #
-# The checker runs your kernel on the C backend against the float64 product, then lowers it for sm_80
+# The checker runs your kernel on the C backend against the float64 product, on ragged shapes whose
+# three block sizes all differ (so an offset counted with the wrong block shows), then lowers it for sm_80
 # and reads the generated code and the layouts TileLang kept: the buffers per tile, the `cp.async`
 # waits, and the wavefronts one `ldmatrix.x4` needs in each shared tile (the bank model above). It
 # also lowers it for sm_90a, where wgmma takes only swizzled operand tiles.

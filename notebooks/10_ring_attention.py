@@ -143,13 +143,10 @@ cu.check_true(torch.equal(ring.unshard_zigzag(shards, dim=0), x), "unshard_zigza
 
 # %% [markdown]
 # For each step, `ring.step_blocks` lists the kernel calls a rank makes: local query rows against
-# rows of the K/V shard it holds, and whether the block is a causal triangle. With the zigzag
-# split, the rank's own shard is one causal call (its tokens are in global order); a shard from
-# an earlier rank is seen by all of our queries up to its early chunk; a shard from a later rank
-# only by our late chunk, entirely. Every rank does half a block at every step.
-
-# %%
-show_source(ring.step_blocks, "blocks")
+# rows of the K/V shard it holds, and whether the block is a causal triangle. Which of a shard's
+# chunks our two chunks see, and how, is exercise (a) (the pictures above show it for four ranks);
+# the course's `step_blocks` is listed after the exercises. With the zigzag split every
+# rank does half a block at every step.
 
 # %% [markdown]
 # **Check.** For every number of ranks from 2 to 6, both layouts, causal or not: the blocks of
@@ -775,3 +772,17 @@ show_source(merge_attention)
 from course_utils.kernels.softmax import merge_attention_states
 
 show_source(merge_attention_states)
+
+
+# %% [markdown]
+# ## The course's code, listed (read after the exercises)
+#
+# The course's own code for what exercise (a) asked you to work out, kept until after it so that it
+# cannot give the answer away.
+
+# %% [markdown]
+# From section 2 · Causal attention: the kernel calls a rank makes while it holds a shard, for both
+# layouts.
+
+# %%
+show_source(ring.step_blocks, "blocks")

@@ -565,8 +565,9 @@ from course_utils.exercises import hint, solution  # noqa: F401  (help in tiers:
 # %% [markdown]
 # ### (a) ALiBi as a score_mod
 #
-# ALiBi adds to every score $\text{slope}_h \cdot (\text{kv\_idx} - \text{q\_idx})$: zero on the
-# diagonal, more negative the further back the key (it is used with a causal mask). Complete
+# ALiBi lowers every score in proportion to how far back its key lies: a key $d$ positions before
+# its query loses $\text{slope}_h \cdot d$ (head $h$'s slope), a key on the diagonal nothing (it is
+# used with a causal mask). Complete
 # `make_alibi`: `slope` is the captured handle of the slopes, one per query head; return a
 # `score_mod`. The checker compares it with the definition on tensors, then compiles it into the
 # forward and backward kernels and checks O, LSE and the gradients against float64.

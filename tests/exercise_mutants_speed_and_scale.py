@@ -131,6 +131,14 @@ MUTANTS += [
            "8-way bank conflicts"),
     Mutant("ch04_pipelined_gemm", "B not transposed",
            (("T.gemm(A_s, B_s, C_frag, transpose_B=True)", "T.gemm(A_s, B_s, C_frag)"),), "pipelined GEMM loop"),
+    # Right with the equal 64 × 64 × 64 tiles of the one case of old; the drawn tilings tell the block sizes apart.
+    Mutant("ch04_pipelined_gemm", "A's rows counted with block_N",
+           (("A[by * block_M, ko * block_K]", "A[by * block_N, ko * block_K]"),), "A's rows are counted with block_N"),
+    Mutant("ch04_pipelined_gemm", "K tiles counted with block_M",
+           (("T.ceildiv(K, block_K)", "T.ceildiv(K, block_M)"),), "the K loop counts its tiles in block_M"),
+    Mutant("ch04_pipelined_gemm", "B's K columns stepped with block_N",
+           (("B[bx * block_N, ko * block_K]", "B[bx * block_N, ko * block_N]"),),
+           "B's K columns are stepped with block_N"),
 ]
 VARIANTS += [
     Mutant("ch04_pipelined_gemm", "no annotation: TileLang's own choice is the swizzle",
@@ -245,6 +253,15 @@ MUTANTS += [
     Mutant("ch08_backward_step", "wait between the issues of dV and dQ",
            (("        issue_dv(PT_cast, dO_s, dv)\n", "        issue_dv(PT_cast, dO_s, dv)\n        wait(0)\n"),),
            "between the issues of dV, dQ and dK"),
+    # Right on the CPU (the last dK is complete when it is scaled there) and no step of the order check touches dk,
+    # but the scale reads and writes dK's accumulator while wait(1) leaves its wgmma running: only ptxas sees it.
+    Mutant("ch08_backward_step", "dK scaled by 1/√D in the last step, before the wait(0) (ptxas)",
+           (("            for j, d in tb.parallel(block_N, dim):\n                dk[j, d] *= 1 / dim ** 0.5\n", ""),
+            ("        wait(1)\n        T.copy(dq, dq_s)\n",
+             "        wait(1)\n        if qb == T.ceildiv(dQ_acc.shape[1], dq.shape[0]) - 1:\n"
+             "            for j, d in tb.parallel(dk.shape[0], dk.shape[1]):\n"
+             "                dk[j, d] *= 1 / int(dk.shape[1]) ** 0.5\n        T.copy(dq, dq_s)\n")),
+           "ptxas serialises every wgmma of the kernel (C751"),
 ]
 VARIANTS += [
     Mutant("ch08_backward_step", "dQ issued before dV (dK still last, so wait(1) retires both)",

@@ -101,3 +101,23 @@ def test_residue_lengths_meet_every_edge_of_the_tile_and_the_page():
         assert {f"length ≡ {r} (mod {m})" for m in moduli for r in (0, 1, m - 1)} <= covered
         assert {"empty", "shorter than one tile", "past one page"} <= covered
         assert draw_residue_lengths(moduli, max_length=3 * max(moduli), seed=5) == lengths  # seeded
+
+
+def test_gemm_shapes_tell_the_block_sizes_apart():
+    """Chapter 04 (c)'s GEMM: every size ragged and past two blocks, three different block sizes, block_M < and >
+    block_N, and a K loop counted in block_M or block_N ending early, in two shapes, the same every time."""
+    from course_utils.exercises.shapes import GEMM_TILINGS, GemmShape, draw_gemm_shapes, gemm_classes
+
+    start = time.perf_counter()
+    shapes = draw_gemm_shapes(seed=4)
+    assert time.perf_counter() - start < 2.0
+    covered = set().union(*(gemm_classes(s) for s in shapes))
+    for name in "MNK":
+        assert {f"{name} not a multiple of block_{name}", f"{name} past two blocks"} <= covered
+    assert {"block_M < block_N", "block_M > block_N", "three different block sizes",
+            "fewer K tiles counted in block_M", "fewer K tiles counted in block_N"} <= covered
+    assert [(s.block_M, s.block_N, s.block_K) for s in shapes] == list(GEMM_TILINGS)
+    assert draw_gemm_shapes(seed=4) == shapes
+    # Equal tiles, the one case of old, cover none of the classes that tell the block sizes apart.
+    assert not {"three different block sizes", "fewer K tiles counted in block_M"} & gemm_classes(
+        GemmShape(96, 80, 160, 64, 64, 64))

@@ -1,7 +1,9 @@
 """Checkers for the exercises of chapter 04 (pipelining, swizzled layouts and tuning).
 
 The kernel exercise (c) is checked three ways: the learner's pipelined GEMM loop runs on TileLang's C
-backend against the float64 product; it is lowered for sm_80 (no GPU needed) and the generated code
+backend against the float64 product, on shapes drawn by ``shapes.draw_gemm_shapes`` (three different block
+sizes, each of M, N, K ragged), and a wrong product is matched against models of a size counted with the wrong
+block; it is lowered for sm_80 (no GPU needed) and the generated code
 and TileLang's inferred layouts say how many buffers each tile got, whether the copies are
 asynchronous (cp.async) and how many wavefronts an ``ldmatrix`` needs in each shared tile (the bank
 model of ``course_utils.pictures.banks``); and it must lower for sm_90a too, where wgmma accepts only swizzled
@@ -16,8 +18,9 @@ import torch
 
 from ..pictures import banks, layouts
 from .common import ExerciseWrong, check_exercise
-from .kernels import KernelCase, build, check_kernel
+from .kernels import KernelCase, Suspect, build, check_kernel, same_outputs
 from .late_tools import c_lowering, surfacing_warnings
+from .shapes import draw_gemm_shapes
 
 __all__ = ["check_bank_of", "check_swizzle", "check_pipelined_gemm", "HINTS"]
 
@@ -89,12 +92,73 @@ def check_swizzle(fn, rows=64, cols=64):
 _GPU_SHAPE = (256, 256, 1024)  # M, N, K of the lowered kernel: 16 K tiles of 64
 
 
-def _gemm_case():
-    g = torch.Generator().manual_seed(4)
-    a, b = torch.randn(96, 160, generator=g), torch.randn(80, 160, generator=g)  # ragged M, N and K
-    return [KernelCase("M=96, N=80, K=160, 64 × 64 × 64 tiles (float32, C backend)", (96, 80, 160),
-                       dict(dtype="float32"), [2], lambda kernel: {"C": kernel(a, b)},
-                       {"C": a.double() @ b.double().T})]
+def _gemm_model(a, b, shape, *, a_rows="M", b_rows="N", a_cols="K", b_cols="K", count="K", floor=False,
+                swapped=False):
+    """C = A Bᵀ in float64 as the learner's K loop computes it, tile by tile, with one bug: the block size that
+    steps A's rows, B's rows, A's or B's K columns, or counts the K tiles (``"M"``, ``"N"``, ``"K"``); the K
+    tiles counted rounding down (``floor``); or the block indices bx and by swapped. A tile read past the end of
+    A or B holds zeros, as TileLang's guarded copy leaves it."""
+    block = {"M": shape.block_M, "N": shape.block_N, "K": shape.block_K}
+    M, N, K = shape.M, shape.N, shape.K
+
+    def tile(x, row, col, rows, cols):
+        out = torch.zeros(rows, cols, dtype=torch.float64)
+        part = x[max(row, 0):row + rows, max(col, 0):col + cols].double()
+        out[:part.shape[0], :part.shape[1]] = part
+        return out
+
+    c = torch.zeros(M, N, dtype=torch.float64)
+    tiles = K // block[count] if floor else -(-K // block[count])
+    for by in range(-(-M // shape.block_M)):
+        for bx in range(-(-N // shape.block_N)):
+            ra, rb = (bx, by) if swapped else (by, bx)
+            acc = torch.zeros(shape.block_M, shape.block_N, dtype=torch.float64)
+            for ko in range(tiles):
+                acc += tile(a, ra * block[a_rows], ko * block[a_cols], shape.block_M, shape.block_K) \
+                    @ tile(b, rb * block[b_rows], ko * block[b_cols], shape.block_N, shape.block_K).T
+            out = c[by * shape.block_M:(by + 1) * shape.block_M, bx * shape.block_N:(bx + 1) * shape.block_N]
+            out[:] = acc[:out.shape[0], :out.shape[1]]
+    return c
+
+
+def _gemm_cases():
+    """The drawn shapes (``shapes.draw_gemm_shapes``): three different block sizes, block_M < and > block_N, each
+    of M, N and K ragged and past one block, and block_K the smallest once (equal 64 × 64 × 64 tiles hid a size
+    counted with the wrong block)."""
+    cases = []
+    for index, shape in enumerate(draw_gemm_shapes(seed=4)):
+        g = torch.Generator().manual_seed(40 + index)
+        a, b = torch.randn(shape.M, shape.K, generator=g), torch.randn(shape.N, shape.K, generator=g)
+        cases.append(KernelCase(f"{shape.label()} (float32, C backend)", (shape.M, shape.N, shape.K),
+                                dict(block_M=shape.block_M, block_N=shape.block_N, block_K=shape.block_K,
+                                     dtype="float32"), [2], lambda kernel, a=a, b=b: {"C": kernel(a, b)},
+                                {"C": a.double() @ b.double().T}, data=dict(a=a, b=b, shape=shape)))
+    return cases
+
+
+def _gemm_suspect(message, **bug):
+    def test(case, got, kernel):
+        return same_outputs(got, {"C": _gemm_model(case.data["a"], case.data["b"], case.data["shape"], **bug)})
+    return Suspect(message, test)
+
+
+_OWN = "Count each tile with its own block size (equal tiles hide the slip)."
+_GEMM_SUSPECTS = [
+    _gemm_suspect(f"A's rows are counted with block_N: row block by starts at by · block_M. {_OWN}", a_rows="N"),
+    _gemm_suspect(f"A's rows are counted with block_K: row block by starts at by · block_M. {_OWN}", a_rows="K"),
+    _gemm_suspect(f"B's rows are counted with block_M: column block bx of C reads B from bx · block_N. {_OWN}",
+                  b_rows="M"),
+    _gemm_suspect(f"B's rows are counted with block_K: column block bx of C reads B from bx · block_N. {_OWN}",
+                  b_rows="K"),
+    *(_gemm_suspect(f"{operand}'s K columns are stepped with block_{size}: tile ko starts at column ko · block_K. "
+                    f"{_OWN}", **{f"{operand.lower()}_cols": size}) for operand in "AB" for size in "MN"),
+    *(_gemm_suspect(f"the K loop counts its tiles in block_{size}: T.ceildiv(K, block_K) tiles of block_K. {_OWN}",
+                    count=size) for size in "MN"),
+    _gemm_suspect("the K loop rounds its tile count down (K // block_K): the last, partial K tile is never added. "
+                  "Use T.ceildiv(K, block_K).", floor=True),
+    _gemm_suspect("bx and by are swapped: by walks the row blocks of C (and of A), bx its column blocks (and B's "
+                  "rows).", swapped=True),
+]
 
 
 def _buffers(layout):
@@ -121,8 +185,9 @@ def check_pipelined_gemm(factory):
 def _check_pipelined_gemm(factory):
     name = "pipelined GEMM loop"
     with contextlib.redirect_stdout(io.StringIO()):  # one ✓ at the end, after the GPU checks too
-        check_kernel(name, factory, _gemm_case, hint="Hint: copy row block by of A and column block bx of B at "
-                     "column ko · block_K, and multiply with transpose_B=True (C = A Bᵀ).")
+        check_kernel(name, factory, _gemm_cases, suspects=_GEMM_SUSPECTS,
+                     hint="Hint: copy row block by of A and column block bx of B at column ko · block_K, and "
+                          "multiply with transpose_B=True (C = A Bᵀ).")
     ampere = _lower(name, factory, "sm_80")
     if "cp_async" not in ampere.source:
         raise ExerciseWrong(f"✗ {name}: the sm_80 code has no cp.async: every copy is a plain load and store "
@@ -151,6 +216,6 @@ def _check_pipelined_gemm(factory):
                                 "make_swizzled_layout.")
         report.append(f"{buf} {ldmatrix['yours']}")
     _lower(name, factory, "sm_90a")
-    print(f"✓ {name}: right on the C backend (ragged M, N, K); sm_80: 2 buffers per tile "
-          f"(cp_async_wait<{max(waits)}>), {ampere.shared_bytes // 1024} KB shared; "
+    print(f"✓ {name}: right on the C backend (drawn shapes: M, N, K ragged, three different block sizes); "
+          f"sm_80: 2 buffers per tile (cp_async_wait<{max(waits)}>), {ampere.shared_bytes // 1024} KB shared; "
           f"wavefronts per ldmatrix.x4: {', '.join(report)} (ideal {ldmatrix['ideal']}); lowers for sm_90a too")

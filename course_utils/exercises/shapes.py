@@ -17,7 +17,8 @@ shapes are drawn to cover them:
 ``draw_shapes`` is seeded and greedy: from candidate sequence lengths it keeps the shape that adds the most
 classes still missing, until the required ones are covered; ``shape_classes`` names what one shape covers
 (for the tests and the tables). Every kernel checker and chapter 05's end-to-end check use it; chapter 07's
-rotated loop, whose key length is a whole number of blocks, draws from ``draw_whole_blocks``.
+rotated loop, whose key length is a whole number of blocks, draws from ``draw_whole_blocks``, and chapter 04's
+GEMM, whose tiles are three block sizes, from ``draw_gemm_shapes``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 __all__ = ["Shape", "shape_classes", "required_classes", "draw_shapes", "attention_inputs", "HEAD_KINDS",
            "KEY_WALK_TILINGS", "QUERY_WALK_TILINGS", "describe",
            "draw_lengths", "WHOLE_BLOCK_TILINGS", "whole_block_classes", "draw_whole_blocks",
-           "length_classes", "draw_residue_lengths"]
+           "length_classes", "draw_residue_lengths", "GemmShape", "GEMM_TILINGS", "gemm_classes",
+           "draw_gemm_shapes"]
 
 # A query block walking key blocks counts its stop in block_N; a key block walking query blocks its start in block_M.
 KEY_WALK_TILINGS = ((3, 4), (6, 4))    # (block_M, block_N): block_M < block_N and block_M > block_N
@@ -264,6 +266,67 @@ def draw_residue_lengths(moduli, *, max_length, seed=0, limit=6):
         left -= length_classes(best, moduli)
     if left:
         raise ValueError(f"draw_residue_lengths({moduli}): {limit} lengths leave {sorted(left)} uncovered")
+    return chosen
+
+
+# A GEMM's tiles (chapter 04 (c)): three different block sizes, block_M < block_N in one tiling and > in the other,
+# and block_K the smallest in one, so that a K loop counted in block_M or block_N ends before the last K tile.
+GEMM_TILINGS = ((32, 16, 8), (16, 32, 24))
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    M: int
+    N: int
+    K: int
+    block_M: int
+    block_N: int
+    block_K: int
+
+    def label(self):
+        return f"M={self.M}, N={self.N}, K={self.K}, {self.block_M} × {self.block_N} × {self.block_K} tiles"
+
+
+def gemm_classes(shape):
+    """The classes a GEMM shape (C = A Bᵀ, A [M, K], B [N, K], one block per block_M × block_N tile of C, a K loop
+    over block_K) covers: each size ragged in its block and past two blocks (where an offset counted with another
+    block size differs, and still reads inside the matrix), the blocks' relation, and a K loop counted in another
+    block size ending early."""
+    s, out = shape, set()
+    for name, size, block in (("M", s.M, s.block_M), ("N", s.N, s.block_N), ("K", s.K, s.block_K)):
+        if size % block:
+            out.add(f"{name} not a multiple of block_{name}")
+        if size > 2 * block:  # an offset counted with a smaller or larger block still lands inside the matrix
+            out.add(f"{name} past two blocks")
+    out.add(_relation(s.block_M, s.block_N, "block_M", "block_N"))
+    if len({s.block_M, s.block_N, s.block_K}) == 3:
+        out.add("three different block sizes")
+    for name, block in (("M", s.block_M), ("N", s.block_N)):
+        # K > block: a K step of block_M lands inside K, so it reads other columns than a loop that stops early
+        if -(-s.K // block) < -(-s.K // s.block_K) and s.K > block:
+            out.add(f"fewer K tiles counted in block_{name}")
+    return frozenset(out)
+
+
+def draw_gemm_shapes(tilings=GEMM_TILINGS, *, seed=0, max_size=100, candidates=3000):
+    """One ``GemmShape`` per tiling, together covering every class ``gemm_classes`` names for the tilings: seeded
+    candidates (sizes up to ``max_size``), each tiling taking the one that adds the most classes still missing
+    (the smallest product M·N·K breaks ties: a compiled case runs in well under a second)."""
+    rng = random.Random(seed)
+    required = {f"{name} {what}" for name in "MNK" for what in (f"not a multiple of block_{name}", "past two blocks")}
+    required |= {"block_M < block_N", "block_M > block_N", "three different block sizes",
+                 "fewer K tiles counted in block_M", "fewer K tiles counted in block_N"}
+    required &= set().union(*(gemm_classes(GemmShape(max_size - 1, max_size - 1, max_size - 1, *t)) for t in tilings))
+    chosen, missing = [], set(required)
+    for tiling in tilings:
+        pool = [GemmShape(rng.randint(1, max_size), rng.randint(1, max_size), rng.randint(1, max_size), *tiling)
+                for _ in range(candidates)]
+        best = max(pool, key=lambda s: (len(gemm_classes(s) & missing), len(gemm_classes(s) & required),
+                                        -(s.M * s.N * s.K)))
+        chosen.append(best)
+        missing -= gemm_classes(best)
+    if missing:
+        raise ValueError(f"draw_gemm_shapes({tilings}): {sorted(missing)} uncovered")
     return chosen
 
 
