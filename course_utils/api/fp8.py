@@ -21,8 +21,8 @@ from ..kernels.tiles import compile_kernel
 from .inputs import check_sm_scale
 
 __all__ = ["flash_attention_fp8", "quantise_blocks", "quantise_tensor", "random_hadamard", "fp8_error_bound",
-           "emulate_fp8_forward", "FP8_TILE", "FP8_DTYPES", "E4M3_MAX", "P_SCALE", "E4M3_UNIT_ROUNDOFF",
-           "E4M3_SUBNORMAL_SPACING"]
+           "emulate_fp8_forward", "quantise_inputs", "FP8_TILE", "FP8_DTYPES", "E4M3_MAX", "P_SCALE",
+           "E4M3_UNIT_ROUNDOFF", "E4M3_SUBNORMAL_SPACING"]
 
 FP8_TILE = 16  # block_M = block_N on the C backend: the blocks the Q and K descales belong to
 FP8_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # inputs quantised to e4m3 by the producer step
@@ -105,8 +105,9 @@ def _compiled(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale):
     return compile_kernel(kernel, out_idx=[6, 7], target="c")
 
 
-def _quantised(q, k, v, hadamard, seed):
-    """The producer step: (q8, k8, v8 as float32 e4m3 values, their descales)."""
+def quantise_inputs(q, k, v, hadamard=False, seed=0):
+    """The producer step: ((q8, k8, v8) as float32 tensors of e4m3 values, their descales {"Q", "K", "V"}); with
+    ``hadamard``, Q and K rotated by ``random_hadamard(D, seed)`` first."""
     if hadamard:
         rotation = random_hadamard(q.shape[-1], seed).to(torch.float32)
         q, k = q.float() @ rotation, k.float() @ rotation
@@ -126,7 +127,7 @@ def flash_attention_fp8(q, k, v, *, causal=False, sm_scale=None, hadamard=False,
     float32, with ``return_lse``). Raises ``ValueError`` for inputs it does not take (see ``_check_fp8_inputs``).
     """
     _check_fp8_inputs(q, k, v, sm_scale)
-    (q8, k8, v8), descales = _quantised(q, k, v, hadamard, hadamard_seed)
+    (q8, k8, v8), descales = quantise_inputs(q, k, v, hadamard, hadamard_seed)
     _check_descales(descales)
     batch, heads, seq_q, dim = q.shape
     kernel = _compiled(batch, heads, k.shape[1], seq_q, k.shape[2], dim, bool(causal), sm_scale)
@@ -145,7 +146,7 @@ def fp8_error_bound(q, k, v, *, causal=False, sm_scale=None, hadamard=False, had
     to what each value row contributes. The bound is the sum: max|v| (e^{2 max_j E_ij} − 1) + max|v| (2u + u²)
     + S_k · 2⁻¹⁰/P_SCALE · max|v| + V's absolute term. float32 accumulation is far below it (D ≤ 128 terms).
     """
-    (q8, k8, v8), descales = _quantised(q, k, v, hadamard, hadamard_seed)
+    (q8, k8, v8), descales = quantise_inputs(q, k, v, hadamard, hadamard_seed)
     del q8, k8, v8
     if hadamard:
         rotation = random_hadamard(q.shape[-1], hadamard_seed)
@@ -195,7 +196,9 @@ def emulate_fp8_forward(q8, k8, v8, descales, *, causal=False, sm_scale=None, bl
         for kb in range(-(-seq_k // block_N)):
             keys = torch.arange(kb * block_N, min(seq_k, (kb + 1) * block_N))
             qd = q_descale[..., qb, None, None]
-            kd = k_descale[..., qb if "K descale of the query block" in bugs else kb, None, None]
+            # The bug reads the query block's entry (the last key block's where there is none).
+            k_block = min(qb, k_descale.shape[-1] - 1) if "K descale of the query block" in bugs else kb
+            kd = k_descale[..., k_block, None, None]
             factor = scale_log2 * (1 if "no descale" in bugs else qd * kd * (qd if "q descale twice" in bugs else 1))
             s = (q8[:, :, rows] @ k8[:, :, keys].transpose(-1, -2)) * factor
             if causal:
