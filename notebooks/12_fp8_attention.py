@@ -34,8 +34,9 @@
 #
 # **What runs where.** Everything in this chapter runs on the CPU: the kernel is chapter 03's loop written for FP8,
 # run on TileLang's C backend, which has no FP8 arithmetic; the kernel keeps e4m3 values in float32 tiles and rounds
-# P to e4m3 itself, so every rounding the GPU would make happens here too. An FP8 kernel for sm_90a has not been
-# written or run yet; section 7 says what that needs.
+# P to e4m3 itself, so every rounding the GPU would make happens here too. The same source lowers to FP8 `wgmma`
+# for sm_90a and compiles with nvcc (section 7), but it has not run on a GPU yet: its speed and its error on the
+# H100 are pending.
 
 # %%
 # %config InlineBackend.figure_format = "png"
@@ -354,9 +355,10 @@ cu.claim_change("RMS error of O with outlier channels", rms["plain"], rms["Hadam
 # So V has to be transposed, to `Vᵀ [D, keys]` with keys contiguous: either in a producer step before the kernel
 # (one more pass over V in HBM), or inside the kernel, where FlashAttention-3's producer warpgroup transposes each V
 # tile in shared memory (`ldmatrix`/`stmatrix`) while the consumers compute. A second, smaller mismatch: the FP8
-# accumulator layout of `S` in registers is not the layout FP8 `wgmma` wants for its register operand A, so P's
-# bytes are permuted within each thread before `P V`. The C backend has no layouts, which is why this section is
-# prose; the strides below are the two orders of V, as a producer step would make them:
+# accumulator layout of `S` in registers is not the layout FP8 `wgmma` wants for its register operand A, so
+# FlashAttention-3 permutes P's bytes within each thread before `P V`; the course's sm_90a variant (section 7)
+# sidesteps it by writing P to shared memory, at the cost of that round trip. The C backend has no layouts, so
+# here the strides show the two orders of V, as a producer step would make them:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -367,15 +369,46 @@ for name, tile, dims in (("V  [keys, D]", v_tile, ("keys", "D")), ("Vᵀ [D, key
     print(f"{name}: strides {tile.stride()}, consecutive addresses run along {along} → {order}")
 
 # %% [markdown]
-# ## 7 · On the H100: pending
+# ## 7 · The same source for the H100: lowered, compiled, not yet run
 #
-# The measurement this chapter is for (the FP8 forward's speed against the course's bf16 forward at D = 128 and
-# long sequences, and its error next to an FP8 peer's on the same inputs) needs an FP8 kernel for sm_90a: this
-# kernel with `T.gemm` on e4m3 tiles in shared memory, V transposed, and P permuted in registers. It has not been
-# written or run on a GPU yet, so there is no record; the cell below shows one once it exists.
+# `flash_fwd_fp8_kernel` is one source for both targets, like every kernel of the course. For `target="cuda"` its
+# tiles are `float8_e4m3`, the copy of P into its FP8 tile converts (the hardware rounds to nearest even and
+# saturates), and V arrives as Vᵀ `[B, H_kv, D, S_k]` from the producer step, for section 6's reason. TileLang
+# lowers it for sm_90a without a GPU; both products become FP8 `wgmma` reading shared memory, fed by TMA:
 
 # %%
-rec = cu.bench.stored_record("ch12_fp8_h100", needs="an FP8 kernel for sm_90a, which this chapter does not have yet")
+from course_utils.core.source import cuda_source, grep, ptxas_report  # noqa: E402
+
+hopper = flash_fwd_fp8_kernel(1, 16, 4096, 4096, 128, causal=True, block_M=128, block_N=128, threads=256,
+                              num_stages=2, target="cuda")
+src_fp8 = cuda_source(hopper, arch="sm_90a")
+grep(src_fp8, r"wgmma_ss<", max_hits=2, width=120)
+grep(src_fp8, r"tma_load\(V_desc", max_hits=1, width=120)
+cu.check_true(src_fp8.count("wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 2,
+              "both products are FP8 wgmma (e4m3 × e4m3, float32 accumulators)")
+
+# %% [markdown]
+# And ptxas compiles the generated CUDA (nvcc, no GPU needed; skipped where nvcc is not installed). No spills is a
+# necessary condition for speed, not evidence of it.
+
+# %%
+report = ptxas_report(src_fp8)
+if report is None:
+    print("nvcc is not installed here: ptxas was not run")
+else:
+    print("\n".join(line for line in report if "registers" in line or "spill" in line))
+    cu.check_true(any("0 bytes spill stores, 0 bytes spill loads" in line for line in report),
+                  "ptxas compiles the FP8 kernel for sm_90a without spilling registers")
+
+# %% [markdown]
+# **What is pending.** This variant has not run on a GPU: nothing above says it computes the right answer there or
+# how fast it is, so `flash_attention_fp8` refuses CUDA tensors. The measurement this chapter is for (the FP8
+# forward's speed against the course's bf16 forward at D = 128 and long sequences, its error against float64 next
+# to an FP8 peer's on the same inputs) needs an H100 run: first its check against the CPU emulation of section 4,
+# then the timings. There is no record yet; the cell below shows one once it exists.
+
+# %%
+rec = cu.bench.stored_record("ch12_fp8_h100", needs="the sm_90a variant above, checked on the GPU, then timed")
 if rec is None:
     print("The H100 measurement is pending: no FP8 speed or GPU error is shown until figures/ch12_fp8_h100.json "
           "exists.")
@@ -397,7 +430,8 @@ if rec is None:
 #   error on this chapter's outlier inputs (the claim of section 5).
 # - FP8 `wgmma` reads only K-major operands: Q and K are, V is not, so V is transposed before `P V`.
 # - The error is checked in two parts: equal to the float64 emulation of the same roundings, and within a
-#   worst-case FP8 bound of exact attention. The speed on the H100 waits for the sm_90a kernel.
+#   worst-case FP8 bound of exact attention. The sm_90a variant lowers to FP8 `wgmma` and compiles; its run on
+#   the H100 (correctness there, then speed) is pending.
 
 # %% [markdown]
 # ## Exercises

@@ -93,3 +93,19 @@ def test_unsupported_inputs_raise_a_clear_error(what, args, kwargs, words):
     x = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match=words):
         fp8.flash_attention_fp8(*args(x), **kwargs)
+
+
+def test_the_sm90a_variant_lowers_to_fp8_wgmma_and_compiles():
+    """The same source with FP8 tiles lowers for sm_90a to FP8 wgmma and ptxas compiles it without spills (no GPU:
+    it has not run; ``flash_attention_fp8`` refuses CUDA tensors until it has been checked there)."""
+    from course_utils.core.source import cuda_source, ptxas_report
+    from course_utils.kernels.flash_fwd_fp8 import flash_fwd_fp8_kernel
+
+    kernel = flash_fwd_fp8_kernel(1, 16, 4096, 4096, 128, causal=True, block_M=128, block_N=128, threads=256,
+                                  num_stages=2, target="cuda")
+    source = cuda_source(kernel, arch="sm_90a")
+    assert source.count("wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 2
+    report = ptxas_report(source)
+    if report is None:
+        pytest.skip("nvcc is not installed")
+    assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report

@@ -5,7 +5,8 @@ keys (one descale per tile the kernel loads), V per (batch, K/V head), each to e
 maps the block's largest magnitude to 448. With ``hadamard=True`` Q and K are first rotated by the same
 random orthogonal matrix ``H·diag(±1)/√D``, which leaves Q Kᵀ unchanged and spreads an outlier channel over
 every channel (FlashAttention-3's incoherent processing). The kernel (``kernels.flash_fwd_fp8``) runs on
-TileLang's C backend with FP8 rounding emulated in float32; an FP8 kernel for sm_90a is not part of it yet.
+TileLang's C backend with FP8 rounding emulated in float32; its sm_90a variant lowers and compiles, and has not
+run on a GPU yet, so CUDA tensors are refused.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def _check_fp8_inputs(q, k, v, sm_scale):
         raise ValueError(f"flash_attention_fp8 quantises float32, float16 or bfloat16 inputs; got {q.dtype} "
                          "(already-quantised FP8 tensors are not taken: pass the values they stand for)")
     if q.device.type != "cpu":
-        raise ValueError("flash_attention_fp8 runs its FP8-emulating kernel on the CPU only; the FP8 kernel for "
-                         f"sm_90a is not written yet (got device {q.device})")
+        raise ValueError("flash_attention_fp8 runs its FP8-emulating kernel on the CPU only: its sm_90a variant "
+                         f"lowers and compiles but has not been run or checked on a GPU yet (got device {q.device})")
     if q.shape[-1] not in FP8_HEAD_DIMS:
         raise ValueError(f"flash_attention_fp8: head_dim must be one of {FP8_HEAD_DIMS}; got {q.shape[-1]}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

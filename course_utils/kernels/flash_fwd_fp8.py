@@ -15,6 +15,11 @@ as FlashAttention-3 does it in FP8:
 The C backend has no FP8 arithmetic: ``round_to_e4m3`` rounds a float32 to the nearest e4m3 value
 (ties to even, as a hardware conversion does) and the products run in float32, which holds the product
 of two e4m3 numbers exactly. The matmuls' float32 accumulation is what the tensor cores do too.
+
+For ``target="cuda"`` the same source declares its tiles ``float8_e4m3``: the two ``T.gemm`` calls become FP8
+``wgmma`` for sm_90a, P is converted by the copy into its FP8 tile, and V arrives transposed (``[B, H_kv, D,
+S_k]``, keys contiguous), because FP8 ``wgmma`` reads only K-major operands. That variant lowers and compiles
+with nvcc (chapter 12, section 7); it has not run on a GPU yet.
 """
 
 import tilelang.language as T
@@ -52,7 +57,7 @@ def fp8_tile_step(tb, p, block_M, block_N):
     def tile_step(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, alpha, l, row_sum, q_descale, k_descale, qb, kb):
         # region: scores
         T.clear(S)
-        T.gemm(Q_s, K_s, S, transpose_B=True)
+        T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         # The Q block's and the K tile's descales join sm_scale · log2(e): one multiply per score, as before.
         exponent_scale = q_descale * k_descale * p.scale_log2
         for i, j in tb.parallel(block_M, block_N):
@@ -72,43 +77,53 @@ def fp8_tile_step(tb, p, block_M, block_N):
             l[i] = l[i] * alpha[i] + row_sum[i]
         # endregion
         # region: quantise P
-        for i, j in tb.parallel(block_M, block_N):
-            P[i, j] = round_to_e4m3(S[i, j] * P_SCALE)
+        if tb.on_gpu:  # the copy into the FP8 tile converts (round to nearest even, saturating)
+            for i, j in tb.parallel(block_M, block_N):
+                S[i, j] *= P_SCALE
+            T.copy(S, P)
+        else:
+            for i, j in tb.parallel(block_M, block_N):
+                P[i, j] = round_to_e4m3(S[i, j] * P_SCALE)
         # endregion
         for i, j in tb.parallel(block_M, acc_o.shape[1]):
             acc_o[i, j] *= alpha[i]
-        T.gemm(P, V_s, acc_o)
+        # On the GPU V_s holds a tile of Vᵀ [D, keys]: FP8 wgmma reads its B operand K-major only.
+        T.gemm(P, V_s, acc_o, transpose_B=tb.on_gpu, policy=T.GemmWarpPolicy.FullRow)
 
     return tile_step
 
 
 def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, sm_scale=None,
-                         block_M=16, block_N=16, target="c"):
-    """A ``@T.prim_func`` (Q, K, V, Q_descale, K_descale, V_descale) -> (O, LSE), float32 tiles holding e4m3 values.
+                         block_M=16, block_N=16, threads=256, num_stages=1, target="c"):
+    """A ``@T.prim_func`` (Q, K, V, Q_descale, K_descale, V_descale) -> (O, LSE) on e4m3 values: float32 tiles
+    holding them on the C backend, ``float8_e4m3`` tiles on CUDA (not run on a GPU yet).
 
-    Q [B, H, S_q, D], K/V [B, H_kv, S_k, D]; Q_descale [B, H, ⌈S_q/block_M⌉], K_descale [B, H_kv, ⌈S_k/block_N⌉],
-    V_descale [B, H_kv]: a quantised value times its descale is the input it stands for. The LSE is the natural
-    log of the row's denominator of the scaled scores, as ``flash_attention``'s.
+    Q [B, H, S_q, D], K [B, H_kv, S_k, D], V [B, H_kv, S_k, D] on the C backend and Vᵀ [B, H_kv, D, S_k] on CUDA;
+    Q_descale [B, H, ⌈S_q/block_M⌉], K_descale [B, H_kv, ⌈S_k/block_N⌉], V_descale [B, H_kv]: a quantised value
+    times its descale is the input it stands for. O is float32; the LSE is the natural log of the row's
+    denominator of the scaled scores, as ``flash_attention``'s.
     """
     tb = TileBackend(target)
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, sm_scale=sm_scale)
     f32 = "float32"
+    fp8 = "float8_e4m3" if tb.on_gpu else f32  # the C backend keeps e4m3 values in float32
+    v_shape = [batch, p.heads_kv, dim, seq_k] if tb.on_gpu else [batch, p.heads_kv, seq_k, dim]
     q_blocks, k_blocks = p.blocks(seq_q, block_M), p.blocks(seq_k, block_N)
     tile_step = fp8_tile_step(tb, p, block_M, block_N)
 
     # region: launch
     @T.prim_func
-    def flash_fwd_fp8(Q: T.Tensor([batch, heads, seq_q, dim], f32), K: T.Tensor([batch, p.heads_kv, seq_k, dim], f32),
-                      V: T.Tensor([batch, p.heads_kv, seq_k, dim], f32),
+    def flash_fwd_fp8(Q: T.Tensor([batch, heads, seq_q, dim], fp8), K: T.Tensor([batch, p.heads_kv, seq_k, dim], fp8),
+                      V: T.Tensor(v_shape, fp8),
                       Q_descale: T.Tensor([batch, heads, q_blocks], f32),
                       K_descale: T.Tensor([batch, p.heads_kv, k_blocks], f32),
                       V_descale: T.Tensor([batch, p.heads_kv], f32),
                       O: T.Tensor([batch, heads, seq_q, dim], f32), LSE: T.Tensor([batch, heads, seq_q], f32)):
-        with tb.kernel(q_blocks, heads, batch, threads=128) as (qb, h, b):
+        with tb.kernel(q_blocks, heads, batch, threads=threads) as (qb, h, b):
             # endregion
-            Q_s = tb.shared([block_M, dim], f32)
-            K_s, V_s = tb.shared([block_N, dim], f32), tb.shared([block_N, dim], f32)
-            S, P = tb.fragment([block_M, block_N], f32), tb.shared([block_M, block_N], f32)
+            Q_s, K_s = tb.shared([block_M, dim], fp8), tb.shared([block_N, dim], fp8)
+            V_s = tb.shared([dim, block_N] if tb.on_gpu else [block_N, dim], fp8)
+            S, P = tb.fragment([block_M, block_N], f32), tb.shared([block_M, block_N], fp8)
             acc_o = tb.fragment([block_M, dim], f32)
             m, m_prev, alpha, l, row_sum, lse = (tb.fragment([block_M], f32) for _ in range(6))
             kv_head = h // p.group
@@ -117,9 +132,12 @@ def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, caus
             T.fill(l, 0)
             T.fill(m, NEG_INF)
             k_start, k_end = key_block_range(p, qb, block_M, block_N)
-            for kb in T.Pipelined(k_start, k_end, num_stages=1):
+            for kb in T.Pipelined(k_start, k_end, num_stages=num_stages):
                 T.copy(K[b, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s)
-                T.copy(V[b, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s)
+                if tb.on_gpu:
+                    T.copy(V[b, kv_head, :, kb * block_N:(kb + 1) * block_N], V_s)
+                else:
+                    T.copy(V[b, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s)
                 tile_step(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, alpha, l, row_sum, Q_descale[b, h, qb],
                           K_descale[b, kv_head, kb], qb, kb)
             # region: epilogue
