@@ -31,7 +31,7 @@ __all__ = ["flash_fwd_fp8_kernel", "round_to_e4m3", "fp8_tile_step", "E4M3_MAX",
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value (the "fn" variant: no infinities)
 # P ≤ 1 is multiplied by this before rounding: a power of two (its descale is exact) that puts P = 1 at
-# e4m3's exponent 8, so probabilities down to 2⁻¹⁵ keep full precision instead of falling into subnormals.
+# e4m3's exponent 8, so probabilities down to 2⁻¹⁴ keep full precision instead of falling into subnormals.
 P_SCALE = 256.0
 _E4M3_MIN_EXPONENT = -6  # the smallest normal e4m3 number is 2⁻⁶; below it the spacing stays 2⁻⁹
 _E4M3_MANTISSA_BITS = 3
