@@ -22,8 +22,8 @@ from ..kernels.tiles import compile_kernel
 from .inputs import check_sm_scale
 
 __all__ = ["flash_attention_fp8", "quantise_blocks", "quantise_tensor", "random_hadamard", "fp8_error_bound",
-           "emulate_fp8_forward", "quantise_inputs", "FP8_TILE", "FP8_DTYPES", "E4M3_MAX", "P_SCALE",
-           "E4M3_UNIT_ROUNDOFF", "E4M3_SUBNORMAL_SPACING"]
+           "emulate_fp8_forward", "within_ties", "TIE_MARGIN", "quantise_inputs", "FP8_TILE", "FP8_DTYPES",
+           "E4M3_MAX", "P_SCALE", "E4M3_UNIT_ROUNDOFF", "E4M3_SUBNORMAL_SPACING"]
 
 FP8_TILE = 16  # block_M = block_N on the C backend: the blocks the Q and K descales belong to
 FP8_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # inputs quantised to e4m3 by the producer step
@@ -174,8 +174,29 @@ def fp8_error_bound(q, k, v, *, causal=False, sm_scale=None, hadamard=False, had
     return weights + v_max * (2 * u + u * u + seq_k * half_subnormal / P_SCALE) + v_absolute
 
 
+# How close to the midpoint of two e4m3 values, in units of their spacing, a P · P_SCALE of the emulation may be for
+# the kernel's float32 arithmetic (another summation order, exp2f) to round it to the other one.
+TIE_MARGIN = 1e-2
+
+
+def _tie_spacing(x):
+    """The spacing of e4m3 values around ``x ≥ 0`` where ``x`` lies within TIE_MARGIN of a rounding midpoint, else 0."""
+    exponent = torch.floor(torch.log2(x.clamp(min=2.0 ** -30))).clamp(min=-6)
+    spacing = torch.exp2(exponent - 3)
+    fraction = x / spacing - torch.floor(x / spacing)
+    return torch.where((fraction - 0.5).abs() < TIE_MARGIN, spacing, torch.zeros_like(spacing))
+
+
+def within_ties(actual, emulated, slack):
+    """The reference ``actual`` is judged against: ``emulated`` moved towards ``actual`` by at most ``slack`` (what
+    P's near-ties may change, from ``emulate_fp8_forward(..., return_slack=True)``), so only differences beyond them
+    count."""
+    actual = actual.to(emulated.dtype)
+    return emulated + torch.nan_to_num(actual - emulated).clamp(-slack, slack)
+
+
 def emulate_fp8_forward(q8, k8, v8, descales, *, causal=False, sm_scale=None, block_M=FP8_TILE, block_N=FP8_TILE,
-                        dtype=torch.float64, bugs=()):
+                        dtype=torch.float64, bugs=(), return_slack=False):
     """The FP8 kernel's arithmetic in PyTorch, tile by tile (P is rounded against the running max of its tile, so
     the tiling matters): O and the natural-log LSE from quantised q8 [B, H, S_q, D], k8, v8 [B, H_kv, S_k, D] (e4m3
     values in any float dtype) and ``descales`` {"Q": [B, H, ⌈S_q/block_M⌉], "K": [B, H_kv, ⌈S_k/block_N⌉],
@@ -188,12 +209,13 @@ def emulate_fp8_forward(q8, k8, v8, descales, *, causal=False, sm_scale=None, bl
     q_descale = descales["Q"].to(dtype)
     k_descale, v_descale = (descales[n].to(dtype).repeat_interleave(group, 1) for n in ("K", "V"))
     scale_log2 = (1 / math.sqrt(dim) if sm_scale is None else sm_scale) * 1.4426950408889634
-    out = torch.zeros(batch, heads, seq_q, dim, dtype=dtype)
+    out, slack = torch.zeros(batch, heads, seq_q, dim, dtype=dtype), torch.zeros(batch, heads, seq_q, dim, dtype=dtype)
     lse = torch.full((batch, heads, seq_q), -math.inf, dtype=dtype)
     for qb in range(-(-seq_q // block_M)):
         rows = torch.arange(qb * block_M, min(seq_q, (qb + 1) * block_M))
         m = torch.full((batch, heads, len(rows)), -math.inf, dtype=dtype)
         l, acc = torch.zeros_like(m), torch.zeros(batch, heads, len(rows), dim, dtype=dtype)
+        acc_slack = torch.zeros_like(acc)
         for kb in range(-(-seq_k // block_N)):
             keys = torch.arange(kb * block_N, min(seq_k, (kb + 1) * block_N))
             qd = q_descale[..., qb, None, None]
@@ -210,7 +232,9 @@ def emulate_fp8_forward(q8, k8, v8, descales, *, causal=False, sm_scale=None, bl
             l = l * alpha + p.sum(-1)
             p8 = p * P_SCALE if "P not quantised" in bugs else (p * P_SCALE).float().to(torch.float8_e4m3fn).to(dtype)
             acc = acc * alpha[..., None] + p8 @ v8[:, :, keys]
+            acc_slack = acc_slack * alpha[..., None] + _tie_spacing(p * P_SCALE) @ v8[:, :, keys].abs()
         v_factor = 1 if "V descale missing" in bugs else v_descale[..., None, None]
         out[:, :, rows] = torch.where(l[..., None] == 0, 0.0, acc * v_factor / (P_SCALE * l[..., None]))
+        slack[:, :, rows] = torch.where(l[..., None] == 0, 0.0, acc_slack * v_factor / (P_SCALE * l[..., None]))
         lse[:, :, rows] = torch.where(l == 0, -math.inf, (m + torch.log2(l)) / 1.4426950408889634)
-    return out, lse
+    return (out, lse, slack) if return_slack else (out, lse)
