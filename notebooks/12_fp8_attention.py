@@ -43,14 +43,16 @@
 import course_utils as cu
 
 import math
+import re
 
 import matplotlib.pyplot as plt
+import tilelang.language as T
 import torch
 
 from course_utils.api.fp8 import (E4M3_MAX, E4M3_UNIT_ROUNDOFF, P_SCALE, emulate_fp8_forward,
                                   flash_attention_fp8, fp8_error_bound, quantise_blocks, quantise_inputs,
                                   quantise_tensor, random_hadamard, within_ties)
-from course_utils.core.source import show_source
+from course_utils.core.source import cuda_source, grep, ptxas_report, show_source
 from course_utils.kernels.flash_fwd_fp8 import flash_fwd_fp8_kernel, fp8_tile_step, round_to_e4m3
 from course_utils.pictures import plots
 
@@ -82,8 +84,9 @@ cu.check_true(torch.finfo(torch.float8_e4m3fn).max == E4M3_MAX, f"e4m3's largest
 
 # %% [markdown]
 # The picture: every positive value of each format on a logarithmic axis, and the gap from each value to the next
-# as a share of the value. The gap is flat (a fixed relative precision) across the normal range, and grows in the
-# subnormals on the left.
+# as a share of the value. Across the normal range the gap keeps to one band (for e4m3 between an eighth and a
+# sixteenth of the value, a sawtooth inside each power of two): a fixed relative precision. In the subnormals on
+# the left it grows.
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
@@ -170,8 +173,6 @@ show_source(round_to_e4m3)
 # quarter of e4m3's finest step, ties included, and to random values; PyTorch's cast is the reference:
 
 # %%
-import tilelang.language as T  # noqa: E402
-
 count = 4096
 
 
@@ -363,16 +364,41 @@ cu.claim_change("RMS error of O with outlier channels", rms["plain"], rms["Hadam
 # tile in shared memory (`ldmatrix`/`stmatrix`) while the consumers compute. A second, smaller mismatch: the FP8
 # accumulator layout of `S` in registers is not the layout FP8 `wgmma` wants for its register operand A, so
 # FlashAttention-3 permutes P's bytes within each thread before `P V`; the course's sm_90a variant (section 7)
-# sidesteps it by writing P to shared memory, at the cost of that round trip. The C backend has no layouts, so
-# here the strides show the two orders of V, as a producer step would make them:
+# sidesteps it by writing P to shared memory, at the cost of that round trip.
+#
+# TileLang shows the constraint without a GPU. Below, one `P V` product for sm_90a, with V stored `[keys, D]` or
+# transposed, in fp16 and in e4m3 (in each instruction's template, the two booleans after its shape are the
+# transpose flags of its operands):
 
 # %%
-# NBVAL_CHECK_OUTPUT
-v_tile = torch.zeros(128, 64)  # [keys, D]: one V tile of 128 keys at D = 64
-for name, tile, dims in (("V  [keys, D]", v_tile, ("keys", "D")), ("Vᵀ [D, keys]", v_tile.T.contiguous(), ("D", "keys"))):
-    along = dims[tile.stride().index(1)]
-    order = "K-major for P V" if along == "keys" else "MN-major for P V: FP8 wgmma cannot read it"
-    print(f"{name}: strides {tile.stride()}, consecutive addresses run along {along} → {order}")
+def p_times_v(dtype, v_transposed, rows=64, keys=64, dim=64):
+    """One block computing P V (P [rows, keys], V [keys, dim] or Vᵀ [dim, keys]) from shared memory."""
+    v_shape = [dim, keys] if v_transposed else [keys, dim]
+
+    @T.prim_func
+    def product(P: T.Tensor([rows, keys], dtype), V: T.Tensor(v_shape, dtype), O: T.Tensor([rows, dim], "float32")):
+        with T.Kernel(1, threads=128) as _:
+            P_s, V_s = T.alloc_shared([rows, keys], dtype), T.alloc_shared(v_shape, dtype)
+            acc = T.alloc_fragment([rows, dim], "float32")
+            T.copy(P, P_s)
+            T.copy(V, V_s)
+            T.clear(acc)
+            T.gemm(P_s, V_s, acc, transpose_B=v_transposed)
+            T.copy(acc, O)
+    return product
+
+
+instruction = {}
+for dtype in ("float16", "float8_e4m3"):
+    for v_transposed in (False, True):
+        source = cuda_source(p_times_v(dtype, v_transposed), arch="sm_90a")
+        found = re.search(r"(wgmma_ss|mma_sync)<[^>]*>", source)
+        instruction[dtype, v_transposed] = found.group(0)
+        print(f"{dtype:>11}, V stored {'[D, keys]' if v_transposed else '[keys, D]'}: {found.group(0)}")
+cu.check_true(instruction["float16", False].startswith("wgmma_ss") and instruction["float8_e4m3", True].startswith(
+    "wgmma_ss") and not instruction["float8_e4m3", False].startswith("wgmma"),
+    "fp16 takes V either way (a transpose flag); FP8 gets wgmma only with V transposed, else TileLang falls back "
+    "to the older mma.sync")
 
 # %% [markdown]
 # ## 7 · The same source for the H100: lowered, compiled, not yet run
@@ -383,8 +409,6 @@ for name, tile, dims in (("V  [keys, D]", v_tile, ("keys", "D")), ("Vᵀ [D, key
 # lowers it for sm_90a without a GPU; both products become FP8 `wgmma` reading shared memory, fed by TMA:
 
 # %%
-from course_utils.core.source import cuda_source, grep, ptxas_report  # noqa: E402
-
 hopper = flash_fwd_fp8_kernel(1, 16, 4096, 4096, 128, causal=True, block_M=128, block_N=128, threads=256,
                               num_stages=2, target="cuda")
 src_fp8 = cuda_source(hopper, arch="sm_90a")
