@@ -20,6 +20,7 @@ logging.getLogger("tilelang.cache.kernel_cache").addFilter(lambda record: "in me
 # the chapters read them so (`cu.attention.sink_logits`, `cu.validation.references`): they still are.
 from .api import attention as attention
 from .api import decode_api as decode_api
+from .api import fp8 as fp8
 from .api import ring as ring
 from .api import varlen_api as varlen_api
 from .api.attention import (
@@ -33,6 +34,7 @@ from .api.attention import (
 )
 from .api.decode_api import flash_decode
 from .api.flex import create_block_mask, flex_attention
+from .api.fp8 import flash_attention_fp8
 from .api.ring import ring_attention, shard_sequence, shard_zigzag, unshard_sequence, unshard_zigzag
 from .api.varlen_api import flash_attention_varlen
 from .checking import checks as checks
@@ -57,5 +59,5 @@ __all__ = [
     "check_backward", "forward_bugs", "backward_bugs", "show_bugs_caught", "flash_attention_varlen", "flash_decode",
     "ring_attention", "shard_sequence", "unshard_sequence", "shard_zigzag", "unshard_zigzag",
     "claim_count", "claim_ratio", "claim_versus", "speed_ratio", "claim_change", "claim_order", "flex_attention",
-    "create_block_mask",
+    "create_block_mask", "flash_attention_fp8",
 ]

@@ -93,6 +93,12 @@ def _flex():
     check_flex()
 
 
+def _fp8_forward():
+    from .tooling.selfcheck import check_fp8_forward
+
+    check_fp8_forward()
+
+
 CHECKS = {
     "flash_fwd": Check("ch03/04 forward", _forward),
     "flash_bwd": Check("ch05 backward", _backward),
@@ -105,6 +111,8 @@ CHECKS = {
     "flash_decode": Check("ch09 decoding", _decode),
     "ring": Check("ch10 ring attention (gloo, CPU processes)", _ring),
     "flex": Check("ch11 flex attention (score and mask modifiers)", _flex),
+    "flash_fwd_fp8": Check("ch12 FP8 forward (C backend, FP8 rounding emulated; sm_90a lowered, not run)",
+                           _fp8_forward),
 }
 
 

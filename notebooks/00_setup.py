@@ -37,6 +37,7 @@
 # | 09 | packed variable-length batches and decoding with a paged KV cache |
 # | 10 | ring attention: one sequence across several GPUs |
 # | 11 | your own attention: score and mask modifiers compiled into the kernels |
+# | 12 | FP8 attention: block scales, descales in the exponent, a Hadamard rotation (built on the CPU) |
 
 # %%
 # %config InlineBackend.figure_format = "png"

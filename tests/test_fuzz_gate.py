@@ -70,3 +70,24 @@ def test_the_same_problems_pass_without_a_plant():
 def test_a_failure_line_replays_its_problem():
     problem = fuzz.draw_problems(5, 3, gpu=False)[2]
     assert fuzz.Problem.parse(problem.line().split("--replay ")[1].strip("'")) == problem
+
+
+# The FP8 forward (CPU tier only): a ragged causal shape with S_q > S_k (rows that see no key), rotated and not, in
+# float32 and bfloat16 (its output rounded to the input dtype), one with very large scores.
+_FP8_PROBLEMS = [fuzz.Problem(api="fp8", batch=1, heads=4, heads_kv=2, seq_q=37, seq_k=29, dim=16, dtype=dtype,
+                              causal=True, modifier=modifier, seed=seed, score_scale=scale)
+                 for dtype, modifier, seed, scale in (("float32", None, 0, 1.0), ("bfloat16", "hadamard", 1, 1.0),
+                                                      ("float32", "hadamard", 2, 12.0))]
+
+
+def test_fp8_problems_pass_and_fail_with_p_left_unrounded():
+    lines = []
+    run, failed = fuzz.run_gate(_FP8_PROBLEMS, seconds=120, out=lines.append)
+    assert run == len(_FP8_PROBLEMS) and failed == 0, "\n".join(lines)
+    lines = []
+    run, failed = fuzz.run_gate(_FP8_PROBLEMS, seconds=120, plant_name="fp8_p_unrounded", out=lines.append)
+    assert run == len(_FP8_PROBLEMS) and failed == run, "\n".join(lines)
+
+
+def test_the_gpu_tier_draws_no_cpu_only_problem():
+    assert not any(p.api in fuzz.CPU_ONLY_APIS for p in fuzz.draw_problems(3, 300, gpu=True))

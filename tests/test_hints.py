@@ -8,7 +8,7 @@ import pytest
 
 from course_utils.exercises.help import exercises_of, solution_cells
 
-CHAPTERS = [f"{n:02d}" for n in range(1, 12)]
+CHAPTERS = [f"{n:02d}" for n in range(1, 13)]
 
 
 def _solution_lines(chapter, letter):

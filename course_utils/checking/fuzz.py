@@ -9,7 +9,8 @@ Every kernel change passes it before it lands (on the GPU in the same run as its
 
 A problem is drawn from the classes that index arithmetic gets wrong: S_q ≠ S_k both ways (S_q ≪ S_k
 too), lengths one off a tile, windows from 1 to past the keys, sinks of −∞ or large logits, GQA and MQA,
-rows whose scores are all very large, batches, packed lengths of 0 and 1, caches from empty to full.
+rows whose scores are all very large, batches, packed lengths of 0 and 1, caches from empty to full; and, on the
+CPU tier, the FP8 forward (chapter 12) against the float64 emulation of its own FP8 roundings and the FP8 bound.
 Kernels compile per *shape* (lengths of packed and cached problems are read at run time), so a run
 draws a few shapes and several problems on each: new values, sinks, lengths and hidden-key contents.
 
@@ -49,7 +50,8 @@ from .validation import (
 
 __all__ = ["Problem", "draw_problems", "run_problem", "run_gate", "PLANTS", "plant", "main"]
 
-APIS = ("dense", "varlen", "decode", "flex")
+APIS = ("dense", "varlen", "decode", "flex", "fp8")
+CPU_ONLY_APIS = ("fp8",)  # their kernels run on the C backend only: the CPU tier covers them, the GPU tier skips them
 FLEX_MODIFIERS = ("causal", "soft_cap", "alibi", "document", "prefix_lm", "window_globals", "soft_cap+causal")
 
 
@@ -135,7 +137,7 @@ def _lengths(rng, tile, longest, count):
 
 # Problems drawn on each compiled shape. Packed and cached problems draw new lengths for each problem, so
 # they get more of them: their kernels read the lengths at run time.
-PER_SHAPE = {"dense": 16, "flex": 16, "varlen": 40, "decode": 40}
+PER_SHAPE = {"dense": 16, "flex": 16, "varlen": 40, "decode": 40, "fp8": 16}
 GPU_PER_SHAPE = {"dense": 24, "flex": 16, "varlen": 50, "decode": 50}  # a GPU compile costs more, a problem less
 
 
@@ -144,6 +146,8 @@ def draw_problems(seed, count, *, gpu, apis=APIS, per_shape=None):
     (``per_shape``, default ``PER_SHAPE``)."""
     rng = random.Random(seed)
     tile, longest = (128, 700) if gpu else (16, 50)
+    if gpu:
+        apis = tuple(api for api in apis if api not in CPU_ONLY_APIS)
     problems = []
     while len(problems) < count:
         api = rng.choice(apis)
@@ -159,6 +163,9 @@ def draw_problems(seed, count, *, gpu, apis=APIS, per_shape=None):
         elif api == "flex":
             base.update(modifier=rng.choice(FLEX_MODIFIERS), sinks=False, window=None, causal=False,
                         heads_kv=base["heads_kv"], seq_q=base["seq_k"])
+        elif api == "fp8":  # no windows or sinks; the inputs it quantises; Q and K rotated or not
+            base.update(window=None, sinks=False, dtype=rng.choice(("float32", "float16", "bfloat16")),
+                        modifier=rng.choice((None, "hadamard")))
         each = per_shape or (GPU_PER_SHAPE if gpu else PER_SHAPE)[api]
         for extra in _runtime_draws(rng, base, min(each, count - len(problems))):
             if api == "varlen":
@@ -493,7 +500,35 @@ def _run_flex(pr, f):
 # endregion
 
 
-_RUNNERS = {"dense": _run_dense, "varlen": _run_varlen, "decode": _run_decode, "flex": _run_flex}
+# region: fp8
+def _run_fp8(pr, f):
+    """The FP8 forward (chapter 12): equal to the float64 emulation of the same FP8 roundings (to float32's rounding
+    and the output dtype's), that emulation within the FP8 bound of exact attention, and bitwise the same twice."""
+    from ..api.fp8 import emulate_fp8_forward, flash_attention_fp8, fp8_error_bound, quantise_inputs, within_ties
+    from ..core.reference import attention_reference
+
+    dtype, gen = getattr(torch, pr.dtype), torch.Generator().manual_seed(pr.seed)
+    q = _tensor(gen, (pr.batch, pr.heads, pr.seq_q, pr.dim), dtype, "cpu", pr.score_scale)
+    k, v = (_tensor(gen, (pr.batch, pr.heads_kv, pr.seq_k, pr.dim), dtype, "cpu") for _ in range(2))
+    options = dict(causal=pr.causal, sm_scale=pr.sm_scale)
+    hadamard = pr.modifier == "hadamard"
+    out, lse = flash_attention_fp8(q, k, v, hadamard=hadamard, return_lse=True, **options)
+    (q8, k8, v8), descales = quantise_inputs(q, k, v, hadamard)
+    emulated, emulated_lse, slack = emulate_fp8_forward(q8, k8, v8, descales, return_slack=True, **options)
+    with f.judging("O against the FP8 emulation"):
+        check_close(out, within_ties(out, emulated, slack), "O", atol=1e-4, rtol=1e-3 + torch.finfo(dtype).eps,
+                    quiet=True)
+    with f.judging("LSE against the FP8 emulation"):
+        check_close(lse, emulated_lse, "LSE", atol=1e-5, rtol=1e-5, quiet=True)
+    error = (emulated - attention_reference(q.double(), k.double(), v.double(), **options)).abs().amax(-1)
+    f.require((error <= fp8_error_bound(q, k, v, hadamard=hadamard, **options)).all(),
+              f"the FP8 emulation is beyond the FP8 bound of exact attention (error {float(error.max()):.3g})")
+    again = flash_attention_fp8(q, k, v, hadamard=hadamard, **options)
+    f.require(_same(out, again), "the FP8 forward differs from run to run")
+# endregion
+
+
+_RUNNERS = {"dense": _run_dense, "varlen": _run_varlen, "decode": _run_decode, "flex": _run_flex, "fp8": _run_fp8}
 
 
 def run_problem(pr):
@@ -605,9 +640,14 @@ def _plant_scaled_dsinks():
     return undo
 
 
+def _plant_fp8_p_unrounded():
+    return _patch_everywhere("round_to_e4m3", lambda x: x)  # P reaches P V in float32: FP8 in name only
+
+
 PLANTS = {"window_off_by_one": _plant_window_off_by_one, "skip_ragged_key_block": _plant_skip_ragged_key_block,
           "no_unseen_key_fix": _plant_no_unseen_key_fix, "unwritten_output": _plant_unwritten_output,
-          "scaled_dk": _plant_scaled_dk, "scaled_dsinks": _plant_scaled_dsinks}
+          "scaled_dk": _plant_scaled_dk, "scaled_dsinks": _plant_scaled_dsinks,
+          "fp8_p_unrounded": _plant_fp8_p_unrounded}
 
 
 @contextlib.contextmanager
@@ -628,9 +668,9 @@ def plant(name):
 
 def _forget_compiled_kernels():
     """Drop the front doors' kernel and plan caches, so that the next call builds its kernels again."""
-    from ..api import attention, decode_api, flex, varlen_api
+    from ..api import attention, decode_api, flex, fp8, varlen_api
 
-    for module in (attention, varlen_api, decode_api, flex):
+    for module in (attention, varlen_api, decode_api, flex, fp8):
         for value in vars(module).values():
             if hasattr(value, "cache_clear"):
                 value.cache_clear()

@@ -228,14 +228,15 @@ def _announce(name, record, origin):
           f"tilelang {m['tilelang']}, CUDA {m.get('cuda')}, {m['date']}")
 
 
-def stored_record(name):
+def stored_record(name, *, needs=None):
     """The stored record ``name``, announced like ``measured``'s, or None (said so) when there is none
-    yet. For records another machine must measure (several GPUs): a notebook never re-measures them."""
+    yet. For records another machine must measure (several GPUs): a notebook never re-measures them.
+    ``needs``: what measuring it takes, when that is more than running its benchmark (a kernel not written yet)."""
     try:
         record = load_record(name)
     except FileNotFoundError:
-        print(f"[no stored record: {name}] it has not been measured yet; on the GPU it needs: "
-              f"python -m course_utils.measure.benchmarks {name}")
+        needs = needs or f"python -m course_utils.measure.benchmarks {name}"
+        print(f"[no stored record: {name}] it has not been measured yet; on the GPU it needs: {needs}")
         return None
     _announce(name, record, "stored record")
     return record

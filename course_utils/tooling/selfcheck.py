@@ -24,7 +24,7 @@ from ..core.labels import OURS, SHORT
 from ..measure.bench import attention_flops, tflops, time_side_by_side
 
 __all__ = ["check_and_time_forward", "check_and_time_backward", "report_lowering", "check_hopper_forward",
-           "check_persistent_forward", "check_varlen", "check_decode", "check_ring", "check_flex"]
+           "check_persistent_forward", "check_varlen", "check_decode", "check_ring", "check_flex", "check_fp8_forward"]
 
 
 def _problem(seed=0):
@@ -280,3 +280,35 @@ def check_flex():
         flash_ms = time_cuda(lambda: flash_attention(q, k, v, causal=True))
         print(f"forward: flex (soft-cap, causal) {flex_ms:.3f} ms, flash_attention(causal=True) {flash_ms:.3f} ms")
 
+
+
+def check_fp8_forward():
+    """Chapter 12's FP8 forward: on the CPU (on any machine) against the float64 emulation of the same FP8 roundings
+    and within the FP8 bound of exact attention, with planted bugs caught; then its sm_90a variant lowered, with
+    ptxas's report (it has not run on a GPU)."""
+    from ..api.fp8 import emulate_fp8_forward, flash_attention_fp8, fp8_error_bound, quantise_inputs, within_ties
+    from ..checking.checks import check_close, check_true, expect_failure
+    from ..core.reference import attention_reference
+    from ..kernels.flash_fwd_fp8 import flash_fwd_fp8_kernel
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 40, 32, generator=g)
+    k, v = (torch.randn(2, 2, 56, 32, generator=g) for _ in range(2))
+    for hadamard in (False, True):
+        out = flash_attention_fp8(q, k, v, causal=True, hadamard=hadamard)
+        (q8, k8, v8), descales = quantise_inputs(q, k, v, hadamard)
+        emulated, _, slack = emulate_fp8_forward(q8, k8, v8, descales, causal=True, return_slack=True)
+        check_close(out, within_ties(out, emulated, slack),
+                    f"FP8 forward, GQA 4/2, causal, hadamard={hadamard}: O against the FP8 emulation", atol=1e-4,
+                    rtol=1e-3)
+        error = (emulated - attention_reference(q.double(), k.double(), v.double(), causal=True)).abs().amax(-1)
+        bound = fp8_error_bound(q, k, v, causal=True, hadamard=hadamard)
+        check_true(bool((error <= bound).all()),
+                   f"  within the FP8 bound of exact attention (error {float(error.max()):.3g})")
+    for bug in ("no descale", "P not quantised", "K descale of the query block"):
+        wrong, _, slack = emulate_fp8_forward(q8, k8, v8, descales, causal=True, bugs=(bug,), return_slack=True)
+        expect_failure(bug, lambda: check_close(out, within_ties(out, wrong, slack), bug, atol=1e-4, rtol=1e-3,
+                                                quiet=True))
+    print("The sm_90a variant (FP8 wgmma; not run on a GPU yet) at D=128, S=4k, lowered:")
+    report_lowering(flash_fwd_fp8_kernel(1, 16, 4096, 4096, 128, causal=True, block_M=128, block_N=128, threads=256,
+                                         num_stages=2, target="cuda"))

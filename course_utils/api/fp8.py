@@ -1,0 +1,240 @@
+"""``flash_attention_fp8``: the FP8 forward of chapter 12, with its producer step and its error bound.
+
+The producer step quantises in PyTorch what the kernel reads: Q per block of query rows, K per block of
+keys (one descale per tile the kernel loads), V per (batch, K/V head), each to e4m3 with the scale that
+maps the block's largest magnitude to 448. With ``hadamard=True`` Q and K are first rotated by the same
+random orthogonal matrix ``H·diag(±1)/√D``, which leaves Q Kᵀ unchanged and spreads an outlier channel over
+every channel (FlashAttention-3's incoherent processing). The kernel (``kernels.flash_fwd_fp8``) runs on
+TileLang's C backend with FP8 rounding emulated in float32; its sm_90a variant lowers and compiles, and has not
+run on a GPU yet, so CUDA tensors are refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..core.reference import validate_attention_inputs
+from ..kernels.flash_fwd_fp8 import E4M3_MAX, P_SCALE, flash_fwd_fp8_kernel
+from ..kernels.tiles import compile_kernel
+from .inputs import check_sm_scale
+
+__all__ = ["flash_attention_fp8", "quantise_blocks", "quantise_tensor", "random_hadamard", "fp8_error_bound",
+           "emulate_fp8_forward", "within_ties", "TIE_MARGIN", "quantise_inputs", "FP8_TILE", "FP8_DTYPES",
+           "E4M3_MAX", "P_SCALE", "E4M3_UNIT_ROUNDOFF", "E4M3_SUBNORMAL_SPACING"]
+
+FP8_TILE = 16  # block_M = block_N on the C backend: the blocks the Q and K descales belong to
+FP8_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # inputs quantised to e4m3 by the producer step
+FP8_HEAD_DIMS = (16, 32, 64, 128)  # powers of two: the Hadamard rotation needs one
+E4M3_UNIT_ROUNDOFF = 2.0 ** -4  # half the spacing of 3 mantissa bits, relative to the value
+E4M3_SUBNORMAL_SPACING = 2.0 ** -9  # below 2⁻⁶ e4m3 numbers are evenly spaced by this
+
+
+def _descale_of(amax):
+    """E4M3_MAX / amax's inverse, and 1 for a block of zeros (any scale represents it); NaN stays NaN."""
+    return torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+
+
+def quantise_blocks(x, block):
+    """e4m3 values of ``x`` [..., S, D] in blocks of ``block`` rows (the last may be shorter), each block scaled
+    so that its largest magnitude becomes 448: returns (values as torch.float8_e4m3fn, descale [..., ⌈S/block⌉]
+    in float32) with ``values · descale`` ≈ ``x``."""
+    seq = x.shape[-2]
+    blocks = -(-seq // block)
+    padded = torch.nn.functional.pad(x.float(), (0, 0, 0, blocks * block - seq))
+    amax = padded.unflatten(-2, (blocks, block)).abs().amax(dim=(-1, -2))
+    descale = _descale_of(amax)
+    scaled = x.float() / descale.repeat_interleave(block, dim=-1)[..., :seq, None]
+    return scaled.to(torch.float8_e4m3fn), descale
+
+
+def quantise_tensor(x):
+    """e4m3 values of ``x`` [B, H, S, D] with one scale per (batch, head): (values, descale [B, H])."""
+    amax = x.float().abs().amax(dim=(-1, -2))
+    descale = _descale_of(amax)
+    return (x.float() / descale[..., None, None]).to(torch.float8_e4m3fn), descale
+
+
+@functools.lru_cache(maxsize=8)
+def _sylvester(dim):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def random_hadamard(dim, seed=0):
+    """The orthogonal matrix H·diag(s)/√D [D, D] (float64): H Sylvester's Hadamard matrix, s random signs drawn
+    from ``seed``. ``dim`` must be a power of two."""
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim; got {dim}")
+    signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(seed)).double() * 2 - 1
+    return _sylvester(dim) * signs[None, :] / math.sqrt(dim)
+
+
+def _check_fp8_inputs(q, k, v, sm_scale):
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise ValueError("flash_attention_fp8 takes torch tensors q, k, v")
+    validate_attention_inputs(q, k, v)
+    if q.dtype not in FP8_DTYPES:
+        raise ValueError(f"flash_attention_fp8 quantises float32, float16 or bfloat16 inputs; got {q.dtype} "
+                         "(already-quantised FP8 tensors are not taken: pass the values they stand for)")
+    if q.device.type != "cpu":
+        raise ValueError("flash_attention_fp8 runs its FP8-emulating kernel on the CPU only: its sm_90a variant "
+                         f"lowers and compiles but has not been run or checked on a GPU yet (got device {q.device})")
+    if q.shape[-1] not in FP8_HEAD_DIMS:
+        raise ValueError(f"flash_attention_fp8: head_dim must be one of {FP8_HEAD_DIMS}; got {q.shape[-1]}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("flash_attention_fp8 is forward only: its inputs must not require grad (use "
+                         "torch.no_grad(), or flash_attention for a differentiable forward)")
+    check_sm_scale(sm_scale)
+
+
+def _check_descales(descales):
+    for name, descale in descales.items():
+        if not torch.isfinite(descale).all():
+            raise ValueError(f"flash_attention_fp8: a {name} block has a NaN or infinite scale (its input holds a NaN "
+                             "or an infinity, which no FP8 scale can represent)")
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale):
+    kernel = flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, sm_scale=sm_scale,
+                                  block_M=FP8_TILE, block_N=FP8_TILE, target="c")
+    return compile_kernel(kernel, out_idx=[6, 7], target="c")
+
+
+def quantise_inputs(q, k, v, hadamard=False, seed=0):
+    """The producer step: ((q8, k8, v8) as float32 tensors of e4m3 values, their descales {"Q", "K", "V"}); with
+    ``hadamard``, Q and K rotated by ``random_hadamard(D, seed)`` first."""
+    if hadamard:
+        rotation = random_hadamard(q.shape[-1], seed).to(torch.float32)
+        q, k = q.float() @ rotation, k.float() @ rotation
+    q8, q_descale = quantise_blocks(q, FP8_TILE)
+    k8, k_descale = quantise_blocks(k, FP8_TILE)
+    v8, v_descale = quantise_tensor(v)
+    return (q8.float(), k8.float(), v8.float()), dict(Q=q_descale, K=k_descale, V=v_descale)
+
+
+def flash_attention_fp8(q, k, v, *, causal=False, sm_scale=None, hadamard=False, hadamard_seed=0, return_lse=False):
+    """Attention with Q, K, V and P in e4m3, the FP8 forward of chapter 12 (forward only).
+
+    q: [B, H, S_q, D]; k, v: [B, H_kv, S_k, D] (GQA: H a multiple of H_kv), float32, float16 or bfloat16 on the
+    CPU; causal aligned bottom-right as in ``flash_attention``. Q and K are quantised per block of ``FP8_TILE``
+    rows, V per (batch, K/V head), P at the fixed scale ``P_SCALE``. ``hadamard``: rotate Q and K by
+    ``random_hadamard(D, hadamard_seed)`` first. Returns O in the input dtype (and the natural-log LSE [B, H, S_q],
+    float32, with ``return_lse``). Raises ``ValueError`` for inputs it does not take (see ``_check_fp8_inputs``).
+    """
+    _check_fp8_inputs(q, k, v, sm_scale)
+    (q8, k8, v8), descales = quantise_inputs(q, k, v, hadamard, hadamard_seed)
+    _check_descales(descales)
+    batch, heads, seq_q, dim = q.shape
+    kernel = _compiled(batch, heads, k.shape[1], seq_q, k.shape[2], dim, bool(causal), sm_scale)
+    out, lse = kernel(q8, k8, v8, descales["Q"].contiguous(), descales["K"].contiguous(), descales["V"].contiguous())
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def fp8_error_bound(q, k, v, *, causal=False, sm_scale=None, hadamard=False, hadamard_seed=0):
+    """A bound [B, H, S_q] on max_d |O − O_exact| of ``flash_attention_fp8`` on these inputs (float64).
+
+    Every quantised number is within u = 2⁻⁴ of its value relatively, or half a subnormal spacing absolutely
+    (2⁻¹⁰ times its block's descale). So score (i, j) is off by at most E_ij = sm_scale · Σ_d (δq|k| + |q|δk +
+    δqδk), with δq, δk those per-element bounds; each weight P_ij/ℓ then moves by a factor within e^{±2E}, and
+    the rounding of P (relative u, or 2⁻¹⁰/P_SCALE absolutely) and of V (relative u, or 2⁻¹⁰ · V's descale) adds
+    to what each value row contributes. The bound is the sum: max|v| (e^{2 max_j E_ij} − 1) + max|v| (2u + u²)
+    + S_k · 2⁻¹⁰/P_SCALE · max|v| + V's absolute term. float32 accumulation is far below it (D ≤ 128 terms).
+    """
+    (q8, k8, v8), descales = quantise_inputs(q, k, v, hadamard, hadamard_seed)
+    del q8, k8, v8
+    if hadamard:
+        rotation = random_hadamard(q.shape[-1], hadamard_seed)
+        q, k = q.double() @ rotation, k.double() @ rotation
+    q, k, v = q.double(), k.double(), v.double()
+    scale = 1 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    u, half_subnormal = E4M3_UNIT_ROUNDOFF, E4M3_SUBNORMAL_SPACING / 2
+
+    def per_element(x, descale):
+        return u * x.abs() + half_subnormal * descale.double().repeat_interleave(FP8_TILE, -1)[..., :x.shape[-2], None]
+
+    group = q.shape[1] // k.shape[1]
+    k_rep = k.repeat_interleave(group, 1)
+    dq, dk = per_element(q, descales["Q"]), per_element(k, descales["K"]).repeat_interleave(group, 1)
+    score_error = scale * (dq @ k_rep.abs().transpose(-1, -2) + q.abs() @ dk.transpose(-1, -2)
+                           + dq @ dk.transpose(-1, -2))
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    if causal:
+        visible = torch.ones(seq_q, seq_k, dtype=torch.bool).tril(seq_k - seq_q)
+        score_error = score_error.masked_fill(~visible, 0)
+    v_max = v.abs().amax(dim=(-1, -2)).repeat_interleave(group, 1)[..., None]
+    v_absolute = (half_subnormal * descales["V"].double()).repeat_interleave(group, 1)[..., None]
+    weights = v_max * torch.expm1(2 * score_error.amax(-1))
+    return weights + v_max * (2 * u + u * u + seq_k * half_subnormal / P_SCALE) + v_absolute
+
+
+# How close to the midpoint of two e4m3 values, in units of their spacing, a P · P_SCALE of the emulation may be for
+# the kernel's float32 arithmetic (another summation order, exp2f) to round it to the other one.
+TIE_MARGIN = 1e-2
+
+
+def _tie_spacing(x):
+    """The spacing of e4m3 values around ``x ≥ 0`` where ``x`` lies within TIE_MARGIN of a rounding midpoint, else 0."""
+    exponent = torch.floor(torch.log2(x.clamp(min=2.0 ** -30))).clamp(min=-6)
+    spacing = torch.exp2(exponent - 3)
+    fraction = x / spacing - torch.floor(x / spacing)
+    return torch.where((fraction - 0.5).abs() < TIE_MARGIN, spacing, torch.zeros_like(spacing))
+
+
+def within_ties(actual, emulated, slack):
+    """The reference ``actual`` is judged against: ``emulated`` moved towards ``actual`` by at most ``slack`` (what
+    P's near-ties may change, from ``emulate_fp8_forward(..., return_slack=True)``), so only differences beyond them
+    count."""
+    actual = actual.to(emulated.dtype)
+    return emulated + torch.nan_to_num(actual - emulated).clamp(-slack, slack)
+
+
+def emulate_fp8_forward(q8, k8, v8, descales, *, causal=False, sm_scale=None, block_M=FP8_TILE, block_N=FP8_TILE,
+                        dtype=torch.float64, bugs=(), return_slack=False):
+    """The FP8 kernel's arithmetic in PyTorch, tile by tile (P is rounded against the running max of its tile, so
+    the tiling matters): O and the natural-log LSE from quantised q8 [B, H, S_q, D], k8, v8 [B, H_kv, S_k, D] (e4m3
+    values in any float dtype) and ``descales`` {"Q": [B, H, ⌈S_q/block_M⌉], "K": [B, H_kv, ⌈S_k/block_N⌉],
+    "V": [B, H_kv]}. ``bugs`` switches on known mistakes for the exercise checker: "no descale", "q descale
+    twice", "P not quantised", "K descale of the query block", "V descale missing"."""
+    q8, k8, v8 = q8.to(dtype), k8.to(dtype), v8.to(dtype)
+    batch, heads, seq_q, dim = q8.shape
+    group, seq_k = heads // k8.shape[1], k8.shape[2]
+    k8, v8 = k8.repeat_interleave(group, 1), v8.repeat_interleave(group, 1)
+    q_descale = descales["Q"].to(dtype)
+    k_descale, v_descale = (descales[n].to(dtype).repeat_interleave(group, 1) for n in ("K", "V"))
+    scale_log2 = (1 / math.sqrt(dim) if sm_scale is None else sm_scale) * 1.4426950408889634
+    out, slack = torch.zeros(batch, heads, seq_q, dim, dtype=dtype), torch.zeros(batch, heads, seq_q, dim, dtype=dtype)
+    lse = torch.full((batch, heads, seq_q), -math.inf, dtype=dtype)
+    for qb in range(-(-seq_q // block_M)):
+        rows = torch.arange(qb * block_M, min(seq_q, (qb + 1) * block_M))
+        m = torch.full((batch, heads, len(rows)), -math.inf, dtype=dtype)
+        l, acc = torch.zeros_like(m), torch.zeros(batch, heads, len(rows), dim, dtype=dtype)
+        acc_slack = torch.zeros_like(acc)
+        for kb in range(-(-seq_k // block_N)):
+            keys = torch.arange(kb * block_N, min(seq_k, (kb + 1) * block_N))
+            qd = q_descale[..., qb, None, None]
+            # The bug reads the query block's entry (the last key block's where there is none).
+            k_block = min(qb, k_descale.shape[-1] - 1) if "K descale of the query block" in bugs else kb
+            kd = k_descale[..., k_block, None, None]
+            factor = scale_log2 * (1 if "no descale" in bugs else qd * kd * (qd if "q descale twice" in bugs else 1))
+            s = (q8[:, :, rows] @ k8[:, :, keys].transpose(-1, -2)) * factor
+            if causal:
+                s = s.masked_fill(keys[None, :] > rows[:, None] + seq_k - seq_q, -math.inf)
+            m_prev, m = m, torch.maximum(m, s.amax(-1))
+            alpha = torch.where(m == -math.inf, 1.0, torch.exp2(m_prev - m))
+            p = torch.where(m[..., None] == -math.inf, 0.0, torch.exp2(s - m[..., None]))
+            l = l * alpha + p.sum(-1)
+            p8 = p * P_SCALE if "P not quantised" in bugs else (p * P_SCALE).float().to(torch.float8_e4m3fn).to(dtype)
+            acc = acc * alpha[..., None] + p8 @ v8[:, :, keys]
+            acc_slack = acc_slack * alpha[..., None] + _tie_spacing(p * P_SCALE) @ v8[:, :, keys].abs()
+        v_factor = 1 if "V descale missing" in bugs else v_descale[..., None, None]
+        out[:, :, rows] = torch.where(l[..., None] == 0, 0.0, acc * v_factor / (P_SCALE * l[..., None]))
+        slack[:, :, rows] = torch.where(l[..., None] == 0, 0.0, acc_slack * v_factor / (P_SCALE * l[..., None]))
+        lse[:, :, rows] = torch.where(l == 0, -math.inf, (m + torch.log2(l)) / 1.4426950408889634)
+    return (out, lse, slack) if return_slack else (out, lse)

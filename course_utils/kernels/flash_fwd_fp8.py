@@ -1,0 +1,153 @@
+"""The FP8 forward (chapter 12), emulated on TileLang's C backend: FP8 values kept in float32 tiles.
+
+Q, K and V arrive already quantised to e4m3 (``api.fp8`` is the producer step): every value is an
+e4m3 number stored in a float32, with one descale per block of ``block_M`` query rows, per block of
+``block_N`` keys, and per (batch, K/V head) for V. The kernel is chapter 03's loop with three changes,
+as FlashAttention-3 does it in FP8:
+
+- the descales of the Q block and of the K tile multiply ``sm_scale · log2(e)``: one constant per tile,
+  folded into the exponent, so the scores are never rescaled on their own;
+- P (at most 1 after the running max) is multiplied by the fixed ``P_SCALE`` and rounded to e4m3
+  before ``P V``, the FP8 operand the tensor cores would take; the row sums ℓ come from P before
+  rounding, as in FlashAttention-3;
+- the epilogue multiplies by V's descale and divides by ``P_SCALE · ℓ``.
+
+The C backend has no FP8 arithmetic: ``round_to_e4m3`` rounds a float32 to the nearest e4m3 value
+(ties to even, as a hardware conversion does) and the products run in float32, which holds the product
+of two e4m3 numbers exactly. The matmuls' float32 accumulation is what the tensor cores do too.
+
+For ``target="cuda"`` the same source declares its tiles ``float8_e4m3``: the two ``T.gemm`` calls become FP8
+``wgmma`` for sm_90a, P is converted by the copy into its FP8 tile, and V arrives transposed (``[B, H_kv, D,
+S_k]``, keys contiguous), because FP8 ``wgmma`` reads only K-major operands. That variant lowers and compiles
+with nvcc (chapter 12, section 7); it has not run on a GPU yet.
+"""
+
+import tilelang.language as T
+
+from .flash_pieces import LOG2E, NEG_INF, key_block_range, prelude, visible
+from .tiles import TileBackend
+
+__all__ = ["flash_fwd_fp8_kernel", "round_to_e4m3", "fp8_tile_step", "E4M3_MAX", "P_SCALE"]
+
+E4M3_MAX = 448.0  # the largest finite e4m3 value (the "fn" variant: no infinities)
+# P ≤ 1 is multiplied by this before rounding: a power of two (its descale is exact) that puts P = 1 at
+# e4m3's exponent 8, so probabilities down to 2⁻¹⁴ keep full precision instead of falling into subnormals.
+P_SCALE = 256.0
+_E4M3_MIN_EXPONENT = -6  # the smallest normal e4m3 number is 2⁻⁶; below it the spacing stays 2⁻⁹
+_E4M3_MANTISSA_BITS = 3
+
+
+def round_to_e4m3(x):
+    """The e4m3 value nearest to ``x ≥ 0`` (ties to even), as a float32 TileLang expression, saturating at 448.
+
+    The spacing of e4m3 numbers in [2ᵉ, 2ᵉ⁺¹) is 2ᵉ⁻³ (three mantissa bits), and subnormals keep the spacing of
+    the smallest binade. ``nearbyint`` rounds ties to even under the default rounding mode (``round`` would
+    round them away from zero, unlike a hardware conversion).
+    """
+    exponent = T.max(T.floor(T.log2(x)), T.float32(_E4M3_MIN_EXPONENT))
+    step = T.exp2(exponent - _E4M3_MANTISSA_BITS)
+    return T.min(T.nearbyint(x / step) * step, T.float32(E4M3_MAX))
+
+
+def fp8_tile_step(tb, p, block_M, block_N):
+    """The key-tile step of the FP8 forward as a ``T.macro``: scores, descales folded into the exponent,
+    the online softmax in exp2 units, P rounded to e4m3 at ``P_SCALE``, then ``acc_o += P V``."""
+
+    @T.macro
+    def tile_step(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, alpha, l, row_sum, q_descale, k_descale, qb, kb):
+        # region: scores
+        T.clear(S)
+        T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        # The Q block's and the K tile's descales join sm_scale · log2(e): one multiply per score, as before.
+        exponent_scale = q_descale * k_descale * p.scale_log2
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = T.if_then_else(visible(p, qb * block_M + i, kb * block_N + j), S[i, j] * exponent_scale,
+                                     NEG_INF)
+        # endregion
+        # region: softmax
+        # m is carried in exp2 units of the real scores: the next tile's descales differ from this one's.
+        T.copy(m, m_prev)
+        T.reduce_max(S, m, dim=1, clear=False)
+        for i in tb.parallel(block_M):
+            alpha[i] = T.if_then_else(m[i] == NEG_INF, 1, T.exp2(m_prev[i] - m[i]))
+        for i, j in tb.parallel(block_M, block_N):
+            S[i, j] = T.if_then_else(m[i] == NEG_INF, 0, T.exp2(S[i, j] - m[i]))
+        T.reduce_sum(S, row_sum, dim=1)
+        for i in tb.parallel(block_M):
+            l[i] = l[i] * alpha[i] + row_sum[i]
+        # endregion
+        # region: quantise P
+        if tb.on_gpu:  # the copy into the FP8 tile converts (round to nearest even, saturating)
+            for i, j in tb.parallel(block_M, block_N):
+                S[i, j] *= P_SCALE
+            T.copy(S, P)
+        else:
+            for i, j in tb.parallel(block_M, block_N):
+                P[i, j] = round_to_e4m3(S[i, j] * P_SCALE)
+        # endregion
+        for i, j in tb.parallel(block_M, acc_o.shape[1]):
+            acc_o[i, j] *= alpha[i]
+        # On the GPU V_s holds a tile of Vᵀ [D, keys]: FP8 wgmma reads its B operand K-major only.
+        T.gemm(P, V_s, acc_o, transpose_B=tb.on_gpu, policy=T.GemmWarpPolicy.FullRow)
+
+    return tile_step
+
+
+def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, sm_scale=None,
+                         block_M=16, block_N=16, threads=256, num_stages=1, target="c"):
+    """A ``@T.prim_func`` (Q, K, V, Q_descale, K_descale, V_descale) -> (O, LSE) on e4m3 values: float32 tiles
+    holding them on the C backend, ``float8_e4m3`` tiles on CUDA (not run on a GPU yet).
+
+    Q [B, H, S_q, D], K [B, H_kv, S_k, D], V [B, H_kv, S_k, D] on the C backend and Vᵀ [B, H_kv, D, S_k] on CUDA;
+    Q_descale [B, H, ⌈S_q/block_M⌉], K_descale [B, H_kv, ⌈S_k/block_N⌉], V_descale [B, H_kv]: a quantised value
+    times its descale is the input it stands for. O is float32; the LSE is the natural log of the row's
+    denominator of the scaled scores, as ``flash_attention``'s.
+    """
+    tb = TileBackend(target)
+    p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, sm_scale=sm_scale)
+    f32 = "float32"
+    fp8 = "float8_e4m3" if tb.on_gpu else f32  # the C backend keeps e4m3 values in float32
+    v_shape = [batch, p.heads_kv, dim, seq_k] if tb.on_gpu else [batch, p.heads_kv, seq_k, dim]
+    q_blocks, k_blocks = p.blocks(seq_q, block_M), p.blocks(seq_k, block_N)
+    tile_step = fp8_tile_step(tb, p, block_M, block_N)
+
+    # region: launch
+    @T.prim_func
+    def flash_fwd_fp8(Q: T.Tensor([batch, heads, seq_q, dim], fp8), K: T.Tensor([batch, p.heads_kv, seq_k, dim], fp8),
+                      V: T.Tensor(v_shape, fp8),
+                      Q_descale: T.Tensor([batch, heads, q_blocks], f32),
+                      K_descale: T.Tensor([batch, p.heads_kv, k_blocks], f32),
+                      V_descale: T.Tensor([batch, p.heads_kv], f32),
+                      O: T.Tensor([batch, heads, seq_q, dim], f32), LSE: T.Tensor([batch, heads, seq_q], f32)):
+        with tb.kernel(q_blocks, heads, batch, threads=threads) as (qb, h, b):
+            # endregion
+            Q_s, K_s = tb.shared([block_M, dim], fp8), tb.shared([block_N, dim], fp8)
+            V_s = tb.shared([dim, block_N] if tb.on_gpu else [block_N, dim], fp8)
+            S, P = tb.fragment([block_M, block_N], f32), tb.shared([block_M, block_N], fp8)
+            acc_o = tb.fragment([block_M, dim], f32)
+            m, m_prev, alpha, l, row_sum, lse = (tb.fragment([block_M], f32) for _ in range(6))
+            kv_head = h // p.group
+            T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+            T.fill(acc_o, 0)
+            T.fill(l, 0)
+            T.fill(m, NEG_INF)
+            k_start, k_end = key_block_range(p, qb, block_M, block_N)
+            for kb in T.Pipelined(k_start, k_end, num_stages=num_stages):
+                T.copy(K[b, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s)
+                if tb.on_gpu:
+                    T.copy(V[b, kv_head, :, kb * block_N:(kb + 1) * block_N], V_s)
+                else:
+                    T.copy(V[b, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s)
+                tile_step(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, alpha, l, row_sum, Q_descale[b, h, qb],
+                          K_descale[b, kv_head, kb], qb, kb)
+            # region: epilogue
+            # V's descale and P's fixed scale are undone once, with the division by ℓ.
+            for i in tb.parallel(block_M):
+                lse[i] = T.if_then_else(l[i] == 0, NEG_INF, (m[i] + T.log2(l[i])) / LOG2E)
+            for i, j in tb.parallel(block_M, dim):
+                acc_o[i, j] = T.if_then_else(l[i] == 0, 0, acc_o[i, j] * V_descale[b, kv_head] / (P_SCALE * l[i]))
+            # endregion
+            T.copy(acc_o, O[b, h, qb * block_M:(qb + 1) * block_M, :])
+            T.copy(lse, LSE[b, h, qb * block_M:(qb + 1) * block_M])
+
+    return flash_fwd_fp8

@@ -1,0 +1,111 @@
+"""The FP8 forward of chapter 12 on the CPU, against float64.
+
+The bound is FP8-aware in two parts. (1) The kernel must equal the float64 emulation of the same FP8 roundings
+(``emulate_fp8_forward``: the same quantised Q, K, V and descales, P rounded to e4m3 tile by tile) to float32's
+rounding (10⁻⁴ absolute, 10⁻³ relative), beyond what a P within ``TIE_MARGIN`` of the midpoint of two e4m3 values
+may change when float32 rounds it to the other neighbour (``within_ties``): the only error allowed beyond that is
+the one the algorithm prescribes, so a small bug (a descale missing, P left unrounded) fails. (2) That emulation
+must sit within ``fp8_error_bound`` of the exact float64 attention: the worst case of e4m3's relative rounding
+(2⁻⁴) of every input and of P, which says how far FP8 attention may be from exact attention at all.
+"""
+
+import math
+
+import pytest
+import torch
+
+from course_utils.api import fp8
+from course_utils.core.reference import attention_reference
+
+CASES = [  # batch, heads, heads_kv, seq_q, seq_k, dim, causal
+    (1, 2, 2, 40, 40, 32, False), (2, 4, 2, 33, 50, 16, True), (1, 2, 1, 64, 64, 64, True), (1, 2, 2, 50, 20, 16, True),
+]
+
+
+def _inputs(batch, heads, heads_kv, seq_q, seq_k, dim, seed, outliers=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq_q, dim, generator=g)
+    k, v = (torch.randn(batch, heads_kv, seq_k, dim, generator=g) for _ in range(2))
+    if outliers:
+        q[..., :3] *= 100
+        k[..., :3] *= 100
+    return q, k, v
+
+
+@pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_fp8_forward_within_its_bound(case, hadamard):
+    batch, heads, heads_kv, seq_q, seq_k, dim, causal = case
+    q, k, v = _inputs(batch, heads, heads_kv, seq_q, seq_k, dim, seed=sum(case))
+    out, lse = fp8.flash_attention_fp8(q, k, v, causal=causal, hadamard=hadamard, return_lse=True)
+    (q8, k8, v8), descales = fp8.quantise_inputs(q, k, v, hadamard, 0)
+    model_out, model_lse, slack = fp8.emulate_fp8_forward(q8, k8, v8, descales, causal=causal, return_slack=True)
+    torch.testing.assert_close(out.double(), fp8.within_ties(out, model_out, slack), atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(lse.double(), model_lse, atol=1e-5, rtol=1e-5)
+    exact = attention_reference(q.double(), k.double(), v.double(), causal=causal)
+    error = (model_out - exact).abs().amax(-1)
+    bound = fp8.fp8_error_bound(q, k, v, causal=causal, hadamard=hadamard)
+    assert (error <= bound).all(), f"FP8 error {float(error.max()):.3g} beyond its bound"
+
+
+def test_the_emulation_check_catches_each_planted_bug():
+    q, k, v = _inputs(1, 2, 2, 40, 40, 32, seed=3)
+    q[:, :, 16:] *= 8  # blocks of different scales: a wrong block's descale shows
+    out = fp8.flash_attention_fp8(q, k, v, causal=True).double()
+    (q8, k8, v8), descales = fp8.quantise_inputs(q, k, v, False, 0)
+    for bug in ("no descale", "q descale twice", "P not quantised", "K descale of the query block",
+                "V descale missing"):
+        wrong, _, slack = fp8.emulate_fp8_forward(q8, k8, v8, descales, causal=True, bugs=(bug,), return_slack=True)
+        assert not torch.allclose(out, fp8.within_ties(out, wrong, slack), atol=1e-4, rtol=1e-3), bug
+
+
+def test_hadamard_rotation_is_orthogonal_and_keeps_scores():
+    rotation = fp8.random_hadamard(64, seed=5)
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(64, dtype=torch.float64))
+    q, k, _ = _inputs(1, 1, 1, 8, 8, 64, seed=1, outliers=True)
+    torch.testing.assert_close((q.double() @ rotation) @ (k.double() @ rotation).transpose(-1, -2),
+                               q.double() @ k.double().transpose(-1, -2))
+
+
+def test_quantise_blocks_matches_a_per_block_cast():
+    x = torch.randn(2, 3, 37, 16)
+    x[:, :, 20:] *= 50
+    values, descale = fp8.quantise_blocks(x, 16)
+    assert values.dtype == torch.float8_e4m3fn and descale.shape == (2, 3, 3)
+    for b in range(3):
+        block = x[:, :, 16 * b:16 * (b + 1)]
+        assert torch.allclose(block.abs().amax(dim=(-1, -2)) / descale[..., b], torch.tensor(fp8.E4M3_MAX))
+    restored = values.float() * descale.repeat_interleave(16, -1)[..., :37, None]
+    assert ((restored - x).abs() <= fp8.E4M3_UNIT_ROUNDOFF * x.abs() + 1e-2).all()
+
+
+@pytest.mark.parametrize("what, args, kwargs, words", [
+    ("float64", lambda x: (x.double(),) * 3, {}, "float32, float16 or bfloat16"),
+    ("already FP8", lambda x: (x.to(torch.float8_e4m3fn),) * 3, {}, "float32, float16 or bfloat16"),
+    ("head_dim 48", lambda x: (torch.randn(1, 2, 8, 48),) * 3, {}, "head_dim"),
+    ("wrong rank", lambda x: (x[0],) * 3, {}, "shape"),
+    ("GQA heads", lambda x: (torch.randn(1, 3, 8, 16), x, x), {}, "multiple"),
+    ("requires grad", lambda x: (x.clone().requires_grad_(), x, x), {}, "forward only"),
+    ("NaN input", lambda x: (x, torch.where(x > 1, math.nan, x), x), {}, "NaN"),
+    ("scale of zero", lambda x: (x, x, x), dict(sm_scale=0.0), "sm_scale"),
+])
+def test_unsupported_inputs_raise_a_clear_error(what, args, kwargs, words):
+    x = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=words):
+        fp8.flash_attention_fp8(*args(x), **kwargs)
+
+
+def test_the_sm90a_variant_lowers_to_fp8_wgmma_and_compiles():
+    """The same source with FP8 tiles lowers for sm_90a to FP8 wgmma and ptxas compiles it without spills (no GPU:
+    it has not run; ``flash_attention_fp8`` refuses CUDA tensors until it has been checked there)."""
+    from course_utils.core.source import cuda_source, ptxas_report
+    from course_utils.kernels.flash_fwd_fp8 import flash_fwd_fp8_kernel
+
+    kernel = flash_fwd_fp8_kernel(1, 16, 4096, 4096, 128, causal=True, block_M=128, block_N=128, threads=256,
+                                  num_stages=2, target="cuda")
+    source = cuda_source(kernel, arch="sm_90a")
+    assert source.count("wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 2
+    report = ptxas_report(source)
+    if report is None:
+        pytest.skip("nvcc is not installed")
+    assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
