@@ -1,9 +1,9 @@
 """The exercises that run the learner's code, their mutants, and how a checker is run on either: read the
 exercise's cells from its notebook, plant a mutant, load it like a notebook cell and call the checker.
 
-Two lists of exercises use it: ``exercise_mutants.py`` (the flash kernels of chapters 02–06,
-``test_exercise_kernels.py``) and ``exercise_mutants_speed_and_scale.py`` (chapters 04 and 07–10,
-``test_exercises_speed_and_scale.py``). Mutants are checked in worker processes, which import the list they
+Three lists of exercises use it: ``exercise_mutants.py`` (the flash kernels of chapters 02–06,
+``test_exercise_kernels.py``), ``exercise_mutants_speed_and_scale.py`` (chapters 04 and 07–10,
+``test_exercises_speed_and_scale.py``) and ``exercise_mutants_fp8.py`` (chapter 12, ``test_exercise_fp8.py``). Mutants are checked in worker processes, which import the list they
 come from by its module name.
 """
 
@@ -92,3 +92,31 @@ def mutant_verdicts(mutants_module):
     workers = max(1, min(2, os.cpu_count() or 1))
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         return list(pool.map(partial(mutant_verdict, mutants_module), range(count)))
+
+
+# The checks every list of exercises makes; each test module parametrizes them over its own lists.
+def assert_passes(exercise, source, label, capsys):
+    """The checker accepts ``source`` and says so with a ✓."""
+    checker(exercise)(load(exercise, source, label))
+    assert "✓" in capsys.readouterr().out
+
+
+def assert_blank_says_not_written_yet(exercise):
+    """The learner's edition (solutions stripped) fails with "not written yet" in one line, without a traceback."""
+    import pytest
+
+    from course_utils.exercises.common import ExerciseIncomplete
+
+    source = strip_solutions(exercise_source(exercise))
+    assert "raise NotImplementedError" in source
+    with pytest.raises(ExerciseIncomplete, match="not written yet") as info:
+        checker(exercise)(load(exercise, source, "learner edition"))
+    assert "\n" not in str(info.value) and info.value._render_traceback_() == [str(info.value)]
+
+
+def assert_diagnosed(mutant, verdict):
+    """The checker failed ``mutant`` as wrong, naming its diagnosis in one line."""
+    kind, message = verdict
+    assert kind == "ExerciseWrong", f"{mutant.name}: {kind}: {message}"
+    assert mutant.diagnosis in message, message
+    assert "\n" not in message

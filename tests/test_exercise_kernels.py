@@ -9,7 +9,18 @@ checked two at a time in worker processes.
 
 import jupytext
 import pytest
-from exercise_harness import NOTEBOOKS, checker, exercise_source, load, mutant_verdicts, mutate, strip_solutions
+from exercise_harness import (
+    NOTEBOOKS,
+    assert_blank_says_not_written_yet,
+    assert_diagnosed,
+    assert_passes,
+    checker,
+    exercise_source,
+    load,
+    mutant_verdicts,
+    mutate,
+    strip_solutions,
+)
 from exercise_mutants import EXERCISES, MUTANTS, VARIANTS
 
 from course_utils.exercises.common import ExerciseFailed, ExerciseIncomplete, ExerciseWrong
@@ -24,33 +35,23 @@ def verdicts():
 @pytest.mark.parametrize("key", EXERCISES)
 def test_solution_passes(key, capsys):
     exercise = EXERCISES[key]
-    checker(exercise)(load(exercise, exercise_source(exercise), "solution"))
-    assert "✓" in capsys.readouterr().out
+    assert_passes(exercise, exercise_source(exercise), "solution", capsys)
 
 
 @pytest.mark.parametrize("key", EXERCISES)
 def test_blank_says_not_written_yet(key):
-    exercise = EXERCISES[key]
-    source = strip_solutions(exercise_source(exercise))
-    assert "raise NotImplementedError" in source
-    with pytest.raises(ExerciseIncomplete, match="not written yet") as info:
-        checker(exercise)(load(exercise, source, "learner edition"))
-    assert "\n" not in str(info.value) and info.value._render_traceback_() == [str(info.value)]
+    assert_blank_says_not_written_yet(EXERCISES[key])
 
 
 @pytest.mark.parametrize("index", range(len(MUTANTS)), ids=[f"{m.exercise}: {m.name}" for m in MUTANTS])
 def test_mutant_gets_its_diagnosis(index, verdicts):
-    kind, message = verdicts[index]
-    assert kind == "ExerciseWrong", f"{MUTANTS[index].name}: {kind}: {message}"
-    assert MUTANTS[index].diagnosis in message, message
-    assert "\n" not in message
+    assert_diagnosed(MUTANTS[index], verdicts[index])
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v.exercise}: {v.name}")
 def test_correct_variant_passes(variant, capsys):
     exercise = EXERCISES[variant.exercise]
-    checker(exercise)(load(exercise, mutate(exercise_source(exercise), variant), variant.name))
-    assert "✓" in capsys.readouterr().out
+    assert_passes(exercise, mutate(exercise_source(exercise), variant), variant.name, capsys)
 
 
 def test_every_exercise_has_mutants():
