@@ -25,7 +25,7 @@ def headline_table():
     lines = ["| pass (fp16, B=4, H=16, S=4096, D=128) | ours TFLOP/s | FlashAttention-2 | cuDNN | FlashAttention-4 "
              "| ours ÷ FA2 | ours ÷ cuDNN | ours ÷ FA4 |",
              "|---|---|---|---|---|---|---|---|"]
-    sources = []
+    sources, fa4_versions = [], set()
     for label, name in (("forward (ch07 kernel, Hopper)", "ch07_forward_vs_peers_h100"),
                         ("forward (ch04 kernel)", "ch04_forward_final_h100"),
                         ("backward (ch08 kernel, Hopper)", "ch08_backward_vs_peers_h100"),
@@ -36,6 +36,8 @@ def headline_table():
             fa2, cudnn = (_pick(record["results"], p, causal) for p in PEERS)
             fa4 = _pick(record["results"], FA4, causal, optional=True)
             fa4_cells = ("–", "–") if fa4 is None else (f"{fa4:.0f}", f"{ours / fa4:.2f}×")
+            if fa4 is not None:
+                fa4_versions.add(record["machine"]["flash_attn_4"])
             lines.append(f"| {label}, {'causal' if causal else 'non-causal'} | {ours:.0f} | {fa2:.0f} | {cudnn:.0f} "
                          f"| {fa4_cells[0]} | {ours / fa2:.2f}× | {ours / cudnn:.2f}× | {fa4_cells[1]} |")
         m = record["machine"]
@@ -44,15 +46,12 @@ def headline_table():
                   "calls back to back, in changing orders" if "order changes" in timing else "calls back to back")
         sources.append(f"`figures/{name}.json` ({m['gpu']}, {m['date']}, {timing})")
     m = record["machine"]
-    # Records of 2026-11-28 06:10-06:13 UTC predate the version's field; the GPU bundle installed 4.0.0b36
-    # (../shared/gpu/make-fa4-bundle.sh pins it).
-    fa4_version = next((load_record(n)["machine"].get("flash_attn_4") for n in ("ch07_forward_vs_peers_h100",
-                        "ch08_backward_vs_peers_h100") if load_record(n)["machine"].get("flash_attn_4")), "4.0.0b36")
     lines.append("")
     lines.append(f"Measured side by side in one run per record: {', '.join(sources)}; torch {m['torch']}, "
                  f"tilelang {m['tilelang']}, CUDA {m['cuda']}, cuDNN {m['cudnn']}, driver {m['driver']}. "
                  "FLOPs: forward 4·B·H·S²·D, backward 2.5× forward, both halved for causal. FlashAttention-4 is "
-                 f"`flash-attn-4` {fa4_version}, timed where a record was measured with it installed (– elsewhere).")
+                 f"`flash-attn-4` {', '.join(sorted(fa4_versions))}, timed where a record was measured with it "
+                 "installed (– elsewhere).")
     return "\n".join(lines)
 
 
