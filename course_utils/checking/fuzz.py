@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -614,27 +615,18 @@ def _plant_unwritten_output():
     return undo
 
 
-def _plant_scaled_dk():
+def _plant_scaled_gradient(which):
+    """attention_backward with one of its results (0 dQ, 1 dK, 2 dV, 3 dsinks) 10% off: the smallest planted bug
+    a check must catch."""
     from ..api import attention
 
     original = attention.attention_backward
 
     def attention_backward(*args, **kwargs):
-        dq, dk, dv, d_sinks = original(*args, **kwargs)
-        return dq, dk * 0.9, dv, d_sinks  # a gradient 10% off: the smallest planted bug a check must catch
-    undo = [(attention, "attention_backward", original)]
-    attention.attention_backward = attention_backward
-    return undo
-
-
-def _plant_scaled_dsinks():
-    from ..api import attention
-
-    original = attention.attention_backward
-
-    def attention_backward(*args, **kwargs):
-        dq, dk, dv, d_sinks = original(*args, **kwargs)
-        return dq, dk, dv, None if d_sinks is None else d_sinks * 0.9  # the sum over rows 10% off
+        grads = list(original(*args, **kwargs))
+        if grads[which] is not None:
+            grads[which] = grads[which] * 0.9
+        return tuple(grads)
     undo = [(attention, "attention_backward", original)]
     attention.attention_backward = attention_backward
     return undo
@@ -646,7 +638,8 @@ def _plant_fp8_p_unrounded():
 
 PLANTS = {"window_off_by_one": _plant_window_off_by_one, "skip_ragged_key_block": _plant_skip_ragged_key_block,
           "no_unseen_key_fix": _plant_no_unseen_key_fix, "unwritten_output": _plant_unwritten_output,
-          "scaled_dk": _plant_scaled_dk, "scaled_dsinks": _plant_scaled_dsinks,
+          "scaled_dk": functools.partial(_plant_scaled_gradient, 1),
+          "scaled_dsinks": functools.partial(_plant_scaled_gradient, 3),
           "fp8_p_unrounded": _plant_fp8_p_unrounded}
 
 
