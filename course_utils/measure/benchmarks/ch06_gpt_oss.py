@@ -33,7 +33,7 @@ def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
     upper bound of what a sink-free kernel does on the causal layers. FlashAttention-4, where it is
     installed, runs the same layer as ours (GQA, sinks, window); its rows store how far its output is from
     ours (``max_diff_vs_ours``), which shows that both computed the same attention."""
-    rows = []
+    rows, fa4 = [], flash_attention_4()
     base = shape or GPT_OSS_SHAPE
     for dim, window in itertools.product(dims, (None, base["window"])):
         sh = dict(base, dim=dim)
@@ -52,7 +52,7 @@ def gpt_oss_vs_peers(shape=None, dims=(64, 128)):
                     q_, k_.repeat_interleave(group, 1), v_.repeat_interleave(group, 1), True, b_)
         out, lse = flash_attention(q, k, v, return_lse=True, **variant)
         errors = check_forward(q, k, v, out, lse, quiet=True, **variant)
-        fa4, fa4_diff = flash_attention_4(), None
+        fa4_diff = None
         if fa4 is not None:
             impls[FA4] = lambda q_, k_, v_: fa4(q_, k_, v_, True, window=window, sinks=sinks)
             fa4_diff = (impls[FA4](q, k, v).float() - out.float()).abs().max().item()
