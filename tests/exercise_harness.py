@@ -3,8 +3,8 @@ exercise's cells from its notebook, plant a mutant, load it like a notebook cell
 
 Three lists of exercises use it: ``exercise_mutants.py`` (the flash kernels of chapters 02–06,
 ``test_exercise_kernels.py``), ``exercise_mutants_speed_and_scale.py`` (chapters 04 and 07–10,
-``test_exercises_speed_and_scale.py``) and ``exercise_mutants_fp8.py`` (chapter 12, ``test_exercise_fp8.py``). Mutants are checked in worker processes, which import the list they
-come from by its module name.
+``test_exercises_speed_and_scale.py``) and ``exercise_mutants_fp8.py`` (chapter 12, ``test_exercise_fp8.py``).
+Mutants are checked in worker processes, which import the list they come from by its module name.
 """
 
 import importlib
