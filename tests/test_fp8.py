@@ -39,7 +39,7 @@ def test_fp8_forward_within_its_bound(case, hadamard):
     q, k, v = _inputs(batch, heads, heads_kv, seq_q, seq_k, dim, seed=sum(case))
     out, lse = fp8.flash_attention_fp8(q, k, v, causal=causal, hadamard=hadamard, return_lse=True)
     (q8, k8, v8), descales = fp8.quantise_inputs(q, k, v, hadamard, 0)
-    model_out, model_lse, slack = fp8.emulate_fp8_forward(q8, k8, v8, descales, causal=causal, return_slack=True)
+    model_out, model_lse, slack, _ = fp8.emulate_fp8_forward(q8, k8, v8, descales, causal=causal, return_slack=True)
     torch.testing.assert_close(out.double(), fp8.within_ties(out, model_out, slack), atol=1e-4, rtol=1e-3)
     torch.testing.assert_close(lse.double(), model_lse, atol=1e-5, rtol=1e-5)
     exact = attention_reference(q.double(), k.double(), v.double(), causal=causal)
@@ -55,7 +55,7 @@ def test_the_emulation_check_catches_each_planted_bug():
     (q8, k8, v8), descales = fp8.quantise_inputs(q, k, v, False, 0)
     for bug in ("no descale", "q descale twice", "P not quantised", "K descale of the query block",
                 "V descale missing"):
-        wrong, _, slack = fp8.emulate_fp8_forward(q8, k8, v8, descales, causal=True, bugs=(bug,), return_slack=True)
+        wrong, _, slack, _ = fp8.emulate_fp8_forward(q8, k8, v8, descales, causal=True, bugs=(bug,), return_slack=True)
         assert not torch.allclose(out, fp8.within_ties(out, wrong, slack), atol=1e-4, rtol=1e-3), bug
 
 

@@ -89,5 +89,8 @@ def test_fp8_problems_pass_and_fail_with_p_left_unrounded():
     assert run == len(_FP8_PROBLEMS) and failed == run, "\n".join(lines)
 
 
-def test_the_gpu_tier_draws_no_cpu_only_problem():
-    assert not any(p.api in fuzz.CPU_ONLY_APIS for p in fuzz.draw_problems(3, 300, gpu=True))
+def test_the_gpu_tier_draws_fp8_problems_the_hopper_kernel_takes():
+    from course_utils.api.fp8 import FP8_GPU_HEAD_DIMS
+
+    fp8 = [p for p in fuzz.draw_problems(3, 300, gpu=True) if p.api == "fp8"]
+    assert fp8 and all(p.dim in FP8_GPU_HEAD_DIMS and p.window is None and not p.sinks for p in fp8)

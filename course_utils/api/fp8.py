@@ -5,8 +5,9 @@ keys (one descale per tile the kernel loads), V per (batch, K/V head), each to e
 maps the block's largest magnitude to 448. With ``hadamard=True`` Q and K are first rotated by the same
 random orthogonal matrix ``H·diag(±1)/√D``, which leaves Q Kᵀ unchanged and spreads an outlier channel over
 every channel (FlashAttention-3's incoherent processing). The kernel (``kernels.flash_fwd_fp8``) runs on
-TileLang's C backend with FP8 rounding emulated in float32; its sm_90a variant lowers and compiles, and has not
-run on a GPU yet, so CUDA tensors are refused.
+TileLang's C backend with FP8 rounding emulated in float32 on the CPU, and as FP8 ``wgmma`` on a Hopper GPU
+(sm_90a), where the tiles are 128 × 128 and the producer step also transposes V (FP8 ``wgmma`` reads K-major
+operands only).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 
 import torch
 
+from ..core.device import is_hopper
 from ..core.reference import validate_attention_inputs
 from ..kernels.flash_fwd_fp8 import E4M3_MAX, P_SCALE, flash_fwd_fp8_kernel
 from ..kernels.tiles import compile_kernel
@@ -23,13 +25,22 @@ from .inputs import check_sm_scale
 
 __all__ = ["flash_attention_fp8", "quantise_blocks", "quantise_tensor", "random_hadamard", "fp8_error_bound",
            "emulate_fp8_forward", "within_ties", "TIE_MARGIN", "quantise_inputs", "FP8_TILE", "FP8_DTYPES",
-           "E4M3_MAX", "P_SCALE", "E4M3_UNIT_ROUNDOFF", "E4M3_SUBNORMAL_SPACING"]
+           "E4M3_MAX", "P_SCALE", "E4M3_UNIT_ROUNDOFF", "E4M3_SUBNORMAL_SPACING", "fp8_tile",
+           "FP8_GPU_TILE", "FP8_GPU_HEAD_DIMS"]
 
 FP8_TILE = 16  # block_M = block_N on the C backend: the blocks the Q and K descales belong to
+FP8_GPU_TILE = 128  # block_M = block_N of the sm_90a kernel: 128 × 128 tiles, two warpgroups of 64 rows
+FP8_GPU_HEAD_DIMS = (64, 128)  # FP8 wgmma reduces 32 values per step; D = 16 is too short and 32 untested
+V_KEY_ALIGN = 16  # Vᵀ's rows are keys: TMA needs each row's start 16-byte aligned, so the keys are padded to 16
 FP8_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # inputs quantised to e4m3 by the producer step
 FP8_HEAD_DIMS = (16, 32, 64, 128)  # powers of two: the Hadamard rotation needs one
 E4M3_UNIT_ROUNDOFF = 2.0 ** -4  # half the spacing of 3 mantissa bits, relative to the value
 E4M3_SUBNORMAL_SPACING = 2.0 ** -9  # below 2⁻⁶ e4m3 numbers are evenly spaced by this
+
+
+def fp8_tile(device):
+    """The block of rows one Q or K descale covers on ``device``: the kernel's tile there."""
+    return FP8_GPU_TILE if torch.device(device).type == "cuda" else FP8_TILE
 
 
 def _descale_of(amax):
@@ -81,9 +92,15 @@ def _check_fp8_inputs(q, k, v, sm_scale):
     if q.dtype not in FP8_DTYPES:
         raise ValueError(f"flash_attention_fp8 quantises float32, float16 or bfloat16 inputs; got {q.dtype} "
                          "(already-quantised FP8 tensors are not taken: pass the values they stand for)")
-    if q.device.type != "cpu":
-        raise ValueError("flash_attention_fp8 runs its FP8-emulating kernel on the CPU only: its sm_90a variant "
-                         f"lowers and compiles but has not been run or checked on a GPU yet (got device {q.device})")
+    if q.device.type == "cuda":
+        if not is_hopper():
+            raise ValueError("flash_attention_fp8 runs on a Hopper GPU (sm_90, FP8 wgmma) or on the CPU; "
+                             f"{torch.cuda.get_device_name(q.device)} is neither (move the tensors to the CPU)")
+        if q.shape[-1] not in FP8_GPU_HEAD_DIMS:
+            raise ValueError(f"flash_attention_fp8 on the GPU: head_dim must be one of {FP8_GPU_HEAD_DIMS}; "
+                             f"got {q.shape[-1]}")
+    elif q.device.type != "cpu":
+        raise ValueError(f"flash_attention_fp8 runs on the CPU or a Hopper GPU; got device {q.device}")
     if q.shape[-1] not in FP8_HEAD_DIMS:
         raise ValueError(f"flash_attention_fp8: head_dim must be one of {FP8_HEAD_DIMS}; got {q.shape[-1]}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -106,33 +123,64 @@ def _compiled(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale):
     return compile_kernel(kernel, out_idx=[6, 7], target="c")
 
 
+@functools.lru_cache(maxsize=32)
+def _compiled_gpu(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale):
+    kernel = flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal,
+                                  sm_scale=sm_scale, block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE, threads=256,
+                                  num_stages=2, v_keys=-(-seq_k // V_KEY_ALIGN) * V_KEY_ALIGN, target="cuda")
+    return compile_kernel(kernel, out_idx=[6, 7], target="cuda")
+
+
+def _quantise(q, k, v, hadamard, seed):
+    """The producer step in e4m3 tensors: ((q8, k8, v8), descales), the blocks of ``fp8_tile(q.device)``."""
+    if hadamard:
+        rotation = random_hadamard(q.shape[-1], seed).to(device=q.device, dtype=torch.float32)
+        q, k = q.float() @ rotation, k.float() @ rotation
+    tile = fp8_tile(q.device)
+    q8, q_descale = quantise_blocks(q, tile)
+    k8, k_descale = quantise_blocks(k, tile)
+    v8, v_descale = quantise_tensor(v)
+    return (q8, k8, v8), dict(Q=q_descale, K=k_descale, V=v_descale)
+
+
 def quantise_inputs(q, k, v, hadamard=False, seed=0):
     """The producer step: ((q8, k8, v8) as float32 tensors of e4m3 values, their descales {"Q", "K", "V"}); with
-    ``hadamard``, Q and K rotated by ``random_hadamard(D, seed)`` first."""
-    if hadamard:
-        rotation = random_hadamard(q.shape[-1], seed).to(torch.float32)
-        q, k = q.float() @ rotation, k.float() @ rotation
-    q8, q_descale = quantise_blocks(q, FP8_TILE)
-    k8, k_descale = quantise_blocks(k, FP8_TILE)
-    v8, v_descale = quantise_tensor(v)
-    return (q8.float(), k8.float(), v8.float()), dict(Q=q_descale, K=k_descale, V=v_descale)
+    ``hadamard``, Q and K rotated by ``random_hadamard(D, seed)`` first. Q and K are quantised in blocks of
+    ``fp8_tile(q.device)`` rows, the kernel's tile on that device."""
+    (q8, k8, v8), descales = _quantise(q, k, v, hadamard, seed)
+    return (q8.float(), k8.float(), v8.float()), descales
+
+
+def _run_gpu(q8, k8, v8, descales, causal, sm_scale):
+    """The sm_90a kernel on e4m3 tensors: V goes in transposed, [B, H_kv, D, S_k padded to V_KEY_ALIGN]."""
+    batch, heads, seq_q, dim = q8.shape
+    seq_k = k8.shape[2]
+    v_t = torch.nn.functional.pad(v8.transpose(-1, -2).view(torch.uint8), (0, -seq_k % V_KEY_ALIGN))
+    kernel = _compiled_gpu(batch, heads, k8.shape[1], seq_q, seq_k, dim, bool(causal), sm_scale)
+    return kernel(q8.contiguous(), k8.contiguous(), v_t.view(torch.float8_e4m3fn).contiguous(),
+                  descales["Q"].contiguous(), descales["K"].contiguous(), descales["V"].contiguous())
 
 
 def flash_attention_fp8(q, k, v, *, causal=False, sm_scale=None, hadamard=False, hadamard_seed=0, return_lse=False):
     """Attention with Q, K, V and P in e4m3, the FP8 forward of chapter 12 (forward only).
 
     q: [B, H, S_q, D]; k, v: [B, H_kv, S_k, D] (GQA: H a multiple of H_kv), float32, float16 or bfloat16 on the
-    CPU; causal aligned bottom-right as in ``flash_attention``. Q and K are quantised per block of ``FP8_TILE``
-    rows, V per (batch, K/V head), P at the fixed scale ``P_SCALE``. ``hadamard``: rotate Q and K by
-    ``random_hadamard(D, hadamard_seed)`` first. Returns O in the input dtype (and the natural-log LSE [B, H, S_q],
-    float32, with ``return_lse``). Raises ``ValueError`` for inputs it does not take (see ``_check_fp8_inputs``).
+    CPU or a Hopper GPU (D = 64 or 128 there); causal aligned bottom-right as in ``flash_attention``. Q and K are
+    quantised per block of ``fp8_tile(device)`` rows (16 on the CPU, 128 on the GPU), V per (batch, K/V head), P at
+    the fixed scale ``P_SCALE``. ``hadamard``: rotate Q and K by ``random_hadamard(D, hadamard_seed)`` first.
+    Returns O in the input dtype (and the natural-log LSE [B, H, S_q], float32, with ``return_lse``).
+    Raises ``ValueError`` for inputs it does not take (see ``_check_fp8_inputs``).
     """
     _check_fp8_inputs(q, k, v, sm_scale)
-    (q8, k8, v8), descales = quantise_inputs(q, k, v, hadamard, hadamard_seed)
+    (q8, k8, v8), descales = _quantise(q, k, v, hadamard, hadamard_seed)
     _check_descales(descales)
-    batch, heads, seq_q, dim = q.shape
-    kernel = _compiled(batch, heads, k.shape[1], seq_q, k.shape[2], dim, bool(causal), sm_scale)
-    out, lse = kernel(q8, k8, v8, descales["Q"].contiguous(), descales["K"].contiguous(), descales["V"].contiguous())
+    if q.device.type == "cuda":
+        out, lse = _run_gpu(q8, k8, v8, descales, causal, sm_scale)
+    else:
+        batch, heads, seq_q, dim = q.shape
+        kernel = _compiled(batch, heads, k.shape[1], seq_q, k.shape[2], dim, bool(causal), sm_scale)
+        out, lse = kernel(q8.float(), k8.float(), v8.float(), descales["Q"].contiguous(), descales["K"].contiguous(),
+                          descales["V"].contiguous())
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
 
@@ -149,15 +197,16 @@ def fp8_error_bound(q, k, v, *, causal=False, sm_scale=None, hadamard=False, had
     """
     (q8, k8, v8), descales = quantise_inputs(q, k, v, hadamard, hadamard_seed)
     del q8, k8, v8
+    tile = fp8_tile(q.device)
     if hadamard:
-        rotation = random_hadamard(q.shape[-1], hadamard_seed)
+        rotation = random_hadamard(q.shape[-1], hadamard_seed).to(q.device)
         q, k = q.double() @ rotation, k.double() @ rotation
     q, k, v = q.double(), k.double(), v.double()
     scale = 1 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     u, half_subnormal = E4M3_UNIT_ROUNDOFF, E4M3_SUBNORMAL_SPACING / 2
 
     def per_element(x, descale):
-        return u * x.abs() + half_subnormal * descale.double().repeat_interleave(FP8_TILE, -1)[..., :x.shape[-2], None]
+        return u * x.abs() + half_subnormal * descale.double().repeat_interleave(tile, -1)[..., :x.shape[-2], None]
 
     group = q.shape[1] // k.shape[1]
     k_rep = k.repeat_interleave(group, 1)
@@ -166,7 +215,7 @@ def fp8_error_bound(q, k, v, *, causal=False, sm_scale=None, hadamard=False, had
                            + dq @ dk.transpose(-1, -2))
     seq_q, seq_k = q.shape[2], k.shape[2]
     if causal:
-        visible = torch.ones(seq_q, seq_k, dtype=torch.bool).tril(seq_k - seq_q)
+        visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(seq_k - seq_q)
         score_error = score_error.masked_fill(~visible, 0)
     v_max = v.abs().amax(dim=(-1, -2)).repeat_interleave(group, 1)[..., None]
     v_absolute = (half_subnormal * descales["V"].double()).repeat_interleave(group, 1)[..., None]
@@ -177,14 +226,28 @@ def fp8_error_bound(q, k, v, *, causal=False, sm_scale=None, hadamard=False, had
 # How close to the midpoint of two e4m3 values, in units of their spacing, a P · P_SCALE of the emulation may be for
 # the kernel's float32 arithmetic (another summation order, exp2f) to round it to the other one.
 TIE_MARGIN = 1e-2
+# FP8 wgmma does not keep a float32 accumulator: about 14 bits of the running sum survive each step (DeepSeek-V3's
+# technical report, arXiv:2412.19437, section 3.3.2, on the H800; the chapter's GPU run saw score errors near 2⁻¹⁴ of
+# Σ|q||k|). The GPU check allows each 32-product step of the tensor cores a relative error of 2⁻¹³ (twice that) of
+# the magnitudes summed, in the scores and in P V.
+WGMMA_ACCUMULATION = 2.0 ** -13
+WGMMA_K = 32  # products one FP8 wgmma step sums per output (its k extent)
 
 
-def _tie_spacing(x):
-    """The spacing of e4m3 values around ``x ≥ 0`` where ``x`` lies within TIE_MARGIN of a rounding midpoint, else 0."""
+def fp8_accumulation(device):
+    """The relative accumulation error per ``WGMMA_K`` products that the check of the kernel on ``device`` allows:
+    0 on the C backend (float32 sums of products that float32 holds exactly), ``WGMMA_ACCUMULATION`` on a GPU."""
+    return WGMMA_ACCUMULATION if torch.device(device).type == "cuda" else 0.0
+
+
+def _tie_spacing(x, relative=0.0):
+    """The spacing of e4m3 values around ``x ≥ 0`` where ``x`` lies within TIE_MARGIN of a rounding midpoint, or
+    within ``relative · x`` of one (how far the kernel's own x may be from this one), else 0."""
     exponent = torch.floor(torch.log2(x.clamp(min=2.0 ** -30))).clamp(min=-6)
     spacing = torch.exp2(exponent - 3)
     fraction = x / spacing - torch.floor(x / spacing)
-    return torch.where((fraction - 0.5).abs() < TIE_MARGIN, spacing, torch.zeros_like(spacing))
+    near = (fraction - 0.5).abs() < TIE_MARGIN + relative * x / spacing
+    return torch.where(near, spacing, torch.zeros_like(spacing))
 
 
 def within_ties(actual, emulated, slack):
@@ -195,13 +258,23 @@ def within_ties(actual, emulated, slack):
     return emulated + torch.nan_to_num(actual - emulated).clamp(-slack, slack)
 
 
-def emulate_fp8_forward(q8, k8, v8, descales, *, causal=False, sm_scale=None, block_M=FP8_TILE, block_N=FP8_TILE,
-                        dtype=torch.float64, bugs=(), return_slack=False):
+def emulate_fp8_forward(q8, k8, v8, descales, *, causal=False, sm_scale=None, block_M=None, block_N=None,
+                        dtype=torch.float64, bugs=(), return_slack=False, accumulation=None):
     """The FP8 kernel's arithmetic in PyTorch, tile by tile (P is rounded against the running max of its tile, so
     the tiling matters): O and the natural-log LSE from quantised q8 [B, H, S_q, D], k8, v8 [B, H_kv, S_k, D] (e4m3
     values in any float dtype) and ``descales`` {"Q": [B, H, ⌈S_q/block_M⌉], "K": [B, H_kv, ⌈S_k/block_N⌉],
     "V": [B, H_kv]}. ``bugs`` switches on known mistakes for the exercise checker: "no descale", "q descale
-    twice", "P not quantised", "K descale of the query block", "V descale missing"."""
+    twice", "P not quantised", "K descale of the query block", "V descale missing". The blocks default to the
+    kernel's tile on q8's device (``fp8_tile``).
+
+    ``return_slack``: also how far the kernel's O and LSE may be from these by arithmetic alone: (O, LSE, O's slack,
+    LSE's slack). On the C backend that is P's near-ties (a P within TIE_MARGIN of a rounding midpoint that float32
+    may round the other way). On a GPU (``accumulation``, default ``fp8_accumulation(q8.device)``) the tensor cores'
+    short accumulator also moves every score by up to ε⌈D/32⌉ Σ|q||k|: a P that far from a midpoint counts as a
+    near-tie, and O and LSE get the bound of what those score errors and P V's accumulation move."""
+    device = q8.device
+    block_M, block_N = block_M or fp8_tile(device), block_N or fp8_tile(device)
+    accumulation = fp8_accumulation(device) if accumulation is None else accumulation
     q8, k8, v8 = q8.to(dtype), k8.to(dtype), v8.to(dtype)
     batch, heads, seq_q, dim = q8.shape
     group, seq_k = heads // k8.shape[1], k8.shape[2]
@@ -209,32 +282,46 @@ def emulate_fp8_forward(q8, k8, v8, descales, *, causal=False, sm_scale=None, bl
     q_descale = descales["Q"].to(dtype)
     k_descale, v_descale = (descales[n].to(dtype).repeat_interleave(group, 1) for n in ("K", "V"))
     scale_log2 = (1 / math.sqrt(dim) if sm_scale is None else sm_scale) * 1.4426950408889634
-    out, slack = torch.zeros(batch, heads, seq_q, dim, dtype=dtype), torch.zeros(batch, heads, seq_q, dim, dtype=dtype)
-    lse = torch.full((batch, heads, seq_q), -math.inf, dtype=dtype)
+    out = torch.zeros(batch, heads, seq_q, dim, dtype=dtype, device=device)
+    slack = torch.zeros_like(out)
+    lse = torch.full((batch, heads, seq_q), -math.inf, dtype=dtype, device=device)
+    lse_slack = torch.zeros_like(lse)
     for qb in range(-(-seq_q // block_M)):
-        rows = torch.arange(qb * block_M, min(seq_q, (qb + 1) * block_M))
-        m = torch.full((batch, heads, len(rows)), -math.inf, dtype=dtype)
-        l, acc = torch.zeros_like(m), torch.zeros(batch, heads, len(rows), dim, dtype=dtype)
-        acc_slack = torch.zeros_like(acc)
+        rows = torch.arange(qb * block_M, min(seq_q, (qb + 1) * block_M), device=device)
+        m = torch.full((batch, heads, len(rows)), -math.inf, dtype=dtype, device=device)
+        l, acc = torch.zeros_like(m), torch.zeros(batch, heads, len(rows), dim, dtype=dtype, device=device)
+        acc_slack, acc_abs = torch.zeros_like(acc), torch.zeros_like(acc)
+        score_error = torch.zeros_like(m)  # the largest error of a score of the row so far, in exp2 units
         for kb in range(-(-seq_k // block_N)):
-            keys = torch.arange(kb * block_N, min(seq_k, (kb + 1) * block_N))
+            keys = torch.arange(kb * block_N, min(seq_k, (kb + 1) * block_N), device=device)
             qd = q_descale[..., qb, None, None]
             # The bug reads the query block's entry (the last key block's where there is none).
             k_block = min(qb, k_descale.shape[-1] - 1) if "K descale of the query block" in bugs else kb
             kd = k_descale[..., k_block, None, None]
             factor = scale_log2 * (1 if "no descale" in bugs else qd * kd * (qd if "q descale twice" in bugs else 1))
             s = (q8[:, :, rows] @ k8[:, :, keys].transpose(-1, -2)) * factor
+            errors = accumulation * math.ceil(dim / WGMMA_K) * (
+                q8[:, :, rows].abs() @ k8[:, :, keys].abs().transpose(-1, -2)) * abs(factor)
             if causal:
-                s = s.masked_fill(keys[None, :] > rows[:, None] + seq_k - seq_q, -math.inf)
+                hidden = keys[None, :] > rows[:, None] + seq_k - seq_q
+                s, errors = s.masked_fill(hidden, -math.inf), errors.masked_fill(hidden, 0)
+            score_error = torch.maximum(score_error, errors.amax(-1))
             m_prev, m = m, torch.maximum(m, s.amax(-1))
             alpha = torch.where(m == -math.inf, 1.0, torch.exp2(m_prev - m))
             p = torch.where(m[..., None] == -math.inf, 0.0, torch.exp2(s - m[..., None]))
             l = l * alpha + p.sum(-1)
             p8 = p * P_SCALE if "P not quantised" in bugs else (p * P_SCALE).float().to(torch.float8_e4m3fn).to(dtype)
             acc = acc * alpha[..., None] + p8 @ v8[:, :, keys]
-            acc_slack = acc_slack * alpha[..., None] + _tie_spacing(p * P_SCALE) @ v8[:, :, keys].abs()
+            moved = torch.exp2(errors + score_error[..., None]) - 1  # how far the kernel's P may be, relatively
+            acc_slack = acc_slack * alpha[..., None] + _tie_spacing(p * P_SCALE, moved) @ v8[:, :, keys].abs()
+            acc_abs = acc_abs * alpha[..., None] + p8.abs() @ v8[:, :, keys].abs()
         v_factor = 1 if "V descale missing" in bugs else v_descale[..., None, None]
         out[:, :, rows] = torch.where(l[..., None] == 0, 0.0, acc * v_factor / (P_SCALE * l[..., None]))
-        slack[:, :, rows] = torch.where(l[..., None] == 0, 0.0, acc_slack * v_factor / (P_SCALE * l[..., None]))
+        # Each term's weight moves by up to 2^(4E) (its exponent and ℓ's), and P V's sum by its accumulation.
+        steps = -(-seq_k // block_N) * math.ceil(block_N / WGMMA_K)
+        drift = (torch.exp2(4 * score_error) - 1)[..., None] + accumulation * steps
+        slack[:, :, rows] = torch.where(l[..., None] == 0, 0.0, (acc_slack + drift * acc_abs) * abs(v_factor)
+                                        / (P_SCALE * l[..., None]))
         lse[:, :, rows] = torch.where(l == 0, -math.inf, (m + torch.log2(l)) / 1.4426950408889634)
-    return (out, lse, slack) if return_slack else (out, lse)
+        lse_slack[:, :, rows] = torch.where(l == 0, 0.0, 3 * score_error / 1.4426950408889634)
+    return (out, lse, slack, lse_slack) if return_slack else (out, lse)

@@ -33,6 +33,8 @@ E4M3_MAX = 448.0  # the largest finite e4m3 value (the "fn" variant: no infiniti
 # P ≤ 1 is multiplied by this before rounding: a power of two (its descale is exact) that puts P = 1 at
 # e4m3's exponent 8, so probabilities down to 2⁻¹⁴ keep full precision instead of falling into subnormals.
 P_SCALE = 256.0
+# torch.float8_e4m3fn's name in TVM ("float8_e4m3" is another DLPack type code, 8 against torch's 10)
+FP8_DTYPE = "float8_e4m3fn"
 _E4M3_MIN_EXPONENT = -6  # the smallest normal e4m3 number is 2⁻⁶; below it the spacing stays 2⁻⁹
 _E4M3_MANTISSA_BITS = 3
 
@@ -94,11 +96,12 @@ def fp8_tile_step(tb, p, block_M, block_N):
 
 
 def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, sm_scale=None,
-                         block_M=16, block_N=16, threads=256, num_stages=1, target="c"):
+                         block_M=16, block_N=16, threads=256, num_stages=1, v_keys=None, target="c"):
     """A ``@T.prim_func`` (Q, K, V, Q_descale, K_descale, V_descale) -> (O, LSE) on e4m3 values: float32 tiles
-    holding them on the C backend, ``float8_e4m3`` tiles on CUDA (not run on a GPU yet).
+    holding them on the C backend, ``float8_e4m3fn`` tiles on CUDA.
 
-    Q [B, H, S_q, D], K [B, H_kv, S_k, D], V [B, H_kv, S_k, D] on the C backend and Vᵀ [B, H_kv, D, S_k] on CUDA;
+    Q [B, H, S_q, D], K [B, H_kv, S_k, D], V [B, H_kv, S_k, D] on the C backend and Vᵀ [B, H_kv, D, v_keys] on CUDA
+    (``v_keys`` ≥ S_k, default S_k: the producer pads the keys so that TMA finds each row of Vᵀ 16-byte aligned);
     Q_descale [B, H, ⌈S_q/block_M⌉], K_descale [B, H_kv, ⌈S_k/block_N⌉], V_descale [B, H_kv]: a quantised value
     times its descale is the input it stands for. O is float32; the LSE is the natural log of the row's
     denominator of the scaled scores, as ``flash_attention``'s.
@@ -106,8 +109,8 @@ def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, caus
     tb = TileBackend(target)
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, sm_scale=sm_scale)
     f32 = "float32"
-    fp8 = "float8_e4m3" if tb.on_gpu else f32  # the C backend keeps e4m3 values in float32
-    v_shape = [batch, p.heads_kv, dim, seq_k] if tb.on_gpu else [batch, p.heads_kv, seq_k, dim]
+    fp8 = FP8_DTYPE if tb.on_gpu else f32  # the C backend keeps e4m3 values in float32
+    v_shape = [batch, p.heads_kv, dim, v_keys or seq_k] if tb.on_gpu else [batch, p.heads_kv, seq_k, dim]
     q_blocks, k_blocks = p.blocks(seq_q, block_M), p.blocks(seq_k, block_N)
     tile_step = fp8_tile_step(tb, p, block_M, block_N)
 

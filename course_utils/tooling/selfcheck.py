@@ -297,7 +297,7 @@ def check_fp8_forward():
     for hadamard in (False, True):
         out = flash_attention_fp8(q, k, v, causal=True, hadamard=hadamard)
         (q8, k8, v8), descales = quantise_inputs(q, k, v, hadamard)
-        emulated, _, slack = emulate_fp8_forward(q8, k8, v8, descales, causal=True, return_slack=True)
+        emulated, _, slack, _ = emulate_fp8_forward(q8, k8, v8, descales, causal=True, return_slack=True)
         check_close(out, within_ties(out, emulated, slack),
                     f"FP8 forward, GQA 4/2, causal, hadamard={hadamard}: O against the FP8 emulation", atol=1e-4,
                     rtol=1e-3)
@@ -306,7 +306,7 @@ def check_fp8_forward():
         check_true(bool((error <= bound).all()),
                    f"  within the FP8 bound of exact attention (error {float(error.max()):.3g})")
     for bug in ("no descale", "P not quantised", "K descale of the query block"):
-        wrong, _, slack = emulate_fp8_forward(q8, k8, v8, descales, causal=True, bugs=(bug,), return_slack=True)
+        wrong, _, slack, _ = emulate_fp8_forward(q8, k8, v8, descales, causal=True, bugs=(bug,), return_slack=True)
         expect_failure(bug, lambda: check_close(out, within_ties(out, wrong, slack), bug, atol=1e-4, rtol=1e-3,
                                                 quiet=True))
     print("The sm_90a variant (FP8 wgmma; not run on a GPU yet) at D=128, S=4k, lowered:")

@@ -21,6 +21,7 @@ from .ch09_varlen_decode import decode_bandwidth, decode_split_sweep, varlen_vs_
 from .ch10_ring import RECORD as CH10_RING_RECORD
 from .ch10_ring import ring_vs_one_gpu
 from .ch11_flex import flex_vs_peers
+from .ch12_fp8 import fp8_vs_peers
 from .common import SDPA_PEERS, comparison_shapes
 
 __all__ = ["RECORDS", "MULTI_GPU_RECORDS", "CH03_FORWARD_CONFIG", "CH05_BACKWARD_CONFIG", "SDPA_PEERS",
@@ -28,7 +29,7 @@ __all__ = ["RECORDS", "MULTI_GPU_RECORDS", "CH03_FORWARD_CONFIG", "CH05_BACKWARD
            "backward_config_sweep", "backward_vs_peers", "GPT_OSS_SHAPE", "gpt_oss_vs_peers", "gqa_backward_strategies",
            "forward_ablation", "hopper_tiling_sweep", "persistent_vs_rotated", "backward_ablation",
            "deterministic_cost", "feature_checks", "timing_order", "TIMING_ORDERS", "CH08_SEQS", "decode_bandwidth",
-           "decode_split_sweep", "varlen_vs_dense", "ring_vs_one_gpu", "flex_vs_peers"]
+           "decode_split_sweep", "varlen_vs_dense", "ring_vs_one_gpu", "flex_vs_peers", "fp8_vs_peers"]
 
 # Chapter 03's kernel as the chapter writes it (two pipeline stages), and chapter 05's backward.
 CH03_FORWARD_CONFIG = ForwardConfig(128, 128, 2, 256)
@@ -70,6 +71,8 @@ RECORDS = {
     "ch09_varlen_h100": varlen_vs_dense,
     CH10_RING_RECORD: ring_vs_one_gpu,
     "ch11_flex_h100": flex_vs_peers,
+    # Measured on an H200 (the machine lent when chapter 12 first ran on a GPU); an H100 run would be ch12_fp8_h100.
+    "ch12_fp8_h200": fp8_vs_peers,
 }
 # Records that need a machine with several GPUs (nvidia-h200-x2): measured only when named, and
 # never re-measured by a notebook (chapter 10 shows the stored one).
