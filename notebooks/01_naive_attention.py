@@ -393,6 +393,12 @@ for s in (256, 512, 1024):
     print(f"this CPU, S={s:>4}: naive {t_naive:7.1f} ms, SDPA {t_sdpa:6.1f} ms, ratio {t_naive / t_sdpa:4.1f}×")
 
 # %% [markdown]
+# **Stale output.** The stored lines above were timed on the CPU of the machine that last executed
+# this chapter, not on yours, and they do not show the effect: their times do not grow with S, as a
+# computation of S² scores per head must (naive and SDPA each take about the same time at every S), so on
+# that machine something other than the arithmetic set them, and their ratio says nothing about the
+# two methods. Run the cell to time this machine's CPU.
+#
 # ## Takeaways
 # - Attention is two matrix products around a row-wise softmax; the causal mask sets the scores
 #   of later keys to $-\infty$.

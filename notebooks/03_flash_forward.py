@@ -247,6 +247,10 @@ for batch, heads, seq_q, seq_k, dim, causal in cases:
                      name=f"B={batch} H={heads} S_q={seq_q} S_k={seq_k} D={dim} causal={causal!s:5}")
 
 # %% [markdown]
+# (The `tiling:` line above is stored from this chapter's last GPU run, before `ForwardConfig` gained
+# its field `blocks_per_sm`; today's code prints the same tiling followed by `blocks_per_sm=1`, the
+# default, which is what chapter 03's tiling uses.)
+#
 # **Would these checks notice a wrong kernel?** A check is only worth something if it fails on a
 # wrong result. Here are results of the last case with the bugs kernels really have planted in
 # them: the output of a neighbouring head (a wrong head index), of another batch entry, an LSE

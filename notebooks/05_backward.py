@@ -341,6 +341,11 @@ for batch, heads, seq_q, seq_k, dim, causal in cases:
     cu.check_backward(q, k, v, d_out, grads, causal=causal, name=" ")
 
 # %% [markdown]
+# (The `tiling:` line above is stored from this chapter's GPU run of 2026-11-26, before `BackwardConfig`
+# gained its fields `policies`, `dkdv_by_tma`, `longest_first` and `defer_dq_wait`; today's code prints
+# the same tiling followed by those fields at their defaults, `None` and `False`, which is what chapter
+# 05's tiling uses.)
+#
 # **Would the check notice a wrong backward?** The same check on gradients with planted bugs:
 # dV scaled by 0.9, dK scaled by 0.9, dQ of a neighbouring head, and the gradients the kernels
 # really give when $\Delta$ is dropped from $dS = P \circ (dP - \Delta)$ (run with $\Delta = 0$).

@@ -384,8 +384,8 @@ plots.save(fig, "ch08_ablation");
 # - **Our own two barriers** instead of TileLang's four are level with the row above at D = 128, and
 #   win back the previous row's loss in none of the cases (the count above); the variation
 #   "(TileLang's four barriers)" shows what they are worth at the final tiles.
-# - **FlashAttention-3's tiles** help in most cases, most at D = 64 (128 × 128: twice the queries
-#   per step and per barrier).
+# - **FlashAttention-3's tiles** are ahead at D = 64 (128 × 128: twice the queries per step and per
+#   barrier) and level at D = 128, with the mask and without it (their count above names the cases).
 # - Variations: one stage and per-element atomics lose clearly; FlashAttention-3's preprocess (dQ
 #   zeroed and LSE·log2 e stored by Δ's kernel) is level with version 9, within the noise in every
 #   case; light key blocks first is level at D = 128 and at D = 64; 80 × 128

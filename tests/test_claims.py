@@ -497,3 +497,30 @@ def test_the_date_test_catches_an_older_record_and_an_unmarked_live_timing():
     live[1]["source"] = STALE_MARK + " The stored output above is a live timing from an older run."
     assert not stale_outputs("03", live)
     assert shown is not None
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if ANNOUNCEMENT.search(p.with_suffix(".ipynb").read_text())],
+                         ids=lambda p: p.stem)
+@pytest.mark.parametrize("origin", ["stored record", "measured now"])
+def test_the_date_test_catches_an_older_announcement_planted_in_a_copy(path, origin):
+    """Each chapter that announces a record, copied with one announcement's date set a year back (as a stored or
+    as a re-measured record): the copy fails, naming that record; the chapter itself passes."""
+    import copy
+
+    cells = _ipynb_cells(path)
+    assert not stale_outputs(path.name[:2], cells)
+    planted = copy.deepcopy(cells)
+    for cell in planted:
+        for output in cell.get("outputs", []):
+            text = "".join(output.get("text", ""))
+            m = ANNOUNCEMENT.search(text)
+            if m:
+                old = m.group(0).replace(m.group(2), "2025" + m.group(2)[4:])
+                old = re.sub(r"^\[(?:stored record|measured now):", f"[{origin}:", old)
+                output["text"] = text.replace(m.group(0), old, 1)
+                break
+        else:
+            continue
+        break
+    found = stale_outputs(path.name[:2], planted)
+    assert len(found) == 1 and f"shows {m.group(1)} of 2025" in found[0], found
