@@ -222,7 +222,7 @@ for batch, heads, heads_kv, seq_q, seq_k, dim, causal in cases:
     k, v = (torch.randn(batch, heads_kv, seq_k, dim) for _ in range(2))
     out, lse = flash_attention_fp8(q, k, v, causal=causal, return_lse=True)
     (q8, k8, v8), descales = quantise_inputs(q, k, v)
-    emulated, emulated_lse, slack = emulate_fp8_forward(q8, k8, v8, descales, causal=causal, return_slack=True)
+    emulated, emulated_lse, slack, _ = emulate_fp8_forward(q8, k8, v8, descales, causal=causal, return_slack=True)
     label = f"B={batch} H={heads}/{heads_kv} S_q={seq_q} S_k={seq_k} D={dim} causal={causal!s:5}"
     cu.check_close(out, within_ties(out, emulated, slack), f"{label}: O against the FP8 emulation", atol=1e-4,
                    rtol=1e-3)
@@ -238,7 +238,7 @@ for batch, heads, heads_kv, seq_q, seq_k, dim, causal in cases:
 
 # %%
 for bug in ("no descale", "q descale twice", "P not quantised", "K descale of the query block", "V descale missing"):
-    wrong, _, slack = emulate_fp8_forward(q8, k8, v8, descales, causal=causal, bugs=(bug,), return_slack=True)
+    wrong, _, slack, _ = emulate_fp8_forward(q8, k8, v8, descales, causal=causal, bugs=(bug,), return_slack=True)
     cu.expect_failure(bug, lambda: cu.check_close(out, within_ties(out, wrong, slack), bug, atol=1e-4, rtol=1e-3,
                                                   quiet=True))
 
@@ -329,7 +329,7 @@ rms = {}
 for hadamard in (False, True):
     out = flash_attention_fp8(q, k, v, sm_scale=sm_scale, hadamard=hadamard)
     (q8, k8, v8), descales = quantise_inputs(q, k, v, hadamard)
-    emulated, _, slack = emulate_fp8_forward(q8, k8, v8, descales, sm_scale=sm_scale, return_slack=True)
+    emulated, _, slack, _ = emulate_fp8_forward(q8, k8, v8, descales, sm_scale=sm_scale, return_slack=True)
     cu.check_close(out, within_ties(out, emulated, slack), f"hadamard={hadamard!s:5}: O against the FP8 emulation",
                    atol=1e-4, rtol=1e-3)
     cu.check_true(bool(((emulated - exact).abs().amax(-1) <= fp8_error_bound(q, k, v, sm_scale=sm_scale,
