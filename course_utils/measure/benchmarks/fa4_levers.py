@@ -1,4 +1,4 @@
-"""Issue #49: which of today's config knobs moves our Hopper kernels toward FlashAttention-4.
+"""Which of today's config knobs moves our Hopper kernels toward FlashAttention-4.
 
     python -m course_utils.measure.benchmarks.fa4_levers --out DIR            # on an H100/H200
     python -m course_utils.measure.benchmarks.fa4_levers --out DIR --compile-only   # no GPU: lower + ptxas
@@ -19,7 +19,10 @@ Backward-only times keep the forward graph (``common.backward_timer``). Calls ta
 A backward variant whose registers run out is recorded as such: the public API's quiet fallback to 64-row
 query blocks (``attention._compile_main``) is switched off here so a row is always the config it names.
 ``--compile-only`` (no GPU needed) lowers every variant at every timed shape for sm_90a and, with nvcc, reports
-ptxas's registers and spills.
+ptxas's registers and spills. It cannot see a tiling whose dynamic shared memory exceeds the SM's 227 KiB: that
+fails only at launch (``3 stages`` at D = 64 and the 128 × 176 forward do), which the GPU run records as "failed to
+run". One run on an H200 (both directions, FA4 installed, kernels cached from an earlier call) took 55 s; the
+record is ``figures/fa4_levers_h200.json``.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class Case(NamedTuple):
     seqs: tuple
 
 
-# The cases issue #49 names as furthest behind FlashAttention-4: backward 0.85 at D = 64 causal, 0.90-0.91 at
+# The cases furthest behind FlashAttention-4 on the H100: backward 0.85 at D = 64 causal, 0.90-0.91 at
 # D = 128 S = 4k; forward at D = 64 (S = 8k-16k) and D = 128 S = 4k (0.91 without a mask).
 CASES = (
     Case("bwd", 64, True, (2048, 4096, 8192)),
@@ -257,6 +260,7 @@ def _compile(direction, dim, causal, seq, config):
     if direction == "fwd":
         forward_kernel(q, q, causal=causal, config=config)
     else:
+        forward_kernel(q, q, causal=causal)  # the forward whose graph the timed backward keeps
         backward_kernels(q, q, causal=causal, config=config)
 
 
@@ -277,6 +281,7 @@ def _timed(direction, causal, config, q, k, v):
 def measure(cases=CASES, workers=8):
     """Every case: compile all variants in parallel, check each on the small problem, time the good ones beside
     cuDNN and FlashAttention-4. Returns the rows of the record."""
+    from ...checking.checks import CheckFailed
     from ...core.labels import CUDNN, FA4
     from ..bench import attention_flops, tflops, time_side_by_side
     from .common import SDPA_PEERS, backward_timer, flash_attention_4, in_parallel, sdpa
@@ -322,8 +327,10 @@ def measure(cases=CASES, workers=8):
         if error is None:
             try:
                 errors = check_variant(direction, dim, causal, config)
-            except Exception as exc:  # a wrong variant is a row, not the end of the run
+            except CheckFailed as exc:  # a wrong variant is a row, not the end of the run
                 error = "wrong: " + _failure(exc)
+            except Exception as exc:  # so is one that cannot run (e.g. too much shared memory at launch)
+                error = "failed to run: " + _failure(exc)
         checks[direction, dim, causal, config] = (errors, error)
     print(f"checked in {time.perf_counter() - t0:.0f} s", flush=True)
 
@@ -336,7 +343,7 @@ def measure(cases=CASES, workers=8):
             for label, why, config in variants_for(case, seq):
                 errors, error = checks[case.direction, case.dim, case.causal, config]
                 error = error or build_errors["time", case.direction, case.dim, case.causal, seq, config]
-                base = dict(direction=case.direction, dim=case.dim, causal=case.causal, dtype=DTYPE, impl=label,
+                base = dict(direction=case.direction, causal=case.causal, dtype=DTYPE, impl=label,
                             why=why, config=_config_dict(config), check_shape=CHECK_SHAPE, errors=errors, **shape)
                 if error is not None:
                     rows.append(dict(base, error=error))
@@ -360,11 +367,11 @@ def measure(cases=CASES, workers=8):
                     else:
                         fns[name] = (lambda p=peer, a=q, b=k, c=v: p(a, b, c))
                     fns[name]()
-                    meta[name] = dict(direction=case.direction, dim=case.dim, causal=case.causal, dtype=DTYPE,
+                    meta[name] = dict(direction=case.direction, causal=case.causal, dtype=DTYPE,
                                       impl=name, peer=True, **shape)
                 except Exception as exc:
                     fns.pop(name, None)
-                    rows.append(dict(direction=case.direction, dim=case.dim, causal=case.causal, dtype=DTYPE,
+                    rows.append(dict(direction=case.direction, causal=case.causal, dtype=DTYPE,
                                      impl=name, peer=True, error="run: " + _failure(exc), **shape))
             torch.cuda.synchronize()
             times = time_side_by_side(fns)
