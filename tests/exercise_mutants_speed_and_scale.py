@@ -110,6 +110,17 @@ MUTANTS += [
            (("torch.exp(lse - shift)[..., None] * out + torch.exp(lse_b - shift)[..., None] * out_b",
              "torch.exp(lse_b - shift)[..., None] * out + torch.exp(lse - shift)[..., None] * out_b"),),
            "weights are swapped"),
+    # Right on the fixed rows of old (no row of LSEs both below −104, the partial's LSE never 88 above the running
+    # one); shapes.draw_merge_rows has both, and the ring's very negative head shows the first too.
+    Mutant("ch10_ring_step", "larger LSE floored at 0 (clamp as the −∞ guard)",
+           (("new_lse = torch.logaddexp(lse, lse_b)\n",
+             "m = torch.maximum(lse, lse_b).clamp(min=0)\n"
+             "    new_lse = m + torch.log(torch.exp(lse - m) + torch.exp(lse_b - m))\n"),),
+           "the larger LSE is floored at 0"),
+    Mutant("ch10_ring_step", "log-add taken around the running LSE (log1p of e^(LSE_b − LSE))",
+           (("new_lse = torch.logaddexp(lse, lse_b)\n",
+             "new_lse = torch.where(lse == float(\"-inf\"), lse_b, lse + torch.log1p(torch.exp(lse_b - lse)))\n"),),
+           "taken around the running LSE"),
 ]
 VARIANTS += [
     Mutant("ch10_ring_step", "max-shift written out instead of logaddexp",
