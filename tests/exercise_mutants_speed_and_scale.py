@@ -48,6 +48,17 @@ MUTANTS = [
     Mutant("ch09_merge_kernel", "no guard for a row no split saw",
            (("T.if_then_else(l[0] > 0, T.exp(LSE_part[r, s] - LSE[r]), 0)", "T.exp(LSE_part[r, s] - LSE[r])"),),
            "no guard"),
+    # Right on the fixed rows of old (the largest LSE always first, no row of LSEs all very negative); the rows
+    # drawn by shapes.draw_merge_rows put the largest in every position and a row of LSEs all below −104.
+    Mutant("ch09_merge_kernel", "running max started at 0, not −∞",
+           (("shift[0] = NEG_INF\n", "shift[0] = 0\n"),), "the maximum starts at 0, not at −∞"),
+    Mutant("ch09_merge_kernel", "max loop reads split 0 at every s",
+           (("shift[0] = T.max(shift[0], LSE_part[r, s])", "shift[0] = T.max(shift[0], LSE_part[r, 0])"),),
+           "the maximum is not taken over every split"),
+    Mutant("ch09_merge_kernel", "max loop stops one split short",
+           (("        for s in T.serial(splits):\n            shift[0] = T.max",
+             "        for s in T.serial(splits - 1):\n            shift[0] = T.max"),),
+           "the maximum is not taken over every split"),
 
     # --- chapter 09 (d): the paged-cache lookup ---
     Mutant("ch09_paged_lookup", "wrong page index: table entry kb",
@@ -99,6 +110,17 @@ MUTANTS += [
            (("torch.exp(lse - shift)[..., None] * out + torch.exp(lse_b - shift)[..., None] * out_b",
              "torch.exp(lse_b - shift)[..., None] * out + torch.exp(lse - shift)[..., None] * out_b"),),
            "weights are swapped"),
+    # Right on the fixed rows of old (no row of LSEs both below −104, the partial's LSE never 88 above the running
+    # one); shapes.draw_merge_rows has both, and the ring's very negative head shows the first too.
+    Mutant("ch10_ring_step", "larger LSE floored at 0 (clamp as the −∞ guard)",
+           (("new_lse = torch.logaddexp(lse, lse_b)\n",
+             "m = torch.maximum(lse, lse_b).clamp(min=0)\n"
+             "    new_lse = m + torch.log(torch.exp(lse - m) + torch.exp(lse_b - m))\n"),),
+           "the larger LSE is floored at 0"),
+    Mutant("ch10_ring_step", "log-add taken around the running LSE (log1p of e^(LSE_b − LSE))",
+           (("new_lse = torch.logaddexp(lse, lse_b)\n",
+             "new_lse = torch.where(lse == float(\"-inf\"), lse_b, lse + torch.log1p(torch.exp(lse_b - lse)))\n"),),
+           "taken around the running LSE"),
 ]
 VARIANTS += [
     Mutant("ch10_ring_step", "max-shift written out instead of logaddexp",

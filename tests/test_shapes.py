@@ -121,3 +121,25 @@ def test_gemm_shapes_tell_the_block_sizes_apart():
     # Equal tiles, the one case of old, cover none of the classes that tell the block sizes apart.
     assert not {"three different block sizes", "fewer K tiles counted in block_M"} & gemm_classes(
         GemmShape(96, 80, 160, 64, 64, 64))
+
+
+@pytest.mark.parametrize("parts", [2, 3, 5])
+def test_merge_rows_put_the_largest_lse_everywhere_and_the_extremes_in(parts):
+    """Chapters 09 (c) and 10 (c)'s merges: one row per class (the largest LSE first, last and, with three parts or
+    more, in the middle, far above the rest; the first and the last part empty; no part; a tie; every LSE past 88
+    and every LSE below −104), the same every time; the fixed rows of old missed two of them."""
+    import math
+
+    from course_utils.exercises.shapes import draw_merge_rows, merge_row_classes, required_merge_classes
+
+    rows, labels = draw_merge_rows(parts, seed=7)
+    assert rows.shape == (len(labels), parts) and rows.dtype == torch.float32
+    covered = set().union(*(merge_row_classes(row) for row in rows.tolist()))
+    assert required_merge_classes(parts) <= covered
+    assert all(label == "ordinary" or label in merge_row_classes(row) for row, label in zip(rows.tolist(), labels))
+    assert torch.equal(draw_merge_rows(parts, seed=7)[0], rows)  # seeded
+    # Chapter 10 (c)'s rows of old: running empty, partial empty, both, LSEs 100 and 95 or 105, ordinary.
+    inf = -math.inf
+    old = set().union(*(merge_row_classes(r) for r in ([inf, 1.0], [2.0, inf], [inf, inf], [100.0, 95.0],
+                                                        [100.0, 105.0], [0.5, -1.0])))
+    assert not {"every LSE below −104", "the largest LSE last, more than 88 above the rest"} & old

@@ -7,6 +7,15 @@ for sm_90a, where each property of the schedule (every result read only after a 
 its batch, the overlaps kept, a barrier between the shared dSᵀ and dQ tiles and their readers, the
 stage released after the last wait) is checked on the generated consumer loop; last, nvcc compiles it, and
 serialised wgmmas, a wait ptxas injects, or a register spill fail it too.
+
+Exercise (e) draws no shapes from ``shapes`` (issue #46's classes): the learner's step has no index arithmetic to
+get wrong. Every index is in code the exercise gives: ``key_block_backward`` places the key block, walks every
+query block and copies the tiles (no mask, so no causal offset; S a multiple of both tiles by its contract, so no
+ragged tile), and ``add_dq`` places dQ's tile from the ``b`` and ``qb`` the kernel passes. The step only orders the
+given pieces' calls, waits and barriers on tiles whose shapes the kernel fixes, and the size of the scores cannot
+reach its arithmetic (``probabilities`` subtracts the forward's LSE). What it can get wrong is that order: the C
+case checks it in the mathematics (16 queries × 32 keys, four query blocks, two batches: a piece skipped, repeated
+or fed a tile of other values changes dQ, dK or dV), the sm_90a lowering in the schedule.
 """
 
 import random

@@ -5,9 +5,12 @@ compares it with the usual mistakes (a missing leading 0, lengths instead of pre
 left out, the sink given a value row, weights that do not share one maximum) and says which one it
 looks like. The two kernel checkers run the learner's TileLang merge kernel and paged-cache lookup
 on the C backend against float64 references, and name the bug by comparing with PyTorch models of
-the usual mistakes (weights not divided by the total, no max subtracted, the max not carried, no
-guard for a row no split saw; the wrong page, the block table skipped, the last partial tile
-dropped, every tile read from its page's start).
+the usual mistakes (weights not divided by the total, no max subtracted, the max not carried, the max
+started at 0, the max over only some splits, no guard for a row no split saw; the wrong page, the block
+table skipped, the last partial tile dropped, every tile read from its page's start). Both draw their
+inputs from ``shapes``: the merge one row per class of ``merge_row_classes`` (the largest LSE in the first,
+a middle and the last split, the first and the last split empty, LSEs all past 88 and all below −104), the
+lookup its lengths at the residues of the tile and the page (``draw_residue_lengths``).
 """
 
 import math
@@ -18,7 +21,7 @@ from ..kernels.softmax import merge_attention_states
 from .common import ExerciseWrong, check_exercise, with_diagnosis
 from .kernels import KernelCase, Suspect, check_kernel, same_outputs
 from .late_tools import c_lowering, surfacing_warnings
-from .shapes import draw_residue_lengths
+from .shapes import describe_merge_rows, draw_merge_rows, draw_residue_lengths
 
 __all__ = ["check_pack", "check_merge_with_sink", "check_merge_kernel", "check_paged_scores", "HINTS"]
 
@@ -146,14 +149,19 @@ def _merge_kernel_reference(o_part, lse_part):
 
 def _merge_model(o_part, lse_part, *, shift="max", normalise=True, guard=True):
     """The merge in float32 as the kernel computes it, with one bug: ``shift`` "max", "none" (e^{LSE_s}
-    taken as is) or "last" (the max not carried: the last split's LSE); weights not divided by the
-    total (``normalise=False``); no guard for a row no split saw (``guard=False``: the weights are
+    taken as is), "last" (the max not carried: the last split's LSE), "floored" (the running max started at
+    0, not −∞), or a tuple of the splits the max is taken over (a loop that misses some); weights not divided
+    by the total (``normalise=False``); no guard for a row no split saw (``guard=False``: the weights are
     e^{−∞ − (−∞)} there)."""
     lse_part, o_part = lse_part.float(), o_part.float()
     if shift == "max":
         m = lse_part.max(dim=1).values
     elif shift == "last":
         m = lse_part[:, -1]
+    elif shift == "floored":
+        m = lse_part.max(dim=1).values.clamp(min=0)
+    elif isinstance(shift, tuple):
+        m = lse_part[:, list(shift)].max(dim=1).values
     else:
         m = torch.zeros_like(lse_part[:, 0])
     if guard:
@@ -167,41 +175,40 @@ def _merge_model(o_part, lse_part, *, shift="max", normalise=True, guard=True):
     return {"O": (weight[..., None] * o_part).sum(dim=1), "LSE": lse}
 
 
-def _merge_kernel_case(label, rows, splits, dim, seed, *, empty_row=None, empty_split=None, large=False):
+def _merge_kernel_case(splits, dim, seed):
+    """One row per class of ``shapes.merge_row_classes`` (which split holds the largest LSE, which saw no key,
+    LSEs all past 88 or all below −104, a tie), then two ordinary rows."""
+    lse_part, labels = draw_merge_rows(splits, seed=seed)
+    rows = len(labels)
     g = torch.Generator().manual_seed(seed)
     o_part = torch.randn(rows, splits, dim, generator=g)
-    lse_part = torch.randn(rows, splits, generator=g) * 4
-    if empty_split is not None:  # a split that saw no key of this row
-        lse_part[empty_split] = -math.inf
-        o_part[empty_split] = 0
-    if empty_row is not None:  # no split saw a key of this row
-        lse_part[empty_row] = -math.inf
-        o_part[empty_row] = 0
-    if large:  # e^{LSE} overflows float32 past 88: row 2 unless the largest LSE is subtracted, row 3
-        lse_part[2] = torch.tensor([150.0, 20.0, 5.0])  # unless some LSE is (any of them will do there)
-        lse_part[3] = torch.tensor([100.0, 95.0, 90.0])
+    o_part[lse_part == -math.inf] = 0  # a split that saw no key of the row
     out, lse = _merge_kernel_reference(o_part, lse_part)
 
     def run(kernel):
         got_o, got_lse = kernel(o_part, lse_part)
         return {"O": got_o, "LSE": got_lse}
 
-    return KernelCase(label, (rows, splits, dim), {}, [2, 3], run, {"O": out, "LSE": lse},
-                      data=dict(o_part=o_part, lse_part=lse_part))
+    return KernelCase(f"{splits} splits (rows: {describe_merge_rows(labels)})", (rows, splits, dim), {}, [2, 3], run,
+                      {"O": out, "LSE": lse}, data=dict(o_part=o_part, lse_part=lse_part))
 
 
 def _merge_kernel_cases():
-    """Row 0: no split saw a key; row 1: split 1 saw none; rows 2 and 3: LSEs far past float32's e^88,
-    the largest first. Then five splits of moderate LSEs."""
-    return [
-        _merge_kernel_case("3 splits, an empty row, an empty split, LSE up to 150", 6, 3, 8, 91,
-                    empty_row=0, empty_split=(1, 1), large=True),
-        _merge_kernel_case("5 splits", 4, 5, 16, 92),
-    ]
+    """Three and five splits (a middle split exists in both; three ≠ D = 8 and five ≠ D = 16, so a loop bound
+    taken from the other size shows), each with the rows of ``shapes.draw_merge_rows``."""
+    return [_merge_kernel_case(3, 8, 91), _merge_kernel_case(5, 16, 92)]
 
 
 def _looks_like(**bug):
     return lambda case, got, kernel: same_outputs(got, _merge_model(case.data["o_part"], case.data["lse_part"], **bug))
+
+
+def _max_over_some_splits(case, got, kernel):
+    """Whether the outputs are those of a max taken over only some splits: the first k, or one split alone."""
+    splits = case.data["lse_part"].shape[1]
+    subsets = [tuple(range(k)) for k in range(1, splits)] + [(s,) for s in range(1, splits)]
+    return any(same_outputs(got, _merge_model(case.data["o_part"], case.data["lse_part"], shift=subset))
+               for subset in subsets)
 
 
 _MERGE_SUSPECTS = [
@@ -211,6 +218,12 @@ _MERGE_SUSPECTS = [
             "m = max_s LSE_s, sum e^{LSE_s − m}, and add m back: LSE = m + log ℓ.", _looks_like(shift="none")),
     Suspect("the maximum is not carried across the splits: m ends as the last split's LSE, not the largest "
             "(write m = T.max(m, LSE_s) in the loop), so a larger LSE_s overflows.", _looks_like(shift="last")),
+    Suspect("the maximum starts at 0, not at −∞ (shift[0] = NEG_INF before the loop): in a row whose LSEs are all "
+            "below −104, e^{LSE_s − 0} is 0 in float32, so ℓ = 0 and the row comes out as one that no split saw.",
+            _looks_like(shift="floored")),
+    Suspect("the maximum is not taken over every split: the loop reads only some of them (split 0 alone, or not "
+            "the last), so a row whose largest LSE is in a split it misses overflows e^{LSE_s − m}. Take "
+            "m = T.max(m, LSE_part[r, s]) for every s of T.serial(splits).", _max_over_some_splits),
     Suspect("no guard for a row that no split saw: every LSE_s = −∞, so e^{LSE_s − LSE} = e^{−∞ − (−∞)} = NaN. "
             "Such a row has ℓ = 0: give it weight 0 (O = 0) and LSE = −∞.", _looks_like(guard=False)),
 ]
@@ -222,7 +235,9 @@ def check_merge_kernel(merge_kernel):
     surfacing_warnings(lambda: check_kernel(
         "split-KV merge kernel", merge_kernel, _merge_kernel_cases, suspects=_MERGE_SUSPECTS,
         hint="Hint: LSE = m + log Σ_s e^{LSE_s − m} with m the largest LSE_s (0 if it is −∞), and O = Σ_s "
-             "e^{LSE_s − LSE} · O_s.", summary="an empty row, an empty split, LSE past e^88, 1–5 splits"),
+             "e^{LSE_s − LSE} · O_s.",
+        summary="3 and 5 splits; a row no split saw, the first and the last split empty, the largest LSE first, in "
+                "the middle and last by more than 88, a tie, LSEs all past 88 and all below −104"),
         c_lowering(merge_kernel, 6, 3, 8))
 
 

@@ -1,6 +1,12 @@
 """Checkers for chapter 10 (ring attention): the zigzag split's chunk pairs, the bytes on the ring, and
 one ring step written by the learner (the LSE merge of a partial result), checked on its own against the
 float64 merge and then in place of the course's merge inside ``ring_forward`` (a 2-rank ring in one process).
+
+The merge has no tiles: what it can get wrong is which of the two LSEs is the larger and how large they are. Its
+rows are drawn from ``shapes.draw_merge_rows`` with two parts (the running result, the partial): one row per class
+of ``shapes.merge_row_classes`` (either part empty or both, either LSE more than 88 above the other, equal LSEs,
+both past 88, both below −104), each of two heads with its own values; the ring's heads are
+``shapes.attention_inputs``' kinds (plain, every score of a row very negative, large).
 """
 
 import contextlib
@@ -10,6 +16,7 @@ import torch
 
 from .common import ExerciseFailed, ExerciseWrong, check_exercise, not_written
 from .kernels import describe_rows, same_outputs
+from .shapes import attention_inputs, draw_merge_rows
 
 __all__ = ["check_zigzag_pairs", "check_ring_bytes", "check_merge_partial", "HINTS"]
 
@@ -134,22 +141,27 @@ def _merge_reference(out, lse, out_b, lse_b):
             + torch.exp(lse_b.double() - shift)[..., None] * out_b.double()), total
 
 
+# Chapter 10's names for the classes of ``shapes.merge_row_classes`` with two parts: the running result, the partial.
+_ROW_NAMES = {"no part saw the row": "both empty", "the first part saw no key": "nothing seen yet",
+              "the last part saw no key": "an empty partial", "a tie for the largest LSE": "equal LSEs",
+              "every LSE past 88": "both LSEs > 88", "every LSE below −104": "both LSEs < −104",
+              "the largest LSE first, more than 88 above the rest": "the running LSE 88+ above",
+              "the largest LSE last, more than 88 above the rest": "the partial's LSE 88+ above",
+              "ordinary": "ordinary"}
+
+
 def _merge_inputs():
-    """Running state and partial [1, 2, 8, 4] in float32. Rows 0–1: the running state has seen no key
-    yet (the first step); row 2: the partial saw none (a causal block); row 3: neither did; rows 4–5:
-    LSEs of 100 and 95, past float32's e^88; rows 6–7: ordinary."""
+    """Running state and partial [1, 2, R, 4] in float32, one row per class of ``shapes.merge_row_classes`` for
+    two parts (the running result first, the partial second), then ordinary rows; each head draws its own
+    values. Returns the inputs and the rows' names."""
     g = torch.Generator().manual_seed(10)
-    out, out_b = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(2))
-    lse, lse_b = (torch.randn(1, 2, 8, generator=g) * 3 for _ in range(2))
-    lse[..., 0:2] = -math.inf
-    out[..., 0:2, :] = 0
-    lse_b[..., 2:4] = -math.inf
-    out_b[..., 2:4, :] = 0
-    lse[..., 3] = -math.inf
-    out[..., 3, :] = 0
-    lse[..., 4:6], lse_b[..., 4:6] = 100.0, 95.0
-    lse_b[..., 5] = 105.0
-    return out, lse, out_b, lse_b
+    heads = [draw_merge_rows(2, seed=seed) for seed in (10, 11)]
+    labels = heads[0][1]
+    lse, lse_b = (torch.stack([rows[:, part] for rows, _ in heads])[None] for part in (0, 1))
+    out, out_b = (torch.randn(1, 2, len(labels), 4, generator=g) for _ in range(2))
+    out[lse == -math.inf] = 0
+    out_b[lse_b == -math.inf] = 0
+    return (out, lse, out_b, lse_b), [_ROW_NAMES[label] for label in labels]
 
 
 def _merge_models(out, lse, out_b, lse_b):
@@ -163,8 +175,15 @@ def _merge_models(out, lse, out_b, lse_b):
             w, w_b = w_b, w
         return {"O": w * out + w_b * out_b, "LSE": new_lse}
 
+    def guarded(new_lse):
+        return merged(new_lse, torch.where(new_lse == -math.inf, 0.0, new_lse))
+
     naive = torch.log(torch.exp(lse) + torch.exp(lse_b))
     total2 = torch.log2(torch.exp2(lse) + torch.exp2(lse_b))
+    floor = torch.maximum(lse, lse_b).clamp(min=0)
+    floored = floor + torch.log(torch.exp(lse - floor) + torch.exp(lse_b - floor))
+    around = [torch.where(a == -math.inf, b, a + torch.log1p(torch.exp(b - a)))
+              for a, b in ((lse, lse_b), (lse_b, lse))]
     return [
         ("the partial is averaged with the running result: the two parts weigh e^{LSE_part − LSE_new}, by how "
          "much of the denominator each holds, not ½ each.",
@@ -181,6 +200,14 @@ def _merge_models(out, lse, out_b, lse_b):
          "e^{LSE_b − LSE_new}.", merged(total, shift, weights_swapped=True)),
         ("the LSEs are natural logarithms: use exp and log (or logaddexp), not exp2 and log2.",
          merged(total2, torch.where(total2 == -math.inf, 0.0, total2), exp=torch.exp2)),
+        ("the larger LSE is floored at 0 (a clamp(min=0) or max(…, 0) as the guard against −∞): when both LSEs are "
+         "below −104, e^{LSE − 0} is 0 in float32 and the row comes out as one that saw no key. Guard the −∞ with "
+         "torch.where, or let torch.logaddexp subtract the larger LSE.", guarded(floored)),
+        *((f"log(e^{{LSE}} + e^{{LSE_b}}) is taken around {which} LSE ({a} + log(1 + e^{{{b} − {a}}})), not around "
+           f"the larger: e^{{{b} − {a}}} overflows float32 once {b} is more than 88 above {a}. Subtract the larger "
+           "of the two (torch.logaddexp does).", guarded(value))
+          for which, a, b, value in (("the running", "LSE", "LSE_b", around[0]),
+                                     ("the partial's", "LSE_b", "LSE", around[1]))),
     ]
 
 
@@ -267,6 +294,9 @@ def _merging_with(ring, merge, calls):
         ring._merge_into = original
 
 
+_RING_HEADS = ("plain", "very negative", "large", "plain")
+
+
 def check_merge_partial(merge_partial):
     """``merge_partial(out, lse, out_b, lse_b) -> (out, lse)``: the running result of one ring step merged
     with the partial result of the step (float32 [B, H, S, D] and [B, H, S]). Checked on rows chosen to
@@ -279,7 +309,7 @@ def check_merge_partial(merge_partial):
     from ..checking.validation import check_forward
 
     name = "merge_partial"
-    args = _merge_inputs()
+    args, row_names = _merge_inputs()
     got = _call(name, merge_partial, *args)
     out, lse = _merge_reference(*args)
     symptom = _bad_rows(got, {"O": out, "LSE": lse})
@@ -287,12 +317,13 @@ def check_merge_partial(merge_partial):
         cause = next((message for message, model in _merge_models(*args) if same_outputs(got, model)), None)
         advice = f"Likely cause: {cause}" if cause else ("Hint: LSE_new = log(e^{LSE} + e^{LSE_b}); O_new = "
                                                          "e^{LSE − LSE_new} · O + e^{LSE_b − LSE_new} · O_b.")
-        raise ExerciseWrong(f"✗ {name}, rows chosen to break it (0–1: nothing seen yet, 2: an empty partial, 3: "
-                            f"both empty, 4–5: LSE 100): {symptom}. {advice}")
-    g = torch.Generator().manual_seed(11)
+        rows = ", ".join(f"{i} {row}" for i, row in enumerate(row_names))
+        raise ExerciseWrong(f"✗ {name}, rows chosen to break it ({rows}): {symptom}. {advice}")
     batch, heads, heads_kv, seq, dim, world = 2, 4, 2, 64, 16, 2  # section 4's shapes: the same compiled kernel
-    q = torch.randn(batch, heads, seq, dim, generator=g)
-    k, v = (torch.randn(batch, heads_kv, seq, dim, generator=g) for _ in range(2))
+    # Heads of shapes.attention_inputs' kinds: plain, every score of a row very negative (LSE about −170), large
+    # (logits ×4), plain. (A head of scores about +700 loses more than float32's tolerance in the forward itself;
+    # the rows above cover LSEs past 88.)
+    q, k, v = attention_inputs(batch, heads, seq, seq, dim, seed=11, heads_kv=heads_kv, kinds=_RING_HEADS)
     # Non-causal and contiguous: one kernel shape for every step (the rows above cover the masked cases).
     shards = [[ring.shard_sequence(x, world, r, "contiguous").contiguous() for x in (q, k, v)] for r in range(world)]
     calls, per_rank = [], []
@@ -309,5 +340,6 @@ def check_merge_partial(merge_partial):
     except CheckFailed as exc:
         raise ExerciseWrong(f"✗ {name} in the ring (2 ranks, {len(calls)} merges): {str(exc).splitlines()[0]}") \
             from None
-    print(f"✓ {name}: right on rows that saw nothing, empty partials and LSE past e^88, and inside ring_forward: "
-          f"a 2-rank ring ({len(calls)} merges by your function) matches the float64 reference in O and LSE")
+    print(f"✓ {name}: right on rows that saw nothing, empty partials, either LSE 88 above the other, LSEs past 88 and "
+          f"below −104, and inside ring_forward: a 2-rank ring ({len(calls)} merges by your function; heads "
+          f"{', '.join(_RING_HEADS)}) matches the float64 reference in O and LSE")

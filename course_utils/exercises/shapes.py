@@ -32,7 +32,8 @@ __all__ = ["Shape", "shape_classes", "required_classes", "draw_shapes", "attenti
            "KEY_WALK_TILINGS", "QUERY_WALK_TILINGS", "describe",
            "draw_lengths", "WHOLE_BLOCK_TILINGS", "whole_block_classes", "draw_whole_blocks",
            "length_classes", "draw_residue_lengths", "GemmShape", "GEMM_TILINGS", "gemm_classes",
-           "draw_gemm_shapes"]
+           "draw_gemm_shapes", "merge_row_classes", "required_merge_classes", "draw_merge_rows",
+           "describe_merge_rows"]
 
 # A query block walking key blocks counts its stop in block_N; a key block walking query blocks its start in block_M.
 KEY_WALK_TILINGS = ((3, 4), (6, 4))    # (block_M, block_N): block_M < block_N and block_M > block_N
@@ -363,3 +364,104 @@ def describe(shapes, walk="keys"):
     for shape in shapes:
         out |= shape_classes(shape, walk)
     return sorted(out)
+
+
+# --- The rows of a merge of partial results: chapter 09 (c)'s split-KV merge, chapter 10 (c)'s ring step ---------
+# A merge's "shape" is what one row of partial LSEs looks like: which part holds the largest (a maximum taken over
+# the wrong parts misses it, and e^{gap} overflows float32 once the gap passes 88), which part saw no key (LSE −∞),
+# and the LSEs' size (all past 88: e^{LSE} overflows; all below −104: e^{LSE} is 0 in float32, subnormals included,
+# which a maximum that starts at 0 turns into a row no part saw).
+_SPAN = 88.0  # e^x overflows float32 past 88.7
+_TINY = -104.0  # e^x is 0 in float32 below −103.97
+
+
+def merge_row_classes(row):
+    """The classes one row of partial LSEs (natural log, −∞ for a part that saw no key) covers."""
+    n, inf = len(row), float("-inf")
+    finite = [(x, i) for i, x in enumerate(row) if x != inf]
+    if not finite:
+        return frozenset({"no part saw the row"})
+    out = set()
+    if row[0] == inf:
+        out.add("the first part saw no key")
+    if row[-1] == inf:
+        out.add("the last part saw no key")
+    if len(finite) >= 2:
+        (top, at), (second, _) = sorted(finite, reverse=True)[:2]
+        where = "first" if at == 0 else "last" if at == n - 1 else "in the middle"
+        if top - second > _SPAN:
+            out.add(f"the largest LSE {where}, more than 88 above the rest")
+        if top == second:
+            out.add("a tie for the largest LSE")
+    if min(x for x, _ in finite) > _SPAN:
+        out.add("every LSE past 88")
+    if max(x for x, _ in finite) < _TINY:
+        out.add("every LSE below −104")
+    return frozenset(out)
+
+
+def required_merge_classes(parts):
+    """What the drawn rows of a merge of ``parts`` partial results must cover."""
+    where = ("first", "last") + (("in the middle",) if parts >= 3 else ())
+    return ({"no part saw the row", "the first part saw no key", "the last part saw no key",
+             "a tie for the largest LSE", "every LSE past 88", "every LSE below −104"}
+            | {f"the largest LSE {w}, more than 88 above the rest" for w in where})
+
+
+def draw_merge_rows(parts, *, seed, moderate=2):
+    """LSE rows [rows, parts] (float32, natural log, −∞ where a part saw no key) covering
+    ``required_merge_classes(parts)``, one row per class in a fixed order, then ``moderate`` rows of ordinary
+    LSEs (N(0, 4²)); the values inside each class are seeded. Returns (rows, labels): labels[i] names row i's
+    class ("ordinary" for the moderate rows)."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    inf = float("-inf")
+
+    def ordinary():
+        return (torch.randn(parts, generator=g) * 4).tolist()
+
+    def build(kind):
+        row = ordinary()
+        if kind == "no part saw the row":
+            row = [inf] * parts
+        elif kind == "the first part saw no key":
+            row[0] = inf
+        elif kind == "the last part saw no key":
+            row[-1] = inf
+        elif kind == "a tie for the largest LSE":
+            top = max(row) + 1.0
+            i, j = rng.sample(range(parts), 2)
+            row[i] = row[j] = top
+        elif kind == "every LSE past 88":
+            row = [x / 4 + 95.0 for x in row]
+        elif kind == "every LSE below −104":
+            row = [x / 4 - 112.0 for x in row]
+        else:  # the largest in one part, far above the rest
+            at = 0 if " first," in kind else parts - 1 if " last," in kind else rng.randrange(1, parts - 1)
+            row[at] = 100.0 + rng.uniform(0, 50)
+        return row
+
+    kinds = [kind for kind in _SHORT if kind in required_merge_classes(parts)]
+    rows, labels = [], []
+    for kind in kinds:
+        row = build(kind)
+        assert kind in merge_row_classes(row), (kind, row)
+        rows.append(row)
+        labels.append(kind)
+    for _ in range(moderate):
+        rows.append(ordinary())
+        labels.append("ordinary")
+    return torch.tensor(rows, dtype=torch.float32), labels
+
+
+_SHORT = {"no part saw the row": "no part saw it", "the first part saw no key": "first part empty",
+          "the last part saw no key": "last part empty", "a tie for the largest LSE": "a tie",
+          "every LSE past 88": "all LSEs > 88", "every LSE below −104": "all LSEs < −104",
+          "the largest LSE first, more than 88 above the rest": "largest first (+88)",
+          "the largest LSE in the middle, more than 88 above the rest": "largest in the middle (+88)",
+          "the largest LSE last, more than 88 above the rest": "largest last (+88)"}
+
+
+def describe_merge_rows(labels):
+    """'0 no part saw it, 1 a tie, …': each row's class, short (for a case's label)."""
+    return ", ".join(f"{i} {_SHORT.get(label, label)}" for i, label in enumerate(labels))
