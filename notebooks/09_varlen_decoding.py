@@ -810,7 +810,9 @@ check_merge_with_sink(merge_with_sink)
 # A split that saw no key of the row has LSE<sub>s</sub> = −∞ (and contributes nothing); a row that
 # no split saw must come out as O = 0, LSE = −∞, without a NaN. The skeleton gives the kernel and the
 # per-row scalars `shift` (m) and `l` (ℓ); you write `merge_row`. The checker runs it on TileLang's
-# C backend with an empty row, an empty split and LSEs past float32's e<sup>88</sup>.
+# C backend with 3 and 5 splits and a row from each class a merge can get wrong: a row no split saw, the first or
+# the last split empty, the largest LSE first, in the middle or last by more than 88, a tie, and LSEs all past
+# float32's e<sup>88</sup> or all below e<sup>−104</sup> (where float32's exp is 0).
 #
 # Stuck? `hint("09", "c", 1)`, then `hint("09", "c", 2)`; `solution("09", "c")` shows the answer.
 

@@ -740,9 +740,10 @@ with needs("ring_bytes", "exercise (b)"):
 # that hides a whole row, or both; the result must have no NaN there. The LSEs can be large (long
 # rows of large logits): e<sup>LSE</sup> alone overflows float32 past 88.
 #
-# The checker tries rows chosen to break it against the float64 merge, then puts your function in
-# place of the course's merge inside `ring_forward` and runs both ranks of a 2-rank ring, checking
-# O and LSE against the float64 reference. It runs the two ranks in this process, handing the K/V
+# The checker tries rows chosen to break it against the float64 merge (either part empty or both, either LSE more
+# than 88 above the other, equal LSEs, both past 88, both below −104), then puts your function in
+# place of the course's merge inside `ring_forward` and runs both ranks of a 2-rank ring (one head's scores all very
+# negative), checking O and LSE against the float64 reference. It runs the two ranks in this process, handing the K/V
 # shards over in memory: your merge sees the same data as on two gloo processes (section 4), without
 # the half minute that starting them takes on a laptop.
 #

@@ -97,7 +97,7 @@ def test_unsupported_inputs_raise_a_clear_error(what, args, kwargs, words):
 
 def test_the_sm90a_variant_lowers_to_fp8_wgmma_and_compiles():
     """The same source with FP8 tiles lowers for sm_90a to FP8 wgmma and ptxas compiles it without spills (no GPU:
-    it has not run; ``flash_attention_fp8`` refuses CUDA tensors until it has been checked there)."""
+    the correctness gate's GPU tier runs it on Hopper)."""
     from course_utils.core.source import cuda_source, ptxas_report
     from course_utils.kernels.flash_fwd_fp8 import flash_fwd_fp8_kernel
 

@@ -8,7 +8,7 @@ its batch, the overlaps kept, a barrier between the shared dSᵀ and dQ tiles an
 stage released after the last wait) is checked on the generated consumer loop; last, nvcc compiles it, and
 serialised wgmmas, a wait ptxas injects, or a register spill fail it too.
 
-Exercise (e) draws no shapes from ``shapes`` (issue #46's classes): the learner's step has no index arithmetic to
+Exercise (e) draws no shapes from ``shapes`` (the other checkers' index classes): its step has no index arithmetic to
 get wrong. Every index is in code the exercise gives: ``key_block_backward`` places the key block, walks every
 query block and copies the tiles (no mask, so no causal offset; S a multiple of both tiles by its contract, so no
 ragged tile), and ``add_dq`` places dQ's tile from the ``b`` and ``qb`` the kernel passes. The step only orders the

@@ -293,6 +293,22 @@ def readme_claims() -> str:
         lines.append("- " + _quiet(claim_ratio, f"chapter 08's backward over {len(fa4_b)} cases: ÷ FlashAttention-4",
                                    fa4_b.values()) + ", " + _quiet(claim_versus, "against it", list(fa4_b.values()))
                      + ";")
+    gpt_oss = load_record("ch06_gpt_oss_h200")["results"]
+    by_layer = {(r["impl"], r["mode"], r["dim"], r["window"]): r for r in gpt_oss}
+    lines.append("- " + _quiet(claim_versus, "chapter 06's gpt-oss layers on an H200 (D 64/128, full causal or a "
+                               "128-key window; forward and backward) against FlashAttention-4",
+                               [speed_ratio(r, by_layer[(FA4,) + k[1:]]) for k, r in by_layer.items()
+                                if k[0] == OURS and (FA4,) + k[1:] in by_layer], cases="layer passes") + ";")
+    from .benchmarks.ch12_fp8 import CUDNN_FP8, OURS_FP8_KERNEL
+
+    fp8 = {(r["seq"], r["causal"], r["impl"]): r for r in load_record("ch12_fp8_h200")["results"]["rows"]}
+    fp8_cases = sorted({k[:2] for k in fp8})
+    lines.append("- " + _quiet(claim_ratio, "chapter 12's FP8 kernel on an H200 (D=128, S 4k–16k, causal or not): "
+                               "its TFLOP/s ÷ the bf16 forward's", [fp8[c + (OURS_FP8_KERNEL,)]["tflops"]
+                                                                   / fp8[c + (OURS,)]["tflops"] for c in fp8_cases],
+                               target=1.5) + ", " + _quiet(claim_versus, "against cuDNN's FP8 SDPA", [
+                                   speed_ratio(fp8[c + (OURS_FP8_KERNEL,)], fp8[c + (CUDNN_FP8,)])
+                                   for c in fp8_cases]) + ";")
     ring = load_record("ch10_ring_attention_h200x2")["results"]["rows"]
     speedups = {}
     for row in ring:

@@ -71,7 +71,7 @@ RECORDS = {
     "ch09_varlen_h100": varlen_vs_dense,
     CH10_RING_RECORD: ring_vs_one_gpu,
     "ch11_flex_h100": flex_vs_peers,
-    # Measured on an H200 (the machine lent when chapter 12 first ran on a GPU); an H100 run would be ch12_fp8_h100.
+    # Measured on an H200 (chapter 12's first GPU run); an H100 run would be ch12_fp8_h100.
     "ch12_fp8_h200": fp8_vs_peers,
 }
 # Records that need a machine with several GPUs (nvidia-h200-x2): measured only when named, and
