@@ -515,8 +515,33 @@ else:
     print("no FlashAttention-4 rows: flash-attn-4 was not installed where this record was measured")
 
 # %% [markdown]
+# **What FlashAttention-4's SM90 backward does that ours does not** (its `flash_bwd_sm90.py`, read for
+# `docs/fa4_sm90.md`). At D = 64 it uses our tiles, dQ split and register split, so the tiling is not where
+# the gap is. It hands dQ to a writer warp of its own, with a barrier per warpgroup and flat bulk reduce-adds; ours
+# meets at a 256-thread barrier and one consumer thread issues 2-D box reduce-adds. It loads Q with the LSE and
+# dO with Δ, each pair on one barrier. On an H200, every switch our kernels have today was timed beside
+# FlashAttention-4 and cuDNN, each variant checked against float64 first (`measure/benchmarks/fa4_levers.py`):
+
+# %%
+levers = cu.bench.stored_record("fa4_levers_h200")
+if levers is not None:
+    lever_timed = [r for r in levers["results"] if r["direction"] == "bwd" and r.get("ms")]
+    lever_cases = {}
+    for r in lever_timed:
+        lever_cases.setdefault((r["dim"], r["causal"], r["seq"]), {})[r["impl"]] = r
+    best_levers = {}
+    for (dim, causal, seq), case_rows in sorted(lever_cases.items()):
+        lever_rows = {k: v for k, v in case_rows.items() if k not in (FA4, CUDNN)}
+        best_lever = max(lever_rows, key=lambda k: lever_rows[k]["tflops"])
+        print(f"D={dim}{' causal' if causal else ''} S={seq // 1024}k: shipped ÷ FA4 "
+              f"{case_rows['shipped']['tflops'] / case_rows[FA4]['tflops']:.2f}, best switch '{best_lever}' ÷ FA4 "
+              f"{lever_rows[best_lever]['tflops'] / case_rows[FA4]['tflops']:.2f}")
+        best_levers[f"D={dim}{' causal' if causal else ''} {seq // 1024}k"] = cu.speed_ratio(lever_rows[best_lever], case_rows[FA4])
+    cu.claim_versus("H200: the best switch per case against FlashAttention-4, backward", best_levers, says="behind")
+
+# %% [markdown]
 # FlashAttention-4 (`pip install flash-attn-4`) is the fastest backward one can install for the H100 today:
-# the last claims above count where ours stands against it, and the line after them names every case below
+# the H100 claims before the H200 sweep count where ours stands against it, and the line after them names every case below
 # the target with its ratio.
 #
 # The kernel is well ahead of FlashAttention-2 everywhere (the first claim above). Against cuDNN it is level in most cases and
