@@ -20,7 +20,7 @@ from course_utils import (
 from course_utils.api.attention import TUNED_FORWARD_CONFIG, ForwardConfig, default_forward_config, is_hopper
 from course_utils.checking.validation import backward_without_delta, references
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 
 
 def _qkv(batch, heads, seq, dim, dtype=torch.float16, heads_kv=None):

@@ -8,7 +8,7 @@ from course_utils import flash_attention_varlen, flash_decode
 from course_utils.api.varlen_api import VARLEN_CUDA_CONFIG
 from course_utils.checking.validation import check_backward, check_forward, decode_references, varlen_references
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 
 LENGTHS = [1, 127, 128, 129, 0, 3000, 8192, 4097]  # 1, a block ± 1, empty, long
 
