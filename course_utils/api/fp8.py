@@ -19,7 +19,7 @@ import torch
 
 from ..core.device import is_hopper
 from ..core.reference import validate_attention_inputs
-from ..kernels.flash_fwd_fp8 import E4M3_MAX, P_SCALE, flash_fwd_fp8_kernel
+from ..kernels.flash_fwd_fp8 import E4M3_MAX, P_SCALE, flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
 from ..kernels.tiles import compile_kernel
 from .inputs import check_sm_scale
 
@@ -31,6 +31,9 @@ __all__ = ["flash_attention_fp8", "quantise_blocks", "quantise_tensor", "random_
 FP8_TILE = 16  # block_M = block_N on the C backend: the blocks the Q and K descales belong to
 FP8_GPU_TILE = 128  # block_M = block_N of the sm_90a kernel: 128 × 128 tiles, two warpgroups of 64 rows
 FP8_GPU_HEAD_DIMS = (64, 128)  # FP8 wgmma reduces 32 values per step; D = 16 is too short and 32 untested
+# The loops of the sm_90a kernel: "rotated" (chapter 07's, P V overlapped with the next softmax; the default) and
+# "plain" (chapter 03's), which chapter 12's record times beside it.
+FP8_GPU_LOOPS = ("rotated", "plain")
 V_KEY_ALIGN = 16  # Vᵀ's rows are keys: TMA needs each row's start 16-byte aligned, so the keys are padded to 16
 FP8_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # inputs quantised to e4m3 by the producer step
 FP8_HEAD_DIMS = (16, 32, 64, 128)  # powers of two: the Hadamard rotation needs one
@@ -124,10 +127,16 @@ def _compiled(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale):
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_gpu(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale):
-    kernel = flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal,
-                                  sm_scale=sm_scale, block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE, threads=256,
-                                  num_stages=2, v_keys=-(-seq_k // V_KEY_ALIGN) * V_KEY_ALIGN, target="cuda")
+def _compiled_gpu(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale, loop):
+    v_keys = -(-seq_k // V_KEY_ALIGN) * V_KEY_ALIGN
+    if loop == "rotated":
+        kernel = flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal,
+                                             sm_scale=sm_scale, block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE,
+                                             v_keys=v_keys)
+    else:
+        kernel = flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal,
+                                      sm_scale=sm_scale, block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE, threads=256,
+                                      num_stages=2, v_keys=v_keys, target="cuda")
     return compile_kernel(kernel, out_idx=[6, 7], target="cuda")
 
 
@@ -151,12 +160,13 @@ def quantise_inputs(q, k, v, hadamard=False, seed=0):
     return (q8.float(), k8.float(), v8.float()), descales
 
 
-def _run_gpu(q8, k8, v8, descales, causal, sm_scale):
-    """The sm_90a kernel on e4m3 tensors: V goes in transposed, [B, H_kv, D, S_k padded to V_KEY_ALIGN]."""
+def _run_gpu(q8, k8, v8, descales, causal, sm_scale, loop="rotated"):
+    """The sm_90a kernel (``loop``: one of FP8_GPU_LOOPS) on e4m3 tensors: V goes in transposed, [B, H_kv, D, S_k
+    padded to V_KEY_ALIGN]."""
     batch, heads, seq_q, dim = q8.shape
     seq_k = k8.shape[2]
     v_t = torch.nn.functional.pad(v8.transpose(-1, -2).view(torch.uint8), (0, -seq_k % V_KEY_ALIGN))
-    kernel = _compiled_gpu(batch, heads, k8.shape[1], seq_q, seq_k, dim, bool(causal), sm_scale)
+    kernel = _compiled_gpu(batch, heads, k8.shape[1], seq_q, seq_k, dim, bool(causal), sm_scale, loop)
     return kernel(q8.contiguous(), k8.contiguous(), v_t.view(torch.float8_e4m3fn).contiguous(),
                   descales["Q"].contiguous(), descales["K"].contiguous(), descales["V"].contiguous())
 

@@ -16,7 +16,7 @@ The C backend has no FP8 arithmetic: ``round_to_e4m3`` rounds a float32 to the n
 (ties to even, as a hardware conversion does) and the products run in float32, which holds the product
 of two e4m3 numbers exactly. The matmuls' float32 accumulation is what the tensor cores do too.
 
-For ``target="cuda"`` the same source declares its tiles ``float8_e4m3``: the two ``T.gemm`` calls become FP8
+For ``target="cuda"`` the same source declares its tiles ``float8_e4m3fn``: the two ``T.gemm`` calls become FP8
 ``wgmma`` for sm_90a, P is converted by the copy into its FP8 tile, and V arrives transposed (``[B, H_kv, D,
 S_k]``, keys contiguous), because FP8 ``wgmma`` reads only K-major operands. ``api.fp8`` runs that variant on
 Hopper (chapter 12, section 8: checked against the emulation, and timed, on an H200).
@@ -27,7 +27,8 @@ import tilelang.language as T
 from .flash_pieces import LOG2E, NEG_INF, key_block_range, prelude, visible
 from .tiles import TileBackend
 
-__all__ = ["flash_fwd_fp8_kernel", "round_to_e4m3", "fp8_tile_step", "E4M3_MAX", "P_SCALE"]
+__all__ = ["flash_fwd_fp8_kernel", "flash_fwd_fp8_hopper_kernel", "round_to_e4m3", "fp8_tile_step", "E4M3_MAX",
+           "P_SCALE", "FP8_DTYPE"]
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value (the "fn" variant: no infinities)
 # P ≤ 1 is multiplied by this before rounding: a power of two (its descale is exact) that puts P = 1 at
@@ -154,3 +155,85 @@ def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, caus
             T.copy(lse, LSE[b, h, qb * block_M:(qb + 1) * block_M])
 
     return flash_fwd_fp8
+
+
+def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, sm_scale=None,
+                                block_M=128, block_N=128, num_stages=2, threads=256, v_keys=None):
+    """The FP8 forward on chapter 07's rotated loop, for sm_90a: what ``flash_attention_fp8`` runs on Hopper.
+
+    Arguments and results as ``flash_fwd_fp8_kernel(..., target="cuda")`` (Vᵀ in, keys padded to ``v_keys``). The
+    arithmetic is the same tile step, so the same emulation judges it; the schedule is chapter 07's: iteration
+    ``kb`` issues Q Kᵀ of key block ``kb`` and P V of block ``kb − 1`` as two asynchronous wgmma batches, then
+    computes the softmax of block ``kb`` while P V still runs. P goes through shared memory: FP8 wgmma takes its A
+    operand from registers only in a byte order that is not the accumulator's (FlashAttention-3 permutes it by
+    hand), which TileLang 0.1.15 does not do.
+    """
+    p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, sm_scale=sm_scale)
+    f32, fp8 = "float32", FP8_DTYPE
+    q_blocks, k_blocks = p.blocks(seq_q, block_M), p.blocks(seq_k, block_N)
+
+    @T.prim_func
+    def flash_fwd_fp8_hopper(Q: T.Tensor([batch, heads, seq_q, dim], fp8),
+                             K: T.Tensor([batch, p.heads_kv, seq_k, dim], fp8),
+                             V: T.Tensor([batch, p.heads_kv, dim, v_keys or seq_k], fp8),
+                             Q_descale: T.Tensor([batch, heads, q_blocks], f32),
+                             K_descale: T.Tensor([batch, p.heads_kv, k_blocks], f32),
+                             V_descale: T.Tensor([batch, p.heads_kv], f32),
+                             O: T.Tensor([batch, heads, seq_q, dim], f32), LSE: T.Tensor([batch, heads, seq_q], f32)):
+        with T.Kernel(q_blocks, heads, batch, threads=threads) as (qb, h, b):
+            Q_s, K_s = T.alloc_shared([block_M, dim], fp8), T.alloc_shared([block_N, dim], fp8)
+            V_s, P = T.alloc_shared([dim, block_N], fp8), T.alloc_shared([block_M, block_N], fp8)
+            S, acc_o = T.alloc_fragment([block_M, block_N], f32), T.alloc_fragment([block_M, dim], f32)
+            m, m_prev, alpha, l, row_sum, lse = (T.alloc_fragment([block_M], f32) for _ in range(6))
+            stage_in_use = T.alloc_local([1], f32)
+            kv_head = h // p.group
+            T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
+            T.fill(acc_o, 0)
+            T.fill(l, 0)
+            T.fill(m, NEG_INF)
+            T.clear(S)
+            T.copy(S, P)  # the first iteration's P V adds nothing (a fill of P would be split over the producer too)
+            k_start, k_end = key_block_range(p, qb, block_M, block_N)
+            # region: rotated loop
+            for kb in T.Pipelined(k_start, k_end + 1, num_stages=num_stages):
+                k_blk = T.max(T.min(kb, k_end - 1), 0)
+                v_blk = T.max(kb - 1, k_start)
+                T.copy(K[b, kv_head, k_blk * block_N:(k_blk + 1) * block_N, :], K_s)
+                T.copy(V[b, kv_head, :, v_blk * block_N:(v_blk + 1) * block_N], V_s)
+                # Both issued every iteration: ptxas serialises wgmma batches issued under a condition (chapter 07).
+                T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                T.wgmma_gemm(P, V_s, acc_o, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.wait_wgmma(1)  # the scores are ready; P V may still be running
+                if kb < k_end:
+                    exponent_scale = Q_descale[b, h, qb] * K_descale[b, kv_head, k_blk] * p.scale_log2
+                    for i, j in T.Parallel(block_M, block_N):
+                        S[i, j] = T.if_then_else(visible(p, qb * block_M + i, kb * block_N + j),
+                                                 S[i, j] * exponent_scale, NEG_INF)
+                    T.copy(m, m_prev)
+                    T.reduce_max(S, m, dim=1, clear=False)
+                    for i in T.Parallel(block_M):
+                        alpha[i] = T.if_then_else(m[i] == NEG_INF, 1, T.exp2(m_prev[i] - m[i]))
+                    for i, j in T.Parallel(block_M, block_N):
+                        S[i, j] = T.if_then_else(m[i] == NEG_INF, 0, T.exp2(S[i, j] - m[i]))
+                    T.reduce_sum(S, row_sum, dim=1)
+                    for i in T.Parallel(block_M):
+                        l[i] = l[i] * alpha[i] + row_sum[i]
+                    T.wait_wgmma(0)  # P V of the previous block is in acc_o and no longer reads P
+                    for i, j in T.Parallel(block_M, dim):
+                        acc_o[i, j] *= alpha[i]
+                    for i, j in T.Parallel(block_M, block_N):
+                        S[i, j] *= P_SCALE
+                    T.copy(S, P)
+                else:
+                    T.wait_wgmma(0)
+                # Read both stage buffers after the last wait, so that they are released only once read.
+                stage_in_use[0] = T.Cast(f32, K_s[0, 0]) + T.Cast(f32, V_s[0, 0])
+            # endregion
+            for i in T.Parallel(block_M):
+                lse[i] = T.if_then_else(l[i] == 0, NEG_INF, (m[i] + T.log2(l[i])) / LOG2E)
+            for i, j in T.Parallel(block_M, dim):
+                acc_o[i, j] = T.if_then_else(l[i] == 0, 0, acc_o[i, j] * V_descale[b, kv_head] / (P_SCALE * l[i]))
+            T.copy(acc_o, O[b, h, qb * block_M:(qb + 1) * block_M, :])
+            T.copy(lse, LSE[b, h, qb * block_M:(qb + 1) * block_M])
+
+    return flash_fwd_fp8_hopper
