@@ -53,7 +53,8 @@ from course_utils.pictures.backward_diagrams import LANES, dataflow, step_schedu
 from course_utils.measure.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
 from course_utils.measure.benchmarks import RECORDS, TIMING_ORDERS, comparison_shapes
 from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS, flash_bwd_hopper_kernel
-from course_utils.kernels.versions.flash_bwd_hopper_versions import VERSIONS, flash_bwd_hopper_variant, shipped_version
+from course_utils.kernels.versions.flash_bwd_hopper_versions import (VERSIONS, flash_bwd_hopper_variant, shipped_version,
+                                                                   with_pieces)
 from course_utils.core.labels import CUDNN, FA2, FA4, OURS
 from course_utils.core.source import cuda_source, loop_skeleton, ptxas_report, show_source
 from course_utils.checking.validation import check_stored_errors, stored_bounds
@@ -438,7 +439,7 @@ print(f"model: the steps take {before:g} units with the wait where TileLang puts
 
 # %%
 shipped_causal = {k: v for k, v in HOPPER_BACKWARD_CONFIGS[128, True]._asdict().items() if k != "kernel"}
-reports = {name: ptxas_report(cuda_source(flash_bwd_hopper_kernel(**sizes, causal=True, **knobs),
+reports = {name: ptxas_report(cuda_source(flash_bwd_hopper_kernel(**sizes, causal=True, **with_pieces(knobs)),
                                           pass_configs=PASS_CONFIGS))
            for name, knobs in (("version 15: 80 rows on version 9's step", dict(block_M=80)),
                                ("version 23: 80 rows on version 22's step (shipped)", shipped_causal))}

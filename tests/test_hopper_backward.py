@@ -20,6 +20,7 @@ from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_bwd_hopper import (
     _DS_BARRIER,
     PASS_CONFIGS,
+    BackwardPieces,
     flash_bwd_hopper_dq_kernel,
     flash_bwd_hopper_kernel,
     needs_mask,
@@ -32,6 +33,7 @@ from course_utils.kernels.versions.flash_bwd_hopper_versions import (
     VERSIONS,
     flash_bwd_hopper_variant,
     shipped_version,
+    with_pieces,
 )
 from course_utils.pictures.diagrams import MASKED, SKIPPED, tile_classes
 
@@ -113,7 +115,7 @@ def test_shipped_kernel_is_the_ablations_last_step(options):
     seq = options.pop("seq", SHAPE["seq_q"])
     shape = dict(SHAPE, seq_q=seq, seq_k=seq)
     a = cuda_source(flash_bwd_hopper_kernel(**shape, dim=128, **options), pass_configs=PASS_CONFIGS)
-    b = cuda_source(shipped.factory(**shape, dim=128, **options, **knobs), pass_configs=PASS_CONFIGS)
+    b = cuda_source(shipped.factory(**shape, dim=128, **options, **with_pieces(knobs)), pass_configs=PASS_CONFIGS)
     c = cuda_source(flash_bwd_hopper_variant(**shape, dim=128, **options, dv_during_ds=False, ds_buffers=2,
                                              manual_sync=True), pass_configs=PASS_CONFIGS)
     name = re.compile(r"flash_bwd_hopper(_variant)?_kernel")
@@ -129,9 +131,10 @@ def test_version_14_is_a_config_field():
     assert [key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.dv_under_ds] == [(128, False), (128, True),
                                                                                    (64, True)]
     shape = dict(SHAPE, dim=128, block_M=80)
-    on = cuda_source(flash_bwd_hopper_kernel(**shape, dv_under_ds=True), pass_configs=PASS_CONFIGS)
-    version = cuda_source(v14.factory(**shape, **{k: v for k, v in v14.knobs_for(128, False).items()
-                                                  if k != "block_M"}), pass_configs=PASS_CONFIGS)
+    on = cuda_source(flash_bwd_hopper_kernel(**shape, pieces=BackwardPieces(dv_under_ds=True)),
+                     pass_configs=PASS_CONFIGS)
+    version = cuda_source(v14.factory(**shape, **with_pieces({k: v for k, v in v14.knobs_for(128, False).items()
+                                                              if k != "block_M"})), pass_configs=PASS_CONFIGS)
     assert on == version
     assert on != cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
     config = HOPPER_BACKWARD_CONFIGS[128, False]._replace(dv_under_ds=True, dkdv_by_tma=False, defer_dq_wait=False)
@@ -146,11 +149,13 @@ def test_dkdv_by_tma_is_a_config_field():
     passes it to the kernel, which then stores by TMA between two barriers; with GQA (float32 accumulators added
     atomically) it keeps the register path, so the code is the same as with the field off."""
     shape = dict(SHAPE, dim=128, block_M=80)
-    on = cuda_source(flash_bwd_hopper_kernel(**shape, dkdv_by_tma=True), pass_configs=PASS_CONFIGS)
+    on = cuda_source(flash_bwd_hopper_kernel(**shape, pieces=BackwardPieces(dkdv_by_tma=True)),
+                     pass_configs=PASS_CONFIGS)
     off = cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
     assert on != off and "tma_store(dV_desc" in on and "tma_store(dK_desc" in on and "tma_store(dV_desc" not in off
     gqa = dict(shape, heads_kv=shape["heads"] // 2)
-    assert (cuda_source(flash_bwd_hopper_kernel(**gqa, dkdv_by_tma=True), pass_configs=PASS_CONFIGS)
+    assert (cuda_source(flash_bwd_hopper_kernel(**gqa, pieces=BackwardPieces(dkdv_by_tma=True)),
+                        pass_configs=PASS_CONFIGS)
             == cuda_source(flash_bwd_hopper_kernel(**gqa), pass_configs=PASS_CONFIGS))
     assert all(c.dkdv_by_tma == (dim == 128) for (dim, _), c in HOPPER_BACKWARD_CONFIGS.items())
     config = HOPPER_BACKWARD_CONFIGS[128, False]._replace(dv_under_ds=False, defer_dq_wait=False)
@@ -164,7 +169,8 @@ def test_longest_first_is_a_config_field():
     key blocks (with the causal mask, the longest) start first. On only in the D=128 causal config (version 21); the
     deterministic kernel (one block per K/V head) ignores it; the registry passes it on."""
     shape = dict(SHAPE, dim=128, block_M=64, causal=True)
-    on = cuda_source(flash_bwd_hopper_kernel(**shape, longest_first=True), pass_configs=PASS_CONFIGS)
+    on = cuda_source(flash_bwd_hopper_kernel(**shape, pieces=BackwardPieces(longest_first=True)),
+                     pass_configs=PASS_CONFIGS)
     off = cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
     assert "blockIdx.z" in off and "blockIdx.z" not in on  # the batch moves to the grid's second axis
     heads = SHAPE["heads"]
@@ -172,7 +178,7 @@ def test_longest_first_is_a_config_field():
     assert [key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.longest_first] == [(128, True)]
     version_21 = HOPPER_BACKWARD_CONFIGS[128, True]._replace(block_M=64, defer_dq_wait=False)
     assert shipped_version(128, True, version_21).number == 21
-    assert (cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True, longest_first=True),
+    assert (cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True, pieces=BackwardPieces(longest_first=True)),
                         pass_configs=PASS_CONFIGS)
             == cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True), pass_configs=PASS_CONFIGS))
     problem = AttentionProblem(heads=4, heads_kv=4, dim=128, dtype="float16", target="cuda", causal=True,
@@ -193,7 +199,8 @@ def test_defer_dq_wait_moves_the_reduce_wait_and_edits_nothing_else():
     right after the reduce-add; with the field off, or in any other kernel, the code is TileLang's, untouched. The
     edit never drops a wait from code that has no moved wait (that would be a race on dq_s)."""
     shape = dict(SHAPE, dim=128, block_M=80)
-    on = cuda_source(flash_bwd_hopper_kernel(**shape, defer_dq_wait=True), pass_configs=PASS_CONFIGS)
+    on = cuda_source(flash_bwd_hopper_kernel(**shape, pieces=BackwardPieces(defer_dq_wait=True)),
+                     pass_configs=PASS_CONFIGS)
     off = cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
     assert _reduce_waits(off) == (1, 0) and _reduce_waits(on) == (0, 1)
     assert drop_early_waits(off) == off  # no moved wait: nothing dropped
@@ -211,10 +218,11 @@ def test_defer_dq_wait_moves_the_reduce_wait_and_edits_nothing_else():
     config = BackwardConfig(80, 128, 2, 256, kernel="flash_bwd_hopper", defer_dq_wait=True)
     assert cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS) == on
     deterministic = dict(shape, deterministic=True)  # no dQ to add: the field changes nothing
-    assert (cuda_source(flash_bwd_hopper_kernel(**deterministic, defer_dq_wait=True), pass_configs=PASS_CONFIGS)
+    assert (cuda_source(flash_bwd_hopper_kernel(**deterministic, pieces=BackwardPieces(defer_dq_wait=True)),
+                        pass_configs=PASS_CONFIGS)
             == cuda_source(flash_bwd_hopper_kernel(**deterministic), pass_configs=PASS_CONFIGS))
     with pytest.raises(ValueError, match="own_barriers"):
-        flash_bwd_hopper_kernel(**shape, defer_dq_wait=True, own_barriers=False, ds_buffers=2)
+        flash_bwd_hopper_kernel(**shape, pieces=BackwardPieces(defer_dq_wait=True, own_barriers=False, ds_buffers=2))
 
 
 def test_warp_policies_are_a_config_field_and_change_only_dq_at_d64():
@@ -233,14 +241,15 @@ def test_warp_policies_are_a_config_field_and_change_only_dq_at_d64():
     d64 = dict(SHAPE, dim=64, block_M=128, causal=True)
     shipped = cuda_source(flash_bwd_hopper_kernel(**d64), pass_configs=PASS_CONFIGS)
     spelled = ("row", "row", "row", "row", "square")
-    assert cuda_source(flash_bwd_hopper_kernel(**d64, policies=spelled), pass_configs=PASS_CONFIGS) == shipped
-    rows = cuda_source(flash_bwd_hopper_kernel(**d64, **{k: v for k, v in v17.knobs_for(64, True).items()
-                                                         if k != "block_M"}), pass_configs=PASS_CONFIGS)
+    assert cuda_source(flash_bwd_hopper_kernel(**d64, pieces=BackwardPieces(policies=spelled)),
+                       pass_configs=PASS_CONFIGS) == shipped
+    rows = cuda_source(flash_bwd_hopper_kernel(**d64, **with_pieces({k: v for k, v in v17.knobs_for(64, True).items()
+                                                                     if k != "block_M"})), pass_configs=PASS_CONFIGS)
     assert rows != shipped
     d128 = dict(SHAPE, dim=128, block_M=64, causal=True)
-    assert (cuda_source(flash_bwd_hopper_kernel(**d128, policies=v17.knobs_for(64, True)["policies"]),
-                        pass_configs=PASS_CONFIGS) == cuda_source(flash_bwd_hopper_kernel(**d128),
-                                                                  pass_configs=PASS_CONFIGS))
+    by_rows = BackwardPieces(policies=v17.knobs_for(64, True)["policies"])
+    assert (cuda_source(flash_bwd_hopper_kernel(**d128, pieces=by_rows), pass_configs=PASS_CONFIGS)
+            == cuda_source(flash_bwd_hopper_kernel(**d128), pass_configs=PASS_CONFIGS))
     for bad in (["row"] * 5, ("row",) * 4, ("row", "row", "row", "row", "diagonal")):
         with pytest.raises(ValueError, match="policies must be"):
             gemm_policies(bad, swap_dq=False)

@@ -17,7 +17,7 @@ import torch
 from ..core.device import is_hopper
 from ..kernels.flash_bwd import flash_bwd_kernel
 from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
-from ..kernels.flash_bwd_hopper import flash_bwd_hopper_kernel, gemm_policies
+from ..kernels.flash_bwd_hopper import BackwardPieces, flash_bwd_hopper_kernel, gemm_policies
 from ..kernels.flash_fwd import flash_fwd_kernel
 from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
 from ..kernels.flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
@@ -52,6 +52,7 @@ class KernelRow:
     on_cpu: bool = True  # the factory takes ``target`` (one source for the CPU and the GPU)
     sinks: bool = False  # the factory takes ``has_sinks`` (the forwards)
     options: tuple = ()  # config fields passed on beyond the tiling, e.g. ("pingpong",), ("dv_under_ds",)
+    pieces: object = None  # a factory that takes its options as one ``pieces`` argument of this type
     deterministic: bool = False  # has a deterministic mode (``deterministic=`` and a dQ kernel)
     pass_configs: dict = field(default_factory=dict)  # TileLang pass options it is compiled with
     per_device: object = None  # () -> more factory arguments read from the GPU (num_ctas)
@@ -78,7 +79,7 @@ class KernelRow:
 
     def build(self, problem, config, **extra):
         """The ``@T.prim_func`` of this kernel for ``problem`` with ``config``'s tiling."""
-        kwargs = dict(problem.kernel_options(), **config.tiling(), **{o: getattr(config, o) for o in self.options})
+        kwargs = dict(problem.kernel_options(), **config.tiling(), **self.factory_options(config))
         if self.sinks:
             kwargs["has_sinks"] = problem.has_sinks
         if self.on_cpu:
@@ -86,6 +87,11 @@ class KernelRow:
         if self.per_device is not None:
             kwargs.update(self.per_device())
         return self.factory(*problem.shape, **kwargs, **extra)
+
+    def factory_options(self, config):
+        """``config``'s fields in ``options`` as the factory's keywords."""
+        options = {o: getattr(config, o) for o in self.options}
+        return options if self.pieces is None else {"pieces": self.pieces(**options)}
 
     def compile(self, problem, config, **extra):
         """Build and compile for ``problem.target``."""
@@ -98,8 +104,7 @@ class KernelRow:
     def compile_packed(self, problem, config, *, pass_configs=None, **extra):
         """Build this packed-batch kernel (its factory takes heads and dim, the lengths are run-time) for ``problem``
         with ``config``'s tiling, and compile it for ``problem.target`` with ``pass_configs`` added to the row's."""
-        kwargs = dict(problem.kernel_options(), **config.tiling(), **{o: getattr(config, o) for o in self.options},
-                      **dict(self.fixed))
+        kwargs = dict(problem.kernel_options(), **config.tiling(), **self.factory_options(config), **dict(self.fixed))
         if self.on_cpu:
             kwargs["target"] = problem.target
         func = self.factory(problem.heads, problem.dim, **kwargs, **extra)
@@ -134,7 +139,7 @@ BACKWARD = {row.name: row for row in (
     KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel"),
     KernelRow("flash_bwd_hopper", flash_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
               on_cpu=False, options=("dv_under_ds", "policies", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
-              deterministic=True,
+              pieces=BackwardPieces, deterministic=True,
               pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
 )}
 

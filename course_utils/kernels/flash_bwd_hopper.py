@@ -23,6 +23,8 @@ order. The variations chapter 08 measures and does not keep are in ``flash_bwd_h
     python -m course_utils.check flash_bwd_hopper  # on an H100: check, then time against the peers
 """
 
+from typing import NamedTuple
+
 import tilelang
 import tilelang.language as T
 
@@ -40,10 +42,11 @@ from .generated_code import register as register_generated_code_edit
 from .hopper_pieces import keep_stages_until_read
 from .tiles import TileBackend
 
-__all__ = ["flash_bwd_hopper_kernel", "flash_bwd_hopper_dq_kernel", "probabilities_t", "ds_t", "issue_dq", "needs_mask",
-           "issue_scores", "probabilities_then_ds", "issue_dq_then_dk", "stage_dq", "store_dkdv_by_tma",
-           "query_steps", "key_steps", "padded_rows", "wait_for_reduce_read",
-           "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS", "gemm_policies"]
+__all__ = ["flash_bwd_hopper_kernel", "BackwardPieces", "FA3_PIECES", "flash_bwd_hopper_dq_kernel",
+           "probabilities_t", "ds_t", "issue_dq", "needs_mask", "issue_scores", "probabilities_then_ds",
+           "issue_dq_then_dk", "stage_dq", "store_dkdv_by_tma", "query_steps", "key_steps", "padded_rows",
+           "wait_for_reduce_read", "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS",
+           "gemm_policies"]
 
 ACCUM = "float32"
 _GPU = TileBackend("cuda")  # for the pieces chapter 05's kernel shares with this one
@@ -225,12 +228,64 @@ def store_dkdv_by_tma(p, dk, dv, dK_tile, dV_tile, K_s, V_s, block_N, dim):
     T.copy(K_s, dK_tile)
 
 
+class BackwardPieces(NamedTuple):
+    """The steps of ``flash_bwd_hopper_kernel`` that a config or chapter 08's ablation (``kernels/versions``)
+    swaps; the defaults are FlashAttention-3's step, the kernel every ``BackwardConfig`` starts from.
+
+    ``dv_under_ds`` (a ``BackwardConfig`` field, chapter 08's version 14): issue dV as soon as the 16-bit Pᵀ
+    exists and form dSᵀ from that rounded Pᵀ while dV runs; off, dSᵀ first, so that the float32 Pᵀ dies
+    before dV starts. ``ds_from_float32_p``: with ``dv_under_ds``, dSᵀ from the float32 Pᵀ.
+
+    ``ds_buffers``: shared dSᵀ tiles (1 or 2); ``own_barriers``: the kernel's two barriers per step (compile
+    with ``PASS_CONFIGS``; needs two dSᵀ buffers), False leaves them to TileLang.
+
+    ``order(n_kb, bx)``: the key block of launch index ``bx``; ``mask_when(p, qb, kb, block_M, block_N)``:
+    which tiles pay for the mask; ``lse_log2``: the LSE arrives already multiplied by log2(e).
+
+    ``issue(K_s, Q_s, dST, dST_cast, dq, dk, swap_dq)``: issue dQ and dK and wait for dQ (None: dQ first, so
+    its store runs under dK); ``reduce_dq(p, dQ_acc, dq, dq_s, bz, head, qb, block_M, dim, swap_dq)``: add dQ
+    to the accumulator (None: one bulk reduce-add from shared memory by the copy engine).
+
+    ``policies`` (a ``BackwardConfig`` field): how the two consumer warpgroups split each of the five products
+    (``gemm_policies``); None is the split by key rows.
+
+    ``dkdv_by_tma`` (a ``BackwardConfig`` field, chapter 08's versions 19 and 20): where one block owns its
+    rows of dK and dV, write them through shared memory by TMA (``store_dkdv_by_tma``); off, or with GQA's
+    float32 accumulators, from registers (``store_dkv``).
+
+    ``longest_first`` (a ``BackwardConfig`` field, chapter 08's version 21, shipped at D = 128 with the causal
+    mask): launch key block 0 of every head, then key block 1 of every head, and so on, instead of one head's
+    key blocks after the other's; with the causal mask the first key blocks see the most query blocks, so the
+    longest blocks start first and the last wave is of short ones (FlashAttention-3's LPT order).
+
+    ``defer_dq_wait`` (a ``BackwardConfig`` field, chapter 08's version 22): the thread that issued dQ's
+    reduce-add waits for the copy engine's read of the staging tile at the next step's dSᵀ barrier, not right
+    after issuing it (``generated_code``).
+    """
+
+    dv_under_ds: bool = False
+    ds_from_float32_p: bool = False
+    ds_buffers: int = 2
+    own_barriers: bool = True
+    order: object = None
+    mask_when: object = needs_mask
+    lse_log2: bool = False
+    issue: object = None
+    reduce_dq: object = None
+    policies: tuple | None = None
+    dkdv_by_tma: bool = False
+    longest_first: bool = False
+    defer_dq_wait: bool = False
+
+
+FA3_PIECES = BackwardPieces()
+
+
 def flash_bwd_hopper_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, sm_scale=None,
-    dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256, deterministic=False, dv_under_ds=False,
-    ds_buffers=2, own_barriers=True, order=None, mask_when=needs_mask, lse_log2=False, ds_from_float32_p=False,
-    issue=None, reduce_dq=None, policies=None, dkdv_by_tma=False, longest_first=False, defer_dq_wait=False,
+    dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256, deterministic=False,
+    pieces=FA3_PIECES,
 ):
     """Return a ``@T.prim_func`` with chapter 05's contract: dK, dV and the float32 dQ accumulator.
 
@@ -244,48 +299,28 @@ def flash_bwd_hopper_kernel(
     ``deterministic=True``: ``(Q, K, V, dO, LSE, Δ, dK, dV)``, no dQ, dK and dV in the input dtype;
     the grid has one block per K/V head and the loop visits every query head of its group.
 
-    ``dv_under_ds=True`` (a ``BackwardConfig`` field, chapter 08's version 14): issue dV as soon as
-    the 16-bit Pᵀ exists and form dSᵀ from that rounded Pᵀ while dV runs; the default is
-    FlashAttention-3's order, dSᵀ first, so that the float32 Pᵀ dies before dV starts.
-
-    The other steps chapter 08's ablation swaps (``kernels/versions``) are arguments too; the defaults
-    are the shipped steps. ``ds_buffers``: shared dSᵀ tiles (1 or 2); ``own_barriers``: the kernel's
-    two barriers per step (compile with ``PASS_CONFIGS``; needs two dSᵀ buffers), False leaves them to
-    TileLang; ``order(n_kb, bx)``: the key block of launch index ``bx``; ``mask_when(p, qb, kb,
-    block_M, block_N)``: which tiles pay for the mask; ``lse_log2``: the LSE arrives already multiplied by
-    log2(e);
-    ``ds_from_float32_p``: with ``dv_under_ds``, dSᵀ from the float32 Pᵀ; ``issue(K_s, Q_s, dST,
-    dST_cast, dq, dk, swap_dq)``: issue dQ and dK and wait for dQ (shipped: dQ first, so its store runs
-    under dK); ``reduce_dq(p, dQ_acc, dq, dq_s, bz, head, qb, block_M, dim, swap_dq)``: add dQ to the accumulator
-    (shipped: one bulk reduce-add from shared memory by the copy engine). ``policies`` (a ``BackwardConfig``
-    field): how the two consumer warpgroups split each of the five products (``gemm_policies``); None is the
-    shipped split. ``dkdv_by_tma`` (a ``BackwardConfig`` field, chapter 08's versions 19 and 20): where one
-    block owns its rows of dK and dV, write them through shared memory by TMA (``store_dkdv_by_tma``); off,
-    or with GQA's float32 accumulators, from registers (``store_dkv``). ``longest_first`` (a ``BackwardConfig``
-    field, chapter 08's version 21, shipped at D = 128 with the causal mask): launch key block 0 of every head, then key
-    block 1 of every head, and so on, instead of one head's key blocks after the other's; with the causal mask
-    the first key blocks see the most query blocks, so the longest blocks start first and the last wave is of
-    short ones (FlashAttention-3's LPT order). ``defer_dq_wait`` (a ``BackwardConfig`` field, chapter 08's
-    version 22): the thread that issued dQ's reduce-add waits for the copy engine's read of the staging tile at the
-    next step's dSᵀ barrier, not right after issuing it (``generated_code``).
+    ``pieces``: the steps a ``BackwardConfig`` or chapter 08's ablation swaps (``BackwardPieces``).
     """
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
+    # The pieces the step below reads, under the names its listing in chapter 08 shows.
+    dv_under_ds, ds_from_float32_p, mask_when = pieces.dv_under_ds, pieces.ds_from_float32_p, pieces.mask_when
+    ds_buffers, own_barriers, issue, reduce_dq = pieces.ds_buffers, pieces.own_barriers, pieces.issue, pieces.reduce_dq
     if own_barriers and ds_buffers != 2 and not deterministic:
         raise ValueError(f"own_barriers drops the barrier before the dSᵀ store: it needs ds_buffers=2; "
                          f"got ds_buffers={ds_buffers}")
-    if defer_dq_wait and not (own_barriers and reduce_dq is None):
+    if pieces.defer_dq_wait and not (own_barriers and reduce_dq is None):
         raise ValueError("defer_dq_wait moves the dQ reduce's wait to the kernel's own dSᵀ barrier: it needs "
                          "own_barriers=True and the shipped reduce_dq")
-    defer_dq_wait = defer_dq_wait and not deterministic  # no dQ to add
+    defer_dq_wait = pieces.defer_dq_wait and not deterministic  # no dQ to add
     swap_dq = block_M % 64 != 0
-    policy = gemm_policies(policies, swap_dq)
+    policy = gemm_policies(pieces.policies, swap_dq)
     stat_rows = padded_rows(block_M)
     group = p.group if deterministic else 1  # query heads visited by one block
     dkv_dtype = dtype if p.group == group else ACCUM
     dq_shape = [dim, block_M] if swap_dq else [block_M, dim]
     n_kb = p.blocks(seq_k, block_N)
-    lse_scale = 1.0 if lse_log2 else LOG2E
+    lse_scale = 1.0 if pieces.lse_log2 else LOG2E
 
     @T.macro
     def main_loop(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, bx, by, bz):
@@ -307,10 +342,10 @@ def flash_bwd_hopper_kernel(
             dq = T.alloc_fragment(dq_shape, ACCUM)
             dq_s = T.alloc_shared([block_M, dim], ACCUM)
 
-        if order is None:
+        if pieces.order is None:
             kb = bx
         else:
-            kb = order(n_kb, bx)
+            kb = pieces.order(n_kb, bx)
         if deterministic:
             kv_head = by
         else:
@@ -370,7 +405,7 @@ def flash_bwd_hopper_kernel(
 
         # region: epilogue
         owned = dkv_dtype == dtype  # one block owns these rows of dK and dV (no GQA accumulators)
-        if dkdv_by_tma and owned:
+        if pieces.dkdv_by_tma and owned:
             rows = slice(kb * block_N, (kb + 1) * block_N)
             store_dkdv_by_tma(p, dk, dv, dK[bz, kv_head, rows, :], dV[bz, kv_head, rows, :], K_s, V_s, block_N, dim)
         else:
@@ -398,7 +433,7 @@ def flash_bwd_hopper_kernel(
         dO: T.Tensor(q_shape, dtype), LSE: T.Tensor(q_shape[:3], ACCUM), Delta: T.Tensor(q_shape[:3], ACCUM),
         dQ_acc: T.Tensor(q_shape, ACCUM), dK: T.Tensor(kv_shape, dkv_dtype), dV: T.Tensor(kv_shape, dkv_dtype),
     ):
-        if longest_first:  # one launch index over (key block, head), the key block outermost
+        if pieces.longest_first:  # one launch index over (key block, head), the key block outermost
             with T.Kernel(n_kb * heads, batch, threads=threads) as (bx, bz):
                 main_loop(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, bx // heads, bx % heads, bz)
         else:

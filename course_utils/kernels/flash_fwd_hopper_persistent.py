@@ -28,6 +28,7 @@ parity to wait for flips each time the stages wrap around.
 """
 
 from functools import partial
+from typing import NamedTuple
 
 import tilelang.language as T
 
@@ -44,7 +45,8 @@ from .flash_pieces import (
 from .tiles import TileBackend
 
 __all__ = ["flash_fwd_hopper_persistent_kernel", "tile_count", "tile_order", "tiles_per_block", "tile_index",
-           "persistent_schedule", "H100_SMS"]
+           "persistent_schedule", "H100_SMS", "peeled_key_loop", "ConsumerTiles", "ConsumerBarriers", "LoopTiling",
+           "SoftmaxPieces", "SHIPPED_SOFTMAX"]
 
 H100_SMS = 132  # multiprocessors of an H100 SXM5: one persistent block each
 _TURN_BARRIER = 8  # named barriers 8, 9, 10: one per consumer warpgroup (TileLang uses the low ids)
@@ -150,57 +152,107 @@ def load_dense_keys(K, K_s, k_full, bz, kv_head, block_N, kb, stage):
     T.tma_copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s[stage, :, :], barrier=k_full[stage])
 
 
+class ConsumerTiles(NamedTuple):
+    """A consumer's tiles: Q's and the ``num_stages`` K and V stages in shared memory, and the registers of
+    ``forward_fragments``."""
+
+    Q_s: object
+    K_s: object
+    V_s: object
+    S: object
+    P: object
+    acc_o: object
+    m: object
+    m_prev: object
+    shift: object
+    alpha: object
+    row_sum: object
+    l: object  # noqa: E741
+
+
+class ConsumerBarriers(NamedTuple):
+    """The barriers a consumer waits on (``*_full``: the producer's TMA has landed) and arrives at (``*_empty``:
+    its stage may be loaded again)."""
+
+    q_empty: object
+    k_full: object
+    k_empty: object
+    v_full: object
+    v_empty: object
+
+
+class LoopTiling(NamedTuple):
+    """How the peeled loop walks a tile: ``block_M`` query rows (one consumer warpgroup per 64), ``block_N``
+    keys per step through ``num_stages`` stages, the warpgroups taking turns to issue with ``pingpong``."""
+
+    block_M: int
+    block_N: int
+    num_stages: int
+    pingpong: bool
+
+
+class SoftmaxPieces(NamedTuple):
+    """``online_softmax``'s swapped steps (chapter 07's ablation); None is the shipped step."""
+
+    exp2: object = None
+    add_row_sums: object = None
+    row_parts: object = None
+
+
+SHIPPED_SOFTMAX = SoftmaxPieces()
+
+
 @T.macro
-def peeled_key_loop(tb, p, Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l, q_empty, k_full, k_empty,
-                    v_full, v_empty, it: T.Ref, qb, k_start, k_end, n_kb, block_M, block_N, dim, num_stages, consumers,
-                    pingpong, exp2=None, add_row_sums=None, row_parts=None):
+def peeled_key_loop(tb, p, tiles, barriers, it: T.Ref, qb, k_start, k_end, n_kb, tiling, softmax=SHIPPED_SOFTMAX):
     """The consumers' rotated loop over one tile's key blocks, peeled: the first QKᵀ and softmax before
     the loop, the last P·V after it (shared by the dense and the packed persistent forwards)."""
     # The first key block: scores and softmax only.
-    stage = it % num_stages
-    T.mbarrier_wait_parity(k_full[stage], (it // num_stages) & 1)
-    if pingpong:
-        wait_for_turn(consumers)
-    T.wgmma_gemm(Q_s, K_s[stage, :, :], S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+    stage = it % tiling.num_stages
+    T.mbarrier_wait_parity(barriers.k_full[stage], (it // tiling.num_stages) & 1)
+    if tiling.pingpong:
+        wait_for_turn(tiling.block_M // 64)
+    T.wgmma_gemm(tiles.Q_s, tiles.K_s[stage, :, :], tiles.S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
                  clear_accum=True)
-    if pingpong:
-        pass_turn(consumers)
+    if tiling.pingpong:
+        pass_turn(tiling.block_M // 64)
     T.wait_wgmma(0)
-    T.mbarrier_arrive(k_empty[stage])
-    mask_scores(tb, p, S, qb, T.max(T.min(k_start, n_kb - 1), 0), block_M, block_N)
-    online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
-                   exp2=exp2, add_row_sums=add_row_sums, row_parts=row_parts)
-    T.copy(S, P)
+    T.mbarrier_arrive(barriers.k_empty[stage])
+    mask_scores(tb, p, tiles.S, qb, T.max(T.min(k_start, n_kb - 1), 0), tiling.block_M, tiling.block_N)
+    online_softmax(tb, tiles.S, tiles.m, tiles.m_prev, tiles.shift, tiles.alpha, tiles.row_sum, tiles.l,
+                   tiling.block_M, tiling.block_N, p.scale_log2, exp2=softmax.exp2,
+                   add_row_sums=softmax.add_row_sums, row_parts=softmax.row_parts)
+    T.copy(tiles.S, tiles.P)
     # Each step: QKᵀ of block j and P·V of block j - 1 in flight, softmax of block j under P·V.
     for j in T.serial(1, T.max(k_end - k_start, 1)):
-        k_stage, v_stage = (it + 1) % num_stages, it % num_stages
-        T.mbarrier_wait_parity(k_full[k_stage], ((it + 1) // num_stages) & 1)
-        if pingpong:
-            wait_for_turn(consumers)
-        T.wgmma_gemm(Q_s, K_s[k_stage, :, :], S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                     clear_accum=True)
-        T.mbarrier_wait_parity(v_full[v_stage], (it // num_stages) & 1)
-        T.wgmma_gemm(P, V_s[v_stage, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-        if pingpong:
-            pass_turn(consumers)
+        k_stage, v_stage = (it + 1) % tiling.num_stages, it % tiling.num_stages
+        T.mbarrier_wait_parity(barriers.k_full[k_stage], ((it + 1) // tiling.num_stages) & 1)
+        if tiling.pingpong:
+            wait_for_turn(tiling.block_M // 64)
+        T.wgmma_gemm(tiles.Q_s, tiles.K_s[k_stage, :, :], tiles.S, transpose_B=True,
+                     policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+        T.mbarrier_wait_parity(barriers.v_full[v_stage], (it // tiling.num_stages) & 1)
+        T.wgmma_gemm(tiles.P, tiles.V_s[v_stage, :, :], tiles.acc_o, policy=T.GemmWarpPolicy.FullRow)
+        if tiling.pingpong:
+            pass_turn(tiling.block_M // 64)
         T.wait_wgmma(1)  # the scores are ready; P·V may still be running
-        T.mbarrier_arrive(k_empty[k_stage])
-        mask_scores(tb, p, S, qb, k_start + j, block_M, block_N)
-        online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
-                       exp2=exp2, add_row_sums=add_row_sums, row_parts=row_parts)
+        T.mbarrier_arrive(barriers.k_empty[k_stage])
+        mask_scores(tb, p, tiles.S, qb, k_start + j, tiling.block_M, tiling.block_N)
+        online_softmax(tb, tiles.S, tiles.m, tiles.m_prev, tiles.shift, tiles.alpha, tiles.row_sum, tiles.l,
+                       tiling.block_M, tiling.block_N, p.scale_log2, exp2=softmax.exp2,
+                       add_row_sums=softmax.add_row_sums, row_parts=softmax.row_parts)
         T.wait_wgmma(0)
-        T.mbarrier_arrive(v_empty[v_stage])
-        for i, d in T.Parallel(block_M, dim):
-            acc_o[i, d] *= alpha[i]
-        T.copy(S, P)
+        T.mbarrier_arrive(barriers.v_empty[v_stage])
+        for i, d in T.Parallel(tiling.block_M, p.dim):
+            tiles.acc_o[i, d] *= tiles.alpha[i]
+        T.copy(tiles.S, tiles.P)
         it = it + 1
-    T.mbarrier_arrive(q_empty[0])  # the producer may load the next tile's Q
+    T.mbarrier_arrive(barriers.q_empty[0])  # the producer may load the next tile's Q
     # The last key block: P·V only.
-    v_stage = it % num_stages
-    T.mbarrier_wait_parity(v_full[v_stage], (it // num_stages) & 1)
-    T.wgmma_gemm(P, V_s[v_stage, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+    v_stage = it % tiling.num_stages
+    T.mbarrier_wait_parity(barriers.v_full[v_stage], (it // tiling.num_stages) & 1)
+    T.wgmma_gemm(tiles.P, tiles.V_s[v_stage, :, :], tiles.acc_o, policy=T.GemmWarpPolicy.FullRow)
     T.wait_wgmma(0)
-    T.mbarrier_arrive(v_empty[v_stage])
+    T.mbarrier_arrive(barriers.v_empty[v_stage])
     it = it + 1
 
 
@@ -242,6 +294,7 @@ def flash_fwd_hopper_persistent_kernel(
     launch_regs = 65536 // (blocks_per_sm * (threads + 128)) // 8 * 8
     consumer_regs = 2 * launch_regs - 24 if blocks_per_sm > 1 else 240 if consumers == 2 else 160
     add_row_sums = None if row_sums is None else row_sums.add
+    tiling = LoopTiling(block_M, block_N, num_stages, pingpong)
 
     @T.prim_func
     def flash_fwd_hopper_persistent(
@@ -270,6 +323,8 @@ def flash_fwd_hopper_persistent_kernel(
             v_full = T.alloc_barrier([128] * num_stages)
             v_empty = T.alloc_barrier([threads] * num_stages)
             it = T.alloc_var("int32", init=0)  # key blocks passed so far, over all tiles of this block
+            tiles = ConsumerTiles(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l)
+            barriers = ConsumerBarriers(q_empty, k_full, k_empty, v_full, v_empty)
 
             if T.get_thread_binding() < 128:
                 # region: producer
@@ -300,9 +355,8 @@ def flash_fwd_hopper_persistent_kernel(
                     T.mbarrier_wait_parity(q_full[0], w & 1)
 
                     # region: peeled loop
-                    peeled_key_loop(tb, p, Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l, q_empty,
-                                    k_full, k_empty, v_full, v_empty, it, qb, k_start, k_end, n_kb, block_M, block_N,
-                                    dim, num_stages, consumers, pingpong, exp2, add_row_sums, l_part)
+                    peeled_key_loop(tb, p, tiles, barriers, it, qb, k_start, k_end, n_kb, tiling,
+                                    SoftmaxPieces(exp2, add_row_sums, l_part))
                     # endregion
                     if row_sums is not None:
                         row_sums.finish(l_part, l)

@@ -14,7 +14,14 @@ from functools import partial
 import tilelang.language as T
 import torch
 
-from .flash_fwd_hopper_persistent import first_turn, peeled_key_loop, produce_key_blocks
+from .flash_fwd_hopper_persistent import (
+    ConsumerBarriers,
+    ConsumerTiles,
+    LoopTiling,
+    first_turn,
+    peeled_key_loop,
+    produce_key_blocks,
+)
 from .flash_pieces import (
     ACCUM,
     consumer_barrier,
@@ -121,6 +128,7 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
     p_model = prelude(heads, 1, 1, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                       sm_scale=sm_scale)
     consumers = block_M // 64
+    tiling = LoopTiling(block_M, block_N, num_stages, pingpong)
     total_q, total_k, num_bounds, num_pairs = T.dynamic("total_q, total_k, num_bounds, num_pairs")
     q_shape, kv_shape = [total_q, heads, dim], [total_k, p_model.heads_kv, dim]
 
@@ -149,6 +157,8 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
             it = T.alloc_var("int32", init=0)  # key blocks passed so far, over all tiles of this block
             done = T.alloc_var("int32", init=0)  # tiles done so far (the parity of Q's barriers)
             edges = T.alloc_var("int32", init=0)  # tiles zeroed so far (the parity of v_edge)
+            tiles = ConsumerTiles(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l)
+            barriers = ConsumerBarriers(q_empty, k_full, k_empty, v_full, v_empty)
             n_pairs = Count[0]
             rounds = T.ceildiv(n_pairs, num_ctas)
             rows_left = T.alloc_var("int32", init=0)  # the tile's rows in its sequence (consumers)
@@ -209,9 +219,7 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
                         T.mbarrier_wait_parity(q_full[0], done & 1)
 
                         # region: peeled loop (chapter 07's)
-                        peeled_key_loop(tb, p, Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l, q_empty,
-                                        k_full, k_empty, v_full, v_empty, it, qb, k_start, k_end, n_kb, block_M,
-                                        block_N, dim, num_stages, consumers, pingpong)
+                        peeled_key_loop(tb, p, tiles, barriers, it, qb, k_start, k_end, n_kb, tiling)
                         # endregion
 
                         # region: guarded epilogue, from registers

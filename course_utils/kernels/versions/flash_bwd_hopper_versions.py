@@ -2,7 +2,7 @@
 
 As in ``flash_fwd_hopper_versions``, each version is one line of why. Version 1 is chapter 05's
 kernel; the others are the shipped kernel (``flash_bwd_hopper_kernel``, a skeleton whose varying
-steps are arguments) with the pieces they swap: the key-block order, which tiles pay for the mask,
+steps are its ``BackwardPieces``) with the pieces they swap: the key-block order, which tiles pay for the mask,
 the LSE's scale, the order of dV and dSᵀ, the order of dQ and dK, the dQ reduce, the dSᵀ buffers
 and barriers. The few pieces measured and not kept are below, each written once, with
 ``fused_preprocess``: a preprocess that also zeroes the dQ accumulator and stores LSE·log2(e). A
@@ -21,14 +21,14 @@ import tilelang.language as T
 import torch
 
 from ..flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from ..flash_bwd_hopper import DQ_BY_ROWS, PASS_CONFIGS, flash_bwd_hopper_kernel, issue_dq
+from ..flash_bwd_hopper import DQ_BY_ROWS, PASS_CONFIGS, BackwardPieces, flash_bwd_hopper_kernel, issue_dq
 from ..flash_pieces import LOG2E
 from ..tiles import TileBackend, compile_kernel
 from .version import Version, renamed
 from .version import versions_for as _versions_for
 
 __all__ = ["Version", "VERSIONS", "SHIPPED_VERSION", "shipped_version", "versions_for", "flash_bwd_hopper_variant",
-           "variant_pieces", "reversed_key_blocks", "every_tile", "dk_before_dq", "atomic_dq",
+           "variant_pieces", "with_pieces", "reversed_key_blocks", "every_tile", "dk_before_dq", "atomic_dq",
            "fused_preprocess_kernel", "MANUAL_SYNC_PASS_CONFIGS"]
 
 ACCUM = "float32"
@@ -72,7 +72,7 @@ def atomic_dq(p, dQ_acc, dq, dq_s, bz, head, qb, block_M, dim, swap_dq):
 
 def variant_pieces(*, asynchronous=True, dq_reduce="tma", mask_all_tiles=False, dq_before_dk=True, ds_buffers=1,
                    manual_sync=False, light_first=False, lse_log2=False, dv_during_ds=True, ds_from_rounded_p=False):
-    """``flash_bwd_hopper_kernel``'s keywords for the ablation's switches (defaults: version 6's kernel).
+    """The ``BackwardPieces`` of the ablation's switches (defaults: version 6's kernel).
 
     ``dq_reduce``: "atomic" adds dQ from registers element by element; "tma" stores it to shared
     memory and has the copy engine add the tile (cp.reduce.async.bulk). ``mask_all_tiles``: the mask
@@ -96,17 +96,24 @@ def variant_pieces(*, asynchronous=True, dq_reduce="tma", mask_all_tiles=False, 
     pieces.update({key: piece for key, piece, on in (
         ("reduce_dq", atomic_dq, dq_reduce == "atomic"), ("mask_when", every_tile, mask_all_tiles),
         ("issue", dk_before_dq, not dq_before_dk), ("order", reversed_key_blocks, light_first)) if on})
-    return pieces
+    return BackwardPieces(**pieces)
 
 
 def flash_bwd_hopper_variant(*args, **kwargs):
     """The shipped Hopper backward with the ablation's switches (``variant_pieces``'s keywords) as swapped
     pieces; the other keywords are the kernel's."""
     switches = {key: kwargs.pop(key) for key in list(kwargs) if key in _SWITCHES}
-    return renamed(flash_bwd_hopper_kernel(*args, **kwargs, **variant_pieces(**switches)), VARIANT)
+    return renamed(flash_bwd_hopper_kernel(*args, **kwargs, pieces=variant_pieces(**switches)), VARIANT)
 
 
 _SWITCHES = frozenset(inspect.signature(variant_pieces).parameters)
+
+
+def with_pieces(knobs):
+    """A version's knobs as ``flash_bwd_hopper_kernel``'s keywords: the tiling as it is, the swapped steps
+    gathered into its ``pieces``."""
+    steps = {key: value for key, value in knobs.items() if key in BackwardPieces._fields}
+    return {**{key: value for key, value in knobs.items() if key not in steps}, "pieces": BackwardPieces(**steps)}
 
 
 def fused_preprocess_kernel(batch, heads, seq_q, dim, *, dtype="float16", block=64, threads=128):
@@ -154,7 +161,7 @@ def _build(version, batch, heads, seq, dim, *, causal, dtype="float16", heads_kv
                                 **{k: knobs[k] for k in ("block_M", "block_N", "num_stages", "threads")})
         options = {}
     else:
-        func = renamed(version.factory(batch, heads, seq, seq_k, dim, **variant, **knobs), version.name)
+        func = renamed(version.factory(batch, heads, seq, seq_k, dim, **variant, **with_pieces(knobs)), version.name)
         options = dict(pass_configs=MANUAL_SYNC_PASS_CONFIGS) if knobs.get("own_barriers", True) else {}
     main = compile_kernel(func, out_idx=[], target="cuda", dtype=dtype, **options)
     fused = knobs.get("lse_log2", False)  # FlashAttention-3's preprocess
