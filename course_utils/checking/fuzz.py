@@ -363,15 +363,20 @@ def rounding_slack(ref, dtype):
 
 def _judge(name, actual, ref, low, dtype):
     """FlashAttention's criterion (3× the error of PyTorch in the kernel's precision, plus its tests' rounding
-    slack); a float32 result also passes within float32's fixed tolerance, which very large scores can exceed."""
+    slack); a float32 result also passes within float32's tolerance, its absolute part scaled by the result's
+    largest magnitude. A gradient sums terms of either sign: where they cancel, an element is small but carries
+    the rounding of its large terms (the backward recomputes P from the LSE, which rounds relative to the score,
+    and scores reach 12× their usual size here), so a tolerance relative to each element would fail correct
+    float32 arithmetic; a wrong term moves the result by a share of its size, far beyond this."""
     if actual is None:
         raise CheckFailed(f"{name}: no gradient was returned")
+    finite = ref[torch.isfinite(ref)]
     if dtype == torch.float32:
+        scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
         try:
-            return check_close(actual, ref, name, dtype=torch.float32, quiet=True)
+            return check_close(actual, ref, name, dtype=torch.float32, atol=1e-5 * scale, quiet=True)
         except CheckFailed:
             pass
-    finite = ref[torch.isfinite(ref)]
     return check_attention_error(actual, ref, low, name, quiet=True,
                                  slack=max(ERROR_SLACK, rounding_slack(finite, dtype)))
 
