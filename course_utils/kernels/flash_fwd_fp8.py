@@ -27,7 +27,8 @@ import tilelang.language as T
 from .flash_pieces import LOG2E, NEG_INF, key_block_range, prelude, visible
 from .tiles import TileBackend
 
-__all__ = ["flash_fwd_fp8_kernel", "flash_fwd_fp8_hopper_kernel", "round_to_e4m3", "fp8_tile_step", "E4M3_MAX",
+__all__ = ["flash_fwd_fp8_kernel", "flash_fwd_fp8_hopper_kernel", "round_to_e4m3", "fp8_tile_step", "fp8_scores",
+           "fp8_softmax", "E4M3_MAX",
            "P_SCALE", "FP8_DTYPE"]
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value (the "fn" variant: no infinities)
@@ -52,23 +53,30 @@ def round_to_e4m3(x):
     return T.min(T.nearbyint(x / step) * step, T.float32(E4M3_MAX))
 
 
-def fp8_tile_step(tb, p, block_M, block_N):
-    """The key-tile step of the FP8 forward as a ``T.macro``: scores, descales folded into the exponent,
-    the online softmax in exp2 units, P rounded to e4m3 at ``P_SCALE``, then ``acc_o += P V``."""
+def fp8_scores(tb, p, block_M, block_N):
+    """A ``T.macro`` scaling a tile of raw FP8 scores into exp2 units, masked: ``scores(S, exponent_scale, qb, kb)``.
+
+    ``exponent_scale`` is the Q block's and the K tile's descales times sm_scale · log2(e): one multiply per
+    score, as without FP8."""
 
     @T.macro
-    def tile_step(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, alpha, l, row_sum, q_descale, k_descale, qb, kb):
-        # region: scores
-        T.clear(S)
-        T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        # The Q block's and the K tile's descales join sm_scale · log2(e): one multiply per score, as before.
-        exponent_scale = q_descale * k_descale * p.scale_log2
+    def scores(S, exponent_scale, qb, kb):
         for i, j in tb.parallel(block_M, block_N):
             S[i, j] = T.if_then_else(visible(p, qb * block_M + i, kb * block_N + j), S[i, j] * exponent_scale,
                                      NEG_INF)
-        # endregion
-        # region: softmax
-        # m is carried in exp2 units of the real scores: the next tile's descales differ from this one's.
+
+    return scores
+
+
+def fp8_softmax(tb, block_M, block_N):
+    """A ``T.macro`` folding a tile of scaled scores into the running max and ℓ: ``softmax(S, m, m_prev, alpha, l,
+    row_sum)`` leaves P (before its rounding) in ``S`` and the accumulator's rescale factor in ``alpha``.
+
+    m is carried in exp2 units of the real scores, not of the raw ones: the next tile's descales differ from this
+    one's. ℓ sums P before it is rounded, as FlashAttention-3 does."""
+
+    @T.macro
+    def softmax(S, m, m_prev, alpha, l, row_sum):
         T.copy(m, m_prev)
         T.reduce_max(S, m, dim=1, clear=False)
         for i in tb.parallel(block_M):
@@ -78,6 +86,25 @@ def fp8_tile_step(tb, p, block_M, block_N):
         T.reduce_sum(S, row_sum, dim=1)
         for i in tb.parallel(block_M):
             l[i] = l[i] * alpha[i] + row_sum[i]
+
+    return softmax
+
+
+def fp8_tile_step(tb, p, block_M, block_N):
+    """The key-tile step of the FP8 forward as a ``T.macro``: scores, descales folded into the exponent,
+    the online softmax in exp2 units, P rounded to e4m3 at ``P_SCALE``, then ``acc_o += P V``."""
+
+    scores, softmax = fp8_scores(tb, p, block_M, block_N), fp8_softmax(tb, block_M, block_N)
+
+    @T.macro
+    def tile_step(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, alpha, l, row_sum, q_descale, k_descale, qb, kb):
+        # region: scores
+        T.clear(S)
+        T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        scores(S, q_descale * k_descale * p.scale_log2, qb, kb)
+        # endregion
+        # region: softmax
+        softmax(S, m, m_prev, alpha, l, row_sum)
         # endregion
         # region: quantise P
         if tb.on_gpu:  # the copy into the FP8 tile converts (round to nearest even, saturating)
@@ -171,6 +198,8 @@ def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=Non
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, sm_scale=sm_scale)
     f32, fp8 = "float32", FP8_DTYPE
     q_blocks, k_blocks = p.blocks(seq_q, block_M), p.blocks(seq_k, block_N)
+    tb = TileBackend("cuda")
+    scores, softmax = fp8_scores(tb, p, block_M, block_N), fp8_softmax(tb, block_M, block_N)
 
     @T.prim_func
     def flash_fwd_fp8_hopper(Q: T.Tensor([batch, heads, seq_q, dim], fp8),
@@ -205,19 +234,8 @@ def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=Non
                 T.wgmma_gemm(P, V_s, acc_o, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.wait_wgmma(1)  # the scores are ready; P V may still be running
                 if kb < k_end:
-                    exponent_scale = Q_descale[b, h, qb] * K_descale[b, kv_head, k_blk] * p.scale_log2
-                    for i, j in T.Parallel(block_M, block_N):
-                        S[i, j] = T.if_then_else(visible(p, qb * block_M + i, kb * block_N + j),
-                                                 S[i, j] * exponent_scale, NEG_INF)
-                    T.copy(m, m_prev)
-                    T.reduce_max(S, m, dim=1, clear=False)
-                    for i in T.Parallel(block_M):
-                        alpha[i] = T.if_then_else(m[i] == NEG_INF, 1, T.exp2(m_prev[i] - m[i]))
-                    for i, j in T.Parallel(block_M, block_N):
-                        S[i, j] = T.if_then_else(m[i] == NEG_INF, 0, T.exp2(S[i, j] - m[i]))
-                    T.reduce_sum(S, row_sum, dim=1)
-                    for i in T.Parallel(block_M):
-                        l[i] = l[i] * alpha[i] + row_sum[i]
+                    scores(S, Q_descale[b, h, qb] * K_descale[b, kv_head, k_blk] * p.scale_log2, qb, kb)
+                    softmax(S, m, m_prev, alpha, l, row_sum)
                     T.wait_wgmma(0)  # P V of the previous block is in acc_o and no longer reads P
                     for i, j in T.Parallel(block_M, dim):
                         acc_o[i, j] *= alpha[i]
