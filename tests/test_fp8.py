@@ -109,3 +109,47 @@ def test_the_hopper_kernel_lowers_to_fp8_wgmma_and_compiles():
     if report is None:
         pytest.skip("nvcc is not installed")
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
+
+
+def test_the_gpu_producer_kernels_lower_for_sm90a_without_spills():
+    """The producer step's two kernels (``kernels.fp8_producer``) lower for sm_90a and ptxas compiles them without
+    spills; the GPU test below checks their values bit for bit against PyTorch's producer."""
+    from course_utils.core.source import cuda_source, ptxas_report
+    from course_utils.kernels.fp8_producer import quantise_rows_kernel, quantise_transposed_kernel
+
+    for kernel in (quantise_rows_kernel(2, 4, 300, 128), quantise_transposed_kernel(2, 4, 300, 128, 304)):
+        source = cuda_source(kernel, arch="sm_90a")
+        assert "__NV_E4M3" in source or "fp8_e4_t" in source
+        report = ptxas_report(source)
+        if report is None:
+            pytest.skip("nvcc is not installed")
+        assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_gpu_producer_equals_pytorchs_bit_for_bit(dtype):
+    """Q and K per 128-row tile, V per (batch, head) and key-major: the GPU producer's values and descales equal
+    ``quantise_blocks``/``quantise_tensor``'s exactly (rows past a multiple of 128, a block of zeros, GQA), and a
+    NaN or an infinity gives its block a NaN descale, which ``flash_attention_fp8`` refuses."""
+    if not torch.cuda.is_available() or not fp8.is_hopper():
+        pytest.skip("the producer kernels run on a Hopper GPU")
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(2, 4, 300, 128, generator=g) * 3).to(dtype).cuda()
+    k = torch.randn(2, 2, 200, 128, generator=g).to(dtype).cuda()
+    v = torch.randn(2, 2, 200, 128, generator=g).to(dtype).cuda()
+    q[1, 2, 128:256] = 0  # a block of zeros: descale 1
+    (q8, k8, v8), descales, v_keys_major = fp8._quantise(q, k, v, False, 0)
+    by_pytorch = {"Q": fp8.quantise_blocks(q, 128), "K": fp8.quantise_blocks(k, 128), "V": fp8.quantise_tensor(v)}
+    for name, got in (("Q", q8), ("K", k8), ("V", v8)):
+        values, descale = by_pytorch[name]
+        assert torch.equal(got.view(torch.uint8), values.view(torch.uint8)), name
+        assert torch.equal(descales[name], descale), name
+    assert v_keys_major.shape == (2, 2, 128, 208) and not v_keys_major[..., 200:].float().any()
+    for bad in (float("nan"), float("inf")):
+        k_bad = k.clone()
+        k_bad[0, 1, 150, 3] = bad
+        _, descales, _ = fp8._quantise(q, k_bad, v, False, 0)
+        assert descales["K"][0, 1, 1].isnan() and descales["K"].isfinite().sum() == descales["K"].numel() - 1
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            fp8.flash_attention_fp8(q, k_bad, v)

@@ -1,13 +1,14 @@
 """``flash_attention_fp8``: the FP8 forward of chapter 12, with its producer step and its error bound.
 
-The producer step quantises in PyTorch what the kernel reads: Q per block of query rows, K per block of
+The producer step quantises what the kernel reads: Q per block of query rows, K per block of
 keys (one descale per tile the kernel loads), V per (batch, K/V head), each to e4m3 with the scale that
 maps the block's largest magnitude to 448. With ``hadamard=True`` Q and K are first rotated by the same
 random orthogonal matrix ``H·diag(±1)/√D``, which leaves Q Kᵀ unchanged and spreads an outlier channel over
 every channel (FlashAttention-3's incoherent processing). The kernel (``kernels.flash_fwd_fp8``) runs on
 TileLang's C backend with FP8 rounding emulated in float32 on the CPU, and as FP8 ``wgmma`` on a Hopper GPU
-(sm_90a), where the tiles are 128 × 128 and the producer step also transposes V (FP8 ``wgmma`` reads K-major
-operands only).
+(sm_90a), where the tiles are 128 × 128 and the producer step is two kernels of its own
+(``kernels.fp8_producer``) that also write V transposed (FP8 ``wgmma`` reads K-major operands only); on the
+CPU it is PyTorch (``quantise_blocks``, ``quantise_tensor``), which those kernels equal bit for bit.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import math
 import torch
 
 from ..core.device import is_hopper
+from ..core.problem import DTYPE_NAMES
 from ..core.reference import validate_attention_inputs
 from ..kernels.flash_fwd_fp8 import E4M3_MAX, P_SCALE, flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
+from ..kernels.fp8_producer import quantise_rows_kernel, quantise_transposed_kernel
 from ..kernels.tiles import compile_kernel
 from .inputs import check_sm_scale
 
@@ -113,8 +116,9 @@ def _check_fp8_inputs(q, k, v, sm_scale):
 
 
 def _check_descales(descales):
-    for name, descale in descales.items():
-        if not torch.isfinite(descale).all():
+    finite = torch.stack([torch.isfinite(descale).all() for descale in descales.values()]).tolist()  # one sync
+    for name, ok in zip(descales, finite):
+        if not ok:
             raise ValueError(f"flash_attention_fp8: a {name} block has a NaN or infinite scale (its input holds a NaN "
                              "or an infinity, which no FP8 scale can represent)")
 
@@ -140,35 +144,68 @@ def _compiled_gpu(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale, l
     return compile_kernel(kernel, out_idx=[6, 7], target="cuda")
 
 
+@functools.lru_cache(maxsize=32)
+def _compiled_producer(batch, heads, seq, dim, dtype, keys_major):  # dtype: the input's, by name
+    """The GPU producer kernel for one input: Q or K per tile, or (``keys_major``) V transposed and padded."""
+    if keys_major:
+        kernel = quantise_transposed_kernel(batch, heads, seq, dim, -(-seq // V_KEY_ALIGN) * V_KEY_ALIGN,
+                                            block=FP8_GPU_TILE, dtype=dtype)
+        return compile_kernel(kernel, out_idx=[2], target="cuda", dtype=dtype, fast_math=False)
+    kernel = quantise_rows_kernel(batch, heads, seq, dim, block=FP8_GPU_TILE, dtype=dtype)
+    return compile_kernel(kernel, out_idx=[1, 2], target="cuda", dtype=dtype, fast_math=False)
+
+
+def _quantise_on_gpu(q, k, v):
+    """The producer step as two kernels that read each input once (``kernels.fp8_producer``): ((q8, k8, v8),
+    descales, V's values key-major [B, H_kv, D, S_k padded], what the kernel reads); v8 is a view of the last."""
+    (q8, q_descale), (k8, k_descale) = (_compiled_producer(*x.shape, DTYPE_NAMES[x.dtype], False)(x.contiguous())
+                                        for x in (q, k))
+    amax = torch.linalg.vector_norm(v, ord=math.inf, dim=(-1, -2), dtype=torch.float32)  # NaN stays NaN
+    v_descale = _descale_of(amax)
+    v_keys_major = _compiled_producer(*v.shape, DTYPE_NAMES[v.dtype], True)(v.contiguous(), v_descale)
+    v8 = v_keys_major[..., :v.shape[2]].transpose(-1, -2)
+    return (q8, k8, v8), dict(Q=q_descale, K=k_descale, V=v_descale), v_keys_major
+
+
 def _quantise(q, k, v, hadamard, seed):
-    """The producer step in e4m3 tensors: ((q8, k8, v8), descales), the blocks of ``fp8_tile(q.device)``."""
+    """The producer step in e4m3 tensors: ((q8, k8, v8), descales, V's values key-major or None), the blocks of
+    ``fp8_tile(q.device)``. On a GPU V is also written key-major and padded (``_quantise_on_gpu``), the layout
+    the kernel reads; on the CPU that third entry is None."""
     if hadamard:
         rotation = random_hadamard(q.shape[-1], seed).to(device=q.device, dtype=torch.float32)
         q, k = q.float() @ rotation, k.float() @ rotation
+    if q.device.type == "cuda":
+        return _quantise_on_gpu(q, k, v)
     tile = fp8_tile(q.device)
     q8, q_descale = quantise_blocks(q, tile)
     k8, k_descale = quantise_blocks(k, tile)
     v8, v_descale = quantise_tensor(v)
-    return (q8, k8, v8), dict(Q=q_descale, K=k_descale, V=v_descale)
+    return (q8, k8, v8), dict(Q=q_descale, K=k_descale, V=v_descale), None
 
 
 def quantise_inputs(q, k, v, hadamard=False, seed=0):
     """The producer step: ((q8, k8, v8) as float32 tensors of e4m3 values, their descales {"Q", "K", "V"}); with
     ``hadamard``, Q and K rotated by ``random_hadamard(D, seed)`` first. Q and K are quantised in blocks of
     ``fp8_tile(q.device)`` rows, the kernel's tile on that device."""
-    (q8, k8, v8), descales = _quantise(q, k, v, hadamard, seed)
+    (q8, k8, v8), descales, _ = _quantise(q, k, v, hadamard, seed)
     return (q8.float(), k8.float(), v8.float()), descales
 
 
-def _run_gpu(q8, k8, v8, descales, causal, sm_scale, loop="rotated"):
-    """The sm_90a kernel (``loop``: one of FP8_GPU_LOOPS) on e4m3 tensors: V goes in transposed, [B, H_kv, D, S_k
-    padded to V_KEY_ALIGN]."""
+def _keys_major(v8):
+    """V's e4m3 values as the sm_90a kernel reads them: [B, H_kv, D, S_k padded to V_KEY_ALIGN], keys contiguous."""
+    v_t = torch.nn.functional.pad(v8.transpose(-1, -2).view(torch.uint8), (0, -v8.shape[2] % V_KEY_ALIGN))
+    return v_t.view(torch.float8_e4m3fn).contiguous()
+
+
+def _run_gpu(q8, k8, v8, descales, causal, sm_scale, loop="rotated", v_keys_major=None):
+    """The sm_90a kernel (``loop``: one of FP8_GPU_LOOPS) on e4m3 tensors: V goes in key-major (``v_keys_major``
+    from the producer step, or transposed here from ``v8``)."""
     batch, heads, seq_q, dim = q8.shape
     seq_k = k8.shape[2]
-    v_t = torch.nn.functional.pad(v8.transpose(-1, -2).view(torch.uint8), (0, -seq_k % V_KEY_ALIGN))
+    v_keys_major = _keys_major(v8) if v_keys_major is None else v_keys_major
     kernel = _compiled_gpu(batch, heads, k8.shape[1], seq_q, seq_k, dim, bool(causal), sm_scale, loop)
-    return kernel(q8.contiguous(), k8.contiguous(), v_t.view(torch.float8_e4m3fn).contiguous(),
-                  descales["Q"].contiguous(), descales["K"].contiguous(), descales["V"].contiguous())
+    return kernel(q8.contiguous(), k8.contiguous(), v_keys_major, descales["Q"].contiguous(),
+                  descales["K"].contiguous(), descales["V"].contiguous())
 
 
 def flash_attention_fp8(q, k, v, *, causal=False, sm_scale=None, hadamard=False, hadamard_seed=0, return_lse=False):
@@ -182,10 +219,10 @@ def flash_attention_fp8(q, k, v, *, causal=False, sm_scale=None, hadamard=False,
     Raises ``ValueError`` for inputs it does not take (see ``_check_fp8_inputs``).
     """
     _check_fp8_inputs(q, k, v, sm_scale)
-    (q8, k8, v8), descales = _quantise(q, k, v, hadamard, hadamard_seed)
+    (q8, k8, v8), descales, v_keys_major = _quantise(q, k, v, hadamard, hadamard_seed)
     _check_descales(descales)
     if q.device.type == "cuda":
-        out, lse = _run_gpu(q8, k8, v8, descales, causal, sm_scale)
+        out, lse = _run_gpu(q8, k8, v8, descales, causal, sm_scale, v_keys_major=v_keys_major)
     else:
         batch, heads, seq_q, dim = q.shape
         kernel = _compiled(batch, heads, k.shape[1], seq_q, k.shape[2], dim, bool(causal), sm_scale)

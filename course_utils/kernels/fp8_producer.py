@@ -1,0 +1,77 @@
+"""The FP8 forward's producer step on the GPU (chapter 12): quantise Q and K per tile, and V transposed, in one pass.
+
+In PyTorch the producer step is a chain of elementwise kernels (upcast, pad, |x|, block max, divide, cast,
+transpose, pad), each reading and writing the whole tensor: at S = 4k it took longer than the attention kernel
+itself. These two kernels read each input once and write its e4m3 values once:
+
+- ``quantise_rows_kernel``: one block per ``block`` rows of one (batch, head); the block's largest magnitude
+  gives its descale (largest / 448, and 1 for a block of zeros), every value is divided by it and rounded to
+  e4m3. A block holding a NaN or an infinity gets a NaN descale, so the caller's check of the descales refuses it.
+- ``quantise_transposed_kernel``: V with the per-(batch, head) descale it is given, written key-major
+  ([B, H, D, S_k padded]), the layout FP8 ``wgmma`` reads; padded keys are 0.
+
+They are compiled without fast math: the division is IEEE's, and e4m3 conversion rounds to nearest even, so the
+values equal PyTorch's ``(x.float() / descale).to(torch.float8_e4m3fn)`` bit for bit.
+"""
+
+import tilelang.language as T
+
+from .flash_fwd_fp8 import E4M3_MAX, FP8_DTYPE
+
+__all__ = ["quantise_rows_kernel", "quantise_transposed_kernel"]
+
+
+def quantise_rows_kernel(batch, heads, seq, dim, *, block=128, dtype="bfloat16", threads=128):
+    """``(X [B, H, S, D]) -> (values [B, H, S, D] e4m3, descale [B, H, ⌈S/block⌉] float32)``."""
+    blocks = -(-seq // block)
+
+    @T.prim_func
+    def quantise_rows(
+        X: T.Tensor([batch, heads, seq, dim], dtype),
+        Values: T.Tensor([batch, heads, seq, dim], FP8_DTYPE),
+        Descale: T.Tensor([batch, heads, blocks], "float32"),
+    ):
+        with T.Kernel(blocks, heads, batch, threads=threads) as (bx, by, bz):
+            x = T.alloc_fragment([block, dim], "float32")
+            poison = T.alloc_fragment([block, dim], "float32")
+            row_max = T.alloc_fragment([block], "float32")
+            row_poison = T.alloc_fragment([block], "float32")
+            tile_max = T.alloc_fragment([1], "float32")
+            tile_poison = T.alloc_fragment([1], "float32")
+            descale = T.alloc_local([1], "float32")
+            for i, d in T.Parallel(block, dim):
+                x[i, d] = T.if_then_else(bx * block + i < seq, T.cast(X[bz, by, bx * block + i, d], "float32"), 0)
+                poison[i, d] = x[i, d] - x[i, d]  # 0, or NaN for a NaN or an infinity (a max would skip a NaN)
+            T.reduce_absmax(x, row_max, dim=1)
+            T.reduce_sum(poison, row_poison, dim=1)
+            T.reduce_max(row_max, tile_max, dim=0)
+            T.reduce_sum(row_poison, tile_poison, dim=0)
+            descale[0] = T.if_then_else(tile_max[0] == 0, T.float32(1), tile_max[0] / T.float32(E4M3_MAX))
+            descale[0] = descale[0] + tile_poison[0]
+            Descale[bz, by, bx] = descale[0]
+            for i, d in T.Parallel(block, dim):
+                if bx * block + i < seq:
+                    Values[bz, by, bx * block + i, d] = T.cast(x[i, d] / descale[0], FP8_DTYPE)
+
+    return quantise_rows
+
+
+def quantise_transposed_kernel(batch, heads, seq, dim, padded_seq, *, block=128, dtype="bfloat16", threads=128):
+    """``(X [B, H, S, D], descale [B, H] float32) -> values [B, H, D, padded_seq] e4m3``, keys ≥ S zero."""
+    blocks = -(-padded_seq // block)
+
+    @T.prim_func
+    def quantise_transposed(
+        X: T.Tensor([batch, heads, seq, dim], dtype),
+        Descale: T.Tensor([batch, heads], "float32"),
+        Values: T.Tensor([batch, heads, dim, padded_seq], FP8_DTYPE),
+    ):
+        with T.Kernel(blocks, heads, batch, threads=threads) as (bx, by, bz):
+            x_s = T.alloc_shared([block, dim + 1], "float32")  # a row of dim + 1: the transposed reads hit 32 banks
+            for i, d in T.Parallel(block, dim):
+                x_s[i, d] = T.if_then_else(bx * block + i < seq, T.cast(X[bz, by, bx * block + i, d], "float32"), 0)
+            for d, i in T.Parallel(dim, block):
+                if bx * block + i < padded_seq:
+                    Values[bz, by, d, bx * block + i] = T.cast(x_s[i, d] / Descale[bz, by], FP8_DTYPE)
+
+    return quantise_transposed
