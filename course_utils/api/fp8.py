@@ -50,8 +50,10 @@ def fp8_tile(device):
 
 
 def _descale_of(amax):
-    """E4M3_MAX / amax's inverse, and 1 for a block of zeros (any scale represents it); NaN stays NaN."""
-    return torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    """E4M3_MAX / amax's inverse, and 1 for a block of zeros (any scale represents it); NaN stays NaN. The divisor
+    is a tensor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal instead, which would make
+    the descales of the CPU and of a GPU differ in the last bit."""
+    return torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, E4M3_MAX))
 
 
 def quantise_blocks(x, block):

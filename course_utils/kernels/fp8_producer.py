@@ -6,12 +6,13 @@ itself. These two kernels read each input once and write its e4m3 values once:
 
 - ``quantise_rows_kernel``: one block per ``block`` rows of one (batch, head); the block's largest magnitude
   gives its descale (largest / 448, and 1 for a block of zeros), every value is divided by it and rounded to
-  e4m3. A block holding a NaN or an infinity gets a NaN descale, so the caller's check of the descales refuses it.
+  e4m3. A block holding a NaN or an infinity gets an infinite descale, so the caller's check of the descales refuses it.
 - ``quantise_transposed_kernel``: V with the per-(batch, head) descale it is given, written key-major
   ([B, H, D, S_k padded]), the layout FP8 ``wgmma`` reads; padded keys are 0.
 
-They are compiled without fast math: the division is IEEE's, and e4m3 conversion rounds to nearest even, so the
-values equal PyTorch's ``(x.float() / descale).to(torch.float8_e4m3fn)`` bit for bit.
+They are compiled without fast math: the divisions are IEEE's, and e4m3 conversion rounds to nearest even, so the
+values and descales equal those of ``api.fp8.quantise_blocks`` and ``quantise_tensor`` on the CPU bit for bit
+(PyTorch on a GPU divides by a scalar through its reciprocal, which can differ in the last bit).
 """
 
 import tilelang.language as T
@@ -33,21 +34,23 @@ def quantise_rows_kernel(batch, heads, seq, dim, *, block=128, dtype="bfloat16",
     ):
         with T.Kernel(blocks, heads, batch, threads=threads) as (bx, by, bz):
             x = T.alloc_fragment([block, dim], "float32")
-            poison = T.alloc_fragment([block, dim], "float32")
+            not_finite = T.alloc_fragment([block, dim], "float32")
             row_max = T.alloc_fragment([block], "float32")
-            row_poison = T.alloc_fragment([block], "float32")
+            row_not_finite = T.alloc_fragment([block], "float32")
             tile_max = T.alloc_fragment([1], "float32")
-            tile_poison = T.alloc_fragment([1], "float32")
+            tile_not_finite = T.alloc_fragment([1], "float32")
             descale = T.alloc_local([1], "float32")
             for i, d in T.Parallel(block, dim):
                 x[i, d] = T.if_then_else(bx * block + i < seq, T.cast(X[bz, by, bx * block + i, d], "float32"), 0)
-                poison[i, d] = x[i, d] - x[i, d]  # 0, or NaN for a NaN or an infinity (a max would skip a NaN)
+                # Counted apart: the max below would skip a NaN (and TVM folds x - x to 0, so no NaN arithmetic).
+                not_finite[i, d] = T.if_then_else(T.isfinite(x[i, d]), T.float32(0), T.float32(1))
             T.reduce_absmax(x, row_max, dim=1)
-            T.reduce_sum(poison, row_poison, dim=1)
+            T.reduce_sum(not_finite, row_not_finite, dim=1)
             T.reduce_max(row_max, tile_max, dim=0)
-            T.reduce_sum(row_poison, tile_poison, dim=0)
+            T.reduce_sum(row_not_finite, tile_not_finite, dim=0)
             descale[0] = T.if_then_else(tile_max[0] == 0, T.float32(1), tile_max[0] / T.float32(E4M3_MAX))
-            descale[0] = descale[0] + tile_poison[0]
+            if tile_not_finite[0] > 0:
+                descale[0] = T.infinity("float32")
             Descale[bz, by, bx] = descale[0]
             for i, d in T.Parallel(block, dim):
                 if bx * block + i < seq:
