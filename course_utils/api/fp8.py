@@ -18,10 +18,12 @@ import math
 import torch
 
 from ..core.device import is_hopper
+from ..core.problem import AttentionProblem, target_of
 from ..core.reference import validate_attention_inputs
-from ..kernels.flash_fwd_fp8 import E4M3_MAX, P_SCALE, flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
-from ..kernels.tiles import compile_kernel
+from ..kernels.flash_fwd_fp8 import E4M3_MAX, P_SCALE
+from .compiled import compiled
 from .inputs import check_sm_scale
+from .registry import FP8
 
 __all__ = ["flash_attention_fp8", "quantise_blocks", "quantise_tensor", "random_hadamard", "fp8_error_bound",
            "emulate_fp8_forward", "within_ties", "TIE_MARGIN", "quantise_inputs", "FP8_TILE", "FP8_DTYPES",
@@ -119,25 +121,25 @@ def _check_descales(descales):
                              "or an infinity, which no FP8 scale can represent)")
 
 
-@functools.lru_cache(maxsize=32)
-def _compiled(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale):
-    kernel = flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, sm_scale=sm_scale,
-                                  block_M=FP8_TILE, block_N=FP8_TILE, target="c")
-    return compile_kernel(kernel, out_idx=[6, 7], target="c")
+def _problem(q, k, causal, sm_scale):
+    """The FP8 forward's problem: ``q``'s and ``k``'s shapes, the mask and the scale, in e4m3."""
+    batch, heads, seq_q, dim = q.shape
+    return AttentionProblem(heads=heads, heads_kv=k.shape[1], dim=dim, dtype="float8_e4m3fn",
+                            target=target_of(q.device), sm_scale=AttentionProblem._scale(dim, sm_scale),
+                            causal=bool(causal), batch=batch, seq_q=seq_q, seq_k=k.shape[2])
 
 
-@functools.lru_cache(maxsize=32)
-def _compiled_gpu(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale, loop):
-    v_keys = -(-seq_k // V_KEY_ALIGN) * V_KEY_ALIGN
+def _compiled(problem):
+    """The C backend's kernel: the tile step on float32 tiles of e4m3 values."""
+    return compiled(FP8["flash_fwd_fp8"], problem, block_M=FP8_TILE, block_N=FP8_TILE)
+
+
+def _compiled_gpu(problem, loop):
+    v_keys = -(-problem.seq_k // V_KEY_ALIGN) * V_KEY_ALIGN
+    tiles = dict(block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE, v_keys=v_keys)
     if loop == "rotated":
-        kernel = flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal,
-                                             sm_scale=sm_scale, block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE,
-                                             v_keys=v_keys)
-    else:
-        kernel = flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal,
-                                      sm_scale=sm_scale, block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE, threads=256,
-                                      num_stages=2, v_keys=v_keys, target="cuda")
-    return compile_kernel(kernel, out_idx=[6, 7], target="cuda")
+        return compiled(FP8["flash_fwd_fp8_hopper"], problem, **tiles)
+    return compiled(FP8["flash_fwd_fp8"], problem, threads=256, num_stages=2, **tiles)
 
 
 def _quantise(q, k, v, hadamard, seed):
@@ -163,10 +165,9 @@ def quantise_inputs(q, k, v, hadamard=False, seed=0):
 def _run_gpu(q8, k8, v8, descales, causal, sm_scale, loop="rotated"):
     """The sm_90a kernel (``loop``: one of FP8_GPU_LOOPS) on e4m3 tensors: V goes in transposed, [B, H_kv, D, S_k
     padded to V_KEY_ALIGN]."""
-    batch, heads, seq_q, dim = q8.shape
     seq_k = k8.shape[2]
     v_t = torch.nn.functional.pad(v8.transpose(-1, -2).view(torch.uint8), (0, -seq_k % V_KEY_ALIGN))
-    kernel = _compiled_gpu(batch, heads, k8.shape[1], seq_q, seq_k, dim, bool(causal), sm_scale, loop)
+    kernel = _compiled_gpu(_problem(q8, k8, causal, sm_scale), loop)
     return kernel(q8.contiguous(), k8.contiguous(), v_t.view(torch.float8_e4m3fn).contiguous(),
                   descales["Q"].contiguous(), descales["K"].contiguous(), descales["V"].contiguous())
 
@@ -187,8 +188,7 @@ def flash_attention_fp8(q, k, v, *, causal=False, sm_scale=None, hadamard=False,
     if q.device.type == "cuda":
         out, lse = _run_gpu(q8, k8, v8, descales, causal, sm_scale)
     else:
-        batch, heads, seq_q, dim = q.shape
-        kernel = _compiled(batch, heads, k.shape[1], seq_q, k.shape[2], dim, bool(causal), sm_scale)
+        kernel = _compiled(_problem(q, k, causal, sm_scale))
         out, lse = kernel(q8.float(), k8.float(), v8.float(), descales["Q"].contiguous(), descales["K"].contiguous(),
                           descales["V"].contiguous())
     out = out.to(q.dtype)
