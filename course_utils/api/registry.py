@@ -29,15 +29,19 @@ from ..kernels.flash_fwd import flash_fwd_kernel
 from ..kernels.flash_fwd_fp8 import flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
 from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
 from ..kernels.flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
-from ..kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
+from ..kernels.flash_fwd_hopper_persistent import PersistentTiling, flash_fwd_hopper_persistent_kernel
 from ..kernels.flash_varlen import (
     flash_varlen_bwd_kernel,
     flash_varlen_fwd_kernel,
     scale_cast_kernel,
     varlen_delta_kernel,
 )
-from ..kernels.flash_varlen_hopper import flash_varlen_bwd_hopper_kernel, flash_varlen_fwd_persistent_kernel
-from ..kernels.tiles import compile_kernel
+from ..kernels.flash_varlen_hopper import (
+    PackedBackwardPieces,
+    flash_varlen_bwd_hopper_kernel,
+    flash_varlen_fwd_persistent_kernel,
+)
+from ..kernels.tiles import Tiling, compile_kernel
 
 __all__ = ["KernelRow", "FORWARD", "BACKWARD", "PACKED_FORWARD", "PACKED_BACKWARD", "DECODE", "HELPERS", "FP8",
            "OPTION_OFF", "forward_row", "backward_row", "DENSE", "PACKED", "DECODE_LAYOUT", "MERGE", "ROWS"]
@@ -94,6 +98,8 @@ class KernelRow:
     sinks: bool = False  # the factory takes ``has_sinks`` (the forwards)
     options: tuple = ()  # config fields passed on beyond the tiling, e.g. ("pingpong",), ("dv_under_ds",)
     pieces: object = None  # a factory that takes its options as one ``pieces`` argument of this type
+    tiling: object = None  # a factory that takes its tiling as one ``tiling`` argument of this type: the config's
+    # tiling, the options that are fields of it, the GPU's (``per_device``) and the front door's (``num_ctas``)
     deterministic: bool = False  # has a deterministic mode (``deterministic=`` and a dQ kernel)
     pass_configs: dict = field(default_factory=dict)  # TileLang pass options it is compiled with
     per_device: object = None  # () -> more factory arguments read from the GPU (num_ctas)
@@ -122,18 +128,28 @@ class KernelRow:
     def build(self, problem, config, **extra):
         """The ``@T.prim_func`` of this kernel for ``problem`` with ``config``'s tiling (None: the factory's)."""
         kwargs = dict(self.layout(problem), **dict(self.fixed))
-        if config is not None:
-            kwargs.update(config.tiling(), **self.factory_options(config))
         if self.sinks:
             kwargs["has_sinks"] = problem.has_sinks
         if self.on_cpu:
             kwargs["target"] = problem.target
+        tiling = {} if config is None else config.tiling()
         if self.per_device is not None:
-            kwargs.update(self.per_device())
+            tiling.update(self.per_device())
+        if self.tiling is None:
+            kwargs.update(tiling, **self.factory_options(config))
+            return self.factory(**kwargs, **extra)
+        options = {o: getattr(config, o) for o in self.options}
+        tiling.update({o: options.pop(o) for o in list(options) if o in self.tiling._fields},
+                      **{e: extra.pop(e) for e in list(extra) if e in self.tiling._fields})
+        kwargs["tiling"] = self.tiling(**tiling)
+        if options:
+            kwargs["pieces"] = self.pieces(**options)
         return self.factory(**kwargs, **extra)
 
     def factory_options(self, config):
-        """``config``'s fields in ``options`` as the factory's keywords."""
+        """``config``'s fields in ``options`` as the factory's keywords (one ``pieces`` argument, if it takes one)."""
+        if config is None:
+            return {}
         options = {o: getattr(config, o) for o in self.options}
         return options if self.pieces is None else {"pieces": self.pieces(**options)}
 
@@ -170,7 +186,8 @@ FORWARD = {row.name: row for row in (
     KernelRow("flash_fwd_hopper", flash_fwd_hopper_kernel, (4, 5), _HOPPER_FORWARD, hopper_only=True, on_cpu=False,
               sinks=True, options=("pingpong",)),
     KernelRow("flash_fwd_hopper_persistent", flash_fwd_hopper_persistent_kernel, (4, 5), _HOPPER_FORWARD,
-              hopper_only=True, on_cpu=False, sinks=True, options=("pingpong", "blocks_per_sm"), per_device=_sm_count),
+              hopper_only=True, on_cpu=False, sinks=True, options=("pingpong", "blocks_per_sm"), per_device=_sm_count,
+              tiling=PersistentTiling),
     KernelRow("flash_fwd_hopper_one_warpgroup", flash_fwd_hopper_one_warpgroup_kernel, (4, 5), _HOPPER_FORWARD,
               hopper_only=True, on_cpu=False, sinks=True, options=("blocks_per_sm",)),
 )}
@@ -192,13 +209,14 @@ PACKED_FORWARD = {row.name: row for row in (
     KernelRow("flash_fwd_hopper", flash_varlen_fwd_kernel, (7, 8), _HOPPER_FORWARD, hopper_only=True,
               fixed=(("hopper", True),), takes_schedule=True, layout=PACKED),
     KernelRow("flash_fwd_hopper_persistent", flash_varlen_fwd_persistent_kernel, (8, 9), _HOPPER_FORWARD,
-              hopper_only=True, on_cpu=False, options=("pingpong",), layout=PACKED),
+              hopper_only=True, on_cpu=False, options=("pingpong",), layout=PACKED, tiling=PersistentTiling),
 )}
 PACKED_BACKWARD = {row.name: row for row in (
     KernelRow("flash_bwd", flash_varlen_bwd_kernel, (), "chapter 05's kernel", takes_schedule=True, layout=PACKED),
     KernelRow("flash_bwd_hopper", flash_varlen_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
               on_cpu=False, options=("dv_under_ds", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
-              takes_schedule=True, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS, layout=PACKED),
+              takes_schedule=True, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS, layout=PACKED, tiling=Tiling,
+              pieces=PackedBackwardPieces),
 )}
 
 
