@@ -264,8 +264,8 @@ cu.check_true(loop.index("__sync_thread_partial((") < loop.index("wgmma_ss<")
 # %%
 import re
 
-from course_utils.kernels.flash_fwd_hopper_persistent import (flash_fwd_hopper_persistent_kernel, persistent_schedule,
-                                                      tile_count)
+from course_utils.kernels.flash_fwd_hopper_persistent import (PersistentTiling, flash_fwd_hopper_persistent_kernel,
+                                                      persistent_schedule, tile_count)
 from course_utils.kernels.flash_pieces import prelude
 
 demo = prelude(2, 1024, 1024, 64, causal=True)  # 2 heads, S = 1k: 8 query blocks of 128 per head
@@ -313,8 +313,8 @@ show_source(flash_fwd_hopper_persistent_kernel, "producer")
 
 # %%
 for name, options in {"D=128, 2 consumer warpgroups": dict(dim=128, heads=16),
-                      "D=64, 3 consumer warpgroups, causal": dict(dim=64, heads=32, block_M=192, threads=384,
-                                                                  causal=True)}.items():
+                      "D=64, 3 consumer warpgroups, causal": dict(dim=64, heads=32, causal=True, tiling=PersistentTiling(
+                          block_M=192, threads=384))}.items():
     src = cuda_source(flash_fwd_hopper_persistent_kernel(4, options.pop("heads"), 4096, 4096, options.pop("dim"),
                                                          **options))
     consumer = src[src.index("warpgroup_reg_alloc<"):]

@@ -140,11 +140,16 @@ def _ptx(source):
 @functools.cache
 def _persistent_ptx(share):
     from course_utils.core.source import cuda_source
-    from course_utils.kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
+    from course_utils.kernels.flash_fwd_hopper_persistent import (
+        PersistentPieces,
+        PersistentTiling,
+        flash_fwd_hopper_persistent_kernel,
+    )
 
     exp2 = None if share is None else exp2_poly_share(share)
-    func = flash_fwd_hopper_persistent_kernel(2, 8, 2048, 2048, 64, block_M=192, threads=384, pingpong=True,
-                                              exp2=exp2)
+    func = flash_fwd_hopper_persistent_kernel(2, 8, 2048, 2048, 64,
+                                              tiling=PersistentTiling(block_M=192, threads=384, pingpong=True),
+                                              pieces=PersistentPieces(exp2=exp2))
     return _ptx(cuda_source(func))
 
 

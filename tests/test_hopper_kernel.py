@@ -19,6 +19,7 @@ from course_utils.api.attention import (
 )
 from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
+from course_utils.kernels.flash_fwd_hopper_persistent import PersistentTiling
 from course_utils.kernels.versions.flash_fwd_hopper_versions import flash_fwd_hopper_variant
 
 VARIANTS = {
@@ -120,11 +121,12 @@ def test_folded_causal_pairs_cost_about_the_same(seq, block_M):
 
 PERSISTENT = {
     "D=128": dict(dim=128),
-    "D=64, 3 warpgroups, causal, ping-pong": dict(dim=64, heads=8, block_M=192, threads=384, causal=True,
-                                                   pingpong=True),
-    "D=64, 1 warpgroup, 2 blocks per SM": dict(dim=64, heads=8, block_M=64, threads=128, blocks_per_sm=2),
-    "D=64, 1 warpgroup, 64-key tiles, 3 blocks per SM, causal": dict(dim=64, heads=8, block_M=64, block_N=64,
-                                                                     threads=128, blocks_per_sm=3, causal=True),
+    "D=64, 3 warpgroups, causal, ping-pong": dict(dim=64, heads=8, causal=True, tiling=PersistentTiling(
+        block_M=192, threads=384, pingpong=True)),
+    "D=64, 1 warpgroup, 2 blocks per SM": dict(dim=64, heads=8, tiling=PersistentTiling(block_M=64, threads=128,
+                                                                                          blocks_per_sm=2)),
+    "D=64, 1 warpgroup, 64-key tiles, 3 blocks per SM, causal": dict(
+        dim=64, heads=8, causal=True, tiling=PersistentTiling(block_M=64, block_N=64, threads=128, blocks_per_sm=3)),
 }
 
 
@@ -158,7 +160,7 @@ def test_persistent_kernel_rejects_a_thread_count_that_is_not_one_warpgroup_per_
     from course_utils.kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
 
     with pytest.raises(ValueError, match="one consumer warpgroup per 64 query rows"):
-        flash_fwd_hopper_persistent_kernel(1, 2, 256, 256, 64, block_M=128, threads=384)
+        flash_fwd_hopper_persistent_kernel(1, 2, 256, 256, 64, tiling=PersistentTiling(block_M=128, threads=384))
 
 
 @pytest.mark.parametrize("name", [n for n in PERSISTENT if "blocks per SM" in n])
@@ -178,9 +180,10 @@ def test_several_blocks_per_sm_need_one_consumer_warpgroup():
     from course_utils.kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
 
     with pytest.raises(ValueError, match="one consumer warpgroup"):
-        flash_fwd_hopper_persistent_kernel(1, 2, 256, 256, 64, block_M=128, threads=256, blocks_per_sm=2)
+        flash_fwd_hopper_persistent_kernel(1, 2, 256, 256, 64, tiling=PersistentTiling(blocks_per_sm=2))
     with pytest.raises(ValueError, match="two or three"):
-        flash_fwd_hopper_persistent_kernel(1, 2, 256, 256, 64, block_M=64, threads=128, blocks_per_sm=4)
+        flash_fwd_hopper_persistent_kernel(1, 2, 256, 256, 64, tiling=PersistentTiling(block_M=64, threads=128,
+                                                                                       blocks_per_sm=4))
     q = torch.randn(1, 2, 32, 16)
     with pytest.raises(ValueError, match=r"blocks_per_sm=2\) needs a kernel that takes it"):
         flash_attention(q, q, q, config=ForwardConfig(16, 16, 1, 1, blocks_per_sm=2))

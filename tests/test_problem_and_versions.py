@@ -7,6 +7,7 @@ import torch
 
 from course_utils.api import attention, registry
 from course_utils.api.attention import ForwardConfig, forward_kernel
+from course_utils.api.compiled import compiled
 from course_utils.core.problem import AttentionProblem
 from course_utils.core.source import cuda_source
 from course_utils.kernels.flash_fwd import flash_fwd_kernel
@@ -25,10 +26,10 @@ def test_the_problem_is_built_once_and_is_the_cache_key():
         AttentionProblem.dense(q, k, window_size=8))
     assert a.causal and a.shape == (1, 4, 32, 48, 16) and a.target == "c" and a.sm_scale == 0.25
     assert AttentionProblem.dense(q, k) != a
-    attention._compiled_forward.cache_clear()
+    compiled.cache_clear()
     forward_kernel(q, k, window_size=8)
     forward_kernel(q.clone(), k.clone(), window_size=8)
-    info = attention._compiled_forward.cache_info()
+    info = compiled.cache_info()
     assert (info.misses, info.hits) == (1, 1), info
 
 

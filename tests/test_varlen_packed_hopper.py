@@ -116,9 +116,10 @@ def test_persistent_packed_forward_code():
     """sm_90a lowering, no GPU: the consumers never meet in a barrier of their own (the producer zeroes the value
     rows past a sequence's end: it waits for that load itself, zeroes, fences, and only then lets them read)."""
     from course_utils.core.source import cuda_source
-    from course_utils.kernels.flash_varlen_hopper import flash_varlen_fwd_persistent_kernel
+    from course_utils.kernels.flash_varlen_hopper import PackedForwardPieces, flash_varlen_fwd_persistent_kernel
 
-    source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True, pingpong=False, o_by_tma=False))
+    source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True,
+                                                            pieces=PackedForwardPieces(o_by_tma=False)))
     assert not re.search(r"__sync_thread_partial\([^;]*, 256\)", source)  # no consumer barrier
     assert source.count("__syncthreads()") == 1  # the barriers' initialisation, before the roles split
     edge = source.index("v_edge[0].wait(")
@@ -133,7 +134,7 @@ def test_persistent_packed_forward_stores_full_tiles_by_tma():
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_varlen_hopper import flash_varlen_fwd_persistent_kernel
 
-    source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True, pingpong=False))  # the default
+    source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True))  # the default
     full = source.index("if (128 <= rows_left) {")
     wait, store = source.index("tma_store_wait<0, true>();", full), source.index("tma_store(Output_desc", full)
     ragged = source.index("} else {", store)
@@ -148,7 +149,7 @@ def test_packed_hopper_backward_code():
     from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
     from course_utils.kernels.flash_varlen_hopper import flash_varlen_bwd_hopper_kernel
 
-    source = cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, causal=True, block_M=64), pass_configs=PASS_CONFIGS)
+    source = cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, causal=True), pass_configs=PASS_CONFIGS)
     assert len(re.findall(r"fence_proxy_async\(\);\s*tl::__sync_thread_partial\(7, 256\)", source)) == 2
     assert source.count("__sync_thread_partial(7, 256)") == 2
 
@@ -162,11 +163,12 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     ``_varlen_backward`` passes the fields on."""
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
-    from course_utils.kernels.flash_varlen_hopper import flash_varlen_bwd_hopper_kernel
+    from course_utils.kernels.flash_varlen_hopper import PackedBackwardPieces, flash_varlen_bwd_hopper_kernel
     from course_utils.kernels.generated_code import _EARLY_WAIT, MOVED_WAIT
 
-    def source(**kw):
-        return cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, causal=True, block_M=64, **kw),
+    def source(heads_kv=None, **fields):
+        return cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, heads_kv=heads_kv, causal=True,
+                                                          pieces=PackedBackwardPieces(**fields)),
                            pass_configs=PASS_CONFIGS)
 
     def products_before_ds_barrier(src):
@@ -178,8 +180,7 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     assert "tma_store(dK_desc" not in plain and "tma_store(dK_desc" in tma and "tma_store(dV_desc" in tma
     guard = tma.index("if (128 <= keys_left)")
     assert guard < tma.index("tma_store(dV_desc") < tma.index("keys_left + 64")  # the ragged branch after it
-    gqa = cuda_source(flash_varlen_bwd_hopper_kernel(4, 128, heads_kv=2, causal=True, block_M=64, dkdv_by_tma=True),
-                      pass_configs=PASS_CONFIGS)
+    gqa = source(heads_kv=2, dkdv_by_tma=True)
     assert "tma_store(dK_desc" not in gqa
     deferred = source(defer_dq_wait=True)
     early, moved = _EARLY_WAIT.pattern, MOVED_WAIT.pattern + r"6, 256\)"  # moved: before the dSᵀ barrier
@@ -194,6 +195,7 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     x = torch.empty(8, 4, 128, dtype=torch.float16)
     problem = dataclasses.replace(varlen_api.AttentionProblem.packed(x, x, causal=True), target="cuda")
     fields = dict(dv_under_ds=True, dkdv_by_tma=True, longest_first=True, defer_dq_wait=True)
-    varlen_api._varlen_backward.__wrapped__(problem, BackwardConfig(64, 128, 2, 256, "flash_bwd_hopper", **fields),
-                                            "grid")
-    assert {name: seen[name] for name in fields} == fields
+    varlen_api.compiled.cache_clear()
+    varlen_api._varlen_backward(problem, BackwardConfig(64, 128, 2, 256, "flash_bwd_hopper", **fields), "grid")
+    varlen_api.compiled.cache_clear()
+    assert seen["pieces"]._asdict() == fields and tuple(seen["tiling"]) == (64, 128, 2, 256)

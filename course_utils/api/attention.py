@@ -16,9 +16,9 @@ from torch.autograd.function import once_differentiable
 
 from ..core.device import is_hopper
 from ..core.problem import AttentionProblem
-from ..kernels.flash_bwd import flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from ..kernels.flash_bwd_hopper import DQ_BY_ROWS, flash_bwd_hopper_dq_kernel
-from ..kernels.tiles import allocating_launcher, attention_launcher, compile_kernel, launcher
+from ..kernels.flash_bwd_hopper import DQ_BY_ROWS
+from ..kernels.tiles import allocating_launcher, attention_launcher, launcher
+from .compiled import CACHE_SIZE, compiled
 from .inputs import (
     PLAN_SCALAR_TYPES,
     SUPPORTED,
@@ -28,7 +28,7 @@ from .inputs import (
     sink_logits,
     sink_probability,
 )
-from .registry import BACKWARD, FORWARD, backward_row, forward_row
+from .registry import BACKWARD, FORWARD, HELPERS, backward_row, forward_row
 
 __all__ = ["flash_attention", "attention_backward", "forward_kernel", "backward_kernels", "BackwardKernels",
            "ForwardConfig", "BackwardConfig", "sink_logits", "check_sm_scale", "default_forward_config",
@@ -190,15 +190,10 @@ def default_backward_config(device_type, dim=None, masked=False):
     return TUNED_BACKWARD_CONFIG
 
 
-# Bounded: a loop over many sequence lengths must not keep every compiled kernel alive.
-_CACHE_SIZE = 64
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _compiled_forward(problem, config):
     row = forward_row(config)
     row.check(problem, config)
-    return row.compile(problem, config)
+    return compiled(row, problem, config)
 
 
 class BackwardKernels(NamedTuple):
@@ -216,41 +211,33 @@ class BackwardKernels(NamedTuple):
     dq: object = None  # deterministic only: dQ in a fixed order, one block per query block
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
+# The backward's kernels come from the one compile cache; this keeps their launchers, found once per kernel
+# (finding a compiled kernel's entry point costs host time that a short backward would pay at every call).
+@functools.lru_cache(maxsize=CACHE_SIZE)
 def _compiled_backward(problem, config, deterministic=False):
     pr = problem
-    small = 16 if pr.target == "c" else 64
-    threads = 1 if pr.target == "c" else 128
+    small = dict(block=16, threads=1) if pr.target == "c" else dict(block=64, threads=128)
     out_dtype = getattr(torch, pr.dtype)
-
-    def build(func, out_idx):
-        return compile_kernel(func, out_idx=out_idx, target=pr.target, dtype=pr.dtype)
 
     # The kernels are called through their TVM-FFI ``main`` with outputs allocated here (``tiles.launcher``):
     # TileLang's wrapper around each call cost about as much host time as a short backward's GPU time.
     def like_input(acc):  # a float32 accumulator -> the gradient in the input dtype
         return (torch.empty(acc.shape, dtype=out_dtype, device=acc.device),)
 
-    common = dict(dtype=pr.dtype, target=pr.target)
-    pre = allocating_launcher(build(flash_bwd_preprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, block=small,
-                                                                threads=threads, **common), [2]),
+    pre = allocating_launcher(compiled(HELPERS["bwd_preprocess"], pr, **small),
                               lambda out, d_out: (torch.empty(out.shape[:3], dtype=torch.float32, device=out.device),))
     row = backward_row(config)
     row.check(pr, config, deterministic)
     main = launcher(_compile_main(row, pr, config, deterministic))
     if deterministic:
         block_M, block_N = HOPPER_DQ_TILES[pr.dim]
-        dq = build(flash_bwd_hopper_dq_kernel(*pr.shape, **pr.kernel_options(), block_M=block_M, block_N=block_N), [6])
+        dq = compiled(HELPERS["bwd_hopper_dq"], pr, block_M=block_M, block_N=block_N)
         dq = allocating_launcher(dq, lambda q, *rest: (torch.empty(q.shape, dtype=q.dtype, device=q.device),))
         return BackwardKernels(pre, main, None, None, dq)
-    post_q = allocating_launcher(build(flash_bwd_postprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim,
-                                                                    scale=pr.sm_scale, block=small, threads=threads,
-                                                                    **common), [1]), like_input)
+    post_q = allocating_launcher(compiled(HELPERS["bwd_postprocess_dq"], pr, **small), like_input)
     post_kv = None
     if pr.heads_kv != pr.heads:
-        post_kv = allocating_launcher(build(flash_bwd_postprocess_kernel(pr.batch, pr.heads_kv, pr.seq_k, pr.dim,
-                                                                         block=small, threads=threads, **common), [1]),
-                                      like_input)
+        post_kv = allocating_launcher(compiled(HELPERS["bwd_postprocess_dkv"], pr, **small), like_input)
     return BackwardKernels(pre, main, post_q, post_kv)
 
 
@@ -265,13 +252,13 @@ def _compile_main(row, problem, config, deterministic):
     and computes the same gradients (the deterministic one has no such second choice: a clear error)."""
     options = dict(deterministic=deterministic) if row.deterministic else {}
     try:
-        return row.compile(problem, config, **options)
+        return compiled(row, problem, config, **options)
     except Exception as exc:
         if not _registers_ran_out(exc) or config.kernel != "flash_bwd_hopper" or config.block_M == 64:
             raise
         failure = exc
     try:
-        return row.compile(problem, config._replace(block_M=64), **options)
+        return compiled(row, problem, config._replace(block_M=64), **options)
     except Exception as exc:
         if not _registers_ran_out(exc):
             raise
@@ -279,7 +266,7 @@ def _compile_main(row, problem, config, deterministic):
         raise ValueError(f"deterministic=True: ptxas cannot allocate the registers of chapter 08's deterministic "
                          f"backward at S_q={problem.seq_q}, S_k={problem.seq_k}, D={problem.dim} ({problem.dtype}); "
                          "the default backward runs this shape") from failure
-    return backward_row(TUNED_BACKWARD_CONFIG).compile(problem, TUNED_BACKWARD_CONFIG)
+    return compiled(backward_row(TUNED_BACKWARD_CONFIG), problem, TUNED_BACKWARD_CONFIG)
 
 
 def forward_kernel(q, k, *, causal=False, window_size=None, has_sinks=False, sm_scale=None, config=None):

@@ -20,15 +20,9 @@ import torch
 
 from ..core.device import sm_count
 from ..core.problem import AttentionProblem
-from ..kernels.flash_decode import (
-    choose_num_splits,
-    decode_config,
-    decode_row_tiles,
-    decode_rows,
-    flash_decode_kernel,
-    flash_decode_merge_kernel,
-)
-from ..kernels.tiles import compile_kernel, launcher
+from ..kernels.flash_decode import choose_num_splits, decode_config, decode_row_tiles, decode_rows
+from ..kernels.tiles import launcher
+from .compiled import compiled
 from .inputs import (
     PLAN_SCALAR_TYPES,
     PlanCache,
@@ -38,35 +32,9 @@ from .inputs import (
     sink_logits,
     wants_index_check,
 )
+from .registry import DECODE
 
 __all__ = ["flash_decode", "decode_kernels", "decode_single_kernel", "decode_num_splits"]
-
-_CACHE_SIZE = 32
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _decode_split(pr, config):
-    func = flash_decode_kernel(pr.heads, pr.heads_kv, pr.dim, pr.seq_new, page_size=pr.page_size, causal=pr.causal,
-                               window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype, target=pr.target,
-                               **config._asdict())
-    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype, pass_configs=config.pass_configs())
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _decode_single(pr, config):
-    func = flash_decode_kernel(pr.heads, pr.heads_kv, pr.dim, pr.seq_new, page_size=pr.page_size, causal=pr.causal,
-                               window_size=pr.window_size, sm_scale=pr.sm_scale, dtype=pr.dtype, target=pr.target,
-                               single=True, **config._asdict())
-    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype, pass_configs=config.pass_configs())
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _decode_merge(heads, dim, seq_new, dtype, target, allocates=True):
-    """``allocates``: the kernel returns (O, LSE), allocated by TileLang's wrapper; ``False``: the caller passes
-    them (``flash_decode``: the wrapper resolves each output's run-time shape on the host at every call)."""
-    return compile_kernel(flash_decode_merge_kernel(heads, dim, seq_new, dtype=dtype, target=target),
-                          out_idx=[3, 4] if allocates else [], target=target, dtype=dtype)
-
 
 @functools.lru_cache(maxsize=16)
 def _no_block_table(batch, device):
@@ -104,13 +72,13 @@ def decode_kernels(q, k_cache, *, block_table=None, causal=False, window_size=No
     with two splits or more (one split: ``decode_single_kernel``). The merge returns (O, LSE), or with
     ``merge_allocates=False`` (as ``flash_decode`` calls it) writes them into its last two arguments."""
     pr, config = _decode_problem(q, k_cache, block_table, causal, window_size, sm_scale)
-    return (_decode_split(pr, config), _decode_merge(pr.heads, pr.dim, pr.seq_new, pr.dtype, pr.target,
-                                                     merge_allocates), config)
+    merge = DECODE["decode_merge_allocating" if merge_allocates else "decode_merge"]
+    return compiled(DECODE["decode_split"], pr, config), compiled(merge, pr), config
 
 
 def decode_single_kernel(q, k_cache, *, block_table=None, causal=False, window_size=None, sm_scale=None):
     """The compiled one-split kernel ``flash_decode`` runs when one split suffices (no merge launch)."""
-    return _decode_single(*_decode_problem(q, k_cache, block_table, causal, window_size, sm_scale))
+    return compiled(DECODE["decode_single"], *_decode_problem(q, k_cache, block_table, causal, window_size, sm_scale))
 
 
 def decode_num_splits(q, k_cache, *, block_table=None):

@@ -19,12 +19,12 @@ import math
 import torch
 
 from ..core.device import is_hopper
-from ..core.problem import DTYPE_NAMES
+from ..core.problem import DTYPE_NAMES, AttentionProblem, target_of
 from ..core.reference import validate_attention_inputs
-from ..kernels.flash_fwd_fp8 import E4M3_MAX, P_SCALE, flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
-from ..kernels.fp8_producer import quantise_rows_kernel, quantise_transposed_kernel
-from ..kernels.tiles import compile_kernel
+from ..kernels.flash_fwd_fp8 import E4M3_MAX, P_SCALE
+from .compiled import compiled
 from .inputs import check_sm_scale
+from .registry import FP8
 
 __all__ = ["flash_attention_fp8", "quantise_blocks", "quantise_tensor", "random_hadamard", "fp8_error_bound",
            "emulate_fp8_forward", "within_ties", "TIE_MARGIN", "quantise_inputs", "FP8_TILE", "FP8_DTYPES",
@@ -125,46 +125,45 @@ def _check_descales(descales):
                              "or an infinity, which no FP8 scale can represent)")
 
 
-@functools.lru_cache(maxsize=32)
-def _compiled(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale):
-    kernel = flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, sm_scale=sm_scale,
-                                  block_M=FP8_TILE, block_N=FP8_TILE, target="c")
-    return compile_kernel(kernel, out_idx=[6, 7], target="c")
+def _problem(q, k, causal, sm_scale):
+    """The FP8 forward's problem: ``q``'s and ``k``'s shapes, the mask and the scale, in e4m3."""
+    batch, heads, seq_q, dim = q.shape
+    return AttentionProblem(heads=heads, heads_kv=k.shape[1], dim=dim, dtype="float8_e4m3fn",
+                            target=target_of(q.device), sm_scale=AttentionProblem._scale(dim, sm_scale),
+                            causal=bool(causal), batch=batch, seq_q=seq_q, seq_k=k.shape[2])
 
 
-@functools.lru_cache(maxsize=32)
-def _compiled_gpu(batch, heads, heads_kv, seq_q, seq_k, dim, causal, sm_scale, loop):
-    v_keys = -(-seq_k // V_KEY_ALIGN) * V_KEY_ALIGN
+def _compiled(problem):
+    """The C backend's kernel: the tile step on float32 tiles of e4m3 values."""
+    return compiled(FP8["flash_fwd_fp8"], problem, block_M=FP8_TILE, block_N=FP8_TILE)
+
+
+def _compiled_gpu(problem, loop):
+    v_keys = -(-problem.seq_k // V_KEY_ALIGN) * V_KEY_ALIGN
+    tiles = dict(block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE, v_keys=v_keys)
     if loop == "rotated":
-        kernel = flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal,
-                                             sm_scale=sm_scale, block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE,
-                                             v_keys=v_keys)
-    else:
-        kernel = flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal,
-                                      sm_scale=sm_scale, block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE, threads=256,
-                                      num_stages=2, v_keys=v_keys, target="cuda")
-    return compile_kernel(kernel, out_idx=[6, 7], target="cuda")
+        return compiled(FP8["flash_fwd_fp8_hopper"], problem, **tiles)
+    return compiled(FP8["flash_fwd_fp8"], problem, threads=256, num_stages=2, **tiles)
 
 
-@functools.lru_cache(maxsize=32)
-def _compiled_producer(batch, heads, seq, dim, dtype, keys_major):  # dtype: the input's, by name
-    """The GPU producer kernel for one input: Q or K per tile, or (``keys_major``) V transposed and padded."""
+def _compiled_producer(x, keys_major):
+    """The GPU producer kernel for ``x``: Q or K per tile, or (``keys_major``) V transposed and padded."""
+    batch, heads, seq, dim = x.shape
+    problem = AttentionProblem(heads=heads, heads_kv=heads, dim=dim, dtype=DTYPE_NAMES[x.dtype], target="cuda",
+                               sm_scale=1.0, batch=batch, seq_q=seq, seq_k=seq)
     if keys_major:
-        kernel = quantise_transposed_kernel(batch, heads, seq, dim, -(-seq // V_KEY_ALIGN) * V_KEY_ALIGN,
-                                            block=FP8_GPU_TILE, dtype=dtype)
-        return compile_kernel(kernel, out_idx=[2], target="cuda", dtype=dtype, fast_math=False)
-    kernel = quantise_rows_kernel(batch, heads, seq, dim, block=FP8_GPU_TILE, dtype=dtype)
-    return compile_kernel(kernel, out_idx=[1, 2], target="cuda", dtype=dtype, fast_math=False)
+        return compiled(FP8["fp8_quantise_keys_major"], problem, block=FP8_GPU_TILE,
+                        padded_seq=-(-seq // V_KEY_ALIGN) * V_KEY_ALIGN)
+    return compiled(FP8["fp8_quantise_rows"], problem, block=FP8_GPU_TILE)
 
 
 def _quantise_on_gpu(q, k, v):
     """The producer step as two kernels that read each input once (``kernels.fp8_producer``): ((q8, k8, v8),
     descales, V's values key-major [B, H_kv, D, S_k padded], what the kernel reads); v8 is a view of the last."""
-    (q8, q_descale), (k8, k_descale) = (_compiled_producer(*x.shape, DTYPE_NAMES[x.dtype], False)(x.contiguous())
-                                        for x in (q, k))
+    (q8, q_descale), (k8, k_descale) = (_compiled_producer(x, False)(x.contiguous()) for x in (q, k))
     amax = torch.linalg.vector_norm(v, ord=math.inf, dim=(-1, -2), dtype=torch.float32)  # NaN stays NaN
     v_descale = _descale_of(amax)
-    v_keys_major = _compiled_producer(*v.shape, DTYPE_NAMES[v.dtype], True)(v.contiguous(), v_descale)
+    v_keys_major = _compiled_producer(v, True)(v.contiguous(), v_descale)
     v8 = v_keys_major[..., :v.shape[2]].transpose(-1, -2)
     return (q8, k8, v8), dict(Q=q_descale, K=k_descale, V=v_descale), v_keys_major
 
@@ -202,10 +201,8 @@ def _keys_major(v8):
 def _run_gpu(q8, k8, v8, descales, causal, sm_scale, loop="rotated", v_keys_major=None):
     """The sm_90a kernel (``loop``: one of FP8_GPU_LOOPS) on e4m3 tensors: V goes in key-major (``v_keys_major``
     from the producer step, or transposed here from ``v8``)."""
-    batch, heads, seq_q, dim = q8.shape
-    seq_k = k8.shape[2]
     v_keys_major = _keys_major(v8) if v_keys_major is None else v_keys_major
-    kernel = _compiled_gpu(batch, heads, k8.shape[1], seq_q, seq_k, dim, bool(causal), sm_scale, loop)
+    kernel = _compiled_gpu(_problem(q8, k8, causal, sm_scale), loop)
     return kernel(q8.contiguous(), k8.contiguous(), v_keys_major, descales["Q"].contiguous(),
                   descales["K"].contiguous(), descales["V"].contiguous())
 
@@ -226,8 +223,7 @@ def flash_attention_fp8(q, k, v, *, causal=False, sm_scale=None, hadamard=False,
     if q.device.type == "cuda":
         out, lse = _run_gpu(q8, k8, v8, descales, causal, sm_scale, v_keys_major=v_keys_major)
     else:
-        batch, heads, seq_q, dim = q.shape
-        kernel = _compiled(batch, heads, k.shape[1], seq_q, k.shape[2], dim, bool(causal), sm_scale)
+        kernel = _compiled(_problem(q, k, causal, sm_scale))
         out, lse = kernel(q8.float(), k8.float(), v8.float(), descales["Q"].contiguous(), descales["K"].contiguous(),
                           descales["V"].contiguous())
     out = out.to(q.dtype)

@@ -4,7 +4,8 @@
 calls ``row.compile(problem, config)``; nothing downstream asks for a kernel by name. A new kernel is
 one row here (and, for its default tiling, one entry in ``attention``'s configs). ``flash_attention_varlen``
 picks its rows from ``PACKED_FORWARD`` and ``PACKED_BACKWARD`` by the same names: each is the packed prelude
-under the loop of the dense kernel of that name (``row.compile_packed``).
+under the loop of the dense kernel of that name. ``flash_decode`` runs the rows of ``DECODE``. A row's
+``layout`` says which of the problem's fields its factory takes (``DENSE``, ``PACKED``, ``DECODE``...).
 """
 
 from __future__ import annotations
@@ -15,19 +16,36 @@ import tilelang
 import torch
 
 from ..core.device import is_hopper
-from ..kernels.flash_bwd import flash_bwd_kernel
+from ..kernels.flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
 from ..kernels.flash_bwd_hopper import PASS_CONFIGS as HOPPER_BACKWARD_PASS_CONFIGS
-from ..kernels.flash_bwd_hopper import BackwardPieces, flash_bwd_hopper_kernel, gemm_policies
+from ..kernels.flash_bwd_hopper import (
+    BackwardPieces,
+    flash_bwd_hopper_dq_kernel,
+    flash_bwd_hopper_kernel,
+    gemm_policies,
+)
+from ..kernels.flash_decode import flash_decode_kernel, flash_decode_merge_kernel
 from ..kernels.flash_fwd import flash_fwd_kernel
+from ..kernels.flash_fwd_fp8 import flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
 from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
 from ..kernels.flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
-from ..kernels.flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel
-from ..kernels.flash_varlen import flash_varlen_bwd_kernel, flash_varlen_fwd_kernel
-from ..kernels.flash_varlen_hopper import flash_varlen_bwd_hopper_kernel, flash_varlen_fwd_persistent_kernel
-from ..kernels.tiles import compile_kernel
+from ..kernels.flash_fwd_hopper_persistent import PersistentTiling, flash_fwd_hopper_persistent_kernel
+from ..kernels.flash_varlen import (
+    flash_varlen_bwd_kernel,
+    flash_varlen_fwd_kernel,
+    scale_cast_kernel,
+    varlen_delta_kernel,
+)
+from ..kernels.flash_varlen_hopper import (
+    PackedBackwardPieces,
+    flash_varlen_bwd_hopper_kernel,
+    flash_varlen_fwd_persistent_kernel,
+)
+from ..kernels.fp8_producer import quantise_rows_kernel, quantise_transposed_kernel
+from ..kernels.tiles import Tiling, compile_kernel
 
-__all__ = ["KernelRow", "FORWARD", "BACKWARD", "PACKED_FORWARD", "PACKED_BACKWARD", "OPTION_OFF", "forward_row",
-           "backward_row"]
+__all__ = ["KernelRow", "FORWARD", "BACKWARD", "PACKED_FORWARD", "PACKED_BACKWARD", "DECODE", "HELPERS", "FP8",
+           "OPTION_OFF", "forward_row", "backward_row", "DENSE", "PACKED", "DECODE_LAYOUT", "MERGE", "ROWS"]
 
 
 def _sm_count():
@@ -40,12 +58,45 @@ OPTION_OFF = {"pingpong": False, "blocks_per_sm": 1, "dv_under_ds": False, "poli
               "longest_first": False, "defer_dq_wait": False}
 
 
-@dataclass(frozen=True)
+def DENSE(problem):
+    """A dense kernel's arguments: the shape and the variant."""
+    return dict(zip(("batch", "heads", "seq_q", "seq_k", "dim"), problem.shape), **problem.kernel_options())
+
+
+def PACKED(problem):
+    """A packed-batch kernel's: head count and dim (the lengths are run-time) and the variant."""
+    return dict(heads=problem.heads, dim=problem.dim, **problem.kernel_options())
+
+
+def DECODE_LAYOUT(problem):
+    """A decoding kernel's: head counts, dim, new tokens per sequence, the cache's page size and the variant."""
+    return dict(heads=problem.heads, dim=problem.dim, seq_new=problem.seq_new, page_size=problem.page_size,
+                **problem.kernel_options())
+
+
+def MERGE(problem):
+    """Decoding's merge of partial results: it reads only the query heads, dim, new tokens and dtype."""
+    return dict(heads=problem.heads, dim=problem.dim, seq_new=problem.seq_new, dtype=problem.dtype)
+
+
+def _fp8_layout(problem):
+    """The FP8 forwards': the shape and the mask (no window, no sinks; the dtype is e4m3's)."""
+    return dict(zip(("batch", "heads", "seq_q", "seq_k", "dim"), problem.shape), heads_kv=problem.heads_kv,
+                causal=problem.causal, sm_scale=problem.sm_scale)
+
+
+def _producer_layout(problem):
+    """The FP8 producer's: one input tensor [batch, heads, seq_q, dim] and its dtype."""
+    return dict(batch=problem.batch, heads=problem.heads, seq=problem.seq_q, dim=problem.dim, dtype=problem.dtype)
+
+
+# The rows are keys of the one compile cache (``api.compiled``): a row is hashed by identity.
+@dataclass(frozen=True, eq=False)
 class KernelRow:
     """One kernel: how to build it for an ``AttentionProblem`` and a config, and where it runs."""
 
     name: str
-    factory: object  # (batch, heads, seq_q, seq_k, dim, **options) -> @T.prim_func
+    factory: object  # (**layout(problem), **tiling, **options) -> @T.prim_func
     out_idx: tuple  # the parameters the compiled kernel allocates and returns
     what: str  # for error messages: "chapter 08's Hopper kernel"
     hopper_only: bool = False  # wgmma/TMA: needs an sm_90 GPU
@@ -53,12 +104,16 @@ class KernelRow:
     sinks: bool = False  # the factory takes ``has_sinks`` (the forwards)
     options: tuple = ()  # config fields passed on beyond the tiling, e.g. ("pingpong",), ("dv_under_ds",)
     pieces: object = None  # a factory that takes its options as one ``pieces`` argument of this type
+    tiling: object = None  # a factory that takes its tiling as one ``tiling`` argument of this type: the config's
+    # tiling, the options that are fields of it, the GPU's (``per_device``) and the front door's (``num_ctas``)
     deterministic: bool = False  # has a deterministic mode (``deterministic=`` and a dQ kernel)
     pass_configs: dict = field(default_factory=dict)  # TileLang pass options it is compiled with
     per_device: object = None  # () -> more factory arguments read from the GPU (num_ctas)
     keyless_blocks_unaliased: bool = False  # see CH03_LOOP_KEYLESS_PASS_CONFIGS
     fixed: tuple = ()  # ((argument, value), ...): what makes a factory that serves two rows this row's loop
     takes_schedule: bool = False  # a packed kernel that hands out its blocks by a "grid" or "list" schedule
+    layout: object = DENSE  # problem -> the factory's keywords for the problem's sizes and variant
+    fast_math: bool = True  # False: IEEE division (the FP8 producer's values must equal PyTorch's on the CPU)
 
     def check(self, problem, config, deterministic=False):
         """A clear ``ValueError`` for a config this kernel cannot run here."""
@@ -78,38 +133,45 @@ class KernelRow:
                              "GPU); chapter 05's kernel adds dQ with atomics in whatever order blocks finish")
 
     def build(self, problem, config, **extra):
-        """The ``@T.prim_func`` of this kernel for ``problem`` with ``config``'s tiling."""
-        kwargs = dict(problem.kernel_options(), **config.tiling(), **self.factory_options(config))
+        """The ``@T.prim_func`` of this kernel for ``problem`` with ``config``'s tiling (None: the factory's)."""
+        kwargs = dict(self.layout(problem), **dict(self.fixed))
         if self.sinks:
             kwargs["has_sinks"] = problem.has_sinks
         if self.on_cpu:
             kwargs["target"] = problem.target
+        tiling = {} if config is None else config.tiling()
         if self.per_device is not None:
-            kwargs.update(self.per_device())
-        return self.factory(*problem.shape, **kwargs, **extra)
+            tiling.update(self.per_device())
+        if self.tiling is None:
+            kwargs.update(tiling, **self.factory_options(config))
+            return self.factory(**kwargs, **extra)
+        options = {o: getattr(config, o) for o in self.options}
+        tiling.update({o: options.pop(o) for o in list(options) if o in self.tiling._fields},
+                      **{e: extra.pop(e) for e in list(extra) if e in self.tiling._fields})
+        kwargs["tiling"] = self.tiling(**tiling)
+        if options:
+            kwargs["pieces"] = self.pieces(**options)
+        return self.factory(**kwargs, **extra)
 
     def factory_options(self, config):
-        """``config``'s fields in ``options`` as the factory's keywords."""
+        """``config``'s fields in ``options`` as the factory's keywords (one ``pieces`` argument, if it takes one)."""
+        if config is None:
+            return {}
         options = {o: getattr(config, o) for o in self.options}
         return options if self.pieces is None else {"pieces": self.pieces(**options)}
 
-    def compile(self, problem, config, **extra):
-        """Build and compile for ``problem.target``."""
-        pass_configs = dict(self.pass_configs)
+    def compile(self, problem, config, *, pass_configs=None, **extra):
+        """Build and compile for ``problem.target``, with ``pass_configs`` added to the row's and the config's."""
+        pass_configs = {**self.pass_configs, **_config_pass_configs(config), **(pass_configs or {})}
         if self.keyless_blocks_unaliased and _has_keyless_rows(problem) and problem.target == "cuda" and is_hopper():
             pass_configs.update(CH03_LOOP_KEYLESS_PASS_CONFIGS)
         return compile_kernel(self.build(problem, config, **extra), out_idx=list(self.out_idx), target=problem.target,
-                              dtype=problem.dtype, pass_configs=pass_configs or None)
+                              dtype=problem.dtype, pass_configs=pass_configs or None, fast_math=self.fast_math)
 
-    def compile_packed(self, problem, config, *, pass_configs=None, **extra):
-        """Build this packed-batch kernel (its factory takes heads and dim, the lengths are run-time) for ``problem``
-        with ``config``'s tiling, and compile it for ``problem.target`` with ``pass_configs`` added to the row's."""
-        kwargs = dict(problem.kernel_options(), **config.tiling(), **self.factory_options(config), **dict(self.fixed))
-        if self.on_cpu:
-            kwargs["target"] = problem.target
-        func = self.factory(problem.heads, problem.dim, **kwargs, **extra)
-        return compile_kernel(func, out_idx=list(self.out_idx), target=problem.target, dtype=problem.dtype,
-                              pass_configs={**self.pass_configs, **(pass_configs or {})} or None)
+
+def _config_pass_configs(config):
+    """The pass options a config asks for (``DecodeConfig``'s warp specialisation), if it has any."""
+    return config.pass_configs() if hasattr(config, "pass_configs") else {}
 
 
 _HOPPER_FORWARD = "one of chapter 07's Hopper kernels"
@@ -131,7 +193,8 @@ FORWARD = {row.name: row for row in (
     KernelRow("flash_fwd_hopper", flash_fwd_hopper_kernel, (4, 5), _HOPPER_FORWARD, hopper_only=True, on_cpu=False,
               sinks=True, options=("pingpong",)),
     KernelRow("flash_fwd_hopper_persistent", flash_fwd_hopper_persistent_kernel, (4, 5), _HOPPER_FORWARD,
-              hopper_only=True, on_cpu=False, sinks=True, options=("pingpong", "blocks_per_sm"), per_device=_sm_count),
+              hopper_only=True, on_cpu=False, sinks=True, options=("pingpong", "blocks_per_sm"), per_device=_sm_count,
+              tiling=PersistentTiling),
     KernelRow("flash_fwd_hopper_one_warpgroup", flash_fwd_hopper_one_warpgroup_kernel, (4, 5), _HOPPER_FORWARD,
               hopper_only=True, on_cpu=False, sinks=True, options=("blocks_per_sm",)),
 )}
@@ -149,18 +212,70 @@ BACKWARD = {row.name: row for row in (
 # H100, so it takes no ``pingpong``.
 PACKED_FORWARD = {row.name: row for row in (
     KernelRow("flash_fwd", flash_varlen_fwd_kernel, (7, 8), "chapter 03/04's kernel", fixed=(("hopper", False),),
-              takes_schedule=True),
+              takes_schedule=True, layout=PACKED),
     KernelRow("flash_fwd_hopper", flash_varlen_fwd_kernel, (7, 8), _HOPPER_FORWARD, hopper_only=True,
-              fixed=(("hopper", True),), takes_schedule=True),
+              fixed=(("hopper", True),), takes_schedule=True, layout=PACKED),
     KernelRow("flash_fwd_hopper_persistent", flash_varlen_fwd_persistent_kernel, (8, 9), _HOPPER_FORWARD,
-              hopper_only=True, on_cpu=False, options=("pingpong",)),
+              hopper_only=True, on_cpu=False, options=("pingpong",), layout=PACKED, tiling=PersistentTiling),
 )}
 PACKED_BACKWARD = {row.name: row for row in (
-    KernelRow("flash_bwd", flash_varlen_bwd_kernel, (), "chapter 05's kernel", takes_schedule=True),
+    KernelRow("flash_bwd", flash_varlen_bwd_kernel, (), "chapter 05's kernel", takes_schedule=True, layout=PACKED),
     KernelRow("flash_bwd_hopper", flash_varlen_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
               on_cpu=False, options=("dv_under_ds", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
-              takes_schedule=True, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
+              takes_schedule=True, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS, layout=PACKED, tiling=Tiling,
+              pieces=PackedBackwardPieces),
 )}
+
+
+# Decoding against a KV cache (``flash_decode``), chapter 09's kernels, contiguous or paged by the problem's
+# ``page_size``: the split kernel writes partial results and the merge combines them; with one split, the
+# one-split kernel writes the result itself. Each is compiled with a ``DecodeConfig`` (the merge: None). The
+# merge writes into O and LSE it is given; "decode_merge_allocating" allocates and returns them.
+DECODE = {row.name: row for row in (
+    KernelRow("decode_split", flash_decode_kernel, (), "chapter 09's split kernel", layout=DECODE_LAYOUT),
+    KernelRow("decode_single", flash_decode_kernel, (), "chapter 09's one-split kernel", layout=DECODE_LAYOUT,
+              fixed=(("single", True),)),
+    KernelRow("decode_merge", flash_decode_merge_kernel, (), "chapter 09's merge kernel", layout=MERGE),
+    KernelRow("decode_merge_allocating", flash_decode_merge_kernel, (3, 4), "chapter 09's merge kernel",
+              layout=MERGE),
+)}
+
+
+# The kernels around the main ones, each compiled with the tile size and thread count its front door passes:
+# the dense backward's Δ, its dQ cast (and GQA's dK/dV casts), the deterministic backward's dQ kernel, and the
+# packed backward's Δ and scale-and-cast (per token: a problem of one head of ``dim`` serves every batch).
+HELPERS = {row.name: row for row in (
+    KernelRow("bwd_preprocess", flash_bwd_preprocess_kernel, (2,), "chapter 05's Δ kernel",
+              layout=lambda pr: dict(batch=pr.batch, heads=pr.heads, seq_q=pr.seq_q, dim=pr.dim, dtype=pr.dtype)),
+    KernelRow("bwd_postprocess_dq", flash_bwd_postprocess_kernel, (1,), "chapter 05's dQ cast",
+              layout=lambda pr: dict(batch=pr.batch, heads=pr.heads, seq=pr.seq_q, dim=pr.dim, scale=pr.sm_scale,
+                                     dtype=pr.dtype)),
+    KernelRow("bwd_postprocess_dkv", flash_bwd_postprocess_kernel, (1,), "chapter 05's GQA dK/dV cast",
+              layout=lambda pr: dict(batch=pr.batch, heads=pr.heads_kv, seq=pr.seq_k, dim=pr.dim, dtype=pr.dtype)),
+    KernelRow("bwd_hopper_dq", flash_bwd_hopper_dq_kernel, (6,), "chapter 08's deterministic dQ kernel",
+              hopper_only=True, on_cpu=False),
+    KernelRow("varlen_delta", varlen_delta_kernel, (), "chapter 09's packed Δ kernel",
+              layout=lambda pr: dict(dim=pr.dim, dtype=pr.dtype)),
+    KernelRow("varlen_scale_cast", scale_cast_kernel, (2,), "chapter 09's packed scale-and-cast",
+              layout=lambda pr: dict(dim=pr.dim, dtype=pr.dtype)),
+)}
+
+
+# Chapter 12's FP8 forward (``flash_attention_fp8``): the tile step on the CPU (float32 tiles holding e4m3 values)
+# or chapter 03's loop on the GPU, and chapter 07's rotated loop on sm_90a. The problem's dtype is e4m3's.
+FP8 = {row.name: row for row in (
+    KernelRow("flash_fwd_fp8", flash_fwd_fp8_kernel, (6, 7), "chapter 12's FP8 forward", layout=_fp8_layout),
+    KernelRow("flash_fwd_fp8_hopper", flash_fwd_fp8_hopper_kernel, (6, 7), "chapter 12's FP8 Hopper forward",
+              hopper_only=True, on_cpu=False, layout=_fp8_layout),
+    KernelRow("fp8_quantise_rows", quantise_rows_kernel, (1, 2), "chapter 12's FP8 producer of Q and K",
+              hopper_only=True, on_cpu=False, layout=_producer_layout, fast_math=False),
+    KernelRow("fp8_quantise_keys_major", quantise_transposed_kernel, (2,), "chapter 12's FP8 producer of V",
+              hopper_only=True, on_cpu=False, layout=_producer_layout, fast_math=False),
+)}
+
+# Every row, by table: what the one compile cache (``api.compiled``) compiles.
+ROWS = {"forward": FORWARD, "backward": BACKWARD, "packed_forward": PACKED_FORWARD,
+        "packed_backward": PACKED_BACKWARD, "decode": DECODE, "helpers": HELPERS, "fp8": FP8}
 
 
 def forward_row(config):

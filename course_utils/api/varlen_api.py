@@ -24,12 +24,9 @@ from ..kernels.flash_varlen import (
     OWN_BARRIERS_PASS_CONFIGS,
     SCHEDULES,
     lse_row_layout,
-    scale_cast_kernel,
-    varlen_delta_kernel,
     varlen_work_list,
 )
 from ..kernels.flash_varlen_hopper import varlen_pair_list
-from ..kernels.tiles import compile_kernel
 from .attention import (
     HOPPER_BACKWARD_CONFIGS,
     BackwardConfig,
@@ -37,14 +34,12 @@ from .attention import (
     default_backward_config,
     default_forward_config,
 )
+from .compiled import compiled
 
 # checking.fuzz and measure.benchmarks.ch09_varlen_decode reach decoding through this module: fuzz clears the
 # compiled kernels and plans it finds here between planted bugs.
 from .decode_api import (  # noqa: F401
     _PLANS,
-    _decode_merge,
-    _decode_single,
-    _decode_split,
     decode_kernels,
     decode_num_splits,
     decode_single_kernel,
@@ -58,7 +53,7 @@ from .inputs import (
     sink_probability,
     wants_index_check,
 )
-from .registry import PACKED_BACKWARD, PACKED_FORWARD
+from .registry import HELPERS, PACKED_BACKWARD, PACKED_FORWARD
 
 __all__ = ["flash_attention_varlen", "varlen_kernels",
            "VARLEN_SCHEDULE", "VARLEN_CUDA_CONFIG", "VARLEN_CUDA_BACKWARD_CONFIG", "VARLEN_PERSISTENT_CONFIG",
@@ -210,16 +205,15 @@ def _varlen_configs(target, dim, masked, config, backward_config):
     return fwd, bwd
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _varlen_forward(pr, config, schedule, num_ctas=None):
     """The compiled packed forward; ``num_ctas`` (the GPU's SMs) for the persistent kernel, which ignores
     ``schedule`` (it walks ``varlen_pair_list``)."""
     row = PACKED_FORWARD[config.kernel]
     if not row.takes_schedule:
-        return row.compile_packed(pr, config, num_ctas=num_ctas)
+        return compiled(row, pr, config, num_ctas=num_ctas)
     own = pr.target == "cuda" and config.kernel == "flash_fwd" and is_hopper()  # chapter 03's loop on sm_90
-    return row.compile_packed(pr, config, pass_configs=OWN_BARRIERS_PASS_CONFIGS if own else None, schedule=schedule,
-                              own_barriers=own)
+    return compiled(row, pr, config, pass_configs=OWN_BARRIERS_PASS_CONFIGS if own else None, schedule=schedule,
+                    own_barriers=own)
 
 
 def _forward_ctas(config, device):
@@ -229,17 +223,16 @@ def _forward_ctas(config, device):
     return sm_count(device)
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _varlen_backward(pr, config, schedule):
-    return PACKED_BACKWARD[config.kernel].compile_packed(pr, config, schedule=schedule)
+    return compiled(PACKED_BACKWARD[config.kernel], pr, config, schedule=schedule)
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _varlen_small_kernels(dim, dtype, target):
-    """Δ and the scale-and-cast kernel: per-token work, the same for every batch and head count."""
-    small = dict(block=16 if target == "c" else 64, threads=1 if target == "c" else 128, target=target, dtype=dtype)
-    return (compile_kernel(varlen_delta_kernel(dim, **small), out_idx=[], target=target, dtype=dtype),
-            compile_kernel(scale_cast_kernel(dim, **small), out_idx=[2], target=target, dtype=dtype))
+    """Δ and the scale-and-cast kernel: per-token work, the same for every batch and head count (compiled for a
+    problem of one head)."""
+    pr = AttentionProblem(heads=1, heads_kv=1, dim=dim, dtype=dtype, target=target, sm_scale=1.0)
+    small = dict(block=16 if target == "c" else 64, threads=1 if target == "c" else 128)
+    return compiled(HELPERS["varlen_delta"], pr, **small), compiled(HELPERS["varlen_scale_cast"], pr, **small)
 
 
 def _schedule_arg(schedule, plan, forward):

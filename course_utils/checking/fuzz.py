@@ -666,9 +666,9 @@ def plant(name):
 
 def _forget_compiled_kernels():
     """Drop the front doors' kernel and plan caches, so that the next call builds its kernels again."""
-    from ..api import attention, decode_api, flex, fp8, varlen_api
+    from ..api import attention, compiled, decode_api, flex, fp8, varlen_api
 
-    for module in (attention, varlen_api, decode_api, flex, fp8):
+    for module in (compiled, attention, varlen_api, decode_api, flex, fp8):
         for value in vars(module).values():
             if hasattr(value, "cache_clear"):
                 value.cache_clear()

@@ -71,6 +71,10 @@ class DecodeConfig(NamedTuple):
     kv_heads_per_block: "int | None" = 1  # None (decode_config): 128 // D, a K/V tile row of 128 values
     kv_eviction: "str | None" = None  # an L2 eviction hint for the K/V loads ("evict_first", ...); None: none
 
+    def tiling(self):
+        """The config as keyword arguments of ``flash_decode_kernel``."""
+        return self._asdict()
+
     def pass_configs(self):
         """TileLang pass options for compiling the split kernel with this config."""
         return {} if self.warp_specialize else {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}

@@ -46,7 +46,8 @@ from .tiles import TileBackend
 
 __all__ = ["flash_fwd_hopper_persistent_kernel", "tile_count", "tile_order", "tiles_per_block", "tile_index",
            "persistent_schedule", "H100_SMS", "peeled_key_loop", "ConsumerTiles", "ConsumerBarriers", "LoopTiling",
-           "SoftmaxPieces", "SHIPPED_SOFTMAX"]
+           "SoftmaxPieces", "SHIPPED_SOFTMAX", "PersistentTiling", "PersistentPieces", "SHIPPED_PIECES",
+           "SHIPPED_TILING"]
 
 H100_SMS = 132  # multiprocessors of an H100 SXM5: one persistent block each
 _TURN_BARRIER = 8  # named barriers 8, 9, 10: one per consumer warpgroup (TileLang uses the low ids)
@@ -256,28 +257,53 @@ def peeled_key_loop(tb, p, tiles, barriers, it: T.Ref, qb, k_start, k_end, n_kb,
     it = it + 1
 
 
+class PersistentTiling(NamedTuple):
+    """The persistent kernel's tiling and launch.
+
+    ``block_M`` query rows per tile, one consumer warpgroup per 64; ``threads`` counts the consumer threads,
+    so ``threads = 2 * block_M`` (a producer warpgroup is added); ``block_N`` keys per step through
+    ``num_stages`` stages; ``pingpong``: the consumer warpgroups take turns issuing their matmuls;
+    ``num_ctas``: how many persistent blocks to launch (one per SM). ``blocks_per_sm`` of 2 or 3 (one consumer
+    warpgroup only) asks for that many resident blocks per SM: the launch fits 65536 registers shared among
+    them (128 a thread for two), and the producer hands all but 24 of its own to the consumers (232 for two).
+    """
+
+    block_M: int = 128
+    block_N: int = 128
+    num_stages: int = 2
+    threads: int = 256
+    pingpong: bool = False
+    num_ctas: int = H100_SMS
+    blocks_per_sm: int = 1
+
+
+class PersistentPieces(NamedTuple):
+    """The steps chapter 07's ablation swaps (``kernels/versions``); the defaults are the shipped kernel.
+
+    ``order(p, index, block_M)`` -> (batch, head, query block) of a tile (``tile_order``: the causal triangle
+    folded); ``exp2`` and ``row_sums`` are ``online_softmax``'s exponential and its fold of the row sums into
+    the denominator (``row_sums``: a ``RowSums`` of ``kernels.versions``, with tiles of its own, zeroed per
+    tile and finished before the epilogue). None is the shipped step.
+    """
+
+    order: object = tile_order
+    exp2: object = None
+    row_sums: object = None
+
+
+SHIPPED_PIECES = PersistentPieces()
+SHIPPED_TILING = PersistentTiling()  # two consumer warpgroups of 64 query rows, 128 keys per step, 2 stages
+
+
 def flash_fwd_hopper_persistent_kernel(
     batch, heads, seq_q, seq_k, dim, *,
-    heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
-    dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, pingpong=False, num_ctas=H100_SMS,
-    order=tile_order, exp2=None, row_sums=None, blocks_per_sm=1,
+    heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None, dtype="float16",
+    tiling=SHIPPED_TILING, pieces=SHIPPED_PIECES,
 ):
-    """Return a ``@T.prim_func`` computing O and LSE; parameters as in ``flash_fwd_hopper_kernel``.
-
-    ``threads`` counts the consumer threads: one warpgroup of 128 per 64 query rows, so
-    ``threads = 2 * block_M``; a producer warpgroup is added. ``num_ctas`` is how many persistent
-    blocks to launch (one per SM).
-
-    The steps chapter 07's ablation swaps (``kernels/versions``) are arguments: ``order(p, index,
-    block_M)`` -> (batch, head, query block) of a tile (``tile_order``: the causal triangle folded);
-    ``exp2`` and ``row_sums`` are ``online_softmax``'s exponential and its fold of the row sums into
-    the denominator (``row_sums``: a ``RowSums`` of ``kernels.versions``, with tiles of its own, zeroed
-    per tile and finished before the epilogue).
-
-    ``blocks_per_sm`` of 2 or 3 (one consumer warpgroup only) asks for that many resident blocks per SM:
-    the launch fits 65536 registers shared among them (128 a thread for two), and the producer hands all
-    but 24 of its own to the consumers (232 for two).
-    """
+    """Return a ``@T.prim_func`` computing O and LSE; the problem's parameters as in ``flash_fwd_hopper_kernel``,
+    its ``tiling`` a ``PersistentTiling`` and its swapped steps a ``PersistentPieces``."""
+    block_M, block_N, num_stages, threads, pingpong, num_ctas, blocks_per_sm = tiling
+    order, exp2, row_sums = pieces
     if threads != 2 * block_M or block_M % 64:
         raise ValueError(f"the persistent kernel runs one consumer warpgroup per 64 query rows: block_M must be "
                          f"a multiple of 64 and threads = 2 * block_M; got block_M={block_M}, threads={threads}")

@@ -10,11 +10,13 @@ read per tile. sm_90 only.
 """
 
 from functools import partial
+from typing import NamedTuple
 
 import tilelang.language as T
 import torch
 
 from .flash_fwd_hopper_persistent import (
+    SHIPPED_TILING,
     ConsumerBarriers,
     ConsumerTiles,
     LoopTiling,
@@ -36,9 +38,10 @@ from .flash_pieces import (
 )
 from .flash_varlen import SCHEDULES
 from .hopper_pieces import keep_stages_until_read
-from .tiles import TileBackend
+from .tiles import TileBackend, Tiling
 
-__all__ = ["varlen_pair_list", "flash_varlen_fwd_persistent_kernel", "flash_varlen_bwd_hopper_kernel"]
+__all__ = ["varlen_pair_list", "flash_varlen_fwd_persistent_kernel", "flash_varlen_bwd_hopper_kernel",
+           "PackedForwardPieces", "PackedBackwardPieces"]
 
 
 @T.macro
@@ -97,9 +100,28 @@ def varlen_pair_list(cu_seqlens_q, cu_seqlens_k, heads, block_M, max_seqlen_q):
     return pairs.contiguous(), real.sum().to(torch.int32).reshape(1)
 
 
+class PackedForwardPieces(NamedTuple):
+    """What the packed persistent forward swaps: ``o_by_tma`` (the default: a tile whose rows are all its
+    sequence's stores O through shared memory by TMA; off: every tile row by row)."""
+
+    o_by_tma: bool = True
+
+
+class PackedBackwardPieces(NamedTuple):
+    """The dense Hopper backward's ``BackwardConfig`` fields the packed one takes, with the same meaning."""
+
+    dv_under_ds: bool = False
+    dkdv_by_tma: bool = False
+    longest_first: bool = False
+    defer_dq_wait: bool = False
+
+
+O_BY_TMA = PackedForwardPieces()
+PLAIN_BACKWARD = PackedBackwardPieces()  # FlashAttention-3's step
+BACKWARD_TILING = Tiling(64, 128, 2, 256)
+
 def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=False, window_size=None, sm_scale=None,
-                                       dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256,
-                                       pingpong=False, num_ctas=132, o_by_tma=True):
+                                       dtype="float16", tiling=SHIPPED_TILING, pieces=O_BY_TMA):
     """Return a ``@T.prim_func`` computing O and LSE of packed sequences with chapter 07's persistent kernel.
 
     ``flash_fwd_hopper_persistent_kernel`` (its producer/consumer protocol, peeled rotated loop and
@@ -120,7 +142,13 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
     are all its sequence's stores O as the dense kernel does (``o_by_tma``, the default: through shared memory
     by TMA, the store left in flight under the next tile; +0…+6% over every tile row by row on the H100,
     docs/varlen_and_decoding.md). The LSE is always stored row by row.
+
+    ``tiling``: a ``PersistentTiling`` (one block per SM: ``blocks_per_sm`` 1); ``pieces``: a ``PackedForwardPieces``.
     """
+    block_M, block_N, num_stages, threads, pingpong, num_ctas, blocks_per_sm = tiling
+    (o_by_tma,) = pieces
+    if blocks_per_sm != 1:
+        raise ValueError(f"the packed persistent forward runs one block per SM; got blocks_per_sm={blocks_per_sm}")
     if threads != 2 * block_M or block_M % 64:
         raise ValueError(f"the persistent kernel runs one consumer warpgroup per 64 query rows: block_M must be "
                          f"a multiple of 64 and threads = 2 * block_M; got block_M={block_M}, threads={threads}")
@@ -252,9 +280,8 @@ _ZERO_BARRIER = 7  # the Hopper backward's barrier after zeroing rows past a seq
 
 
 def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, window_size=None, sm_scale=None,
-                                   dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256,
-                                   schedule="grid", dv_under_ds=False, dkdv_by_tma=False, longest_first=False,
-                                   defer_dq_wait=False):
+                                   dtype="float16", tiling=BACKWARD_TILING, schedule="grid",
+                                   pieces=PLAIN_BACKWARD):
     """Return a ``@T.prim_func`` with ``flash_varlen_bwd_kernel``'s contract, built on chapter 08's Hopper loop.
 
     ``flash_bwd_hopper_kernel``'s step (Sᵀ and dPᵀ issued together, dSᵀ through two shared buffers, dQ
@@ -269,8 +296,11 @@ def flash_varlen_bwd_hopper_kernel(heads, dim, *, heads_kv=None, causal=False, w
     ``dkdv_by_tma`` (a block whose keys all belong to its sequence writes dK and dV by TMA; a sequence's last,
     ragged block row by row) and ``longest_first`` (the "grid" schedule only: as in the dense kernel, one
     sequence after the other, and within it key block 0 of every head first, then key block 1...; the "list"
-    schedule has its own order) and ``defer_dq_wait`` (dQ's reduce-add waited for at the next dSᵀ barrier).
+    schedule has its own order) and ``defer_dq_wait`` (dQ's reduce-add waited for at the next dSᵀ barrier), in
+    one ``PackedBackwardPieces``; ``tiling``: a ``Tiling``.
     """
+    block_M, block_N, num_stages, threads = tiling
+    dv_under_ds, dkdv_by_tma, longest_first, defer_dq_wait = pieces
     from .flash_bwd_hopper import (
         _DQ_BARRIER,
         _DS_BARRIER,

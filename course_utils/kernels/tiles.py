@@ -12,6 +12,8 @@ the algorithm is written once and the difference stays visible in one place.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import tilelang
 import tilelang.language as T
 import torch
@@ -19,7 +21,7 @@ from tilelang import tvm
 
 from ..core.device import TILE_TARGET
 
-__all__ = ["TileBackend", "compile_kernel", "launcher", "allocating_launcher", "attention_launcher"]
+__all__ = ["TileBackend", "Tiling", "compile_kernel", "launcher", "allocating_launcher", "attention_launcher"]
 
 _TARGETS = ("cuda", "c")
 
@@ -52,6 +54,16 @@ class TileBackend:
     def kernel(self, *grid, threads):
         """Launch one block per grid point; ``threads`` per block on the GPU, one CPU thread otherwise."""
         return T.Kernel(*grid, threads=threads) if self.on_gpu else T.Kernel(*grid)
+
+
+class Tiling(NamedTuple):
+    """A kernel's tiling: ``block_M`` query rows and ``block_N`` keys per tile, ``num_stages`` tiles in flight,
+    ``threads`` per block (a ``ForwardConfig``'s or ``BackwardConfig``'s first four fields)."""
+
+    block_M: int
+    block_N: int
+    num_stages: int
+    threads: int
 
 
 def compile_kernel(prim_func, *, out_idx, target: str | None = None, dtype: str = "float32", fast_math=True,

@@ -130,9 +130,12 @@ def _cuda_jobs():
     # Hopper forwards: the configs flash_attention picks (each through its kernel's factory), the window fallback,
     # the rotated loop.
     def hopper_forward(config, dim, **options):
-        factory = reg.FORWARD[config.kernel].factory
-        extra = {o: getattr(config, o) for o in reg.FORWARD[config.kernel].options}
-        return factory(B, H, 4096, 4096, dim, **options, **config.tiling(), **extra)
+        row = reg.FORWARD[config.kernel]
+        extra = {o: getattr(config, o) for o in row.options}
+        tiling = getattr(row, "tiling", None)
+        if tiling is None:  # a factory that takes its tiling as keywords
+            return row.factory(B, H, 4096, 4096, dim, **options, **config.tiling(), **extra)
+        return row.factory(B, H, 4096, 4096, dim, **options, tiling=tiling(**config.tiling(), **extra))
 
     for (dim, masked), config in att.HOPPER_FORWARD_CONFIGS.items():
         jobs.append((f"fwd_{config.kernel.removeprefix('flash_fwd_')}_d{dim}_{'masked' if masked else 'full'}", hopper,
@@ -205,25 +208,35 @@ def _cuda_jobs():
                                                              threads=bc.threads, target="cuda", **v), None))
     # Packed batches on Hopper: the persistent forward and the Hopper backward, as varlen_api picks them.
     pc = vapi.VARLEN_PERSISTENT_CONFIG
+
+    def packed_tiling(row_name, config, table="PACKED_FORWARD", **more):
+        """A packed Hopper kernel's tiling: one ``tiling`` argument, or, before, keywords."""
+        tiling = getattr(getattr(reg, table)[row_name], "tiling", None)
+        if tiling is None:
+            return dict(**config.tiling(), **more)
+        return dict(tiling=tiling(**config.tiling(), **more))
+
     for dim in vapi.VARLEN_HOPPER_DIMS:
         for masked in (False, True):
             jobs.append((f"varlen_fwd_persistent_d{dim}_{'masked' if masked else 'full'}", hopper,
                          lambda dim=dim, masked=masked: var_h.flash_varlen_fwd_persistent_kernel(
-                             4, dim, heads_kv=2, causal=masked, block_M=pc.block_M, block_N=pc.block_N,
-                             num_stages=pc.num_stages, threads=pc.threads, pingpong=pc.pingpong, num_ctas=132), None))
+                             4, dim, heads_kv=2, causal=masked,
+                             **packed_tiling(pc.kernel, pc, pingpong=pc.pingpong, num_ctas=132)), None))
     jobs.append(("varlen_fwd_persistent_d128_window_nopingpong", hopper,
                  lambda: var_h.flash_varlen_fwd_persistent_kernel(
-                     4, 128, causal=True, window_size=128, block_M=pc.block_M, block_N=pc.block_N,
-                     num_stages=pc.num_stages, threads=pc.threads, pingpong=False, num_ctas=132), None))
+                     4, 128, causal=True, window_size=128, **packed_tiling(pc.kernel, pc, pingpong=False,
+                                                                           num_ctas=132)), None))
     for (dim, masked), config in vapi.VARLEN_HOPPER_BACKWARD_CONFIGS.items():
         for schedule in ("grid", "list"):
             jobs.append((f"varlen_bwd_hopper_d{dim}_{'masked' if masked else 'full'}_{schedule}", hopper,
                          lambda config=config, dim=dim, masked=masked, schedule=schedule:
                          var_h.flash_varlen_bwd_hopper_kernel(4, dim, heads_kv=2, causal=masked, schedule=schedule,
-                                                            **config.tiling()), bwd_h.PASS_CONFIGS))
+                                                            **packed_tiling(config.kernel, config, "PACKED_BACKWARD")),
+                         bwd_h.PASS_CONFIGS))
+    config = vapi.VARLEN_HOPPER_BACKWARD_CONFIGS[128, True]
     jobs.append(("varlen_bwd_hopper_d128_mha_window", hopper,
-                 lambda: var_h.flash_varlen_bwd_hopper_kernel(
-                     4, 128, causal=True, window_size=128, **vapi.VARLEN_HOPPER_BACKWARD_CONFIGS[128, True].tiling()),
+                 lambda config=config: var_h.flash_varlen_bwd_hopper_kernel(
+                     4, 128, causal=True, window_size=128, **packed_tiling(config.kernel, config, "PACKED_BACKWARD")),
                  bwd_h.PASS_CONFIGS))
     jobs.append(("varlen_delta", both, lambda: var.varlen_delta_kernel(128, block=64, threads=128, target="cuda"),
                  None))

@@ -19,13 +19,19 @@ import tilelang.language as T
 from ..flash_fwd import flash_fwd_kernel
 from ..flash_fwd_hopper import flash_fwd_hopper_kernel
 from ..flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
-from ..flash_fwd_hopper_persistent import flash_fwd_hopper_persistent_kernel, tile_order
+from ..flash_fwd_hopper_persistent import (
+    PersistentPieces,
+    PersistentTiling,
+    flash_fwd_hopper_persistent_kernel,
+    tile_order,
+)
 from ..flash_pieces import ACCUM
 from ..tiles import compile_kernel
 from .version import Version, renamed
 from .version import versions_for as _versions_for
 
-__all__ = ["Version", "VERSIONS", "versions_for", "flash_fwd_hopper_variant", "variant_pieces", "exp2_on_fma",
+__all__ = ["Version", "VERSIONS", "versions_for", "grouped", "flash_fwd_hopper_variant", "variant_pieces",
+           "exp2_on_fma",
            "exp2_on_fma_every", "EXP2_POLY", "exp2_poly", "exp2_poly_share", "exp2_nearly_free", "light_first",
            "issue_when_needed", "stale_max", "SKIPPED_RESCALE", "unfolded_order", "DEFERRED_ROW_SUMS"]
 
@@ -34,11 +40,20 @@ _NO_TMA_NO_WS = {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
 ROTATED_VARIANT, PERSISTENT_VARIANT = "flash_fwd_hopper_variant", "flash_fwd_hopper_persistent_variant"
 
 
+def grouped(knobs):
+    """The persistent kernel's arguments from a version's knobs: its tiling in one ``PersistentTiling``, its swapped
+    steps in one ``PersistentPieces``."""
+    return dict(tiling=PersistentTiling(**{k: v for k, v in knobs.items() if k in PersistentTiling._fields}),
+                pieces=PersistentPieces(**{k: v for k, v in knobs.items() if k in PersistentPieces._fields}))
+
+
 def _build(version, batch, heads, seq, dim, *, causal, dtype="float16"):
     """Compile ``version`` for self-attention of the given shape (CUDA, sm_90)."""
     knobs = version.knobs_for(dim, causal)
     if version.factory is flash_fwd_kernel:
         knobs["target"] = "cuda"
+    if version.factory is flash_fwd_hopper_persistent_kernel:
+        knobs = grouped(knobs)
     func = renamed(version.factory(batch, heads, seq, seq, dim, causal=causal, dtype=dtype, **knobs), version.name)
     return compile_kernel(func, out_idx=[4, 5], target="cuda", dtype=dtype, **version.compile_options)
 
