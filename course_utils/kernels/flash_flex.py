@@ -245,13 +245,18 @@ def flex_bwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, mask_bloc
 
 class FlexConfig(NamedTuple):
     """Threads and pipeline stages of the flex kernels, and the backward's query tile (the forward's tile is the
-    BlockMask's block)."""
+    BlockMask's block).
+
+    ``bwd_kernel``: "hopper" runs the backward on chapter 08's Hopper loop (``flash_flex_hopper_bwd``, its own
+    64-row steps, two stages and two consumer warpgroups) where it can (``uses_hopper_backward``), else chapter
+    05's loop with ``bwd_block_M``, ``bwd_threads`` and ``bwd_stages``; "sm80" always chapter 05's loop."""
 
     fwd_threads: int
     fwd_stages: int
     bwd_block_M: int
     bwd_threads: int
     bwd_stages: int
+    bwd_kernel: str = "hopper"
 
 
 def default_flex_config(device_type, mask_block):
@@ -322,6 +327,35 @@ class FlexBackwardKernels(NamedTuple):
 _compiled_forward = _KernelCache(_build_forward)
 
 
+BWD_KERNELS = ("hopper", "sm80")
+
+
+def uses_hopper_backward(target, dim, mask_block, config):
+    """Whether the backward runs on chapter 08's Hopper loop: asked for (``config.bwd_kernel``), on an sm_90 GPU,
+    with the 128 × 128 block mask it walks and a head dim it is built for."""
+    from ..core.device import is_hopper
+    from .flash_flex_hopper_bwd import HOPPER_FLEX_BLOCK, HOPPER_FLEX_DIMS
+
+    if config.bwd_kernel not in BWD_KERNELS:
+        raise ValueError(f"FlexConfig.bwd_kernel must be one of {BWD_KERNELS}; got {config.bwd_kernel!r}")
+    return (config.bwd_kernel == "hopper" and target == "cuda" and is_hopper()
+            and tuple(mask_block) == HOPPER_FLEX_BLOCK and dim in HOPPER_FLEX_DIMS)
+
+
+def _build_backward_main(pr, plan, config):
+    if uses_hopper_backward(pr.target, pr.dim, pr.mask_block, config):
+        from .flash_bwd_hopper import PASS_CONFIGS
+        from .flash_flex_hopper_bwd import flex_bwd_hopper_kernel
+
+        func = flex_bwd_hopper_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, plan, pr.mask_shape,
+                                      pr.mask_block, heads_kv=pr.heads_kv, sm_scale=pr.sm_scale, dtype=pr.dtype)
+        return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype, pass_configs=PASS_CONFIGS)
+    func = flex_bwd_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, plan, pr.mask_shape, pr.mask_block,
+                           heads_kv=pr.heads_kv, sm_scale=pr.sm_scale, block_M=config.bwd_block_M,
+                           num_stages=config.bwd_stages, threads=config.bwd_threads, dtype=pr.dtype, target=pr.target)
+    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype)
+
+
 def _build_backward(pr, plan, config):
     small = 16 if pr.target == "c" else 64
     threads = 1 if pr.target == "c" else 128
@@ -332,9 +366,7 @@ def _build_backward(pr, plan, config):
 
     pre = build(flash_bwd_preprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, block=small, threads=threads,
                                             **common), [2])
-    main = build(flex_bwd_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, plan, pr.mask_shape, pr.mask_block,
-                                 heads_kv=pr.heads_kv, sm_scale=pr.sm_scale, block_M=config.bwd_block_M,
-                                 num_stages=config.bwd_stages, threads=config.bwd_threads, **common), [])
+    main = _build_backward_main(pr, plan, config)
     post_q = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, scale=pr.sm_scale, block=small,
                                                 threads=threads, **common), [1])
     post_kv = None
