@@ -7,7 +7,7 @@ shared buffers, dQ added by the copy engine) with three of its steps swapped thr
     which query blocks       the block mask's list for this key block, ``QList[b', h', kb, :QCount]``, each of
                              the mask's query blocks in steps of ``block_M`` rows (as the sm_80 kernel walks it)
     Pᵀ                       recomputed with score_mod, and score_mod′ from the same Dual evaluation; mask_mod
-                             only on PARTIAL tiles (``flash_flex.recompute_probabilities``)
+                             only on PARTIAL tiles (``flex_pieces.recompute_probabilities``)
     dSᵀ                      Pᵀ ∘ (dPᵀ − Δ) ∘ score_mod′ᵀ (``flash_bwd_hopper.ds_t``)
 
 A score the score_mod sets to −∞ has P = 0 and no gradient. A key block that no query sees still runs one step
@@ -19,8 +19,8 @@ compile with ``flash_bwd_hopper.PASS_CONFIGS``.
 import tilelang.language as T
 
 from .flash_bwd_hopper import ACCUM, BackwardPieces, flash_bwd_hopper_kernel
-from .flash_flex import FULL, _mask_dims, recompute_probabilities
 from .flash_pieces import prelude
+from .flex_pieces import FULL, mask_dims, recompute_probabilities
 from .tiles import TileBackend
 
 __all__ = ["flex_bwd_hopper_kernel", "BlockMaskSteps", "HOPPER_FLEX_DIMS", "HOPPER_FLEX_BLOCK"]
@@ -54,7 +54,7 @@ class BlockMaskSteps:
         self.block_N = mask_block[1]
         self.p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, sm_scale=sm_scale)
         self.steps = mask_block[0] // block_M  # the loop's query steps per mask query block
-        self.b_step, self.h_step = _mask_dims(mask_shape)
+        self.b_step, self.h_step = mask_dims(mask_shape)
 
     def _mask_index(self, bz, by):
         return bz * self.b_step, by * self.h_step
