@@ -53,8 +53,8 @@ from tilelang import tvm
 from course_utils.api import flex
 from course_utils.pictures import plots
 from course_utils.measure.benchmarks import RECORDS
-from course_utils.measure.benchmarks.ch11_flex import (OURS_CAUSAL, OURS_NO_SKIP, SDPA_MASKED, TORCH_FLEX,
-                                                        TORCH_FLEX_FA4, UNCHECKED)
+from course_utils.measure.benchmarks.ch11_flex import (OURS_CAUSAL, OURS_NO_SKIP, OURS_SM80_BWD, SDPA_MASKED,
+                                                        TORCH_FLEX, TORCH_FLEX_FA4, UNCHECKED)
 from course_utils.kernels.flash_flex import flex_backward, flex_bwd_kernel, flex_forward, flex_forward_kernel, flex_fwd_kernel
 from course_utils.api.flex import Dual, Sym, causal_mask, create_block_mask, flex_attention, prefix_lm, soft_cap
 from course_utils.core.labels import OURS
@@ -460,7 +460,7 @@ else:
     rows = rec["results"]
     check_stored_errors(rows, "ch11 flex record (O, LSE, dQ, dK, dV)", unchecked=UNCHECKED)
     short = {OURS: "ours", OURS_NO_SKIP: "ours, no skip", TORCH_FLEX: "torch flex", SDPA_MASKED: "SDPA+mask",
-             OURS_CAUSAL: "flash causal", TORCH_FLEX_FA4: "torch flex FA4"}
+             OURS_CAUSAL: "flash causal", TORCH_FLEX_FA4: "torch flex FA4", OURS_SM80_BWD: "ours, sm_80 bwd"}
     shape = {key: rows[0][key] for key in ("batch", "heads", "seq", "dim", "dtype")}
     print("share of tiles skipped: " + ", ".join(f"{r['case']} {r['skipped']:.0%}" for r in rows
                                                  if r["impl"] == OURS and r["mode"] == "fwd"))

@@ -147,10 +147,15 @@ def probabilities_t(p, PT, lse, qb, kb, block_M, block_N, lse_scale=LOG2E, mask_
 
 
 @T.macro
-def ds_t(dST, PT, dPT, delta, block_M, block_N):
-    """dSᵀ = Pᵀ ∘ (dPᵀ − Δ), in the input dtype (the scale comes later)."""
-    for j, i in T.Parallel(block_N, block_M):
-        dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])
+def ds_t(dST, PT, dPT, delta, block_M, block_N, GT=None):
+    """dSᵀ = Pᵀ ∘ (dPᵀ − Δ), in the input dtype (the scale comes later). ``GT``: score_mod′ᵀ, the chain rule
+    through chapter 11's score_mod, dSᵀ = Pᵀ ∘ (dPᵀ − Δ) ∘ score_mod′ᵀ (None: no score_mod)."""
+    if GT is None:
+        for j, i in T.Parallel(block_N, block_M):
+            dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i])
+    else:
+        for j, i in T.Parallel(block_N, block_M):
+            dST[j, i] = PT[j, i] * (dPT[j, i] - delta[i]) * GT[j, i]
 
 
 def _dq_policy(policy, swap_dq):
@@ -197,18 +202,19 @@ def stage_dq(dq, dq_s, swap_dq, block_M, dim):
 
 @T.macro
 def probabilities_then_ds(PT, PT_cast, dPT, dST_cast, dO_s, dv, delta, block_M, block_N, dv_under_ds,
-                          dv_policy=T.GemmWarpPolicy.FullRow, ds_from_float32_p=False):
+                          dv_policy=T.GemmWarpPolicy.FullRow, ds_from_float32_p=False, GT=None):
     """After ``probabilities_t``: wait for dPᵀ, form dSᵀ and the 16-bit Pᵀ. ``dv_under_ds``: dV += Pᵀ dO is
     issued first, from the rounded Pᵀ, and dSᵀ formed while it runs (from that Pᵀ, or the float32 one with
-    ``ds_from_float32_p``); else the caller issues dV later (FlashAttention-3's order)."""
+    ``ds_from_float32_p``); else the caller issues dV later (FlashAttention-3's order). ``GT``: score_mod′ᵀ
+    (``ds_t``)."""
     if dv_under_ds:
         T.copy(PT, PT_cast)
         T.wait_wgmma(0)
         T.wgmma_gemm(PT_cast, dO_s, dv, policy=dv_policy)
-        ds_t(dST_cast, PT if ds_from_float32_p else PT_cast, dPT, delta, block_M, block_N)
+        ds_t(dST_cast, PT if ds_from_float32_p else PT_cast, dPT, delta, block_M, block_N, GT)
     else:
         T.wait_wgmma(0)
-        ds_t(dST_cast, PT, dPT, delta, block_M, block_N)
+        ds_t(dST_cast, PT, dPT, delta, block_M, block_N, GT)
         T.copy(PT, PT_cast)
 
 
@@ -261,6 +267,11 @@ class BackwardPieces(NamedTuple):
     ``defer_dq_wait`` (a ``BackwardConfig`` field, chapter 08's version 22): the thread that issued dQ's
     reduce-add waits for the copy engine's read of the staging tile at the next step's dSᵀ barrier, not right
     after issuing it (``generated_code``).
+
+    ``modifiers``: chapter 11's FlexAttention on this loop (``flash_flex_hopper_bwd.BlockMaskSteps``). The loop
+    then walks the query blocks a block mask lists (``query_steps``, ``query_block``), recomputes Pᵀ with the
+    score_mod and the mask_mod (``probabilities``, with score_mod′ᵀ in ``derivative_tile``, which ``ds_t``
+    multiplies in), and the kernel takes the block mask's inputs (``launch``); None: chapter 08's masks.
     """
 
     dv_under_ds: bool = False
@@ -276,6 +287,7 @@ class BackwardPieces(NamedTuple):
     dkdv_by_tma: bool = False
     longest_first: bool = False
     defer_dq_wait: bool = False
+    modifiers: object = None
 
 
 FA3_PIECES = BackwardPieces()
@@ -299,13 +311,18 @@ def flash_bwd_hopper_kernel(
     ``deterministic=True``: ``(Q, K, V, dO, LSE, Δ, dK, dV)``, no dQ, dK and dV in the input dtype;
     the grid has one block per K/V head and the loop visits every query head of its group.
 
-    ``pieces``: the steps a ``BackwardConfig`` or chapter 08's ablation swaps (``BackwardPieces``).
+    ``pieces``: the steps a ``BackwardConfig`` or chapter 08's ablation swaps (``BackwardPieces``); with
+    ``pieces.modifiers``, chapter 11's flex backward and its inputs (``flash_flex_hopper_bwd``).
     """
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
     # The pieces the step below reads, under the names its listing in chapter 08 shows.
     dv_under_ds, ds_from_float32_p, mask_when = pieces.dv_under_ds, pieces.ds_from_float32_p, pieces.mask_when
     ds_buffers, own_barriers, issue, reduce_dq = pieces.ds_buffers, pieces.own_barriers, pieces.issue, pieces.reduce_dq
+    modifiers = pieces.modifiers
+    if modifiers is not None and (deterministic or pieces.longest_first or pieces.order is not None):
+        raise ValueError("a flex backward (pieces.modifiers) walks its block mask's query blocks in the launch "
+                         "order: it takes neither deterministic, longest_first nor order")
     if own_barriers and ds_buffers != 2 and not deterministic:
         raise ValueError(f"own_barriers drops the barrier before the dSᵀ store: it needs ds_buffers=2; "
                          f"got ds_buffers={ds_buffers}")
@@ -323,7 +340,7 @@ def flash_bwd_hopper_kernel(
     lse_scale = 1.0 if pieces.lse_log2 else LOG2E
 
     @T.macro
-    def main_loop(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, bx, by, bz):
+    def main_loop(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, bx, by, bz, block_mask=None):
         K_s = T.alloc_shared([block_N, dim], dtype)
         V_s = T.alloc_shared([block_N, dim], dtype)
         Q_s = T.alloc_shared([block_M, dim], dtype)
@@ -341,6 +358,10 @@ def flash_bwd_hopper_kernel(
             dST_s = T.alloc_shared([ds_buffers, block_N, block_M], dtype)  # two: no barrier before the store
             dq = T.alloc_fragment(dq_shape, ACCUM)
             dq_s = T.alloc_shared([block_M, dim], ACCUM)
+        if modifiers is None:
+            GT = None
+        else:
+            GT = modifiers.derivative_tile(block_N, block_M)  # score_mod′ᵀ (None without a score_mod)
 
         if pieces.order is None:
             kb = bx
@@ -354,7 +375,10 @@ def flash_bwd_hopper_kernel(
         T.copy(V[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s)
         T.clear(dv)
         T.clear(dk)
-        first, end, offset = query_steps(p, kb, block_M, block_N)
+        if modifiers is None:
+            first, end, offset = query_steps(p, kb, block_M, block_N)
+        else:
+            first, end, offset = modifiers.query_steps(block_mask, bz, by, kb)
         if group > 1:
             blocks = end - first
             end = first + group * blocks
@@ -362,8 +386,11 @@ def flash_bwd_hopper_kernel(
             if group > 1:  # deterministic GQA: every query head of the group, one after the other
                 qb = offset + first + (step - first) % blocks
                 head = kv_head * group + (step - first) // blocks
-            else:
+            elif modifiers is None:
                 qb = offset + step
+                head = by
+            else:
+                qb = modifiers.query_block(block_mask, bz, by, kb, step)
                 head = by
             buf = step % ds_buffers  # the other buffer may still feed the other warpgroup
             T.copy(Q[bz, head, qb * block_M:(qb + 1) * block_M, :], Q_s)
@@ -372,9 +399,12 @@ def flash_bwd_hopper_kernel(
             T.copy(Delta[bz, head, qb * block_M:(qb + 1) * block_M], delta[0:block_M])
             # region: one step
             issue_scores(K_s, V_s, Q_s, dO_s, PT, dPT, policy["s"], policy["dp"])
-            probabilities_t(p, PT, lse, qb, kb, block_M, block_N, lse_scale, mask_when)
+            if modifiers is None:
+                probabilities_t(p, PT, lse, qb, kb, block_M, block_N, lse_scale, mask_when)
+            else:
+                modifiers.probabilities(block_mask, PT, GT, lse, bz, head, qb, kb)
             probabilities_then_ds(PT, PT_cast, dPT, dST_cast, dO_s, dv, delta, block_M, block_N, dv_under_ds,
-                                  policy["dv"], ds_from_float32_p)
+                                  policy["dv"], ds_from_float32_p, GT)
             if not deterministic:
                 T.copy(dST_cast, dST_s[buf, :, :])
                 if defer_dq_wait:  # the last step's dQ tile read: dq_s is written again after this barrier
@@ -414,6 +444,8 @@ def flash_bwd_hopper_kernel(
 
     grid = (n_kb, p.heads_kv if deterministic else heads, batch)
     q_shape, kv_shape = [batch, heads, seq_q, dim], [batch, p.heads_kv, seq_k, dim]
+    if modifiers is not None:  # the flex kernel's inputs: the block mask's and the captured tensors
+        return modifiers.launch(main_loop, grid, threads, dkv_dtype)
 
     if deterministic:
         @T.prim_func

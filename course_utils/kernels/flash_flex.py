@@ -18,20 +18,14 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .flash_bwd import flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from .flash_pieces import LOG2E, NEG_INF, forward_epilogue, forward_tiles, online_softmax, prelude, store_dkv
+from .flash_pieces import NEG_INF, forward_epilogue, forward_tiles, online_softmax, prelude, store_dkv
+from .flex_pieces import EMPTY, FULL, PARTIAL, mask_dims, recompute_probabilities
 from .tiles import TileBackend, compile_kernel
 
-EMPTY, PARTIAL, FULL = 0, 1, 2  # the three states of a (query block, key block) pair of a block mask
-
 __all__ = ["flex_fwd_kernel", "flex_bwd_kernel", "recompute_probabilities", "FlexConfig", "default_flex_config",
-           "flex_forward_kernel", "flex_backward_kernels", "flex_backward", "FlexFunction"]
+           "flex_forward_kernel", "flex_backward_kernels", "flex_backward", "FlexFunction", "EMPTY", "PARTIAL", "FULL"]
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-
-
-def _mask_dims(state_shape):
-    """The mask's (batch, head) strides: 0 for a dimension the mask shares (B' or H' = 1)."""
-    return (1 if state_shape[0] > 1 else 0), (1 if state_shape[1] > 1 else 0)
 
 
 def flex_fwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, *, heads_kv=None, sm_scale=None,
@@ -48,7 +42,7 @@ def flex_fwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, *, heads_
     # natural units: the prelude's scale is 1. Without one, the scale is folded into exp2 as in chapter 03.
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, sm_scale=1.0 if has_score else sm_scale)
     mb, mh, n_qb, n_kb = mask_shape
-    b_step, h_step = _mask_dims(mask_shape)
+    b_step, h_step = mask_dims(mask_shape)
     n_float, n_int = plan.sizes
 
     # region: launch
@@ -110,31 +104,6 @@ def flex_fwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, *, heads_
     return flex_fwd
 
 
-def _seen(plan, captured, b, h, q_pos, k_pos, seq_q, seq_k, masked):
-    """Whether the pair counts: always in a FULL tile; in a PARTIAL one, inside both sequences and by mask_mod."""
-    if not masked:
-        return T.bool(True)
-    return T.And(T.And(q_pos < seq_q, k_pos < seq_k), plan.mask(captured, b, h, q_pos, k_pos))
-
-
-@T.macro
-def recompute_probabilities(tb, plan, captured, PT, GT, lse, bz, by, qb, bx, block_M, block_N, seq_q, seq_k, sm_scale,
-                            scale_log2, masked):
-    """Pᵀ of one tile from the raw scores Kᵀ·Qᵀ in ``PT`` and the forward's LSE, 0 where the pair is hidden;
-    with a score_mod, also score_mod′ᵀ in ``GT`` (one Dual evaluation gives both)."""
-    for j, i in tb.parallel(block_N, block_M):
-        seen = _seen(plan, captured, bz, by, qb * block_M + i, bx * block_N + j, seq_q, seq_k, masked)
-        if plan.score_mod is not None:
-            value, slope = plan.score_and_derivative(captured, PT[j, i] * sm_scale, bz, by, qb * block_M + i,
-                                                     bx * block_N + j)
-            # A score the modifier sets to −∞ has P = 0 (and no gradient), even in a row whose LSE is −∞ too.
-            live = T.And(seen, value > NEG_INF)
-            GT[j, i] = T.if_then_else(live, slope, 0)
-            PT[j, i] = T.if_then_else(live, T.exp2((value - lse[i]) * LOG2E), 0)
-        else:
-            PT[j, i] = T.if_then_else(seen, T.exp2(PT[j, i] * scale_log2 - lse[i] * LOG2E), 0)
-
-
 def flex_bwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, mask_block, *, heads_kv=None, sm_scale=None,
                     dtype="float16", block_M=64, num_stages=1, threads=256, target=None):
     """Return a ``@T.prim_func`` computing dK, dV and the float32 dQ accumulator (before its scale).
@@ -152,7 +121,7 @@ def flex_bwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, mask_bloc
     if mask_M % block_M:
         raise ValueError(f"the backward's query tile ({block_M}) must divide the mask's query block ({mask_M})")
     steps = mask_M // block_M  # backward query tiles per mask query block
-    b_step, h_step = _mask_dims(mask_shape)
+    b_step, h_step = mask_dims(mask_shape)
     n_float, n_int = plan.sizes
     accum = "float32"
     dkv_dtype = dtype if p.group == 1 else accum
@@ -245,13 +214,18 @@ def flex_bwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, mask_bloc
 
 class FlexConfig(NamedTuple):
     """Threads and pipeline stages of the flex kernels, and the backward's query tile (the forward's tile is the
-    BlockMask's block)."""
+    BlockMask's block).
+
+    ``bwd_kernel``: "hopper" runs the backward on chapter 08's Hopper loop (``flash_flex_hopper_bwd``, its own
+    64-row steps, two stages and two consumer warpgroups) where it can (``uses_hopper_backward``), else chapter
+    05's loop with ``bwd_block_M``, ``bwd_threads`` and ``bwd_stages``; "sm80" always chapter 05's loop."""
 
     fwd_threads: int
     fwd_stages: int
     bwd_block_M: int
     bwd_threads: int
     bwd_stages: int
+    bwd_kernel: str = "hopper"
 
 
 def default_flex_config(device_type, mask_block):
@@ -322,6 +296,35 @@ class FlexBackwardKernels(NamedTuple):
 _compiled_forward = _KernelCache(_build_forward)
 
 
+BWD_KERNELS = ("hopper", "sm80")
+
+
+def uses_hopper_backward(target, dim, mask_block, config):
+    """Whether the backward runs on chapter 08's Hopper loop: asked for (``config.bwd_kernel``), on an sm_90 GPU,
+    with the 128 × 128 block mask it walks and a head dim it is built for."""
+    from ..core.device import is_hopper
+    from .flash_flex_hopper_bwd import HOPPER_FLEX_BLOCK, HOPPER_FLEX_DIMS
+
+    if config.bwd_kernel not in BWD_KERNELS:
+        raise ValueError(f"FlexConfig.bwd_kernel must be one of {BWD_KERNELS}; got {config.bwd_kernel!r}")
+    return (config.bwd_kernel == "hopper" and target == "cuda" and is_hopper()
+            and tuple(mask_block) == HOPPER_FLEX_BLOCK and dim in HOPPER_FLEX_DIMS)
+
+
+def _build_backward_main(pr, plan, config):
+    if uses_hopper_backward(pr.target, pr.dim, pr.mask_block, config):
+        from .flash_bwd_hopper import PASS_CONFIGS
+        from .flash_flex_hopper_bwd import flex_bwd_hopper_kernel
+
+        func = flex_bwd_hopper_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, plan, pr.mask_shape,
+                                      pr.mask_block, heads_kv=pr.heads_kv, sm_scale=pr.sm_scale, dtype=pr.dtype)
+        return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype, pass_configs=PASS_CONFIGS)
+    func = flex_bwd_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, plan, pr.mask_shape, pr.mask_block,
+                           heads_kv=pr.heads_kv, sm_scale=pr.sm_scale, block_M=config.bwd_block_M,
+                           num_stages=config.bwd_stages, threads=config.bwd_threads, dtype=pr.dtype, target=pr.target)
+    return compile_kernel(func, out_idx=[], target=pr.target, dtype=pr.dtype)
+
+
 def _build_backward(pr, plan, config):
     small = 16 if pr.target == "c" else 64
     threads = 1 if pr.target == "c" else 128
@@ -332,9 +335,7 @@ def _build_backward(pr, plan, config):
 
     pre = build(flash_bwd_preprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, block=small, threads=threads,
                                             **common), [2])
-    main = build(flex_bwd_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, plan, pr.mask_shape, pr.mask_block,
-                                 heads_kv=pr.heads_kv, sm_scale=pr.sm_scale, block_M=config.bwd_block_M,
-                                 num_stages=config.bwd_stages, threads=config.bwd_threads, **common), [])
+    main = _build_backward_main(pr, plan, config)
     post_q = build(flash_bwd_postprocess_kernel(pr.batch, pr.heads, pr.seq_q, pr.dim, scale=pr.sm_scale, block=small,
                                                 threads=threads, **common), [1])
     post_kv = None

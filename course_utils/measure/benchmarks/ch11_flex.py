@@ -6,7 +6,9 @@ soft-capping (Gemma 2, cap 50, causal), ALiBi (causal), document masking of a pa
 lengths drawn from 128 to 8192, each row packed on its own), prefix-LM (a 2048-token prefix) and plain
 causal. The *same* modifier functions run in our kernels and in PyTorch's ``flex_attention``
 (``torch.compile``d); SDPA gets the mask (and ALiBi's bias) as a dense tensor where it can express it.
-Every row of ours is checked on every head against the float64 reference, forward and gradients.
+Every row of ours is checked on every head against the float64 reference, forward and gradients. On an sm_90
+GPU our backward runs on chapter 08's Hopper loop; one more row times it on chapter 05's sm_80 loop
+(``FlexConfig.bwd_kernel="sm80"``), backward only.
 
     python -m course_utils.measure.benchmarks ch11_flex_h100
 """
@@ -15,6 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ...api.attention import flash_attention
 from ...api.flex import (
@@ -33,12 +36,18 @@ from ...api.flex import (
 )
 from ...checking.validation import check_backward, check_forward
 from ...core.labels import OURS
-from ...kernels.flash_flex import flex_backward_kernels, flex_forward_kernel
+from ...kernels.flash_flex import (
+    FlexFunction,
+    default_flex_config,
+    flex_backward,
+    flex_backward_kernels,
+    flex_forward_kernel,
+)
 from ..bench import tflops, time_side_by_side
 from .common import backward_timer, in_parallel, quiet_flash_attention_4_compiles, random_inputs
 
-__all__ = ["FLEX_SHAPE", "TORCH_FLEX", "TORCH_FLEX_FA4", "SDPA_MASKED", "OURS_NO_SKIP", "OURS_CAUSAL", "flex_cases",
-           "flex_vs_peers", "packed_lengths"]
+__all__ = ["FLEX_SHAPE", "TORCH_FLEX", "TORCH_FLEX_FA4", "SDPA_MASKED", "OURS_NO_SKIP", "OURS_CAUSAL", "OURS_SM80_BWD",
+           "flex_cases", "flex_vs_peers", "packed_lengths"]
 
 FLEX_SHAPE = dict(batch=2, heads=16, seq=8192, dim=128)
 TORCH_FLEX = "PyTorch flex_attention (compiled)"
@@ -48,6 +57,8 @@ TORCH_FLEX_FA4 = "PyTorch flex_attention (compiled, FLASH backend: FlashAttentio
 SDPA_MASKED = "SDPA, explicit mask"
 OURS_NO_SKIP = "TileLang (ours), no block skipping"
 OURS_CAUSAL = "TileLang flash_attention(causal=True)"
+OURS_SM80_BWD = "TileLang (ours), sm_80 backward"
+BACKWARD_ONLY = (OURS_SM80_BWD,)  # its forward is ours: timed once, in the OURS row
 UNCHECKED = (TORCH_FLEX, TORCH_FLEX_FA4, SDPA_MASKED)  # peers: not ours to prove (check_stored_errors's ``unchecked``)
 PREFIX = 2048
 
@@ -137,6 +148,26 @@ def _flash_backend(compiled_flex, score_mod, torch_mask, q, k, v):
     return on_fa4
 
 
+class _FlexOnSm80Backward(FlexFunction):
+    """``flex_attention``'s autograd Function with the backward on chapter 05's sm_80 loop, on any GPU."""
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, block_mask, sm_scale = ctx.flex
+        config = default_flex_config(q.device.type, block_mask.block)._replace(bwd_kernel="sm80")
+        d_out = torch.zeros_like(out) if d_out is None else d_out
+        dq, dk, dv = flex_backward(q, k, v, out, lse, d_out, plan, block_mask, sm_scale, d_lse=d_lse, config=config)
+        return dq, dk, dv, None, None, None
+
+
+def _ours_on_sm80_backward(q, k, v, score_mod, block_mask):
+    """``flex_attention(q, k, v, score_mod=..., block_mask=..., return_lse=True)`` with the sm_80 backward."""
+    plan = cached_plan(score_mod, block_mask.mask_mod)
+    return _FlexOnSm80Backward.apply(q, k, v, plan, block_mask, 1.0 / math.sqrt(q.shape[-1]))
+
+
 def _ours_with_lse(score_mod, block_mask, causal):
     """Each implementation of ours as a function (q, k, v) -> (O, LSE), for the checks."""
     every_tile = block_mask.without_skipping()
@@ -144,6 +175,7 @@ def _ours_with_lse(score_mod, block_mask, causal):
         OURS: lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True),
         OURS_NO_SKIP: lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=every_tile,
                                                      return_lse=True),
+        OURS_SM80_BWD: lambda q, k, v: _ours_on_sm80_backward(q, k, v, score_mod, block_mask),
     }
     if causal:
         ours[OURS_CAUSAL] = lambda q, k, v: flash_attention(q, k, v, causal=True, return_lse=True)
@@ -159,8 +191,10 @@ def _compile_ours_in_parallel(shape, dtype, all_cases, device):
     for score_mod, mask_mod, mask_b, _, _ in all_cases.values():
         plan = cached_plan(score_mod, mask_mod)
         block_mask = create_block_mask(mask_mod, mask_b, None, s, s, device=device)
-        jobs += [(flex_forward_kernel, plan, block_mask), (flex_backward_kernels, plan, block_mask)]
-    in_parallel(lambda job: job[0](q, q, job[1], job[2], 1.0 / math.sqrt(d)), jobs)
+        sm80 = default_flex_config(q.device.type, block_mask.block)._replace(bwd_kernel="sm80")
+        jobs += [(flex_forward_kernel, plan, block_mask, None), (flex_backward_kernels, plan, block_mask, None),
+                 (flex_backward_kernels, plan, block_mask, sm80)]
+    in_parallel(lambda job: job[0](q, q, job[1], job[2], 1.0 / math.sqrt(d), job[3]), jobs)
 
 
 def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
@@ -201,10 +235,13 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
             errors[name] = check_forward(q, k, v, out, lse, refs=refs, name=f"{case}, {name}", quiet=True)
             errors[name].update(check_backward(q, k, v, d_out, grads, refs=refs, name=f"{case}, {name}", quiet=True))
         del refs, out, lse, grads, leaves
-        fwd_ms = time_side_by_side({impl: (lambda a=attn: a(q, k, v)) for impl, attn in impls.items()})
+        fwd_ms = time_side_by_side({impl: (lambda a=attn: a(q, k, v)) for impl, attn in impls.items()
+                                    if impl not in BACKWARD_ONLY})
         bwd_ms = time_side_by_side({impl: backward_timer(attn, q, k, v)[0] for impl, attn in impls.items()})
         for impl in impls:
-            for mode, ms in (("fwd", fwd_ms[impl]), ("bwd", bwd_ms[impl])):
+            for mode, ms in (("fwd", fwd_ms.get(impl)), ("bwd", bwd_ms[impl])):
+                if ms is None:
+                    continue
                 row = dict(sh, case=case, impl=impl, mode=mode, ms=ms, tflops=tflops(flops * (2.5 if mode == "bwd"
                                                                                             else 1.0), ms),
                            visible_pairs=pairs, skipped=block_mask.fraction_skipped(), block=list(block_mask.block),
@@ -212,7 +249,8 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
                 if impl in errors:
                     row["errors"] = errors[impl]
                 rows.append(row)
-            print(f"{case:12} {impl:40} fwd {fwd_ms[impl]:.3f} ms, bwd {bwd_ms[impl]:.3f} ms", flush=True)
+            fwd = f"fwd {fwd_ms[impl]:.3f} ms, " if impl in fwd_ms else ""
+            print(f"{case:12} {impl:40} {fwd}bwd {bwd_ms[impl]:.3f} ms", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
