@@ -1,5 +1,5 @@
 """Chapter 11: FlexAttention in TileLang against PyTorch's compiled FlexAttention, SDPA with an explicit mask,
-and our specialised causal kernel.
+and our specialised causal kernel; on Hopper also our flex forward on chapter 03's loop instead of chapter 07's.
 
 One shape (B = 2, H = 16, S = 8192, D = 128, bfloat16: 16k tokens, H·D = 2048), five modifiers:
 soft-capping (Gemma 2, cap 50, causal), ALiBi (causal), document masking of a packed batch (document
@@ -33,12 +33,18 @@ from ...api.flex import (
 )
 from ...checking.validation import check_backward, check_forward
 from ...core.labels import OURS
-from ...kernels.flash_flex import flex_backward_kernels, flex_forward_kernel
+from ...kernels.flash_flex import (
+    default_flex_config,
+    flex_backward_kernels,
+    flex_forward,
+    flex_forward_kernel,
+    flex_forward_uses_hopper,
+)
 from ..bench import tflops, time_side_by_side
 from .common import backward_timer, in_parallel, quiet_flash_attention_4_compiles, random_inputs
 
-__all__ = ["FLEX_SHAPE", "TORCH_FLEX", "TORCH_FLEX_FA4", "SDPA_MASKED", "OURS_NO_SKIP", "OURS_CAUSAL", "flex_cases",
-           "flex_vs_peers", "packed_lengths"]
+__all__ = ["FLEX_SHAPE", "TORCH_FLEX", "TORCH_FLEX_FA4", "SDPA_MASKED", "OURS_NO_SKIP", "OURS_CAUSAL",
+           "OURS_SM80_FORWARD", "flex_cases", "flex_vs_peers", "packed_lengths"]
 
 FLEX_SHAPE = dict(batch=2, heads=16, seq=8192, dim=128)
 TORCH_FLEX = "PyTorch flex_attention (compiled)"
@@ -48,6 +54,9 @@ TORCH_FLEX_FA4 = "PyTorch flex_attention (compiled, FLASH backend: FlashAttentio
 SDPA_MASKED = "SDPA, explicit mask"
 OURS_NO_SKIP = "TileLang (ours), no block skipping"
 OURS_CAUSAL = "TileLang flash_attention(causal=True)"
+# Our flex forward on chapter 03's loop (``FlexConfig.fwd_kernel="sm80"``), where ``OURS`` runs chapter 07's rotated
+# loop: forward rows only (the backward is the same kernel for both).
+OURS_SM80_FORWARD = "TileLang (ours), forward on chapter 03's loop"
 UNCHECKED = (TORCH_FLEX, TORCH_FLEX_FA4, SDPA_MASKED)  # peers: not ours to prove (check_stored_errors's ``unchecked``)
 PREFIX = 2048
 
@@ -150,6 +159,13 @@ def _ours_with_lse(score_mod, block_mask, causal):
     return ours
 
 
+def _sm80_forward_config(q, block_mask):
+    """The flex config of ``q``'s device with the forward on chapter 03's loop, or None where that is already the
+    forward ``flex_attention`` runs (no Hopper kernel for these inputs): no row to add."""
+    config = default_flex_config(q.device.type, block_mask.block)
+    return config._replace(fwd_kernel="sm80") if flex_forward_uses_hopper(q, q, block_mask, config=config) else None
+
+
 def _compile_ours_in_parallel(shape, dtype, all_cases, device):
     """Compile every case's forward and backward kernels at once (TileLang's compiles release the GIL), for the
     same modifier functions and scale ``flex_attention`` will use: the later calls find them in its cache."""
@@ -159,15 +175,19 @@ def _compile_ours_in_parallel(shape, dtype, all_cases, device):
     for score_mod, mask_mod, mask_b, _, _ in all_cases.values():
         plan = cached_plan(score_mod, mask_mod)
         block_mask = create_block_mask(mask_mod, mask_b, None, s, s, device=device)
-        jobs += [(flex_forward_kernel, plan, block_mask), (flex_backward_kernels, plan, block_mask)]
-    in_parallel(lambda job: job[0](q, q, job[1], job[2], 1.0 / math.sqrt(d)), jobs)
+        jobs += [(flex_forward_kernel, plan, block_mask, None), (flex_backward_kernels, plan, block_mask, None)]
+        sm80 = _sm80_forward_config(q, block_mask)
+        if sm80 is not None:
+            jobs.append((flex_forward_kernel, plan, block_mask, sm80))
+    in_parallel(lambda job: job[0](q, q, job[1], job[2], 1.0 / math.sqrt(d), job[3]), jobs)
 
 
 def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
     """Forward and backward times of every case: ours (with and without block skipping), PyTorch's compiled
-    flex_attention, SDPA with an explicit mask where it can express one, and for the causal case our
-    specialised ``flash_attention(causal=True)``. Rows carry ms, TFLOP/s over the visible pairs, the share of
-    tiles skipped, and for ours the errors of O, LSE, dQ, dK, dV against the float64 reference."""
+    flex_attention, SDPA with an explicit mask where it can express one, for the causal case our
+    specialised ``flash_attention(causal=True)``, and on Hopper our forward on chapter 03's loop (forward rows).
+    Rows carry ms, TFLOP/s over the visible pairs, the share of tiles skipped, and for ours the errors of O, LSE,
+    dQ, dK, dV (of O and LSE for a forward row) against the float64 reference."""
     sh = dict(shape or FLEX_SHAPE)
     b, h, s, d = sh["batch"], sh["heads"], sh["seq"], sh["dim"]
     compiled_flex, torch_block_mask = _torch_flex()
@@ -182,7 +202,13 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
         flops = 4.0 * pairs * d
         # Every function below is timed within this iteration: the closures see this case's values.
         ours = _ours_with_lse(score_mod, block_mask, case == "causal")
-        impls = {name: (lambda q_, k_, v_, f=f: f(q_, k_, v_)[0]) for name, f in ours.items()}
+        forward_only = {}
+        sm80 = _sm80_forward_config(q, block_mask)
+        if sm80 is not None:
+            plan = cached_plan(score_mod, mask_mod)
+            forward_only[OURS_SM80_FORWARD] = lambda q_, k_, v_, c=sm80, p=plan: flex_forward(
+                q_, k_, v_, p, block_mask, 1.0 / math.sqrt(d), config=c)
+        impls = {name: (lambda q_, k_, v_, f=f: f(q_, k_, v_)[0]) for name, f in {**ours, **forward_only}.items()}
         impls[TORCH_FLEX] = lambda q_, k_, v_: compiled_flex(q_, k_, v_, score_mod=score_mod, block_mask=torch_mask)
         on_fa4 = _flash_backend(compiled_flex, score_mod, torch_mask, q, k, v)
         if on_fa4 is not None:
@@ -200,11 +226,17 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
             grads = torch.autograd.grad(out, leaves, d_out)
             errors[name] = check_forward(q, k, v, out, lse, refs=refs, name=f"{case}, {name}", quiet=True)
             errors[name].update(check_backward(q, k, v, d_out, grads, refs=refs, name=f"{case}, {name}", quiet=True))
+        for name, with_lse in forward_only.items():
+            out, lse = with_lse(q, k, v)
+            errors[name] = check_forward(q, k, v, out, lse, refs=refs, name=f"{case}, {name}", quiet=True)
         del refs, out, lse, grads, leaves
         fwd_ms = time_side_by_side({impl: (lambda a=attn: a(q, k, v)) for impl, attn in impls.items()})
-        bwd_ms = time_side_by_side({impl: backward_timer(attn, q, k, v)[0] for impl, attn in impls.items()})
+        bwd_ms = time_side_by_side({impl: backward_timer(attn, q, k, v)[0] for impl, attn in impls.items()
+                                    if impl not in forward_only})
         for impl in impls:
-            for mode, ms in (("fwd", fwd_ms[impl]), ("bwd", bwd_ms[impl])):
+            for mode, ms in (("fwd", fwd_ms[impl]), ("bwd", bwd_ms.get(impl))):
+                if ms is None:
+                    continue
                 row = dict(sh, case=case, impl=impl, mode=mode, ms=ms, tflops=tflops(flops * (2.5 if mode == "bwd"
                                                                                             else 1.0), ms),
                            visible_pairs=pairs, skipped=block_mask.fraction_skipped(), block=list(block_mask.block),
@@ -212,7 +244,8 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
                 if impl in errors:
                     row["errors"] = errors[impl]
                 rows.append(row)
-            print(f"{case:12} {impl:40} fwd {fwd_ms[impl]:.3f} ms, bwd {bwd_ms[impl]:.3f} ms", flush=True)
+            bwd = f"{bwd_ms[impl]:.3f} ms" if impl in bwd_ms else "not timed"
+            print(f"{case:12} {impl:40} fwd {fwd_ms[impl]:.3f} ms, bwd {bwd}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
