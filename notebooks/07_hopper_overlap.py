@@ -51,7 +51,7 @@ from course_utils.api.attention import (FORWARD_KERNELS,
 from course_utils.measure.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
 from course_utils.measure.benchmarks import RECORDS
 from course_utils.measure.benchmarks.ch07_hopper import PERSISTENT_ALTERNATIVES, ROTATED
-from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel, rotated_loop
+from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
 from course_utils.kernels.hopper_pieces import issue_matmuls, keep_stages_until_read
 from course_utils.kernels.versions.flash_fwd_hopper_versions import VERSIONS, flash_fwd_hopper_variant
 from course_utils.core.labels import CUDNN, FA2, FA4, OURS, PEERS, SHORT
@@ -1010,7 +1010,9 @@ cu.check_true(all(tflops[rotated, 128, c] > tflops[synchronous, 128, c] for c in
 # Hopper passes the block mask's list of key blocks and its modifiers instead, and runs the same loop:
 
 # %%
-show_source(rotated_loop, "rotated loop")
+from course_utils.kernels import flash_fwd_hopper  # its rotated_loop: the course's, not exercise (c)'s
+
+show_source(flash_fwd_hopper.rotated_loop, "rotated loop")
 show_source(issue_matmuls)
 show_source(keep_stages_until_read)
 

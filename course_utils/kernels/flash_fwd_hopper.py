@@ -39,11 +39,14 @@ def rotated_loop(tb, tiles, stage_in_use, K, V, bz, kv_head, k_start, k_end, key
                  block_N, dim, scale_log2, num_stages, pingpong=False, issue=None, new_max=None, rescale_step=None,
                  rescale=None):
     """The key loop of a rotated Hopper forward: steps ``k_start … k_end − 1`` fold key block ``key_block(step)``
-    into the output accumulator and the row statistics of ``tiles`` (``forward_tiles`` without ``O_s``).
+    into the output accumulator and the row statistics of ``tiles`` (``forward_tiles`` without ``O_s``); one more
+    step finishes the last P·V.
 
     Two steps are the caller's: ``key_block(step)``, the key block a step reads (the dense kernel: the step itself;
     flex: the block mask's list), and ``score_step(S, kb)``, what happens to the raw scores of key block ``kb``
     between QKᵀ and the online softmax (the dense kernel: ``mask_scores``; flex: its score_mod and mask_mod).
+    The loads clamp the step, to ``0 … k_end − 1`` for K and from ``k_start`` on for V, so that the TMA producer
+    always loads a valid block: ``key_block`` must give one for 0 too, even when ``k_end ≤ k_start``.
     The other arguments are ``flash_fwd_hopper_kernel``'s.
     """
     Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = tiles  # noqa: E741
