@@ -131,7 +131,7 @@ print(f"model: the overlapped loop takes {runs[True][1]:g} units, the loop in tu
 #
 # `T.gemm` is synchronous: on Hopper TileLang emits the wgmma batch *and* the wait. `T.wgmma_gemm`
 # (TileLang's CUDA dialect) emits only the batch; `T.wait_wgmma(n)` is the wait. Here is the loop
-# of `flash_fwd_hopper_kernel` (`course_utils/kernels/flash_fwd_hopper.py`); everything around it (the
+# of `flash_fwd_hopper_kernel` (`rotated_loop` in `course_utils/kernels/flash_fwd_hopper.py`); everything around it (the
 # prelude, the tiles, the mask, the online softmax, the epilogue with sinks and LSE) is the same
 # `flash_pieces` as chapters 03 and 06, and the two matmuls and the buffer read are small macros
 # of the Hopper module. Exercise (c) asks you to write such a loop, so its listing, and the order of
@@ -1004,11 +1004,15 @@ cu.check_true(all(tflops[rotated, 128, c] > tflops[synchronous, 128, c] for c in
               "at D = 128 the rotated loop was faster, causal and not")
 
 # %% [markdown]
-# The course's rotated loop, for comparison (`flash_fwd_hopper_kernel`'s loop, its two matmuls and the
-# buffer read):
+# The course's rotated loop, for comparison (`rotated_loop`, the key loop `flash_fwd_hopper_kernel` calls,
+# its two matmuls and the buffer read). The kernel passes it two steps: which key block step `kb` reads (block
+# `kb` itself) and what happens to the scores before the softmax (`mask_scores`); chapter 11's flex forward on
+# Hopper passes the block mask's list of key blocks and its modifiers instead, and runs the same loop:
 
 # %%
-show_source(flash_fwd_hopper_kernel, "rotated loop")
+from course_utils.kernels import flash_fwd_hopper  # its rotated_loop: the course's, not exercise (c)'s
+
+show_source(flash_fwd_hopper.rotated_loop, "rotated loop")
 show_source(issue_matmuls)
 show_source(keep_stages_until_read)
 

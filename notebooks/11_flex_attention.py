@@ -53,9 +53,11 @@ from tilelang import tvm
 from course_utils.api import flex
 from course_utils.pictures import plots
 from course_utils.measure.benchmarks import RECORDS
-from course_utils.measure.benchmarks.ch11_flex import (OURS_CAUSAL, OURS_NO_SKIP, OURS_SM80_BWD, SDPA_MASKED,
-                                                        TORCH_FLEX, TORCH_FLEX_FA4, UNCHECKED)
+from course_utils.measure.benchmarks.ch11_flex import (OURS_CAUSAL, OURS_NO_SKIP, OURS_SM80_FORWARD, SDPA_MASKED, TORCH_FLEX,
+                                                        TORCH_FLEX_FA4, UNCHECKED)
 from course_utils.kernels.flash_flex import flex_backward, flex_bwd_kernel, flex_forward, flex_forward_kernel, flex_fwd_kernel
+from course_utils.kernels.flash_flex_hopper import flex_fwd_hopper_kernel
+from course_utils.kernels.flex_pieces import modify_scores
 from course_utils.api.flex import Dual, Sym, causal_mask, create_block_mask, flex_attention, prefix_lm, soft_cap
 from course_utils.core.labels import OURS
 from course_utils.core.source import cuda_source, grep, show_source
@@ -248,12 +250,15 @@ plt.show()
 #
 # The forward kernel is chapter 03's, with three changes, all inside its key loop. The loop walks
 # the block mask's list of non-empty key blocks (`KVList`) instead of a range; the score tile goes
-# through `score_mod`; and only a partial tile goes through `mask_mod`:
+# through `score_mod`; and only a partial tile goes through `mask_mod` (both in one piece,
+# `modify_scores`). On an H100 the forward is chapter 07's rotated loop instead (`flex_fwd_hopper_kernel`
+# calls its `rotated_loop`) with the same two changes swapped in: the step that picks the key block reads
+# `KVList`, and the step between QKᵀ and the softmax is `modify_scores`:
 
 # %%
 show_source(flex_fwd_kernel, "scores")
-show_source(flex_fwd_kernel, "score_mod")
-show_source(flex_fwd_kernel, "mask_mod")
+show_source(modify_scores, "score_mod")
+show_source(modify_scores, "mask_mod")
 
 # %% [markdown]
 # `plan.score(...)` and `plan.mask(...)` call the user's functions on `Sym`s of `S[i, j] · scale`,
@@ -268,8 +273,8 @@ show_source(flex_fwd_kernel, "mask_mod")
 # %%
 def lowered_forward(score_mod):
     plan = flex.plan_modifiers(score_mod, causal_mask)
-    return cuda_source(flex_fwd_kernel(1, 16, 2048, 2048, 128, plan, (1, 1, 16, 16), sm_scale=128 ** -0.5,
-                                       dtype="bfloat16", target="cuda"))
+    return cuda_source(flex_fwd_hopper_kernel(1, 16, 2048, 2048, 128, plan, (1, 1, 16, 16), sm_scale=128 ** -0.5,
+                                              dtype="bfloat16"))
 
 
 before, after = lowered_forward(None), lowered_forward(soft_cap(50.0))
@@ -371,9 +376,9 @@ cu.expect_failure("Δ left out", lambda: cu.check_backward(
 #
 # With no `score_mod`, the flex forward is chapter 03's kernel with the key range replaced by the
 # block mask's list: the same tiles, visited in the same order, the same operations. On the CPU the
-# two produce the same bits, forward and backward. On the H100, `flash_attention` runs chapter 07's
-# and 08's Hopper kernels (other tiles, other orders of summation), so there the two agree to
-# rounding, and both are checked against float64.
+# two produce the same bits, forward and backward. On the H100 the flex forward runs chapter 07's
+# rotated loop and `flash_attention` chapter 07's and 08's tuned Hopper kernels (other tiles, other
+# orders of summation), so there the two agree to rounding, and both are checked against float64.
 
 # %%
 (q, k, v, d_out), out, lse, grads, refs = results["causal"]
@@ -460,7 +465,7 @@ else:
     rows = rec["results"]
     check_stored_errors(rows, "ch11 flex record (O, LSE, dQ, dK, dV)", unchecked=UNCHECKED)
     short = {OURS: "ours", OURS_NO_SKIP: "ours, no skip", TORCH_FLEX: "torch flex", SDPA_MASKED: "SDPA+mask",
-             OURS_CAUSAL: "flash causal", TORCH_FLEX_FA4: "torch flex FA4", OURS_SM80_BWD: "ours, sm_80 bwd"}
+             OURS_CAUSAL: "flash causal", TORCH_FLEX_FA4: "torch flex FA4", OURS_SM80_FORWARD: "ours, ch03 loop"}
     shape = {key: rows[0][key] for key in ("batch", "heads", "seq", "dim", "dtype")}
     print("share of tiles skipped: " + ", ".join(f"{r['case']} {r['skipped']:.0%}" for r in rows
                                                  if r["impl"] == OURS and r["mode"] == "fwd"))
@@ -488,6 +493,9 @@ if rec is not None:
             f"{c} {1 - ms[c, OURS, mode] / ms[c, OURS_NO_SKIP, mode]:.0%}" for c in cases))
         print(f"{mode}: flex causal / flash_attention(causal=True) = "
               f"{ms['causal', OURS, mode] / ms['causal', OURS_CAUSAL, mode]:.2f}")
+    if any(r["impl"] == OURS_SM80_FORWARD for r in rows):  # the forward on chapter 03's loop, for comparison
+        print("fwd: chapter 03's loop time / chapter 07's rotated loop's " + ", ".join(
+            f"{c} {ms[c, OURS_SM80_FORWARD, 'fwd'] / ms[c, OURS, 'fwd']:.2f}×" for c in cases))
 
 # %% [markdown]
 # The chapter's two targets, judged on the record: faster than PyTorch's FlexAttention in every case,

@@ -37,7 +37,8 @@ import torch
 from tilelang import tvm
 
 from ..core.reference import head_chunks, rounded_out_delta_grads
-from ..kernels.flash_flex import EMPTY, FULL, PARTIAL, FlexFunction
+from ..kernels.flash_flex import FlexFunction
+from ..kernels.flex_pieces import EMPTY, FULL, PARTIAL
 from .inputs import check_attention_inputs
 
 __all__ = ["flex_attention", "create_block_mask", "BlockMask", "captured", "Captured", "where", "tanh", "exp", "log",

@@ -8,6 +8,8 @@ mask only on PARTIAL ones; the backward visits, for its key block, only the quer
 are not EMPTY. The backward's query tile may be a fraction of the mask's query block (64 rows of
 128 on a GPU), so one mask serves both.
 
+On an sm_90 GPU the forward runs chapter 07's rotated loop instead (``flash_flex_hopper``), where it applies.
+
     python -m course_utils.check flex     # check against the float64 reference (and time it, on a GPU)
 """
 
@@ -17,9 +19,11 @@ import tilelang.language as T
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..core.device import is_hopper
 from .flash_bwd import flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
+from .flash_flex_hopper import HOPPER_FLEX_BLOCK, HOPPER_FLEX_DIMS, flex_fwd_hopper_kernel
 from .flash_pieces import NEG_INF, forward_epilogue, forward_tiles, online_softmax, prelude, store_dkv
-from .flex_pieces import EMPTY, FULL, PARTIAL, mask_dims, recompute_probabilities
+from .flex_pieces import EMPTY, FULL, PARTIAL, flex_prelude, mask_dims, modify_scores, recompute_probabilities
 from .tiles import TileBackend, compile_kernel
 
 __all__ = ["flex_fwd_kernel", "flex_bwd_kernel", "recompute_probabilities", "FlexConfig", "default_flex_config",
@@ -37,10 +41,7 @@ def flex_fwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, *, heads_
     the packed captured tensors (``plan.pack``); outputs O and LSE.
     """
     tb = TileBackend(target)
-    has_score = plan.score_mod is not None
-    # With a score_mod the scores are scaled (and modified) before the softmax, which then works in
-    # natural units: the prelude's scale is 1. Without one, the scale is folded into exp2 as in chapter 03.
-    p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, sm_scale=1.0 if has_score else sm_scale)
+    p = flex_prelude(plan, heads, seq_q, seq_k, dim, heads_kv=heads_kv, sm_scale=sm_scale)
     mb, mh, n_qb, n_kb = mask_shape
     b_step, h_step = mask_dims(mask_shape)
     n_float, n_int = plan.sizes
@@ -78,19 +79,7 @@ def flex_fwd_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, *, heads_
                 T.copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s)
                 T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
                 # endregion
-                # region: score_mod
-                if has_score:
-                    for i, j in tb.parallel(block_M, block_N):
-                        S[i, j] = plan.score(captured, S[i, j] * sm_scale, bz, by, qb * block_M + i, kb * block_N + j)
-                # endregion
-                # region: mask_mod
-                if State[mbz, mby, qb, kb] == PARTIAL:  # a FULL block skips this pass
-                    for i, j in tb.parallel(block_M, block_N):
-                        S[i, j] = T.if_then_else(
-                            T.And(kb * block_N + j < seq_k,
-                                  plan.mask(captured, bz, by, qb * block_M + i, kb * block_N + j)),
-                            S[i, j], NEG_INF)
-                # endregion
+                modify_scores(tb, plan, captured, State, S, bz, by, mbz, mby, qb, kb, block_M, block_N, seq_k, sm_scale)
 
                 online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
                 T.copy(S, P)
@@ -216,9 +205,13 @@ class FlexConfig(NamedTuple):
     """Threads and pipeline stages of the flex kernels, and the backward's query tile (the forward's tile is the
     BlockMask's block).
 
+    ``fwd_kernel``: on an sm_90 GPU, "hopper" runs the forward on chapter 07's rotated loop
+    (``flex_fwd_hopper_kernel``, with ``fwd_hopper_stages`` stages) wherever it applies (``hopper_forward``), and
+    "sm80" keeps chapter 03's loop (``flex_fwd_kernel``, with ``fwd_stages``), to compare them.
     ``bwd_kernel``: "hopper" runs the backward on chapter 08's Hopper loop (``flash_flex_hopper_bwd``, its own
     64-row steps, two stages and two consumer warpgroups) where it can (``uses_hopper_backward``), else chapter
-    05's loop with ``bwd_block_M``, ``bwd_threads`` and ``bwd_stages``; "sm80" always chapter 05's loop."""
+    05's loop with ``bwd_block_M``, ``bwd_threads`` and ``bwd_stages``; "sm80" always chapter 05's loop.
+    """
 
     fwd_threads: int
     fwd_stages: int
@@ -226,6 +219,8 @@ class FlexConfig(NamedTuple):
     bwd_threads: int
     bwd_stages: int
     bwd_kernel: str = "hopper"
+    fwd_kernel: str = "hopper"
+    fwd_hopper_stages: int = 2
 
 
 def default_flex_config(device_type, mask_block):
@@ -278,11 +273,27 @@ class _KernelCache:
         self.kernels.clear()
 
 
+_FWD_KERNELS = ("hopper", "sm80")
+
+
+def hopper_forward(pr, config):
+    """Whether problem ``pr`` (a ``_FlexProblem``) runs its forward on chapter 07's rotated loop: asked for by
+    ``config.fwd_kernel``, on an sm_90 GPU, with the BlockMask's 128 × 128 tiles, D = 64 or 128 and 16-bit inputs."""
+    if config.fwd_kernel not in _FWD_KERNELS:
+        raise ValueError(f"FlexConfig.fwd_kernel must be one of {_FWD_KERNELS}; got {config.fwd_kernel!r}")
+    return (config.fwd_kernel == "hopper" and pr.target == "cuda" and is_hopper() and pr.mask_block == HOPPER_FLEX_BLOCK
+            and pr.dim in HOPPER_FLEX_DIMS and pr.dtype in ("float16", "bfloat16"))
+
+
 def _build_forward(pr, plan, config):
     block_M, block_N = pr.mask_block
-    func = flex_fwd_kernel(pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, plan, pr.mask_shape, heads_kv=pr.heads_kv,
-                           sm_scale=pr.sm_scale, dtype=pr.dtype, block_M=block_M, block_N=block_N,
-                           num_stages=config.fwd_stages, threads=config.fwd_threads, target=pr.target)
+    shape = (pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, plan, pr.mask_shape)
+    common = dict(heads_kv=pr.heads_kv, sm_scale=pr.sm_scale, dtype=pr.dtype, block_M=block_M, block_N=block_N,
+                  threads=config.fwd_threads)
+    if hopper_forward(pr, config):
+        func = flex_fwd_hopper_kernel(*shape, num_stages=config.fwd_hopper_stages, **common)
+    else:
+        func = flex_fwd_kernel(*shape, num_stages=config.fwd_stages, target=pr.target, **common)
     return compile_kernel(func, out_idx=[8, 9], target=pr.target, dtype=pr.dtype)
 
 
@@ -358,6 +369,12 @@ def flex_backward_kernels(q, k, plan, block_mask, sm_scale, config=None):
     """The compiled ``FlexBackwardKernels`` for these shapes, modifiers and block mask."""
     config = config or default_flex_config(q.device.type, block_mask.block)
     return _compiled_backward(_problem(q, k, block_mask, sm_scale), plan.key, plan, config)
+
+
+def flex_forward_uses_hopper(q, k, block_mask, sm_scale=1.0, config=None):
+    """Whether ``flex_forward_kernel`` runs these inputs on the Hopper kernel (``hopper_forward``)."""
+    config = config or default_flex_config(q.device.type, block_mask.block)
+    return hopper_forward(_problem(q, k, block_mask, sm_scale), config)
 
 
 def flex_forward(q, k, v, plan, block_mask, sm_scale, config=None):

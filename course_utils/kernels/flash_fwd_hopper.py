@@ -31,7 +31,62 @@ from .flash_pieces import (
 from .hopper_pieces import issue_matmuls, keep_stages_until_read, pass_turn, wait_for_turn
 from .tiles import TileBackend
 
-__all__ = ["flash_fwd_hopper_kernel"]
+__all__ = ["flash_fwd_hopper_kernel", "rotated_loop"]
+
+
+@T.macro
+def rotated_loop(tb, tiles, stage_in_use, K, V, bz, kv_head, k_start, k_end, key_block, score_step, block_M,
+                 block_N, dim, scale_log2, num_stages, pingpong=False, issue=None, new_max=None, rescale_step=None,
+                 rescale=None):
+    """The key loop of a rotated Hopper forward: steps ``k_start … k_end − 1`` fold key block ``key_block(step)``
+    into the output accumulator and the row statistics of ``tiles`` (``forward_tiles`` without ``O_s``); one more
+    step finishes the last P·V.
+
+    Two steps are the caller's: ``key_block(step)``, the key block a step reads (the dense kernel: the step itself;
+    flex: the block mask's list), and ``score_step(S, kb)``, what happens to the raw scores of key block ``kb``
+    between QKᵀ and the online softmax (the dense kernel: ``mask_scores``; flex: its score_mod and mask_mod).
+    The loads clamp the step, to ``0 … k_end − 1`` for K and from ``k_start`` on for V, so that the TMA producer
+    always loads a valid block: ``key_block`` must give one for 0 too, even when ``k_end ≤ k_start``.
+    The other arguments are ``flash_fwd_hopper_kernel``'s.
+    """
+    Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = tiles  # noqa: E741
+    # region: rotated loop
+    # One extra iteration: iteration kb computes QKᵀ of block kb and P·V of block kb - 1.
+    for kb in T.Pipelined(k_start, k_end + 1, num_stages=num_stages):
+        k_blk = key_block(T.max(T.min(kb, k_end - 1), 0))
+        v_blk = key_block(T.max(kb - 1, k_start))
+        T.copy(K[bz, kv_head, k_blk * block_N:(k_blk + 1) * block_N, :], K_s)
+        T.copy(V[bz, kv_head, v_blk * block_N:(v_blk + 1) * block_N, :], V_s)
+        # Both matmuls are issued in every iteration (P is 0 in the first, the scores of the last are
+        # unused): ptxas serialises wgmma batches whose issue is conditional (chapter 07 shows it).
+        if pingpong:
+            wait_for_turn(kb, k_start)
+        if issue is None:
+            issue_matmuls(Q_s, K_s, V_s, S, P, acc_o)
+        else:
+            issue(Q_s, K_s, V_s, S, P, acc_o, kb, k_start, k_end)
+        if pingpong:
+            pass_turn()
+        T.wait_wgmma(1)  # the scores are ready; P·V may still be running
+        if kb < k_end:
+            score_step(S, key_block(kb))
+            online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, scale_log2, new_max=new_max)
+            T.wait_wgmma(0)
+            if rescale_step is None:
+                for i, j in T.Parallel(block_M, dim):
+                    acc_o[i, j] *= alpha[i]
+            else:
+                rescale_step.apply(acc_o, alpha, rescale, block_M, dim)
+            T.copy(S, P)
+        else:
+            T.wait_wgmma(0)
+        keep_stages_until_read(stage_in_use, K_s, V_s)
+    # endregion
+
+
+def _same_block(step):
+    """The dense kernel's key loop reads key block ``step`` at step ``step``."""
+    return step
 
 
 def flash_fwd_hopper_kernel(
@@ -85,39 +140,11 @@ def flash_fwd_hopper_kernel(
             init_running_max(tb, p, m, Sinks, by, block_M, has_sinks)
             k_start, k_end = key_block_range(p, qb, block_M, block_N)
 
-            # region: rotated loop
-            # One extra iteration: iteration kb computes QKᵀ of block kb and P·V of block kb - 1.
-            for kb in T.Pipelined(k_start, k_end + 1, num_stages=num_stages):
-                k_blk = T.max(T.min(kb, k_end - 1), 0)
-                v_blk = T.max(kb - 1, k_start)
-                T.copy(K[bz, kv_head, k_blk * block_N:(k_blk + 1) * block_N, :], K_s)
-                T.copy(V[bz, kv_head, v_blk * block_N:(v_blk + 1) * block_N, :], V_s)
-                # Both matmuls are issued in every iteration (P is 0 in the first, the scores of the last are
-                # unused): ptxas serialises wgmma batches whose issue is conditional (chapter 07 shows it).
-                if pingpong:
-                    wait_for_turn(kb, k_start)
-                if issue is None:
-                    issue_matmuls(Q_s, K_s, V_s, S, P, acc_o)
-                else:
-                    issue(Q_s, K_s, V_s, S, P, acc_o, kb, k_start, k_end)
-                if pingpong:
-                    pass_turn()
-                T.wait_wgmma(1)  # the scores are ready; P·V may still be running
-                if kb < k_end:
-                    mask_scores(tb, p, S, qb, kb, block_M, block_N)
-                    online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2,
-                                   new_max=new_max)
-                    T.wait_wgmma(0)
-                    if rescale_step is None:
-                        for i, j in T.Parallel(block_M, dim):
-                            acc_o[i, j] *= alpha[i]
-                    else:
-                        rescale_step.apply(acc_o, alpha, rescale, block_M, dim)
-                    T.copy(S, P)
-                else:
-                    T.wait_wgmma(0)
-                keep_stages_until_read(stage_in_use, K_s, V_s)
-            # endregion
+            rotated_loop(tb, (Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l), stage_in_use, K, V,
+                         bz, kv_head, k_start, k_end, _same_block,
+                         lambda S, kb: mask_scores(tb, p, S, qb, kb, block_M, block_N), block_M, block_N, dim,
+                         p.scale_log2, num_stages, pingpong=pingpong, issue=issue, new_max=new_max,
+                         rescale_step=rescale_step, rescale=rescale)
 
             forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by, qb, block_M, dim,
                              has_sinks)

@@ -1,14 +1,12 @@
 """Chapter 11: FlexAttention in TileLang against PyTorch's compiled FlexAttention, SDPA with an explicit mask,
-and our specialised causal kernel.
+and our specialised causal kernel; on Hopper also our flex forward on chapter 03's loop instead of chapter 07's.
 
 One shape (B = 2, H = 16, S = 8192, D = 128, bfloat16: 16k tokens, H·D = 2048), five modifiers:
 soft-capping (Gemma 2, cap 50, causal), ALiBi (causal), document masking of a packed batch (document
 lengths drawn from 128 to 8192, each row packed on its own), prefix-LM (a 2048-token prefix) and plain
 causal. The *same* modifier functions run in our kernels and in PyTorch's ``flex_attention``
 (``torch.compile``d); SDPA gets the mask (and ALiBi's bias) as a dense tensor where it can express it.
-Every row of ours is checked on every head against the float64 reference, forward and gradients. On an sm_90
-GPU our backward runs on chapter 08's Hopper loop; one more row times it on chapter 05's sm_80 loop
-(``FlexConfig.bwd_kernel="sm80"``), backward only.
+Every row of ours is checked on every head against the float64 reference, forward and gradients.
 
     python -m course_utils.measure.benchmarks ch11_flex_h100
 """
@@ -41,13 +39,15 @@ from ...kernels.flash_flex import (
     default_flex_config,
     flex_backward,
     flex_backward_kernels,
+    flex_forward,
     flex_forward_kernel,
+    flex_forward_uses_hopper,
 )
 from ..bench import tflops, time_side_by_side
 from .common import backward_timer, in_parallel, quiet_flash_attention_4_compiles, random_inputs
 
-__all__ = ["FLEX_SHAPE", "TORCH_FLEX", "TORCH_FLEX_FA4", "SDPA_MASKED", "OURS_NO_SKIP", "OURS_CAUSAL", "OURS_SM80_BWD",
-           "flex_cases", "flex_vs_peers", "packed_lengths"]
+__all__ = ["FLEX_SHAPE", "TORCH_FLEX", "TORCH_FLEX_FA4", "SDPA_MASKED", "OURS_NO_SKIP", "OURS_CAUSAL",
+           "OURS_SM80_FORWARD", "OURS_SM80_BWD", "flex_cases", "flex_vs_peers", "packed_lengths"]
 
 FLEX_SHAPE = dict(batch=2, heads=16, seq=8192, dim=128)
 TORCH_FLEX = "PyTorch flex_attention (compiled)"
@@ -57,6 +57,9 @@ TORCH_FLEX_FA4 = "PyTorch flex_attention (compiled, FLASH backend: FlashAttentio
 SDPA_MASKED = "SDPA, explicit mask"
 OURS_NO_SKIP = "TileLang (ours), no block skipping"
 OURS_CAUSAL = "TileLang flash_attention(causal=True)"
+# Our flex forward on chapter 03's loop (``FlexConfig.fwd_kernel="sm80"``), where ``OURS`` runs chapter 07's rotated
+# loop: forward rows only (the backward is the same kernel for both).
+OURS_SM80_FORWARD = "TileLang (ours), forward on chapter 03's loop"
 OURS_SM80_BWD = "TileLang (ours), sm_80 backward"
 BACKWARD_ONLY = (OURS_SM80_BWD,)  # its forward is ours: timed once, in the OURS row
 UNCHECKED = (TORCH_FLEX, TORCH_FLEX_FA4, SDPA_MASKED)  # peers: not ours to prove (check_stored_errors's ``unchecked``)
@@ -182,6 +185,13 @@ def _ours_with_lse(score_mod, block_mask, causal):
     return ours
 
 
+def _sm80_forward_config(q, block_mask):
+    """The flex config of ``q``'s device with the forward on chapter 03's loop, or None where that is already the
+    forward ``flex_attention`` runs (no Hopper kernel for these inputs): no row to add."""
+    config = default_flex_config(q.device.type, block_mask.block)
+    return config._replace(fwd_kernel="sm80") if flex_forward_uses_hopper(q, q, block_mask, config=config) else None
+
+
 def _compile_ours_in_parallel(shape, dtype, all_cases, device):
     """Compile every case's forward and backward kernels at once (TileLang's compiles release the GIL), for the
     same modifier functions and scale ``flex_attention`` will use: the later calls find them in its cache."""
@@ -191,17 +201,21 @@ def _compile_ours_in_parallel(shape, dtype, all_cases, device):
     for score_mod, mask_mod, mask_b, _, _ in all_cases.values():
         plan = cached_plan(score_mod, mask_mod)
         block_mask = create_block_mask(mask_mod, mask_b, None, s, s, device=device)
-        sm80 = default_flex_config(q.device.type, block_mask.block)._replace(bwd_kernel="sm80")
+        sm80_backward = default_flex_config(q.device.type, block_mask.block)._replace(bwd_kernel="sm80")
         jobs += [(flex_forward_kernel, plan, block_mask, None), (flex_backward_kernels, plan, block_mask, None),
-                 (flex_backward_kernels, plan, block_mask, sm80)]
+                 (flex_backward_kernels, plan, block_mask, sm80_backward)]
+        sm80 = _sm80_forward_config(q, block_mask)
+        if sm80 is not None:
+            jobs.append((flex_forward_kernel, plan, block_mask, sm80))
     in_parallel(lambda job: job[0](q, q, job[1], job[2], 1.0 / math.sqrt(d), job[3]), jobs)
 
 
 def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
     """Forward and backward times of every case: ours (with and without block skipping), PyTorch's compiled
-    flex_attention, SDPA with an explicit mask where it can express one, and for the causal case our
-    specialised ``flash_attention(causal=True)``. Rows carry ms, TFLOP/s over the visible pairs, the share of
-    tiles skipped, and for ours the errors of O, LSE, dQ, dK, dV against the float64 reference."""
+    flex_attention, SDPA with an explicit mask where it can express one, for the causal case our
+    specialised ``flash_attention(causal=True)``, and on Hopper our forward on chapter 03's loop (forward rows).
+    Rows carry ms, TFLOP/s over the visible pairs, the share of tiles skipped, and for ours the errors of O, LSE,
+    dQ, dK, dV (of O and LSE for a forward row) against the float64 reference."""
     sh = dict(shape or FLEX_SHAPE)
     b, h, s, d = sh["batch"], sh["heads"], sh["seq"], sh["dim"]
     compiled_flex, torch_block_mask = _torch_flex()
@@ -216,7 +230,13 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
         flops = 4.0 * pairs * d
         # Every function below is timed within this iteration: the closures see this case's values.
         ours = _ours_with_lse(score_mod, block_mask, case == "causal")
-        impls = {name: (lambda q_, k_, v_, f=f: f(q_, k_, v_)[0]) for name, f in ours.items()}
+        forward_only = {}
+        sm80 = _sm80_forward_config(q, block_mask)
+        if sm80 is not None:
+            plan = cached_plan(score_mod, mask_mod)
+            forward_only[OURS_SM80_FORWARD] = lambda q_, k_, v_, c=sm80, p=plan: flex_forward(
+                q_, k_, v_, p, block_mask, 1.0 / math.sqrt(d), config=c)
+        impls = {name: (lambda q_, k_, v_, f=f: f(q_, k_, v_)[0]) for name, f in {**ours, **forward_only}.items()}
         impls[TORCH_FLEX] = lambda q_, k_, v_: compiled_flex(q_, k_, v_, score_mod=score_mod, block_mask=torch_mask)
         on_fa4 = _flash_backend(compiled_flex, score_mod, torch_mask, q, k, v)
         if on_fa4 is not None:
@@ -234,12 +254,16 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
             grads = torch.autograd.grad(out, leaves, d_out)
             errors[name] = check_forward(q, k, v, out, lse, refs=refs, name=f"{case}, {name}", quiet=True)
             errors[name].update(check_backward(q, k, v, d_out, grads, refs=refs, name=f"{case}, {name}", quiet=True))
+        for name, with_lse in forward_only.items():
+            out, lse = with_lse(q, k, v)
+            errors[name] = check_forward(q, k, v, out, lse, refs=refs, name=f"{case}, {name}", quiet=True)
         del refs, out, lse, grads, leaves
         fwd_ms = time_side_by_side({impl: (lambda a=attn: a(q, k, v)) for impl, attn in impls.items()
                                     if impl not in BACKWARD_ONLY})
-        bwd_ms = time_side_by_side({impl: backward_timer(attn, q, k, v)[0] for impl, attn in impls.items()})
+        bwd_ms = time_side_by_side({impl: backward_timer(attn, q, k, v)[0] for impl, attn in impls.items()
+                                    if impl not in forward_only})
         for impl in impls:
-            for mode, ms in (("fwd", fwd_ms.get(impl)), ("bwd", bwd_ms[impl])):
+            for mode, ms in (("fwd", fwd_ms.get(impl)), ("bwd", bwd_ms.get(impl))):
                 if ms is None:
                     continue
                 row = dict(sh, case=case, impl=impl, mode=mode, ms=ms, tflops=tflops(flops * (2.5 if mode == "bwd"
@@ -249,8 +273,8 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
                 if impl in errors:
                     row["errors"] = errors[impl]
                 rows.append(row)
-            fwd = f"fwd {fwd_ms[impl]:.3f} ms, " if impl in fwd_ms else ""
-            print(f"{case:12} {impl:40} {fwd}bwd {bwd_ms[impl]:.3f} ms", flush=True)
+            fwd, bwd = (f"{times[impl]:.3f} ms" if impl in times else "not timed" for times in (fwd_ms, bwd_ms))
+            print(f"{case:12} {impl:40} fwd {fwd}, bwd {bwd}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows

@@ -1,0 +1,214 @@
+"""FlexAttention's forward on chapter 07's rotated loop (``flex_fwd_hopper_kernel``).
+
+Without a GPU: the kernel lowers for sm_90a for every kind of modifier (a mask, a score_mod, captured float and int
+tensors, GQA), with the rotated loop's order of asynchronous matmuls, and ptxas compiles it without serialising
+the wgmmas or spilling. On an sm_90 GPU (marked ``gpu``): ``flex_attention`` runs its forward on this kernel, and
+the documented modifiers of ``test_flex_dropin``, at lengths that are not a multiple of the tile and with query
+blocks that see no key, agree with the float64 reference.
+"""
+
+import math
+import re
+
+import pytest
+import test_flex_dropin as dropin
+import torch
+
+import course_utils as cu
+from course_utils.api import flex
+from course_utils.api.flex import create_block_mask, flex_attention, flex_references, plan_modifiers
+from course_utils.core.device import is_hopper
+from course_utils.core.source import cuda_source, ptxas_report
+from course_utils.kernels.flash_flex import (
+    default_flex_config,
+    flex_forward,
+    flex_forward_kernel,
+    flex_forward_uses_hopper,
+)
+from course_utils.kernels.flash_flex_hopper import HOPPER_FLEX_BLOCK, HOPPER_FLEX_DIMS, flex_fwd_hopper_kernel
+
+# --- Lowered for sm_90a, no GPU needed --------------------------------------------------------------------------
+
+BATCH, HEADS, SEQ = 2, 8, 1000
+_SLOPES = flex.alibi_slopes(HEADS)
+_DOCS = flex.document_ids([300, 450, 250])
+
+
+def _sliding_window(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < 256)
+
+
+PLANS = {  # name: (score_mod, mask_mod, K/V heads, D, dtype)
+    "causal": (None, flex.causal_mask, HEADS, 128, "float16"),
+    "soft-cap": (flex.soft_cap(30.0), None, HEADS, 128, "bfloat16"),
+    "ALiBi, captured slopes": (flex.alibi(_SLOPES), flex.causal_mask, HEADS, 64, "float16"),
+    "document mask, captured ids": (None, flex.document_mask(_DOCS), HEADS, 64, "bfloat16"),
+    "sliding window": (None, _sliding_window, HEADS, 128, "bfloat16"),
+    "GQA, soft-cap and causal": (flex.soft_cap(30.0), flex.causal_mask, 2, 128, "float16"),
+}
+
+
+def _lowered(name):
+    score_mod, mask_mod, heads_kv, dim, dtype = PLANS[name]
+    plan = plan_modifiers(score_mod, mask_mod)
+    blocks = -(-SEQ // 128)
+    return cuda_source(flex_fwd_hopper_kernel(BATCH, HEADS, SEQ, SEQ, dim, plan, (1, 1, blocks, blocks),
+                                              heads_kv=heads_kv, sm_scale=dim ** -0.5, dtype=dtype))
+
+
+def _consumer_loop(source):
+    start = source.index("for (int kb_1 = ")
+    return source[start:source.index("stage_in_use[0] =", start)]
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    return {name: _lowered(name) for name in PLANS}
+
+
+def test_every_plan_lowers_to_the_rotated_loop(lowered):
+    for name, source in lowered.items():
+        loop = _consumer_loop(source)
+        marks = [loop.find(mark) for mark in ("wgmma_ss<", "wgmma_rs<", "wait_wgmma<1>", "exp2f", "wait_wgmma<0>")]
+        assert -1 not in marks and marks == sorted(marks), (name, marks)
+        assert "tl::tma_load(K_desc" in source and "KVList[" in source, name  # TMA of the listed key blocks
+    assert "tanhf" in lowered["soft-cap"] and "tanhf" not in lowered["causal"]
+    assert "CapturedF[" in lowered["ALiBi, captured slopes"]
+    assert "CapturedI[" in lowered["document mask, captured ids"]
+    assert re.search(r"blockIdx\.y\) >> 2\)", lowered["GQA, soft-cap and causal"])  # K/V head = query head // 4
+
+
+def test_ptxas_keeps_the_wgmmas_async_without_spills(lowered):
+    # One translation unit for all of them (one nvcc run): each kernel under its own name.
+    unit = "\n".join(source.replace("flex_fwd_hopper_kernel", f"flex_fwd_hopper_kernel_{i}")
+                     for i, source in enumerate(lowered.values()))
+    report = ptxas_report(unit)
+    if report is None:
+        pytest.skip("nvcc is not installed")
+    entries = [line for line in report if "Compiling entry function" in line]
+    assert len(entries) == len(PLANS), report
+    assert not any("C75" in line or "serialized" in line for line in report), report
+    spills = [line for line in report if "spill" in line]
+    assert len(spills) == len(PLANS) and all("0 bytes spill stores, 0 bytes spill loads" in s for s in spills), report
+
+
+@pytest.mark.skipif(is_hopper(), reason="the dispatch of a machine without a Hopper GPU")
+def test_without_a_hopper_gpu_the_forward_keeps_chapter_03s_loop():
+    q, k = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    bm = create_block_mask(flex.causal_mask, None, None, 40, 40)
+    assert not flex_forward_uses_hopper(q, k, bm)
+
+
+def test_unknown_forward_kernel_is_an_error():
+    q, k = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    bm = create_block_mask(flex.causal_mask, None, None, 40, 40)
+    config = default_flex_config("cpu", bm.block)._replace(fwd_kernel="sm90")
+    with pytest.raises(ValueError, match="fwd_kernel must be one of"):
+        flex_forward_uses_hopper(q, k, bm, config=config)
+
+
+def test_the_gates_flex_draws_reach_the_hopper_kernel():
+    """The correctness gate's flex problems on a GPU go through flex_attention with the default block: each one
+    is a shape the Hopper kernel takes, so on an sm_90 GPU the gate checks it."""
+    from course_utils.checking.fuzz import draw_problems
+
+    draws = draw_problems(0, 200, gpu=True, apis=("flex",))
+    assert flex.default_block("cuda") == HOPPER_FLEX_BLOCK
+    assert draws and all(p.dim in HOPPER_FLEX_DIMS and p.dtype in ("float16", "bfloat16") for p in draws)
+    assert {p.dim for p in draws} == set(HOPPER_FLEX_DIMS)
+
+
+# --- On an sm_90 GPU -----------------------------------------------------------------------------------------------
+
+hopper = pytest.mark.skipif(not is_hopper(), reason="needs an sm_90 GPU (the kernel uses wgmma and TMA)")
+
+GPU_BATCH, GPU_HEADS, GPU_HEADS_KV, GPU_SEQ = 2, 4, 2, 300  # GQA; 300 keys: the last tile is ragged
+GPU_CASES = [(128, torch.float16), (64, torch.bfloat16)]  # both head dims, both 16-bit types
+
+
+@pytest.fixture
+def gpu_dropin(monkeypatch):
+    """``test_flex_dropin``'s modifiers, unchanged, reading tables sized for the GPU problem (its module globals)."""
+    monkeypatch.setattr(dropin, "alibi_bias",
+                        torch.tensor([2.0 ** (-8.0 * (i + 1) / GPU_HEADS) for i in range(GPU_HEADS)], device="cuda"))
+    monkeypatch.setattr(dropin, "head_bias_table", torch.linspace(-1.5, 0.75, GPU_HEADS, device="cuda"))
+    monkeypatch.setattr(dropin, "document_id", torch.tensor([0] * 90 + [1] * 130 + [2] * 80, dtype=torch.int32,
+                                                            device="cuda"))
+    monkeypatch.setattr(dropin, "prefix_length", torch.tensor([37, 200], device="cuda"))
+    monkeypatch.setattr(dropin, "SLIDING_WINDOW", 150)
+    return dropin
+
+
+def _gpu_inputs(dim, dtype, seq=GPU_SEQ, scale=3.0):
+    g = torch.Generator(device="cuda").manual_seed(seq + dim)
+    q = torch.randn(GPU_BATCH, GPU_HEADS, seq, dim, device="cuda", generator=g) * scale
+    k, v = (torch.randn(GPU_BATCH, GPU_HEADS_KV, seq, dim, device="cuda", generator=g) for _ in range(2))
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _forward_through_hopper(name, q, k, v, *, score_mod=None, mask_mod=None, block_mask=None):
+    """flex_attention's forward, checked to run on the Hopper kernel and against float64; returns (O, LSE)."""
+    if block_mask is None:
+        block_mask = create_block_mask(mask_mod or flex.noop_mask, None, None, q.shape[2], k.shape[2], device="cuda")
+        if mask_mod is not None:
+            plan = plan_modifiers(mask_mod=mask_mod)
+            if plan.mask_reads_b or plan.mask_reads_h:
+                block_mask = create_block_mask(mask_mod, q.shape[0] if plan.mask_reads_b else None,
+                                               q.shape[1] if plan.mask_reads_h else None, q.shape[2], k.shape[2],
+                                               device="cuda")
+    assert block_mask.block == (128, 128)
+    assert flex_forward_uses_hopper(q, k, block_mask)
+    plan = plan_modifiers(score_mod, block_mask.mask_mod if mask_mod is None else mask_mod)
+    kernel = flex_forward_kernel(q, k, plan, block_mask, 1.0 / math.sqrt(q.shape[-1]))  # flex_attention's
+    assert "flex_fwd_hopper" in kernel.get_kernel_source()
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                              return_lse=True)
+    refs = flex_references(q, k, v, score_mod=score_mod, mask_mod=block_mask.mask_mod)
+    cu.check_forward(q, k, v, out, lse, refs=refs, name=name, quiet=True)
+    return out, lse
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("dim, dtype", GPU_CASES, ids=[f"D{d}-{str(t)[6:]}" for d, t in GPU_CASES])
+@pytest.mark.parametrize("name", list(dropin.DOCUMENTED))
+def test_documented_modifiers_on_the_hopper_kernel(name, dim, dtype, gpu_dropin):
+    mods = dict(gpu_dropin.DOCUMENTED[name])
+    q, k, v = _gpu_inputs(dim, dtype)
+    if mods.pop("block", None):
+        mods["block_mask"] = create_block_mask(gpu_dropin.sliding_window_causal, None, None, GPU_SEQ, GPU_SEQ,
+                                               device="cuda")
+        assert mods["block_mask"].counts()["empty"] > 0  # skipped tiles, as on the CPU
+    _forward_through_hopper(name, q, k, v, **mods)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("dim, dtype", GPU_CASES, ids=[f"D{d}-{str(t)[6:]}" for d, t in GPU_CASES])
+def test_query_blocks_that_see_no_key(dim, dtype):
+    def late_queries_only(b, h, q_idx, kv_idx):
+        return (q_idx >= 200) & (kv_idx <= q_idx)
+
+    q, k, v = _gpu_inputs(dim, dtype)
+    bm = create_block_mask(late_queries_only, None, None, GPU_SEQ, GPU_SEQ, device="cuda")
+    assert bm.kv_count[0, 0, 0] == 0  # query block 0 lists no key block; block 1 has rows that see none
+    out, lse = _forward_through_hopper("rows that see no key", q, k, v, block_mask=bm)
+    assert torch.equal(out[:, :, :200], torch.zeros_like(out[:, :, :200]))
+    assert torch.isneginf(lse[:, :, :200]).all()
+
+
+@pytest.mark.gpu
+@hopper
+def test_causal_flex_on_both_kernels_and_flash_attention_against_float64():
+    q, k, v = _gpu_inputs(128, torch.bfloat16, seq=2000, scale=1.0)
+    bm = create_block_mask(flex.causal_mask, None, None, 2000, 2000, device="cuda")
+    _forward_through_hopper("causal, S = 2000, Hopper flex kernel", q, k, v, block_mask=bm)
+    sm80 = default_flex_config("cuda", bm.block)._replace(fwd_kernel="sm80")
+    assert not flex_forward_uses_hopper(q, k, bm, config=sm80)
+    assert "flex_fwd_hopper" not in flex_forward_kernel(q, k, plan_modifiers(mask_mod=flex.causal_mask), bm,
+                                                        1.0 / math.sqrt(128), config=sm80).get_kernel_source()
+    refs = flex_references(q, k, v, mask_mod=flex.causal_mask)
+    out, lse = flex_forward(q, k, v, plan_modifiers(mask_mod=flex.causal_mask), bm, 1.0 / math.sqrt(128), config=sm80)
+    cu.check_forward(q, k, v, out, lse, refs=refs, name="causal, S = 2000, sm80 flex kernel", quiet=True)
+    out, lse = cu.flash_attention(q, k, v, causal=True, return_lse=True)
+    cu.check_forward(q, k, v, out, lse, refs=refs, name="causal, S = 2000, flash_attention", quiet=True)
