@@ -53,8 +53,8 @@ from tilelang import tvm
 from course_utils.api import flex
 from course_utils.pictures import plots
 from course_utils.measure.benchmarks import RECORDS
-from course_utils.measure.benchmarks.ch11_flex import (OURS_CAUSAL, OURS_NO_SKIP, OURS_SM80_FORWARD, SDPA_MASKED, TORCH_FLEX,
-                                                        TORCH_FLEX_FA4, UNCHECKED)
+from course_utils.measure.benchmarks.ch11_flex import (OURS_CAUSAL, OURS_NO_SKIP, OURS_SM80_BWD, OURS_SM80_FORWARD,
+                                                        SDPA_MASKED, TORCH_FLEX, TORCH_FLEX_FA4, UNCHECKED)
 from course_utils.kernels.flash_flex import flex_backward, flex_bwd_kernel, flex_forward, flex_forward_kernel, flex_fwd_kernel
 from course_utils.kernels.flash_flex_hopper import flex_fwd_hopper_kernel
 from course_utils.kernels.flex_pieces import modify_scores
@@ -441,7 +441,13 @@ wrong = torch.autograd.grad(flex_attention(*leaves, score_mod=no_chain_rule, mas
 cu.expect_failure("chain rule dropped", lambda: cu.check_backward(q, k, v, d_out, wrong, refs=refs, quiet=True))
 
 # %% [markdown]
-# ## 7 · Measured on an H100: what the generality costs
+# ## 7 · Measured on an H200: what the generality costs
+#
+# On a Hopper GPU the flex kernels are chapter 07's rotated forward (`flash_flex_hopper`) and chapter 08's
+# backward (`flash_flex_hopper_bwd`) with the modifiers' step in place of the mask: the same `rotated_loop` and
+# the same `BackwardPieces`, whose new `modifiers` field swaps the query walk, P's recomputation and dS's chain
+# rule. The record also times chapter 03's and 05's loops with the same modifiers (`FlexConfig(fwd_kernel="sm80",
+# bwd_kernel="sm80")`), so it shows what the Hopper loops buy.
 #
 # One shape (B = 2, H = 16, S = 8192, D = 128, bfloat16) and five modifiers: soft-capping (cap 50,
 # causal), ALiBi (causal), document masking of a packed batch (lengths drawn from 128 to 8k tokens,
@@ -453,19 +459,26 @@ cu.expect_failure("chain rule dropped", lambda: cu.check_backward(q, k, v, d_out
 #   otherwise; soft-capping it cannot express);
 # - **our own kernel without block skipping** (every tile visited, empty ones fully masked): what
 #   the block mask saves;
-# - for causal, **our specialised `flash_attention(causal=True)`**.
+# - for causal, **our specialised `flash_attention(causal=True)`**;
+# - **PyTorch's `flex_attention` on FlashAttention-4's kernels** (`kernel_options={"BACKEND": "FLASH"}`), in the
+#   cases that backend runs.
+#
+# It was measured on an H200 (the same Hopper chip as the H100, with more memory bandwidth): the course's H100
+# record of this section, `figures/ch11_flex_h100.json`, timed the flex kernels on chapter 03's and 05's loops,
+# before the Hopper ones existed.
 #
 # TFLOP/s count the visible pairs exactly (4·D FLOPs per pair forward, 2.5× that backward).
 
 # %%
-rec = cu.measured("ch11_flex_h100", RECORDS["ch11_flex_h100"], pending_ok=True)
+rec = cu.measured("ch11_flex_h200", RECORDS["ch11_flex_h200"], pending_ok=True)
 if rec is None:
-    print("The H100 measurement is pending: the cells below show it once figures/ch11_flex_h100.json exists.")
+    print("The measurement is pending: the cells below show it once figures/ch11_flex_h200.json exists.")
 else:
     rows = rec["results"]
     check_stored_errors(rows, "ch11 flex record (O, LSE, dQ, dK, dV)", unchecked=UNCHECKED)
     short = {OURS: "ours", OURS_NO_SKIP: "ours, no skip", TORCH_FLEX: "torch flex", SDPA_MASKED: "SDPA+mask",
-             OURS_CAUSAL: "flash causal", TORCH_FLEX_FA4: "torch flex FA4", OURS_SM80_FORWARD: "ours, ch03 loop"}
+             OURS_CAUSAL: "flash causal", TORCH_FLEX_FA4: "torch flex FA4", OURS_SM80_FORWARD: "ours, ch03 loop",
+             OURS_SM80_BWD: "ours, ch05 loop"}
     shape = {key: rows[0][key] for key in ("batch", "heads", "seq", "dim", "dtype")}
     print("share of tiles skipped: " + ", ".join(f"{r['case']} {r['skipped']:.0%}" for r in rows
                                                  if r["impl"] == OURS and r["mode"] == "fwd"))
@@ -493,14 +506,16 @@ if rec is not None:
             f"{c} {1 - ms[c, OURS, mode] / ms[c, OURS_NO_SKIP, mode]:.0%}" for c in cases))
         print(f"{mode}: flex causal / flash_attention(causal=True) = "
               f"{ms['causal', OURS, mode] / ms['causal', OURS_CAUSAL, mode]:.2f}")
-    if any(r["impl"] == OURS_SM80_FORWARD for r in rows):  # the forward on chapter 03's loop, for comparison
-        print("fwd: chapter 03's loop time / chapter 07's rotated loop's " + ", ".join(
-            f"{c} {ms[c, OURS_SM80_FORWARD, 'fwd'] / ms[c, OURS, 'fwd']:.2f}×" for c in cases))
+    print("fwd: chapter 03's loop time / chapter 07's rotated loop's " + ", ".join(
+        f"{c} {ms[c, OURS_SM80_FORWARD, 'fwd'] / ms[c, OURS, 'fwd']:.2f}×" for c in cases))
+    print("bwd: chapter 05's loop time / chapter 08's Hopper loop's " + ", ".join(
+        f"{c} {ms[c, OURS_SM80_BWD, 'bwd'] / ms[c, OURS, 'bwd']:.2f}×" for c in cases))
 
 # %% [markdown]
-# The chapter's two targets, judged on the record: faster than PyTorch's FlexAttention in every case,
-# forward and backward; and within 10% of our specialised causal kernel (its time ÷ the flex kernel's
-# at least 0.9).
+# The chapter's targets, judged on the record: faster than PyTorch's FlexAttention in every case, forward and
+# backward, on its default (Triton) backend and on FlashAttention-4's; and within 5% of our specialised causal
+# kernel (its time ÷ the flex kernel's at least 0.95). The Hopper loops are judged against chapter 03's and 05's
+# loops with the same modifiers.
 # PyTorch's FlexAttention also runs on FlashAttention-4's kernels (`kernel_options={"BACKEND": "FLASH"}`,
 # with `flash-attn-4` installed) for the variants those kernels take; the last claims count ours against
 # it in the cases it ran.
@@ -512,30 +527,24 @@ if rec is not None:
                        {c: ms[c, TORCH_FLEX, mode] / ms[c, OURS, mode] for c in cases}, target=1.0, says=says)
     cu.claim_ratio("flash_attention(causal=True) time ÷ the causal flex kernel's, fwd and bwd",
                    {mode: ms["causal", OURS_CAUSAL, mode] / ms["causal", OURS, mode] for mode in ("fwd", "bwd")},
-                   target=0.9, says="not met")
+                   target=0.95, says="not met")
     by_row = {(r["case"], r["impl"], r["mode"]): r for r in rows}
-    for mode, says in (("fwd", "ahead"), ("bwd", "mixed")):
+    for mode, loop, says in (("fwd", OURS_SM80_FORWARD, "ahead or level"), ("bwd", OURS_SM80_BWD, "ahead")):
+        cu.claim_versus(f"{mode}: the Hopper loop against chapter {'03' if mode == 'fwd' else '05'}'s, same modifiers",
+                        {c: cu.speed_ratio(by_row[c, OURS, mode], by_row[c, loop, mode]) for c in cases}, says=says)
+    for mode, says in (("fwd", "ahead"), ("bwd", "ahead or level")):
         cu.claim_versus(f"{mode}: ours against PyTorch's FlexAttention",
                         {c: cu.speed_ratio(by_row[c, OURS, mode], by_row[c, TORCH_FLEX, mode]) for c in cases},
                         says=says)
     on_fa4 = [c for c in cases if (c, TORCH_FLEX_FA4, "fwd") in by_row]
     if on_fa4:  # PyTorch's FlexAttention on its FLASH backend (FlashAttention-4), where it runs the variant
-        for mode, says in (("fwd", "mixed"), ("bwd", "behind")):
+        for mode, says in (("fwd", "mixed"), ("bwd", "behind or level")):
             cu.claim_versus(f"{mode}: ours against PyTorch's FlexAttention on FlashAttention-4",
                             {c: cu.speed_ratio(by_row[c, OURS, mode], by_row[c, TORCH_FLEX_FA4, mode]) for c in on_fa4},
                             says=says)
         print("cases the FLASH backend did not run: " + (", ".join(c for c in cases if c not in on_fa4) or "none"))
     else:
         print("no rows of PyTorch's FlexAttention on FlashAttention-4 in this record")
-    # The specialised causal backward of this record against chapter 08's record of the same shape.
-    newer = cu.measured("ch08_backward_vs_peers_h100", RECORDS["ch08_backward_vs_peers_h100"])
-    flash_bwd = by_row["causal", OURS_CAUSAL, "bwd"]
-    same = [r for r in newer["results"] if r["impl"] == OURS and r.get("mode") == "bwd" and r["causal"]
-            and all(r[k] == flash_bwd[k] for k in ("batch", "heads", "seq", "dim", "dtype"))]
-    cu.check_true(len(same) == 1, "chapter 08's record times this causal backward's shape once")
-    cu.claim_change(f"flash_attention(causal=True) backward, ms, in this record ({rec['machine']['date'][:10]}) and "
-                    f"in chapter 08's ({newer['machine']['date'][:10]})", flash_bwd["ms"], same[0]["ms"],
-                    names=("this record", "chapter 08's"), says="about the same")
 
 # %% [markdown]
 # ## Takeaways
@@ -548,18 +557,14 @@ if rec is not None:
 #   without a recompilation.
 # - The backward adds one factor, $\partial s'/\partial s$, to $dS$; forward-mode differentiation
 #   of the modifier supplies it. For soft-capping it is $1 - \tanh^2(s/c)$.
-# - Without a `score_mod`, the causal flex kernel is chapter 03's kernel: on the CPU the two agree
-#   bit for bit. On the H100 it trails `flash_attention(causal=True)`, which runs chapter 07's and 08's
-#   Hopper kernels (the target claim of section 7: not met). How much of that gap is the generality and
-#   how much the older loop, the record does not say: no row times chapter 03's and 05's loops at this
-#   shape. The backward, chapter 05's loop, is where PyTorch's FlexAttention is ahead in most cases
-#   (section 7's claim names them).
-# - This chapter's record and chapter 08's were measured on the same day, and time the same causal
-#   backward shape about the same (the last claim of section 7): the flash-against-flex ratio of the
-#   target is today's.
-# - PyTorch's FlexAttention on FlashAttention-4's kernels is ahead of ours in most cases, forward and
-#   backward (section 7's last claims name them): that is the bar the Hopper flex kernels are built to
-#   clear.
+# - On a Hopper GPU the flex kernels are chapter 07's rotated loop and chapter 08's backward with the modifiers as
+#   one more piece (`rotated_loop`'s score step, `BackwardPieces.modifiers`). Against chapter 03's and 05's loops
+#   with the same modifiers they are ahead or level forward and ahead backward (section 7's claims name the cases).
+# - The causal flex kernel still trails `flash_attention(causal=True)` (the target claim of section 7: not met).
+#   That kernel runs the persistent ping-pong forward and the tuned backward; the flex forward has no ping-pong yet.
+# - Against PyTorch's FlexAttention on its default backend ours is ahead or level everywhere. On FlashAttention-4's
+#   kernels PyTorch's is ahead in three of five cases forward and four of five backward, level in the fifth
+#   (section 7's last claims name them): that is the bar the flex kernels have yet to clear.
 
 # %% [markdown]
 # ## Exercises

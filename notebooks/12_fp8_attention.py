@@ -449,6 +449,12 @@ else:
 # of what such score errors and P V's sum can move. The correctness gate draws FP8 problems on the GPU too
 # (`docs/proof_gate.md`).
 #
+# The producer step runs on the GPU as two TileLang kernels of its own (`kernels/fp8_producer.py`): one reads Q or
+# K once and writes its e4m3 values and one descale per 128 rows; the other writes V's values key-major, padded to
+# 16 keys, the layout FP8 `wgmma` reads. Compiled without fast math, they equal the CPU's PyTorch producer bit for
+# bit (`tests/test_fp8.py` checks it on the GPU). The "FP8 kernel" rows time the attention kernel alone on inputs
+# the producer made beforehand; the "FP8 (API)" rows time `flash_attention_fp8`, producer included.
+#
 # The peers ran on the same inputs in the same run:
 # - the course's bf16 forward, cuDNN's bf16 SDPA and FlashAttention-4 in bf16;
 # - cuDNN's FP8 SDPA (`nvidia-cudnn-frontend`, per-tensor scales; on Hopper it writes O in e4m3 too, one more
@@ -496,7 +502,7 @@ if rec is not None:
     cu.claim_versus("the rotated loop against chapter 03's loop, FP8 kernel alone",
                     {label[c]: cu.speed_ratio(by[c + (OURS_FP8_KERNEL,)], by[c + (OURS_FP8_PLAIN,)]) for c in cases},
                     says="behind or level")
-    cu.claim_ratio("the public call's TFLOP/s ÷ the kernel alone's (PyTorch's quantisation included)",
+    cu.claim_ratio("the public call's TFLOP/s ÷ the kernel alone's (the producer kernels included)",
                    {label[c]: by[c + (OURS_FP8,)]["tflops"] / by[c + (OURS_FP8_KERNEL,)]["tflops"] for c in cases},
                    says="below 1")
 
@@ -506,11 +512,11 @@ if rec is not None:
 # not the accumulator's, and TileLang 0.1.15 does not permute it, so P goes through shared memory. Its write needs
 # a barrier of both consumer warpgroups before the next wgmma may read it; that barrier is the likely reason the
 # overlap does not pay (likely: no measurement has isolated it).
-# Quantising in PyTorch adds passes over Q, K and V on top (the last claim above). What FlashAttention-3 does
+# The producer step adds one pass over Q, K and V on top (the last claim above). What FlashAttention-3 does
 # instead, and this kernel does not yet:
 # - P kept in registers, its bytes permuted into the A-operand layout, instead of a trip through shared memory;
 # - the two consumer warpgroups in ping-pong (chapter 07, section 4), which needs P's barrier per warpgroup;
-# - V transposed inside the kernel by the producer, and the quantisation fused into the previous layer.
+# - V transposed inside the kernel by its producer warpgroup, and the quantisation fused into the previous layer.
 # The error claim above counts the cases where ours is no worse; cuDNN's O carries one more e4m3 rounding than ours.
 
 # %% [markdown]

@@ -221,7 +221,7 @@ ALLOWED = {
     ("09", "0.9×"): "a target; the claims cell checks it against the record",
     ("09", "989 TFLOP/s"): "H100 SXM datasheet",
     ("11", "2.5×"): "the FLOP convention: five matmuls against the forward's two",
-    ("11", "10%"): "a target; the claims cell after it checks it against the record",
+    ("11", "5%"): "a target; the claims cell after it checks it against the record",
     ("12", "2.6×"): "a published figure, quoted with its source (the FlashAttention-3 paper's abstract)",
     ("09", "3.35 TB/s"): "H100 SXM datasheet",
     ("09", "3 TB/s"): "an order of magnitude in an estimate (about the datasheet bandwidth)",

@@ -303,12 +303,23 @@ def readme_claims() -> str:
 
     fp8 = {(r["seq"], r["causal"], r["impl"]): r for r in load_record("ch12_fp8_h200")["results"]["rows"]}
     fp8_cases = sorted({k[:2] for k in fp8})
-    lines.append("- " + _quiet(claim_ratio, "chapter 12's FP8 kernel on an H200 (D=128, S 4k–16k, causal or not): "
-                               "its TFLOP/s ÷ the bf16 forward's", [fp8[c + (OURS_FP8_KERNEL,)]["tflops"]
+    seqs = sorted({seq for seq, _ in fp8_cases})
+    lines.append("- " + _quiet(claim_ratio, f"chapter 12's FP8 kernel on an H200 (D=128, S {seqs[0] // 1024}k–"
+                               f"{seqs[-1] // 1024}k, causal or not): its TFLOP/s ÷ the bf16 forward's", [fp8[c + (OURS_FP8_KERNEL,)]["tflops"]
                                                                    / fp8[c + (OURS,)]["tflops"] for c in fp8_cases],
                                target=1.5) + ", " + _quiet(claim_versus, "against cuDNN's FP8 SDPA", [
                                    speed_ratio(fp8[c + (OURS_FP8_KERNEL,)], fp8[c + (CUDNN_FP8,)])
                                    for c in fp8_cases]) + ";")
+    from .benchmarks.ch11_flex import TORCH_FLEX, TORCH_FLEX_FA4
+
+    flex = {(r["case"], r["impl"], r["mode"]): r for r in load_record("ch11_flex_h200")["results"]}
+    for torch_flex, backend in ((TORCH_FLEX, "its Triton backend"), (TORCH_FLEX_FA4, "FlashAttention-4's kernels")):
+        for mode, direction in (("fwd", "forward"), ("bwd", "backward")):
+            lines.append("- " + _quiet(claim_versus, f"chapter 11's flex_attention on an H200 (five modifiers, "
+                                       f"S = 8k, D = 128), {direction}, against PyTorch's FlexAttention on {backend}",
+                                       [speed_ratio(r, flex[(case, torch_flex, mode)]) for (case, impl, m), r
+                                        in flex.items() if impl == OURS and m == mode
+                                        and (case, torch_flex, mode) in flex]) + ";")
     ring = load_record("ch10_ring_attention_h200x2")["results"]["rows"]
     speedups = {}
     for row in ring:

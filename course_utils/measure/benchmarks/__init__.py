@@ -71,6 +71,8 @@ RECORDS = {
     "ch09_varlen_h100": varlen_vs_dense,
     CH10_RING_RECORD: ring_vs_one_gpu,
     "ch11_flex_h100": flex_vs_peers,
+    # The flex kernels on chapter 07's and 08's Hopper loops, measured on an H200.
+    "ch11_flex_h200": flex_vs_peers,
     # Measured on an H200 (chapter 12's first GPU run); an H100 run would be ch12_fp8_h100.
     "ch12_fp8_h200": fp8_vs_peers,
 }
