@@ -1,3 +1,6 @@
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +18,40 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+# ./course test runs on two workers with --dist loadfile: a worker takes a whole file at a time (a notebook's cells
+# share one kernel; a test file's tests may share module state). The tests of these files stand alone, so the workers
+# take them one at a time instead, and a file of several minutes keeps both busy, not one. The test named beside a file
+# uses a module-scoped fixture (the mutants' verdicts, computed once for all its cases): its cases stay together.
+SPREAD_OVER_WORKERS = {
+    "test_exercises_ch02_03_05_06.py": "test_mutant_gets_its_diagnosis",
+    "test_exercises_ch04_07_to_10.py": "test_mutant_gets_its_diagnosis",
+    "test_exercises_ch12.py": "test_mutant_gets_its_diagnosis",
+    "test_learner_edition.py": None,
+}
+
+
+def work_unit(nodeid):
+    """What a worker takes at once under ``--dist loadfile``: the file, or the test alone (SPREAD_OVER_WORKERS)."""
+    file, _, test = nodeid.partition("::")
+    if Path(file).name not in SPREAD_OVER_WORKERS:
+        return file
+    together = SPREAD_OVER_WORKERS[Path(file).name]
+    return f"{file}::{together}" if together and re.fullmatch(rf"{together}(\[.*\])?", test) else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's loadfile scheduling, with the work units of ``work_unit`` (the controller sees node ids only)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndSpreadTests(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            return work_unit(nodeid)
+
+    return FilesAndSpreadTests(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -2,8 +2,8 @@
 exercise's cells from its notebook, plant a mutant, load it like a notebook cell and call the checker.
 
 Three lists of exercises use it: ``exercise_mutants.py`` (the flash kernels of chapters 02–06,
-``test_exercise_kernels.py``), ``exercise_mutants_speed_and_scale.py`` (chapters 04 and 07–10,
-``test_exercises_speed_and_scale.py``) and ``exercise_mutants_fp8.py`` (chapter 12, ``test_exercise_fp8.py``).
+``test_exercises_ch02_03_05_06.py``), ``exercise_mutants_speed_and_scale.py`` (chapters 04 and 07–10,
+``test_exercises_ch04_07_to_10.py``) and ``exercise_mutants_fp8.py`` (chapter 12, ``test_exercises_ch12.py``).
 Mutants are checked in worker processes, which import the list they come from by its module name.
 """
 

@@ -4,7 +4,7 @@ An exercise names the notebook, the functions its cells define (the given skelet
 learner's solution cell, read from the notebook's .py), the checker and the prelude of imports
 the chapter's first cell provides. A mutant is a list of (find, replace) edits applied to that
 source (each find text must occur; every occurrence is replaced) and a piece of the diagnosis the
-checker must give. ``tests/test_exercise_kernels.py`` runs them.
+checker must give. ``tests/test_exercises_ch02_03_05_06.py`` runs them.
 """
 
 from exercise_harness import Exercise, Mutant

@@ -1,7 +1,7 @@
 """Chapter 12's exercises and their mutants: the notebook's solution with one planted bug each.
 
 (a) quantises a tensor block by block in PyTorch; (b) is the FP8 forward's key-tile step in TileLang, checked on
-the C backend against the float64 emulation of the same FP8 roundings. ``tests/test_exercise_fp8.py`` runs them
+the C backend against the float64 emulation of the same FP8 roundings. ``tests/test_exercises_ch12.py`` runs them
 (the same harness as ``exercise_mutants.py``).
 """
 

@@ -1,6 +1,6 @@
 """The exercises of chapters 04, 07, 08, 09 and 10 that run the learner's code (the chapters on speed and scale),
 and their mutants, in ``exercise_harness``'s format; each exercise's prelude is what the chapter's earlier cells
-provide. Run by ``tests/test_exercises_speed_and_scale.py``.
+provide. Run by ``tests/test_exercises_ch04_07_to_10.py``.
 """
 
 from exercise_harness import Exercise, Mutant

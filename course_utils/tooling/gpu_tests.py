@@ -24,7 +24,7 @@ import time
 # Every test file with tests that need a GPU (the others run in CI, on the CPU).
 GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_varlen_decode_gpu.py", "tests/test_hopper_backward.py",
                   "tests/test_hopper_kernel.py", "tests/test_varlen_packed_hopper.py", "tests/test_checks_and_bench.py",
-                  "tests/test_exercises_speed_and_scale.py", "tests/test_flex_hopper.py",
+                  "tests/test_exercises_ch04_07_to_10.py", "tests/test_flex_hopper.py",
                   "tests/test_flex_hopper_backward.py", "tests/test_fp8.py")
 SMOKE_TEST_FILES = ("tests/test_gpu.py",)
 SMOKE_GATE = dict(problems=500, seconds=150)
