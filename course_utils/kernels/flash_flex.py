@@ -206,8 +206,9 @@ class FlexConfig(NamedTuple):
     BlockMask's block).
 
     ``fwd_kernel``: on an sm_90 GPU, "hopper" runs the forward on chapter 07's rotated loop
-    (``flex_fwd_hopper_kernel``, with ``fwd_hopper_stages`` stages) wherever it applies (``hopper_forward``), and
-    "sm80" keeps chapter 03's loop (``flex_fwd_kernel``, with ``fwd_stages``), to compare them.
+    (``flex_fwd_hopper_kernel``, with ``fwd_hopper_stages`` stages) wherever it applies
+    (``uses_hopper_forward``), and "sm80" keeps chapter 03's loop (``flex_fwd_kernel``, with ``fwd_stages``),
+    to compare them.
     ``bwd_kernel``: "hopper" runs the backward on chapter 08's Hopper loop (``flash_flex_hopper_bwd``, its own
     64-row steps, two stages and two consumer warpgroups) where it can (``uses_hopper_backward``), else chapter
     05's loop with ``bwd_block_M``, ``bwd_threads`` and ``bwd_stages``; "sm80" always chapter 05's loop.
@@ -273,14 +274,14 @@ class _KernelCache:
         self.kernels.clear()
 
 
-_FWD_KERNELS = ("hopper", "sm80")
+FWD_KERNELS = ("hopper", "sm80")
 
 
-def hopper_forward(pr, config):
+def uses_hopper_forward(pr, config):
     """Whether problem ``pr`` (a ``_FlexProblem``) runs its forward on chapter 07's rotated loop: asked for by
     ``config.fwd_kernel``, on an sm_90 GPU, with the BlockMask's 128 × 128 tiles, D = 64 or 128 and 16-bit inputs."""
-    if config.fwd_kernel not in _FWD_KERNELS:
-        raise ValueError(f"FlexConfig.fwd_kernel must be one of {_FWD_KERNELS}; got {config.fwd_kernel!r}")
+    if config.fwd_kernel not in FWD_KERNELS:
+        raise ValueError(f"FlexConfig.fwd_kernel must be one of {FWD_KERNELS}; got {config.fwd_kernel!r}")
     return (config.fwd_kernel == "hopper" and pr.target == "cuda" and is_hopper() and pr.mask_block == HOPPER_FLEX_BLOCK
             and pr.dim in HOPPER_FLEX_DIMS and pr.dtype in ("float16", "bfloat16"))
 
@@ -290,7 +291,7 @@ def _build_forward(pr, plan, config):
     shape = (pr.batch, pr.heads, pr.seq_q, pr.seq_k, pr.dim, plan, pr.mask_shape)
     common = dict(heads_kv=pr.heads_kv, sm_scale=pr.sm_scale, dtype=pr.dtype, block_M=block_M, block_N=block_N,
                   threads=config.fwd_threads)
-    if hopper_forward(pr, config):
+    if uses_hopper_forward(pr, config):
         func = flex_fwd_hopper_kernel(*shape, num_stages=config.fwd_hopper_stages, **common)
     else:
         func = flex_fwd_kernel(*shape, num_stages=config.fwd_stages, target=pr.target, **common)
@@ -372,9 +373,9 @@ def flex_backward_kernels(q, k, plan, block_mask, sm_scale, config=None):
 
 
 def flex_forward_uses_hopper(q, k, block_mask, sm_scale=1.0, config=None):
-    """Whether ``flex_forward_kernel`` runs these inputs on the Hopper kernel (``hopper_forward``)."""
+    """Whether ``flex_forward_kernel`` runs these inputs on the Hopper kernel (``uses_hopper_forward``)."""
     config = config or default_flex_config(q.device.type, block_mask.block)
-    return hopper_forward(_problem(q, k, block_mask, sm_scale), config)
+    return uses_hopper_forward(_problem(q, k, block_mask, sm_scale), config)
 
 
 def flex_forward(q, k, v, plan, block_mask, sm_scale, config=None):
