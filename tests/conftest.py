@@ -57,3 +57,25 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# The ten modifiers of test_flex_dropin as PyTorch's FlexAttention documentation writes them, unchanged, for the GPU
+# tests of the flex Hopper kernels: their module globals (the tables they close over) sized for a problem of
+# GPU_DROPIN_HEADS heads and GPU_DROPIN_SEQ tokens.
+GPU_DROPIN_HEADS, GPU_DROPIN_SEQ = 4, 300
+
+
+@pytest.fixture
+def gpu_dropin(monkeypatch):
+    """``test_flex_dropin``'s modifiers, unchanged, reading tables sized for the GPU problem (its module globals)."""
+    import test_flex_dropin as dropin
+
+    heads = GPU_DROPIN_HEADS
+    monkeypatch.setattr(dropin, "alibi_bias",
+                        torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device="cuda"))
+    monkeypatch.setattr(dropin, "head_bias_table", torch.linspace(-1.5, 0.75, heads, device="cuda"))
+    monkeypatch.setattr(dropin, "document_id", torch.tensor([0] * 90 + [1] * 130 + [2] * 80, dtype=torch.int32,
+                                                            device="cuda"))
+    monkeypatch.setattr(dropin, "prefix_length", torch.tensor([37, 200], device="cuda"))
+    monkeypatch.setattr(dropin, "SLIDING_WINDOW", 150)
+    return dropin

@@ -126,19 +126,6 @@ GPU_BATCH, GPU_HEADS, GPU_HEADS_KV, GPU_SEQ = 2, 4, 2, 300  # GQA; 300 keys: the
 GPU_CASES = [(128, torch.float16), (64, torch.bfloat16)]  # both head dims, both 16-bit types
 
 
-@pytest.fixture
-def gpu_dropin(monkeypatch):
-    """``test_flex_dropin``'s modifiers, unchanged, reading tables sized for the GPU problem (its module globals)."""
-    monkeypatch.setattr(dropin, "alibi_bias",
-                        torch.tensor([2.0 ** (-8.0 * (i + 1) / GPU_HEADS) for i in range(GPU_HEADS)], device="cuda"))
-    monkeypatch.setattr(dropin, "head_bias_table", torch.linspace(-1.5, 0.75, GPU_HEADS, device="cuda"))
-    monkeypatch.setattr(dropin, "document_id", torch.tensor([0] * 90 + [1] * 130 + [2] * 80, dtype=torch.int32,
-                                                            device="cuda"))
-    monkeypatch.setattr(dropin, "prefix_length", torch.tensor([37, 200], device="cuda"))
-    monkeypatch.setattr(dropin, "SLIDING_WINDOW", 150)
-    return dropin
-
-
 def _gpu_inputs(dim, dtype, seq=GPU_SEQ, scale=3.0):
     g = torch.Generator(device="cuda").manual_seed(seq + dim)
     q = torch.randn(GPU_BATCH, GPU_HEADS, seq, dim, device="cuda", generator=g) * scale

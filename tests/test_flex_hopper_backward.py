@@ -8,6 +8,7 @@ lengths that 128 does not divide, keys no query sees and rows a score_mod hides 
 """
 
 import pytest
+import test_flex_dropin as dropin
 import torch
 
 import course_utils as cu
@@ -115,80 +116,7 @@ on_hopper = pytest.mark.skipif(not device.is_hopper(), reason="needs an sm_90 GP
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 B, H, S = 2, 4, 300  # 300 queries and keys: the last 128-row block is ragged
 
-# The ten modifiers of test_flex_dropin, written as the FlexAttention documentation writes them, at these sizes.
-softcap = 20.0
-
-
-def soft_cap_mod(score, b, h, q_idx, kv_idx):
-    score = score / softcap
-    score = torch.tanh(score)
-    return score * softcap
-
-
-alibi_bias = torch.tensor([2.0 ** (-8.0 * (i + 1) / H) for i in range(H)], device=DEVICE)
-
-
-def alibi_mod(score, b, h, q_idx, kv_idx):
-    return score + alibi_bias[h] * (kv_idx - q_idx)
-
-
-def relative_positional(score, b, h, q_idx, kv_idx):
-    return score + (q_idx - kv_idx) * 0.05
-
-
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-SLIDING_WINDOW = 100
-
-
-def sliding_window_causal(b, h, q_idx, kv_idx):
-    return (q_idx >= kv_idx) & (q_idx - kv_idx <= SLIDING_WINDOW)
-
-
-document_id = torch.tensor([0] * 90 + [1] * 150 + [2] * 60, dtype=torch.int32, device=DEVICE)
-
-
-def document_causal_mask(b, h, q_idx, kv_idx):
-    return (q_idx >= kv_idx) & (document_id[q_idx] == document_id[kv_idx])
-
-
-prefix_length = torch.tensor([40, 170], device=DEVICE)  # one per batch entry
-
-
-def prefix_lm_causal(b, h, q_idx, kv_idx):
-    return (kv_idx <= prefix_length[b]) | (q_idx >= kv_idx)
-
-
-head_bias_table = torch.tensor([0.75, -1.5, 0.25, 1.0], device=DEVICE)
-
-
-def head_bias(score, b, h, q_idx, kv_idx):
-    return score + head_bias_table[h]
-
-
-def causal_where(score, b, h, q_idx, kv_idx):
-    return torch.where(q_idx >= kv_idx, score, -float("inf"))
-
-
-def soft_capped_alibi(score, b, h, q_idx, kv_idx):
-    score = score + alibi_bias[h] * (kv_idx - q_idx)
-    return softcap * torch.tanh(score / softcap)
-
-
-DOCUMENTED = {
-    "soft-capping (torch.tanh)": dict(score_mod=soft_cap_mod),
-    "ALiBi (closed-over slopes[h])": dict(score_mod=alibi_mod),
-    "relative position": dict(score_mod=relative_positional),
-    "causal mask": dict(mask_mod=causal),
-    "sliding window": dict(mask_mod=sliding_window_causal),
-    "document mask (closed-over ids)": dict(mask_mod=document_causal_mask),
-    "prefix-LM (prefix_length[b])": dict(mask_mod=prefix_lm_causal),
-    "per-head bias table [h]": dict(score_mod=head_bias),
-    "score_mod with torch.where": dict(score_mod=causal_where),
-    "soft-capped ALiBi, document mask": dict(score_mod=soft_capped_alibi, mask_mod=document_causal_mask),
-}
+softcap = 20.0  # the row hidden by a score_mod below caps its other scores like test_flex_dropin's soft_cap_mod
 
 
 def _inputs(dim=128, dtype=torch.bfloat16, heads_kv=H, seq=S, scale=1.0, seed=0):
@@ -218,10 +146,14 @@ def _check(name, q, k, v, d_out, score_mod=None, mask_mod=None, shared_mask=Fals
 
 @pytest.mark.gpu
 @on_hopper
-@pytest.mark.parametrize("name", list(DOCUMENTED))
-def test_documented_modifiers(name):
+@pytest.mark.parametrize("name", list(dropin.DOCUMENTED))
+def test_documented_modifiers(name, gpu_dropin):
+    """The ten modifiers of test_flex_dropin, unchanged (their tables sized for this problem by ``gpu_dropin``)."""
+    mods = dict(gpu_dropin.DOCUMENTED[name])
+    if mods.pop("block", None) == "sliding":  # test_flex_dropin builds this one's block mask from the mask_mod
+        mods["mask_mod"] = gpu_dropin.sliding_window_causal
     q, k, v, d_out = _inputs(scale=3.0)
-    _check(name, q, k, v, d_out, **DOCUMENTED[name])
+    _check(name, q, k, v, d_out, **mods)
 
 
 @pytest.mark.gpu
