@@ -167,7 +167,7 @@ def test_persistent_kernel_rejects_a_thread_count_that_is_not_one_warpgroup_per_
 def test_several_blocks_per_sm_fit_the_register_file(name):
     """Two or three blocks of 256 threads share an SM's 65536 registers: the launch asks for that many,
     ptxas stays within 65536 / (blocks * 256) a thread, and the consumers get the producer's spare ones."""
-    blocks = PERSISTENT[name]["blocks_per_sm"]
+    blocks = PERSISTENT[name]["tiling"].blocks_per_sm
     source = _persistent_source(name)
     assert f"__launch_bounds__(256, {blocks})" in source
     launch = 65536 // (blocks * 256) // 8 * 8
