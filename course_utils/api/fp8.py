@@ -192,16 +192,9 @@ def quantise_inputs(q, k, v, hadamard=False, seed=0):
     return (q8.float(), k8.float(), v8.float()), descales
 
 
-def _keys_major(v8):
-    """V's e4m3 values as the sm_90a kernel reads them: [B, H_kv, D, S_k padded to V_KEY_ALIGN], keys contiguous."""
-    v_t = torch.nn.functional.pad(v8.transpose(-1, -2).view(torch.uint8), (0, -v8.shape[2] % V_KEY_ALIGN))
-    return v_t.view(torch.float8_e4m3fn).contiguous()
-
-
-def _run_gpu(q8, k8, v8, descales, causal, sm_scale, loop="rotated", v_keys_major=None):
-    """The sm_90a kernel (``loop``: one of FP8_GPU_LOOPS) on e4m3 tensors: V goes in key-major (``v_keys_major``
-    from the producer step, or transposed here from ``v8``)."""
-    v_keys_major = _keys_major(v8) if v_keys_major is None else v_keys_major
+def _run_gpu(q8, k8, v_keys_major, descales, causal, sm_scale, loop="rotated"):
+    """The sm_90a kernel (``loop``: one of FP8_GPU_LOOPS) on e4m3 tensors, V key-major as the producer step writes
+    it ([B, H_kv, D, S_k padded to V_KEY_ALIGN])."""
     kernel = _compiled_gpu(_problem(q8, k8, causal, sm_scale), loop)
     return kernel(q8.contiguous(), k8.contiguous(), v_keys_major, descales["Q"].contiguous(),
                   descales["K"].contiguous(), descales["V"].contiguous())
@@ -221,7 +214,7 @@ def flash_attention_fp8(q, k, v, *, causal=False, sm_scale=None, hadamard=False,
     (q8, k8, v8), descales, v_keys_major = _quantise(q, k, v, hadamard, hadamard_seed)
     _check_descales(descales)
     if q.device.type == "cuda":
-        out, lse = _run_gpu(q8, k8, v8, descales, causal, sm_scale, v_keys_major=v_keys_major)
+        out, lse = _run_gpu(q8, k8, v_keys_major, descales, causal, sm_scale)
     else:
         kernel = _compiled(_problem(q, k, causal, sm_scale))
         out, lse = kernel(q8.float(), k8.float(), v8.float(), descales["Q"].contiguous(), descales["K"].contiguous(),
