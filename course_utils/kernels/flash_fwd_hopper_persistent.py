@@ -204,9 +204,13 @@ SHIPPED_SOFTMAX = SoftmaxPieces()
 
 
 @T.macro
-def peeled_key_loop(tb, p, tiles, barriers, it: T.Ref, qb, k_start, k_end, n_kb, tiling, softmax=SHIPPED_SOFTMAX):
+def peeled_key_loop(tb, p, tiles, barriers, it: T.Ref, qb, k_start, k_end, n_kb, tiling, softmax=SHIPPED_SOFTMAX,
+                    score_step=None):
     """The consumers' rotated loop over one tile's key blocks, peeled: the first QKᵀ and softmax before
-    the loop, the last P·V after it (shared by the dense and the packed persistent forwards)."""
+    the loop, the last P·V after it (shared by the dense, the packed and the flex persistent forwards).
+
+    ``score_step(S, step)``: what happens to the raw scores of the loop's ``step``-th key block before the
+    softmax (flex: its modifiers); None: ``mask_scores`` of key block ``k_start + step``."""
     # The first key block: scores and softmax only.
     stage = it % tiling.num_stages
     T.mbarrier_wait_parity(barriers.k_full[stage], (it // tiling.num_stages) & 1)
@@ -218,7 +222,10 @@ def peeled_key_loop(tb, p, tiles, barriers, it: T.Ref, qb, k_start, k_end, n_kb,
         pass_turn(tiling.block_M // 64)
     T.wait_wgmma(0)
     T.mbarrier_arrive(barriers.k_empty[stage])
-    mask_scores(tb, p, tiles.S, qb, T.max(T.min(k_start, n_kb - 1), 0), tiling.block_M, tiling.block_N)
+    if score_step is None:
+        mask_scores(tb, p, tiles.S, qb, T.max(T.min(k_start, n_kb - 1), 0), tiling.block_M, tiling.block_N)
+    else:
+        score_step(tiles.S, 0)
     online_softmax(tb, tiles.S, tiles.m, tiles.m_prev, tiles.shift, tiles.alpha, tiles.row_sum, tiles.l,
                    tiling.block_M, tiling.block_N, p.scale_log2, exp2=softmax.exp2,
                    add_row_sums=softmax.add_row_sums, row_parts=softmax.row_parts)
@@ -237,7 +244,10 @@ def peeled_key_loop(tb, p, tiles, barriers, it: T.Ref, qb, k_start, k_end, n_kb,
             pass_turn(tiling.block_M // 64)
         T.wait_wgmma(1)  # the scores are ready; P·V may still be running
         T.mbarrier_arrive(barriers.k_empty[k_stage])
-        mask_scores(tb, p, tiles.S, qb, k_start + j, tiling.block_M, tiling.block_N)
+        if score_step is None:
+            mask_scores(tb, p, tiles.S, qb, k_start + j, tiling.block_M, tiling.block_N)
+        else:
+            score_step(tiles.S, j)
         online_softmax(tb, tiles.S, tiles.m, tiles.m_prev, tiles.shift, tiles.alpha, tiles.row_sum, tiles.l,
                        tiling.block_M, tiling.block_N, p.scale_log2, exp2=softmax.exp2,
                        add_row_sums=softmax.add_row_sums, row_parts=softmax.row_parts)
@@ -284,11 +294,17 @@ class PersistentPieces(NamedTuple):
     folded); ``exp2`` and ``row_sums`` are ``online_softmax``'s exponential and its fold of the row sums into
     the denominator (``row_sums``: a ``RowSums`` of ``kernels.versions``, with tiles of its own, zeroed per
     tile and finished before the epilogue). None is the shipped step.
+
+    ``modifiers``: chapter 11's FlexAttention on this kernel (``flash_flex_persistent.ListedKeySteps``): each tile
+    walks the key blocks a block mask lists (``key_range``, ``key_loads``), its scores go through the score_mod
+    and the mask_mod (``score_step``), and the kernel takes the block mask's inputs (``launch``); None: the
+    dense kernel's key ranges and masks.
     """
 
     order: object = tile_order
     exp2: object = None
     row_sums: object = None
+    modifiers: object = None
 
 
 SHIPPED_PIECES = PersistentPieces()
@@ -303,7 +319,7 @@ def flash_fwd_hopper_persistent_kernel(
     """Return a ``@T.prim_func`` computing O and LSE; the problem's parameters as in ``flash_fwd_hopper_kernel``,
     its ``tiling`` a ``PersistentTiling`` and its swapped steps a ``PersistentPieces``."""
     block_M, block_N, num_stages, threads, pingpong, num_ctas, blocks_per_sm = tiling
-    order, exp2, row_sums = pieces
+    order, exp2, row_sums, modifiers = pieces
     if threads != 2 * block_M or block_M % 64:
         raise ValueError(f"the persistent kernel runs one consumer warpgroup per 64 query rows: block_M must be "
                          f"a multiple of 64 and threads = 2 * block_M; got block_M={block_M}, threads={threads}")
@@ -322,6 +338,85 @@ def flash_fwd_hopper_persistent_kernel(
     add_row_sums = None if row_sums is None else row_sums.add
     tiling = LoopTiling(block_M, block_N, num_stages, pingpong)
 
+    if modifiers is None:
+        def key_range(block_mask, bz, by, qb):
+            return key_block_range(p, qb, block_M, block_N)
+
+        def key_loads(K, V, K_s, V_s, k_full, v_full, block_mask, bz, by, kv_head, qb):
+            return (partial(load_dense_keys, K, K_s, k_full, bz, kv_head, block_N),
+                    partial(load_dense_values, V, V_s, v_full, bz, kv_head, block_N))
+
+        def score_step(block_mask, bz, by, qb):
+            return None
+    else:
+        key_range, key_loads, score_step = modifiers.key_range, modifiers.key_loads, modifiers.score_step
+
+    @T.macro
+    def walk_tiles(Q, K, V, Sinks, Output, LSE, cta, block_mask):
+        """What one persistent block does; ``block_mask``: the modifiers' inputs (None: the dense kernel's)."""
+        if blocks_per_sm > 1:
+            T.annotate_min_blocks_per_sm(blocks_per_sm)
+        Q_s = T.alloc_shared([block_M, dim], dtype)
+        K_s = T.alloc_shared([num_stages, block_N, dim], dtype)
+        V_s = T.alloc_shared([num_stages, block_N, dim], dtype)
+        O_s = T.alloc_shared([block_M, dim], dtype)
+        S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_fragments(  # noqa: E741
+            tb, block_M, block_N, dim, dtype)
+        l_part = row_sums.tiles(block_M) if row_sums is not None else None
+        # Full: the 128 producer threads arrive and the TMA bytes land. Empty: every consumer thread arrives.
+        q_full = T.alloc_barrier(128)
+        q_empty = T.alloc_barrier(threads)
+        k_full = T.alloc_barrier([128] * num_stages)
+        k_empty = T.alloc_barrier([threads] * num_stages)
+        v_full = T.alloc_barrier([128] * num_stages)
+        v_empty = T.alloc_barrier([threads] * num_stages)
+        it = T.alloc_var("int32", init=0)  # key blocks passed so far, over all tiles of this block
+        tiles = ConsumerTiles(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l)
+        barriers = ConsumerBarriers(q_empty, k_full, k_empty, v_full, v_empty)
+
+        if T.get_thread_binding() < 128:
+            # region: producer
+            T.set_max_nreg(24, 0)
+            for w in T.serial(tiles_per_block(total, num_ctas, cta)):
+                bz, by, qb = order(p, tile_index(num_ctas, cta, w), block_M)
+                kv_head = by // p.group
+                k_start, k_end = key_range(block_mask, bz, by, qb)
+                T.mbarrier_wait_parity(q_empty[0], (w & 1) ^ 1)  # the previous tile's last QKᵀ is done
+                T.tma_copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s, barrier=q_full[0])
+                T.mbarrier_arrive(q_full[0])
+                load_k, load_v = key_loads(K, V, K_s, V_s, k_full, v_full, block_mask, bz, by, kv_head, qb)
+                produce_key_blocks(load_k, load_v, k_full, k_empty, v_empty, it, k_start, k_end, n_kb,
+                                   num_stages)
+            # endregion
+        else:
+            T.set_max_nreg(consumer_regs, 1)
+            if pingpong:
+                first_turn(consumers)
+            for w in T.serial(tiles_per_block(total, num_ctas, cta)):
+                bz, by, qb = order(p, tile_index(num_ctas, cta, w), block_M)
+                k_start, k_end = key_range(block_mask, bz, by, qb)
+                T.fill(acc_o, 0)
+                T.fill(l, 0)
+                if row_sums is not None:
+                    row_sums.start(l_part)
+                init_running_max(tb, p, m, Sinks, by, block_M, has_sinks)
+                T.mbarrier_wait_parity(q_full[0], w & 1)
+
+                # region: peeled loop
+                peeled_key_loop(tb, p, tiles, barriers, it, qb, k_start, k_end, n_kb, tiling,
+                                SoftmaxPieces(exp2, add_row_sums, l_part), score_step(block_mask, bz, by, qb))
+                # endregion
+                if row_sums is not None:
+                    row_sums.finish(l_part, l)
+
+                T.tma_store_wait()
+                forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by, qb, block_M, dim,
+                                 has_sinks, wait_for_store=False)
+            T.tma_store_wait()  # the last O store must have read shared memory before the block exits
+
+    if modifiers is not None:
+        return modifiers.launch(walk_tiles, num_ctas, threads + 128)
+
     @T.prim_func
     def flash_fwd_hopper_persistent(
         Q: T.Tensor([batch, heads, seq_q, dim], dtype),
@@ -332,64 +427,6 @@ def flash_fwd_hopper_persistent_kernel(
         LSE: T.Tensor([batch, heads, seq_q], ACCUM),
     ):
         with T.Kernel(num_ctas, threads=threads + 128) as cta:
-            if blocks_per_sm > 1:
-                T.annotate_min_blocks_per_sm(blocks_per_sm)
-            Q_s = T.alloc_shared([block_M, dim], dtype)
-            K_s = T.alloc_shared([num_stages, block_N, dim], dtype)
-            V_s = T.alloc_shared([num_stages, block_N, dim], dtype)
-            O_s = T.alloc_shared([block_M, dim], dtype)
-            S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_fragments(  # noqa: E741
-                tb, block_M, block_N, dim, dtype)
-            l_part = row_sums.tiles(block_M) if row_sums is not None else None
-            # Full: the 128 producer threads arrive and the TMA bytes land. Empty: every consumer thread arrives.
-            q_full = T.alloc_barrier(128)
-            q_empty = T.alloc_barrier(threads)
-            k_full = T.alloc_barrier([128] * num_stages)
-            k_empty = T.alloc_barrier([threads] * num_stages)
-            v_full = T.alloc_barrier([128] * num_stages)
-            v_empty = T.alloc_barrier([threads] * num_stages)
-            it = T.alloc_var("int32", init=0)  # key blocks passed so far, over all tiles of this block
-            tiles = ConsumerTiles(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l)
-            barriers = ConsumerBarriers(q_empty, k_full, k_empty, v_full, v_empty)
-
-            if T.get_thread_binding() < 128:
-                # region: producer
-                T.set_max_nreg(24, 0)
-                for w in T.serial(tiles_per_block(total, num_ctas, cta)):
-                    bz, by, qb = order(p, tile_index(num_ctas, cta, w), block_M)
-                    kv_head = by // p.group
-                    k_start, k_end = key_block_range(p, qb, block_M, block_N)
-                    T.mbarrier_wait_parity(q_empty[0], (w & 1) ^ 1)  # the previous tile's last QKᵀ is done
-                    T.tma_copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s, barrier=q_full[0])
-                    T.mbarrier_arrive(q_full[0])
-                    produce_key_blocks(partial(load_dense_keys, K, K_s, k_full, bz, kv_head, block_N),
-                                       partial(load_dense_values, V, V_s, v_full, bz, kv_head, block_N),
-                                       k_full, k_empty, v_empty, it, k_start, k_end, n_kb, num_stages)
-                # endregion
-            else:
-                T.set_max_nreg(consumer_regs, 1)
-                if pingpong:
-                    first_turn(consumers)
-                for w in T.serial(tiles_per_block(total, num_ctas, cta)):
-                    bz, by, qb = order(p, tile_index(num_ctas, cta, w), block_M)
-                    k_start, k_end = key_block_range(p, qb, block_M, block_N)
-                    T.fill(acc_o, 0)
-                    T.fill(l, 0)
-                    if row_sums is not None:
-                        row_sums.start(l_part)
-                    init_running_max(tb, p, m, Sinks, by, block_M, has_sinks)
-                    T.mbarrier_wait_parity(q_full[0], w & 1)
-
-                    # region: peeled loop
-                    peeled_key_loop(tb, p, tiles, barriers, it, qb, k_start, k_end, n_kb, tiling,
-                                    SoftmaxPieces(exp2, add_row_sums, l_part))
-                    # endregion
-                    if row_sums is not None:
-                        row_sums.finish(l_part, l)
-
-                    T.tma_store_wait()
-                    forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, Sinks, bz, by, qb, block_M, dim,
-                                     has_sinks, wait_for_store=False)
-                T.tma_store_wait()  # the last O store must have read shared memory before the block exits
+            walk_tiles(Q, K, V, Sinks, Output, LSE, cta, None)
 
     return flash_fwd_hopper_persistent
