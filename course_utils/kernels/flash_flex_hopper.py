@@ -12,22 +12,25 @@ import tilelang.language as T
 from .flash_fwd_hopper import rotated_loop
 from .flash_pieces import NEG_INF, forward_epilogue, forward_tiles
 from .flex_pieces import flex_prelude, mask_dims, modify_scores
-from .tiles import TileBackend
+from .flex_trace import ModifierPlan
+from .tiles import TileBackend, Tiling
 
-__all__ = ["flex_fwd_hopper_kernel", "HOPPER_FLEX_DIMS", "HOPPER_FLEX_BLOCK"]
+__all__ = ["flex_fwd_hopper_kernel", "HOPPER_FLEX_DIMS", "HOPPER_FLEX_BLOCK", "HOPPER_FORWARD_TILING"]
 
 HOPPER_FLEX_DIMS = (64, 128)  # the head dimensions of the dense Hopper forward's tuned configurations
 HOPPER_FLEX_BLOCK = (128, 128)  # the BlockMask's tile on a GPU (``flex.default_block``)
+HOPPER_FORWARD_TILING = Tiling(*HOPPER_FLEX_BLOCK, 2, 256)  # two stages, two consumer warpgroups
 
 
-def flex_fwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, *, heads_kv=None, sm_scale=None,
-                           dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256):
+def flex_fwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, plan: ModifierPlan, mask_shape, *, heads_kv=None,
+                           sm_scale=None, dtype="float16", tiling=HOPPER_FORWARD_TILING):
     """Return a ``@T.prim_func`` computing O and LSE with the modifiers of ``plan``; arguments and parameters as
-    ``flex_fwd_kernel``'s (the mask's tiles must be block_M × block_N), for CUDA on sm_90.
+    ``flex_fwd_kernel``'s (the mask's tiles must be the ``tiling``'s block_M × block_N), for CUDA on sm_90.
 
-    ``threads`` counts the two consumer warpgroups; TileLang adds the TMA producer warpgroup. A query block whose
-    mask lists no key block runs one step of the loop (P = 0) and ends with O = 0 and LSE = -inf.
+    ``tiling.threads`` counts the two consumer warpgroups; TileLang adds the TMA producer warpgroup. A query block
+    whose mask lists no key block runs one step of the loop (P = 0) and ends with O = 0 and LSE = -inf.
     """
+    block_M, block_N, num_stages, threads = tiling
     tb = TileBackend("cuda")
     p = flex_prelude(plan, heads, seq_q, seq_k, dim, heads_kv=heads_kv, sm_scale=sm_scale)
     mb, mh, n_qb, n_kb = mask_shape
