@@ -18,7 +18,16 @@ chapter 08's Hopper loop (``flash_flex_hopper_bwd``), where they apply. ``api.fl
 import tilelang.language as T
 
 from .flash_pieces import NEG_INF, forward_epilogue, forward_tiles, online_softmax, prelude, store_dkv
-from .flex_pieces import EMPTY, FULL, PARTIAL, flex_prelude, mask_dims, modify_scores, recompute_probabilities
+from .flex_pieces import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    flex_prelude,
+    forward_launch,
+    mask_dims,
+    modify_scores,
+    recompute_probabilities,
+)
 from .flex_trace import ModifierPlan
 from .tiles import TileBackend, Tiling
 
@@ -40,55 +49,40 @@ def flex_fwd_kernel(batch, heads, seq_q, seq_k, dim, plan: ModifierPlan, mask_sh
     block_M, block_N, num_stages, threads = tiling
     tb = TileBackend(target)
     p = flex_prelude(plan, heads, seq_q, seq_k, dim, heads_kv=heads_kv, sm_scale=sm_scale)
-    mb, mh, n_qb, n_kb = mask_shape
     b_step, h_step = mask_dims(mask_shape)
-    n_float, n_int = plan.sizes
 
-    # region: launch
-    @T.prim_func
-    def flex_fwd(
-        Q: T.Tensor([batch, heads, seq_q, dim], dtype),
-        K: T.Tensor([batch, p.heads_kv, seq_k, dim], dtype),
-        V: T.Tensor([batch, p.heads_kv, seq_k, dim], dtype),
-        KVCount: T.Tensor([mb, mh, n_qb], "int32"),
-        KVList: T.Tensor([mb, mh, n_qb, n_kb], "int32"),
-        State: T.Tensor([mb, mh, n_qb, n_kb], "int32"),
-        CapturedF: T.Tensor([n_float], "float32"),
-        CapturedI: T.Tensor([n_int], "int32"),
-        Output: T.Tensor([batch, heads, seq_q, dim], dtype),
-        LSE: T.Tensor([batch, heads, seq_q], "float32"),
-    ):
-        with tb.kernel(n_qb, heads, batch, threads=threads) as (bx, by, bz):
-            Q_s, K_s, V_s, O_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_tiles(
-                tb, block_M, block_N, dim, dtype)
-            captured = (CapturedF, CapturedI)
-            qb = bx
-            kv_head = by // p.group
-            mbz, mby = bz * b_step, by * h_step
-            T.copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s)
-            T.fill(acc_o, 0)
-            T.fill(l, 0)
-            T.fill(m, NEG_INF)
+    # One block per (query block, head, batch entry), as chapter 03's kernel (``flex_pieces.forward_launch``).
+    @T.macro
+    def flex_fwd(Q, K, V, KVCount, KVList, State, captured, Output, LSE, bx, by, bz):
+        Q_s, K_s, V_s, O_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_tiles(
+            tb, block_M, block_N, dim, dtype)
+        qb = bx
+        kv_head = by // p.group
+        mbz, mby = bz * b_step, by * h_step
+        T.copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s)
+        T.fill(acc_o, 0)
+        T.fill(l, 0)
+        T.fill(m, NEG_INF)
+
+        for t in T.Pipelined(KVCount[mbz, mby, qb], num_stages=num_stages):
+            # region: scores
+            kb = KVList[mbz, mby, qb, t]  # only the key blocks the mask does not leave empty
+            T.copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s)
+            T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
             # endregion
+            modify_scores(tb, plan, captured, State, S, bz, by, mbz, mby, qb, kb, block_M, block_N, seq_k, sm_scale)
 
-            for t in T.Pipelined(KVCount[mbz, mby, qb], num_stages=num_stages):
-                # region: scores
-                kb = KVList[mbz, mby, qb, t]  # only the key blocks the mask does not leave empty
-                T.copy(K[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], K_s)
-                T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-                # endregion
-                modify_scores(tb, plan, captured, State, S, bz, by, mbz, mby, qb, kb, block_M, block_N, seq_k, sm_scale)
+            online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
+            T.copy(S, P)
+            for i, j in tb.parallel(block_M, dim):
+                acc_o[i, j] *= alpha[i]
+            T.copy(V[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s)
+            T.gemm(P, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
-                online_softmax(tb, S, m, m_prev, shift, alpha, row_sum, l, block_M, block_N, p.scale_log2)
-                T.copy(S, P)
-                for i, j in tb.parallel(block_M, dim):
-                    acc_o[i, j] *= alpha[i]
-                T.copy(V[bz, kv_head, kb * block_N:(kb + 1) * block_N, :], V_s)
-                T.gemm(P, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+        forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, None, bz, by, qb, block_M, dim, False)
 
-            forward_epilogue(tb, p, acc_o, l, m, shift, O_s, Output, LSE, None, bz, by, qb, block_M, dim, False)
-
-    return flex_fwd
+    return forward_launch("flex_fwd", tb, flex_fwd, (batch, heads, seq_q, seq_k, dim), p, mask_shape, plan, dtype,
+                          threads)
 
 
 def flex_bwd_kernel(batch, heads, seq_q, seq_k, dim, plan: ModifierPlan, mask_shape, mask_block, *, heads_kv=None,
