@@ -27,7 +27,7 @@
 # PyTorch's FlexAttention answered yes: `score_mod(score, b, h, q_idx, kv_idx)` and
 # `mask_mod(b, h, q_idx, kv_idx)` are traced by `torch.compile` into a Triton template, and a
 # `BlockMask` says which tiles to skip. This chapter builds the same thing on the course's TileLang
-# kernels (`course_utils/api/flex.py` for the API, `course_utils/kernels/flash_flex.py` for the kernels): the modifiers
+# kernels (`course_utils/api/flex.py` for the API, `course_utils/kernels/flex_trace.py` for the tracer, `course_utils/kernels/flash_flex.py` for the kernels): the modifiers
 # are applied to the kernel's index and score *expressions* while the kernel is built, so their
 # formulas are inlined into the generated C or CUDA.
 #
@@ -55,10 +55,12 @@ from course_utils.pictures import plots
 from course_utils.measure.benchmarks import RECORDS
 from course_utils.measure.benchmarks.ch11_flex import (OURS_CAUSAL, OURS_NO_SKIP, OURS_SM80_BWD, OURS_SM80_FORWARD,
                                                         SDPA_MASKED, TORCH_FLEX, TORCH_FLEX_FA4, UNCHECKED)
-from course_utils.kernels.flash_flex import flex_backward, flex_bwd_kernel, flex_forward, flex_forward_kernel, flex_fwd_kernel
+from course_utils.kernels.flash_flex import flex_bwd_kernel, flex_fwd_kernel
 from course_utils.kernels.flash_flex_hopper import flex_fwd_hopper_kernel
 from course_utils.kernels.flex_pieces import modify_scores
-from course_utils.api.flex import Dual, Sym, causal_mask, create_block_mask, flex_attention, prefix_lm, soft_cap
+from course_utils.api.flex import (Dual, Sym, causal_mask, create_block_mask, flex_attention, flex_backward, flex_forward,
+                                   flex_forward_kernel, prefix_lm, soft_cap)
+from course_utils.checking.flex_reference import flex_references
 from course_utils.core.labels import OURS
 from course_utils.core.source import cuda_source, grep, show_source
 from course_utils.checking.validation import backward_bugs, check_stored_errors, forward_bugs
@@ -83,7 +85,7 @@ show_source(flex.window_with_globals)
 # Nothing in them is TileLang, or torch: ordinary operators, and `tanh` from `course_utils.api.flex`
 # (the helpers `where`, `tanh`, `exp`, `log`, `sqrt`, `abs`, `minimum`, `maximum` dispatch on what
 # they receive). On torch tensors of indices, broadcast against each other, they compute the whole
-# score or mask matrix: that is how the float64 reference (`flex.flex_reference`) and
+# score or mask matrix: that is how the float64 reference (`flex_reference`, in `course_utils/checking/`) and
 # `create_block_mask` use them.
 
 # %%
@@ -304,7 +306,7 @@ print("\n".join(line.strip()[:150] for line in c_source.splitlines() if "tanh" i
 #
 # Soft-capping (cap 50, on large scores so that the cap bends them), ALiBi with grouped-query heads,
 # document masking of a packed batch, prefix-LM, a window with global tokens, and causal: forward
-# and gradients of every head against the float64 reference (`flex.flex_references` runs the same
+# and gradients of every head against the float64 reference (`flex_references` runs the same
 # functions on float64 tensors).
 
 # %%
@@ -339,7 +341,7 @@ def run_case(case):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = flex_attention(*leaves, return_lse=True, **mods)
     grads = torch.autograd.grad(out, leaves, d_out)
-    refs = flex.flex_references(q, k, v, d_out=d_out, **mods)
+    refs = flex_references(q, k, v, d_out=d_out, **mods)
     return (q, k, v, d_out), out.detach(), lse, grads, refs
 
 

@@ -16,15 +16,18 @@ import torch
 
 import course_utils as cu
 from course_utils.api import flex
-from course_utils.api.flex import create_block_mask, flex_attention, flex_references, plan_modifiers
-from course_utils.core.device import is_hopper
-from course_utils.core.source import cuda_source, ptxas_report
-from course_utils.kernels.flash_flex import (
+from course_utils.api.flex import (
+    create_block_mask,
     default_flex_config,
+    flex_attention,
     flex_forward,
     flex_forward_kernel,
     flex_forward_uses_hopper,
+    plan_modifiers,
 )
+from course_utils.checking.flex_reference import flex_references
+from course_utils.core.device import is_hopper
+from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_flex_hopper import HOPPER_FLEX_BLOCK, HOPPER_FLEX_DIMS, flex_fwd_hopper_kernel
 
 # --- Lowered for sm_90a, no GPU needed --------------------------------------------------------------------------

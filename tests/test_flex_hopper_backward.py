@@ -12,6 +12,7 @@ import test_flex_dropin as dropin
 import torch
 
 import course_utils as cu
+from course_utils.api import flex
 from course_utils.api.flex import (
     alibi,
     alibi_slopes,
@@ -19,21 +20,23 @@ from course_utils.api.flex import (
     causal_mask,
     create_block_mask,
     default_block,
+    default_flex_config,
     document_ids,
     document_mask,
     flex_attention,
-    flex_references,
+    flex_backward_kernels,
     noop_mask,
     plan_modifiers,
     soft_cap,
+    uses_hopper_backward,
 )
+from course_utils.checking.flex_reference import flex_references
 from course_utils.checking.fuzz import draw_problems
 from course_utils.core import device
 from course_utils.core.source import cuda_source, ptxas_report
-from course_utils.kernels import flash_flex
 from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS, BackwardPieces, flash_bwd_hopper_kernel
-from course_utils.kernels.flash_flex import default_flex_config, flex_backward_kernels, uses_hopper_backward
 from course_utils.kernels.flash_flex_hopper_bwd import flex_bwd_hopper_kernel
+from course_utils.kernels.tiles import Tiling
 
 # --- Without a GPU: the generated code ---------------------------------------------------------------------------
 
@@ -75,7 +78,7 @@ def test_lowers_for_sm90a_and_compiles_without_spills(name):
 def test_pieces_refuse_what_a_flex_walk_cannot_take():
     plan = plan_modifiers(None, causal_mask)
     with pytest.raises(ValueError, match="multiple of 64"):
-        flex_bwd_hopper_kernel(1, 2, 256, 256, 64, plan, (1, 1, 2, 2), (128, 128), block_M=80)
+        flex_bwd_hopper_kernel(1, 2, 256, 256, 64, plan, (1, 1, 2, 2), (128, 128), tiling=Tiling(80, 128, 2, 256))
     with pytest.raises(ValueError, match="is not the state"):
         flex_bwd_hopper_kernel(1, 2, 256, 256, 64, plan, (1, 1, 4, 4), (128, 128))
     pieces = BackwardPieces(modifiers=object(), longest_first=True)
@@ -210,13 +213,13 @@ def test_sm80_backward_on_hopper_when_asked():
     plan = cached_plan(soft_cap(20.0), causal_mask)
     block_mask = create_block_mask(causal_mask, None, None, S, S, device=DEVICE)
     scale = q.shape[-1] ** -0.5
-    out, lse = flash_flex.flex_forward(q, k, v, plan, block_mask, scale)
+    out, lse = flex.flex_forward(q, k, v, plan, block_mask, scale)
     grads = {}
     for kernel in ("hopper", "sm80"):
         config = default_flex_config("cuda", block_mask.block)._replace(bwd_kernel=kernel)
         main = flex_backward_kernels(q, k, plan, block_mask, scale, config).main
         assert ("flex_bwd_hopper" in main.get_kernel_source()) == (kernel == "hopper")
-        grads[kernel] = flash_flex.flex_backward(q, k, v, out, lse, d_out, plan, block_mask, scale, config=config)
+        grads[kernel] = flex.flex_backward(q, k, v, out, lse, d_out, plan, block_mask, scale, config=config)
     refs = flex_references(q, k, v, d_out=d_out, score_mod=soft_cap(20.0), mask_mod=causal_mask)
     for kernel, g in grads.items():
         cu.check_backward(q, k, v, d_out, g, refs=refs, name=kernel, quiet=True)

@@ -3,9 +3,11 @@
 ``compiled(row, problem, config, **extra)`` is ``row.compile(problem, config, **extra)``, kept per
 (row, problem, config, extra): the row (hashed by identity), the frozen ``AttentionProblem``, the row's
 config (a ``ForwardConfig``, ``BackwardConfig``, ``DecodeConfig`` or None) and the keywords the front door
-adds (a schedule, a tile size; a dict of pass options is keyed by its items). A second call with the same
-key compiles nothing. ``compiled.cache_clear()`` drops every kernel (the correctness gate does, between
-planted bugs).
+adds (a schedule, a tile size, a flex kernel's ``tiling`` and ``plan``; a dict of pass options is keyed by its
+items). A ``ModifierPlan`` is keyed by its traced formulas (``ModifierPlan.key``: plans with equal keys are
+equal), so an equal formula of another function object finds the kernel compiled with the first; the entry
+keeps that plan alive. A second call with the same key compiles nothing. ``compiled.cache_clear()`` drops
+every kernel (the correctness gate does, between planted bugs).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ A ``score_mod(score, b, h, q_idx, kv_idx) -> score`` changes a scaled score; a
 (PyTorch's FlexAttention conventions). Both are plain Python functions written with ordinary
 operators and the helpers below (``where``, ``tanh``, ``exp``, …). The same function runs
 
-* on torch tensors, in the float64 reference (``flex_reference``) and in ``create_block_mask``;
+* on torch tensors, in the float64 reference (``checking.flex_reference``) and in ``create_block_mask``;
 * on ``Sym`` values, while a kernel factory builds its ``@T.prim_func``: each operator returns a
   TileLang expression, so the modifier's formula is inlined into the generated C or CUDA;
 * on ``Dual`` numbers (value, derivative) in the backward kernel: the chain rule through
@@ -20,558 +20,63 @@ int32 input, so one kernel serves new values of the same shapes. ``torch.tanh``,
 ``torch.exp`` and the other torch functions of the helpers work on kernel values and Duals, so a
 modifier written for PyTorch's FlexAttention runs unchanged. Kernels are cached on the formula a
 modifier traces to (with the Python values it reads), not on the function's identity.
+
+The tracer (``Sym``, ``Dual``, the helpers, ``captured``, ``ModifierPlan``, ``plan_modifiers``,
+``cached_plan``) is ``kernels.flex_trace``, named here too. This module has the block masks, the
+front door and its kernels (registry rows ``FLEX``, compiled through ``api.compiled`` with the
+``AttentionProblem.flex`` of the call and the plan), and the chapter's modifiers.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
 import math
-import threading
-import types
 from typing import NamedTuple
 
-import tilelang.language as T
 import torch
-from tilelang import tvm
+from torch.autograd.function import once_differentiable
 
-from ..core.reference import head_chunks, rounded_out_delta_grads
-from ..kernels.flash_flex import FlexFunction
+from ..core import device as _device
+from ..core.problem import AttentionProblem
+from ..kernels import flash_flex_hopper, flash_flex_hopper_bwd
 from ..kernels.flex_pieces import EMPTY, FULL, PARTIAL
+from ..kernels.flex_trace import (
+    HELPERS,
+    Captured,
+    Dual,
+    ModifierPlan,
+    ReadOutOfRange,
+    Sym,
+    abs,
+    cached_plan,
+    captured,
+    clamp,
+    exp,
+    fixed_module,
+    log,
+    maximum,
+    minimum,
+    name_of,
+    plan_modifiers,
+    sigmoid,
+    sqrt,
+    tanh,
+    where,
+)
+from ..kernels.tiles import Tiling
+from .compiled import compiled
 from .inputs import check_attention_inputs
+from .registry import FLEX
+from .registry import HELPERS as HELPER_ROWS
 
 __all__ = ["flex_attention", "create_block_mask", "BlockMask", "captured", "Captured", "where", "tanh", "exp", "log",
            "sqrt", "abs", "minimum", "maximum", "sigmoid", "clamp", "ReadOutOfRange", "Sym", "Dual", "ModifierPlan",
-           "plan_modifiers", "flex_reference", "flex_references", "noop_mask", "visible_pairs", "EMPTY", "PARTIAL",
-           "FULL", "HELPERS", "default_block", "causal_mask", "soft_cap", "alibi_slopes", "alibi", "document_ids",
-           "document_mask", "prefix_lm", "window_with_globals"]
-
-_tir = tvm.tirx
-HELPERS = ("where", "tanh", "exp", "log", "sqrt", "abs", "minimum", "maximum")
-
-
-# --- Kernel-side values ----------------------------------------------------------------------------------------
-
-def _const(x, dtype):
-    return _tir.const(x, dtype)
-
-
-def _as_expr(x):
-    """A TileLang expression for a Sym or a Python number (floats become float32)."""
-    if isinstance(x, Sym):
-        return x.expr
-    if isinstance(x, tvm.ir.PrimExpr):
-        return x
-    if isinstance(x, bool):
-        return _const(x, "bool")
-    if isinstance(x, int):
-        if not -2 ** 31 <= x < 2 ** 31:
-            raise ValueError(f"the integer {x} does not fit the kernel's int32 index arithmetic (a kernel value "
-                             "is an int32): keep index constants below 2**31, or compute with floats")
-        return _const(x, "int32")
-    if isinstance(x, float):
-        return _const(x, "float32")
-    raise TypeError(f"a kernel value cannot be combined with a {type(x).__name__}")
-
-
-def _promote(a, b):
-    """Both operands as expressions of one type: float32 if either is a float, else int32 (bools count as 0/1)."""
-    a, b = _as_expr(a), _as_expr(b)
-    floating = "float" in a.dtype or "float" in b.dtype
-    dtype = "float32" if floating else "int32"
-    return (a if a.dtype == dtype else _tir.Cast(dtype, a)), (b if b.dtype == dtype else _tir.Cast(dtype, b))
-
-
-def _need_bool(x, op):
-    e = _as_expr(x)
-    if e.dtype != "bool":
-        raise TypeError(f"`{op}` combines conditions (booleans); got a {e.dtype} value")
-    return e
-
-
-def _safe(op):
-    """An integer // or % whose divisor may be 0 at run time: 0 there (torch raises; C would stop the process)."""
-    def apply(a, b):
-        if "float" in a.dtype or (isinstance(b, _tir.IntImm) and b.value != 0):
-            return op(a, b)
-        return _tir.if_then_else(b == 0, _const(0, a.dtype), op(a, _tir.if_then_else(b == 0, _const(1, b.dtype), b)))
-    return apply
-
-
-def _torch_function(cls, func, types, args=(), kwargs=None):
-    """torch functions on kernel values and Duals: the ones a modifier can use map to the course helpers, and a
-    tensor indexed by b, h, q_idx or kv_idx becomes a kernel input (as ``captured`` makes it)."""
-    kwargs = kwargs or {}
-    if func is torch.Tensor.__getitem__:
-        return _index_tensor(*args)
-    name = getattr(func, "__name__", str(func))
-    helper = _TORCH_HELPERS.get(name)
-    if helper is None or func not in (getattr(torch, name, None), getattr(torch.Tensor, name, None)):
-        raise TypeError(f"torch.{name} cannot be compiled into a kernel; the torch functions a modifier can use "
-                        f"are torch.{', torch.'.join(sorted(_TORCH_HELPERS))} (and Python's operators)")
-    return helper(*args, **kwargs)
-
-
-class Sym:
-    """A value inside a kernel being built: wraps a TileLang expression and gives it Python's operators.
-
-    Why not the bare expressions? TVM's ``~`` on a boolean is a *bitwise* not, which C evaluates
-    to −2 (true) for true: ``~(q_idx >= kv_idx)`` would hide nothing. Here ``~``, ``&`` and ``|`` on
-    booleans are logical, ``/`` is a float division (as in torch), and using a kernel value where
-    Python needs a plain bool (``if``, ``and``, ``or``) raises instead of tracing one branch.
-    """
-
-    __slots__ = ("expr",)
-    __torch_function__ = classmethod(_torch_function)
-
-    def __init__(self, expr):
-        self.expr = expr
-
-    @property
-    def dtype(self):
-        return str(self.expr.dtype)
-
-    def __repr__(self):
-        return f"Sym({self.expr})"
-
-    def _bin(self, other, fn, reverse=False):
-        if isinstance(other, Dual):
-            return NotImplemented
-        a, b = _promote(other, self) if reverse else _promote(self, other)
-        return Sym(fn(a, b))
-
-    def __add__(self, o): return self._bin(o, lambda a, b: a + b)
-    def __radd__(self, o): return self._bin(o, lambda a, b: a + b, True)
-    def __sub__(self, o): return self._bin(o, lambda a, b: a - b)
-    def __rsub__(self, o): return self._bin(o, lambda a, b: a - b, True)
-    def __mul__(self, o): return self._bin(o, lambda a, b: a * b)
-    def __rmul__(self, o): return self._bin(o, lambda a, b: a * b, True)
-
-    def __truediv__(self, o):
-        return self._bin(o, lambda a, b: _tir.Cast("float32", a) / _tir.Cast("float32", b))
-
-    def __rtruediv__(self, o):
-        return self._bin(o, lambda a, b: _tir.Cast("float32", a) / _tir.Cast("float32", b), True)
-
-    def __floordiv__(self, o): return self._bin(o, _safe(_tir.floordiv))
-    def __rfloordiv__(self, o): return self._bin(o, _safe(_tir.floordiv), True)
-    def __mod__(self, o): return self._bin(o, _safe(_tir.floormod))
-    def __rmod__(self, o): return self._bin(o, _safe(_tir.floormod), True)
-    def __neg__(self): return Sym(-_promote(self, 0)[0])
-    def __lt__(self, o): return self._bin(o, lambda a, b: a < b)
-    def __le__(self, o): return self._bin(o, lambda a, b: a <= b)
-    def __gt__(self, o): return self._bin(o, lambda a, b: a > b)
-    def __ge__(self, o): return self._bin(o, lambda a, b: a >= b)
-    def __eq__(self, o): return self._bin(o, _tir.EQ)
-    def __ne__(self, o): return self._bin(o, _tir.NE)
-    def __and__(self, o): return Sym(_tir.And(_need_bool(self, "&"), _need_bool(o, "&")))
-    __rand__ = __and__
-    def __or__(self, o): return Sym(_tir.Or(_need_bool(self, "|"), _need_bool(o, "|")))
-    __ror__ = __or__
-    def __invert__(self): return Sym(_tir.Not(_need_bool(self, "~")))
-    __hash__ = None
-
-    def _new(self, size, fill, dtype):
-        if tuple(size) not in ((), (1,)):
-            raise TypeError(f"a kernel value makes scalars only (new_zeros/new_ones of size (), not {tuple(size)})")
-        dtype = self.dtype if dtype is None else {torch.bool: "bool"}.get(
-            dtype, "float32" if dtype.is_floating_point else "int32")
-        return Sym(_const(bool(fill) if dtype == "bool" else fill, dtype))
-
-    def new_zeros(self, size, dtype=None, **_):
-        """A scalar 0 (False for torch.bool), as ``Tensor.new_zeros(())`` (torch's and_masks/or_masks use it)."""
-        return self._new(size, 0, dtype)
-
-    def new_ones(self, size, dtype=None, **_):
-        """A scalar 1 (True for torch.bool), as ``Tensor.new_ones(())``."""
-        return self._new(size, 1, dtype)
-
-    def __bool__(self):
-        raise TypeError("a kernel value has no Python truth value: `if`, `and`, `or`, `not` and chained comparisons "
-                        "cannot be compiled; write where(cond, a, b), &, |, ~ instead")
-
-    def __float__(self):
-        raise TypeError("a kernel value cannot become a Python float (math.* functions cannot be compiled); use the "
-                        f"course helpers {', '.join(HELPERS)}")
-
-    __int__ = __index__ = __float__
-
-
-class Dual:
-    """A value with its derivative with respect to the score: forward-mode differentiation of a score_mod.
-
-    ``value`` and ``deriv`` are torch tensors, Syms or numbers; the operators and helpers apply the
-    chain rule, so ``score_mod(Dual(s, 1), ...)`` returns ``Dual(score_mod(s), ∂score_mod/∂s)``.
-    Comparisons compare values (their result has no derivative).
-    """
-
-    __slots__ = ("value", "deriv")
-    __torch_function__ = classmethod(_torch_function)
-
-    def __init__(self, value, deriv=0.0):
-        self.value, self.deriv = value, deriv
-
-    def __repr__(self):
-        return f"Dual({self.value!r}, {self.deriv!r})"
-
-    @staticmethod
-    def parts(x):
-        return (x.value, x.deriv) if isinstance(x, Dual) else (x, 0.0)
-
-    def __add__(self, o):
-        (a, da), (b, db) = Dual.parts(self), Dual.parts(o)
-        return Dual(a + b, da + db)
-
-    __radd__ = __add__
-
-    def __sub__(self, o):
-        (a, da), (b, db) = Dual.parts(self), Dual.parts(o)
-        return Dual(a - b, da - db)
-
-    def __rsub__(self, o):
-        return Dual.__sub__(Dual(*Dual.parts(o)), self)
-
-    def __mul__(self, o):
-        (a, da), (b, db) = Dual.parts(self), Dual.parts(o)
-        return Dual(a * b, da * b + a * db)
-
-    __rmul__ = __mul__
-
-    def __truediv__(self, o):
-        (a, da), (b, db) = Dual.parts(self), Dual.parts(o)
-        return Dual(a / b, (da * b - a * db) / (b * b))
-
-    def __rtruediv__(self, o):
-        return Dual.__truediv__(Dual(*Dual.parts(o)), self)
-
-    def __neg__(self):
-        return Dual(-self.value, -self.deriv)
-
-    def __pow__(self, n):
-        if not isinstance(n, int) or n < 1:
-            raise TypeError("a score can be raised to a positive int power only (write x * x, or exp/log)")
-        out = self
-        for _ in range(n - 1):
-            out = out * self
-        return out
-
-    def _cmp(self, o, op):
-        return op(self.value, Dual.parts(o)[0])
-
-    def __lt__(self, o): return self._cmp(o, lambda a, b: a < b)
-    def __le__(self, o): return self._cmp(o, lambda a, b: a <= b)
-    def __gt__(self, o): return self._cmp(o, lambda a, b: a > b)
-    def __ge__(self, o): return self._cmp(o, lambda a, b: a >= b)
-    def __eq__(self, o): return self._cmp(o, lambda a, b: a == b)
-    def __ne__(self, o): return self._cmp(o, lambda a, b: a != b)
-    __hash__ = None
-
-    def __bool__(self):
-        return bool(self.value)
-
-
-# --- The course helpers: one name, three kinds of value --------------------------------------------------------
-
-def _kind(*xs):
-    if any(isinstance(x, Dual) for x in xs):
-        return "dual"
-    if any(isinstance(x, Sym) for x in xs):
-        return "sym"
-    if any(isinstance(x, torch.Tensor) for x in xs):
-        return "torch"
-    return "number"
-
-
-def where(cond, a, b):
-    """``a`` where ``cond`` holds, else ``b`` (torch.where, T.if_then_else, or both parts of a Dual)."""
-    kind = _kind(cond, a, b)
-    if kind == "dual":
-        (va, da), (vb, db) = Dual.parts(a), Dual.parts(b)
-        return Dual(where(cond, va, vb), where(cond, da, db))
-    if kind == "sym":
-        c = _need_bool(cond, "where")
-        ea, eb = _promote(a, b)
-        return Sym(_tir.if_then_else(c, ea, eb))
-    if kind == "torch":
-        return torch.where(torch.as_tensor(cond), torch.as_tensor(a), torch.as_tensor(b))
-    return a if cond else b
-
-
-def _unary(name, torch_fn, tl_fn, math_fn, derivative):
-    def helper(x):
-        kind = _kind(x)
-        if kind == "dual":
-            v, d = Dual.parts(x)
-            return Dual(helper(v), d * derivative(v, helper))
-        if kind == "sym":
-            e = _as_expr(x)
-            return Sym(tl_fn(e if e.dtype == "float32" else _tir.Cast("float32", e)))
-        if kind == "torch":
-            return torch_fn(x if x.is_floating_point() else x.double())
-        return math_fn(x)
-
-    helper.__name__ = helper.__qualname__ = name
-    helper.__doc__ = f"{name}(x) on a tensor, a kernel value or a Dual (with its derivative)."
-    return helper
-
-
-tanh = _unary("tanh", torch.tanh, T.tanh, math.tanh, lambda v, f: 1 - f(v) * f(v))
-exp = _unary("exp", torch.exp, T.exp, math.exp, lambda v, f: f(v))
-log = _unary("log", torch.log, T.log, math.log, lambda v, f: 1 / v)
-sqrt = _unary("sqrt", torch.sqrt, T.sqrt, math.sqrt, lambda v, f: 0.5 / f(v))
-
-
-def abs(x):  # noqa: A001 - the helper mirrors torch.abs
-    """|x| on a tensor, a kernel value or a Dual (derivative sign(x), 0 at 0)."""
-    return where(x < 0, -x, x)
-
-
-def sigmoid(x):
-    """1 / (1 + exp(−x))."""
-    return 1.0 / (1.0 + exp(-x))
-
-
-def clamp(x, min=None, max=None):  # noqa: A002 - torch.clamp's names
-    """x limited to [min, max] (either may be None)."""
-    if min is not None:
-        x = maximum(x, min)
-    if max is not None:
-        x = minimum(x, max)
-    return x
-
-
-def minimum(a, b):
-    """The smaller of a and b, elementwise (ties take a)."""
-    return where(b < a, b, a)
-
-
-def maximum(a, b):
-    """The larger of a and b, elementwise (ties take a)."""
-    return where(b > a, b, a)
-
-
-def _torch_where(condition, input, other):  # noqa: A002 - torch.where's names
-    return where(condition, input, other)
-
-
-_TORCH_HELPERS = {"tanh": tanh, "exp": exp, "log": log, "sqrt": sqrt, "abs": abs, "where": _torch_where,
-                  "minimum": minimum, "maximum": maximum, "sigmoid": sigmoid, "clamp": clamp}
-
-
-def _method(helper):
-    def method(self, *args, **kwargs):
-        return helper(self, *args, **kwargs)
-
-    method.__name__ = helper.__name__
-    method.__doc__ = f"``Tensor.{helper.__name__}``: the course helper on a kernel value or a Dual."
-    return method
-
-
-for _helper_name in ("tanh", "exp", "log", "sqrt", "abs", "minimum", "maximum", "sigmoid", "clamp"):
-    setattr(Sym, _helper_name, _method(_TORCH_HELPERS[_helper_name]))  # score.tanh(), as on a tensor
-    setattr(Dual, _helper_name, _method(_TORCH_HELPERS[_helper_name]))
-del _helper_name
-
-
-# --- Captured tensors ------------------------------------------------------------------------------------------
-
-class _ThreadState(threading.local):
-    """Per thread (kernels are compiled in parallel threads): the kernel being built, a stack of _Loader, and
-    whether the float64 reference is running."""
-
-    def __init__(self):
-        self.build = []
-        self.float64 = []
-
-
-_STATE = _ThreadState()
-
-
-class Captured:
-    """A tensor a modifier reads, declared so that it becomes a kernel input: ``doc = captured(document_ids)``.
-
-    Index it as the tensor (``doc[q_idx]``, ``slopes[h]``, ``doc[b, q_idx]``). On torch indices it
-    *is* the tensor (floats in float64 inside ``flex_reference``), so the same modifier also runs in
-    PyTorch's own ``flex_attention``; in a kernel it reads a packed input. A negative index counts
-    from the end (as in torch); an index the host can bound outside the tensor is an error, and
-    rows and keys past the end of a ragged tile read a clamped index, never out of bounds. Assign
-    ``handle.tensor`` to change the values without recompiling. A plain tensor that a modifier
-    indexes with b, h, q_idx or kv_idx (``slopes[h]``) is captured the same way, without the handle.
-    """
-
-    def __init__(self, tensor, name=None):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"captured() takes a torch.Tensor; got {type(tensor).__name__}")
-        if tensor.is_complex():
-            raise TypeError(f"captured tensors must be integer, boolean or floating point; got {tensor.dtype}")
-        self.tensor = tensor
-        self.name = name or "captured"
-
-    @property
-    def kind(self):
-        t = self.tensor
-        return "float" if t.is_floating_point() else "bool" if t.dtype == torch.bool else "int"
-
-    @property
-    def buffer_kind(self):
-        return "float" if self.kind == "float" else "int"
-
-    def __repr__(self):
-        return f"captured({self.name}, shape={tuple(self.tensor.shape)}, {self.tensor.dtype})"
-
-    @property
-    def layout_key(self):
-        return (tuple(self.tensor.shape), self.kind)
-
-    def __getitem__(self, index):
-        index = index if isinstance(index, tuple) else (index,)
-        if any(isinstance(i, (Sym, Dual)) for i in index):
-            return _index_tensor(self, index)
-        float64 = self.kind == "float" and _STATE.float64 and _STATE.float64[-1]
-        t = self.tensor.double() if float64 else self.tensor
-        index = tuple(i.to(t.device) if isinstance(i, torch.Tensor) else i for i in index)
-        return t[index]
-
-
-def captured(tensor, name=None):
-    """Declare a tensor that a modifier reads (see ``Captured``)."""
-    return Captured(tensor, name)
-
-
-def _index_tensor(source, index):
-    """``source[index]`` (a tensor or a Captured) inside a modifier being compiled: a load from the packed inputs."""
-    if not _STATE.build:
-        raise RuntimeError("a tensor was indexed with kernel values outside a kernel build")
-    return _STATE.build[-1].load(source, index if isinstance(index, tuple) else (index,))
-
-
-# What a trace's loads read: stand-ins for the kernels' packed inputs, so that a traced expression holds its loads.
-_TRACE_BUFFERS = (tvm.tirx.decl_buffer((2 ** 31 - 1,), "float32", "CapturedF"),
-                  tvm.tirx.decl_buffer((2 ** 31 - 1,), "int32", "CapturedI"))
-# The modifiers' arguments while tracing: the same variables every time, so equal formulas hash equal.
-_TRACE_VARS = {"score": _tir.Var("score", "float32"),
-               **{n: _tir.Var(n, "int32") for n in ("b", "h", "q_idx", "kv_idx")}}
-
-
-def _tensor_name(fn, tensor):
-    """The name under which ``fn`` sees ``tensor`` (a closure cell or a global), for messages."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return "tensor"
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        with contextlib.suppress(ValueError):
-            if cell.cell_contents is tensor:
-                return name
-    for name in code.co_names:
-        if fn.__globals__.get(name) is tensor:
-            return name
-    return "tensor"
-
-
-class ReadOutOfRange(IndexError, ValueError):
-    """A modifier reads a tensor past its end (an IndexError, as torch's, and a ValueError)."""
-
-
-class _Loader:
-    """Turns reads of captured tensors into loads from the kernel's packed inputs.
-
-    Tracing (no ``plan``): each tensor gets a slot (its offset in the float32 or int32 input) on first
-    use, and the order of the reads of each modifier is recorded. Building (a ``plan``): the n-th read
-    of the modifier takes the n-th recorded slot, so a tensor made inside the modifier works too.
-    """
-
-    def __init__(self, plan=None, buffers=None, which=None, fn=None):
-        self.plan, self.buffers, self.which, self.fn = plan, buffers or _TRACE_BUFFERS, which, fn
-        self.count = 0
-        self.handles, self.sources, self.slots, self.offsets = [], [], {}, []
-        self.sizes = {"float": 0, "int": 0}
-        self.sequences, self.reads = {}, []
-
-    def begin(self, which, fn):
-        """Start recording the reads of one evaluation of ``fn`` (tracing)."""
-        self.which, self.fn = which, fn
-        self.sequences[which] = []
-
-    def _slot(self, source, tensor):
-        if self.plan is not None:
-            sequence = self.plan.sequences[self.which]
-            if self.count >= len(sequence):
-                raise RuntimeError(f"{_name(self.fn)} read more tensors than when it was traced")
-            slot = sequence[self.count]
-            self.count += 1
-            handle = self.plan.handles[slot]
-            if (tuple(tensor.shape), Captured(tensor).kind) != handle.layout_key:
-                raise RuntimeError(f"{_name(self.fn)} read a different tensor than when it was traced ({handle!r})")
-            return slot, handle, self.plan.offsets[slot]
-        if id(source) not in self.slots:
-            handle = source if isinstance(source, Captured) else Captured(source, _tensor_name(self.fn, source))
-            self.slots[id(source)] = len(self.handles)
-            self.handles.append(handle)
-            self.sources.append(source)  # alive while traced: no other tensor takes its id
-            self.offsets.append(self.sizes[handle.buffer_kind])
-            self.sizes[handle.buffer_kind] += tensor.numel()
-        slot = self.slots[id(source)]
-        self.sequences[self.which].append(slot)
-        return slot, self.handles[slot], self.offsets[slot]
-
-    def load(self, source, index):
-        tensor = source.tensor if isinstance(source, Captured) else source
-        label = source.name if isinstance(source, Captured) else _tensor_name(self.fn, source)
-        what = f"{self.which or 'modifier'} `{_name(self.fn)}`" if self.fn is not None else "a modifier"
-        if len(index) != tensor.dim():
-            raise TypeError(f"{what} indexes `{label}` (shape {tuple(tensor.shape)}) with {len(index)} indices: a "
-                            f"modifier reads one element, so give one index per dimension ({tensor.dim()})")
-        exprs = []
-        for i in index:
-            if isinstance(i, Dual):
-                raise TypeError(f"{what} indexes `{label}` by the score: a tensor is indexed by b, h, q_idx or kv_idx")
-            if not isinstance(i, (Sym, int)) or isinstance(i, bool):
-                raise TypeError(f"{what} indexes `{label}` with a {type(i).__name__}: a modifier reads one element, "
-                                f"indexed by ints and b, h, q_idx, kv_idx (slices, masks and None cannot be compiled)")
-            e = _promote(i, 0)[0]
-            if "float" in e.dtype or _as_expr(i).dtype == "bool":
-                raise TypeError(f"{what} indexes `{label}` with a {_as_expr(i).dtype} value; indices are integers")
-            exprs.append(e)
-        slot, handle, offset = self._slot(source, tensor)
-        flat = _const(offset, "int32")
-        stride = 1
-        for size, e in reversed(list(zip(tensor.shape, exprs))):
-            e = _tir.if_then_else(e < 0, e + size, e)  # torch's negative indices count from the end
-            flat = flat + _tir.max(0, _tir.min(e, size - 1)) * stride  # rows and keys past the end of a tile
-            stride *= size
-        if self.plan is None:
-            self.reads.append((self.which, self.fn, handle, tuple(exprs)))
-        value = self.buffers[0 if handle.buffer_kind == "float" else 1][flat]
-        return Sym(_tir.NE(value, _const(0, "int32")) if handle.kind == "bool" else value)
-
-
-@contextlib.contextmanager
-def _building(loader):
-    _STATE.build.append(loader)
-    try:
-        yield loader
-    finally:
-        _STATE.build.pop()
-
-
-# --- Checking and tracing the modifiers ------------------------------------------------------------------------
-
-def _name(fn):
-    return getattr(fn, "__name__", type(fn).__name__)
-
-
-def _check_arity(fn, what, n, names):
-    if not callable(fn):
-        raise TypeError(f"{what} must be a function {what}({', '.join(names)}); got {type(fn).__name__}")
-    try:
-        sig = inspect.signature(fn)
-        sig.bind(*range(n))
-    except ValueError:
-        return  # a builtin without a signature: let the trace tell
-    except TypeError:
-        raise TypeError(f"{what} `{_name(fn)}` must take {n} arguments ({', '.join(names)}); its signature is "
-                        f"{_name(fn)}{sig}") from None
+           "plan_modifiers", "cached_plan", "noop_mask", "visible_pairs", "index_grids", "reference_mask", "EMPTY",
+           "PARTIAL", "FULL", "HELPERS", "default_block", "FlexConfig", "default_flex_config", "uses_hopper_forward",
+           "uses_hopper_backward", "FlexBackwardKernels", "flex_forward_kernel", "flex_backward_kernels",
+           "flex_forward_uses_hopper", "flex_forward", "flex_backward", "FlexFunction", "causal_mask", "soft_cap",
+           "alibi_slopes", "alibi", "document_ids", "document_mask", "prefix_lm", "window_with_globals"]
+
+fixed_module(__name__)  # the chapter's modifiers below are fixed code: fingerprints count them by identity
 
 
 def noop_mask(b, h, q_idx, kv_idx):
@@ -579,321 +84,11 @@ def noop_mask(b, h, q_idx, kv_idx):
     return q_idx >= 0
 
 
-def _about_kernel_values(exc):
-    """Whether an exception raised inside a modifier came from a kernel value (not from the modifier's own raise)."""
-    if isinstance(exc, getattr(getattr(tvm, "error", None), "TVMError", ())):
-        return True
-    text = str(exc)
-    return any(word in text for word in ("Sym", "Dual", "kernel value", "PrimExpr", "int32 index arithmetic",
-                                         "cannot be compiled"))
+# --- The modifiers on tensors of indices -----------------------------------------------------------------------
 
-
-def _call(fn, what, args):
-    """Call a modifier on kernel values; a failure of an operation on them becomes an error that names it (the
-    modifier's own exceptions pass through unchanged)."""
-    try:
-        return fn(*args)
-    except (TypeError, ValueError, RuntimeError, AttributeError) as exc:
-        if not _about_kernel_values(exc):
-            raise
-        raise TypeError(f"{what} `{_name(fn)}` uses an operation the kernel cannot express ({type(exc).__name__}: "
-                        f"{exc}). Write it with +, -, *, /, //, %, comparisons, &, |, ~, indexing of tensors by "
-                        f"b, h, q_idx, kv_idx, and torch.where, torch.tanh, torch.exp, … (or the helpers "
-                        f"{', '.join(HELPERS)} of course_utils.api.flex)") from exc
-
-
-def _score_result(fn, out, dual=False):
-    value = out.value if dual and isinstance(out, Dual) else out
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = Sym(_const(float(value), "float32"))
-    if not isinstance(value, Sym):
-        raise TypeError(f"score_mod `{_name(fn)}` must return a score (a number computed from its arguments); "
-                        f"got {type(value).__name__}")
-    if value.dtype == "bool":
-        raise TypeError(f"score_mod `{_name(fn)}` returned a boolean: a condition belongs in a mask_mod")
-    return value
-
-
-def _mask_result(fn, out):
-    if not isinstance(out, Sym) or out.dtype != "bool":
-        got = out.dtype if isinstance(out, Sym) else type(out).__name__
-        raise TypeError(f"mask_mod `{_name(fn)}` must return a boolean (a comparison, or conditions joined with "
-                        f"&, |, ~); got {got}")
-    return out.expr
-
-
-def _reads_var(expr, var):
-    found = []
-    tvm.tirx.stmt_functor.post_order_visit(expr, lambda node: found.append(True) if node.same_as(var) else None)
-    return bool(found)
-
-
-class ModifierPlan:
-    """The modifiers of one kernel, traced, with the layout of the tensors they read.
-
-    Built by ``plan_modifiers``; a kernel factory calls ``score``, ``score_and_derivative`` and
-    ``mask`` on its index expressions while it builds its ``@T.prim_func``. ``key`` is what a
-    compiled kernel depends on: the traced formulas (with every Python value the modifiers read
-    baked in) and the shapes of the tensors they read, whose values are kernel inputs.
-    """
-
-    def __init__(self, score_mod, mask_mod, loader, traced):
-        self.score_mod, self.mask_mod = score_mod, mask_mod
-        self.handles, self.offsets, self.sequences = loader.handles, loader.offsets, loader.sequences
-        self.reads, self.traced = loader.reads, traced
-        self._checked = set()  # (B, H, Q_LEN, KV_LEN) whose reads check_reads found in range
-        self.sizes = (max(1, loader.sizes["float"]), max(1, loader.sizes["int"]))
-        mask = traced.get("mask")
-        self.mask_reads_b = mask is not None and _reads_var(mask, _TRACE_VARS["b"])
-        self.mask_reads_h = mask is not None and _reads_var(mask, _TRACE_VARS["h"])
-        formulas = tuple((name, tvm.ir.structural_hash(e)) for name, e in sorted(traced.items()))
-        self.key = (formulas, tuple((k, tuple(v)) for k, v in sorted(self.sequences.items())),
-                    tuple(h.layout_key for h in self.handles))
-
-    def current(self):
-        """Whether the tensors read still have the shapes and kinds this plan was traced with."""
-        return self.key[2] == tuple(h.layout_key for h in self.handles)
-
-    def _indices(self, b, h, q_idx, kv_idx):
-        return tuple(Sym(_promote(x, 0)[0]) for x in (b, h, q_idx, kv_idx))
-
-    def score(self, buffers, score, b, h, q_idx, kv_idx):
-        """The expression of score_mod(score, b, h, q_idx, kv_idx) (``score`` when there is none)."""
-        if self.score_mod is None:
-            return score
-        with _building(_Loader(self, buffers, "score_mod", self.score_mod)):
-            out = _call(self.score_mod, "score_mod", (Sym(score),) + self._indices(b, h, q_idx, kv_idx))
-        return _score_result(self.score_mod, out).expr
-
-    def score_and_derivative(self, buffers, score, b, h, q_idx, kv_idx):
-        """(score_mod(s), ∂score_mod/∂s) as expressions, from one evaluation on a Dual."""
-        with _building(_Loader(self, buffers, "score_mod'", self.score_mod)):
-            out = _call(self.score_mod, "score_mod",
-                        (Dual(Sym(score), Sym(_const(1.0, "float32"))),) + self._indices(b, h, q_idx, kv_idx))
-        value = _score_result(self.score_mod, out, dual=True)
-        deriv = out.deriv if isinstance(out, Dual) else 0.0
-        return value.expr, _promote(deriv, 0.0)[0]
-
-    def mask(self, buffers, b, h, q_idx, kv_idx):
-        """The boolean expression of mask_mod(b, h, q_idx, kv_idx) (true when there is none)."""
-        if self.mask_mod is None:
-            return _const(True, "bool")
-        with _building(_Loader(self, buffers, "mask_mod", self.mask_mod)):
-            return _mask_result(self.mask_mod, _call(self.mask_mod, "mask_mod", self._indices(b, h, q_idx, kv_idx)))
-
-    def check_reads(self, batch, heads, seq_q, seq_k):
-        """Raise ``ReadOutOfRange`` (an IndexError) where a read's index, bounded on the host over b < batch,
-        h < heads, q_idx < seq_q, kv_idx < seq_k, leaves the tensor (negative indices count from the end, as in
-        torch), and ``ValueError`` where integer arithmetic leaves int32. Indices that depend on the score or on
-        other reads are not checked (the kernel clamps them)."""
-        if (batch, heads, seq_q, seq_k) in self._checked:
-            return
-        analyzer = tvm.arith.Analyzer()
-        for name, n in (("b", batch), ("h", heads), ("q_idx", seq_q), ("kv_idx", seq_k)):
-            analyzer.bind(_TRACE_VARS[name], tvm.ir.Range(0, n))
-        for which, fn, handle, exprs in self.reads:
-            for dim, (size, e) in enumerate(zip(handle.tensor.shape, exprs)):
-                bound = analyzer.const_int_bound(e)
-                if bound.min_value <= -2 ** 31 or bound.max_value >= 2 ** 31 - 1:
-                    continue  # not bounded on the host
-                if bound.min_value < -size or bound.max_value >= size:
-                    raise ReadOutOfRange(
-                        f"{which.rstrip(chr(39))} `{_name(fn)}` reads `{handle.name}` (shape "
-                        f"{tuple(handle.tensor.shape)}) at index {bound.min_value}..{bound.max_value} in dimension "
-                        f"{dim} (for B={batch}, H={heads}, Q_LEN={seq_q}, KV_LEN={seq_k}), past its size {size}: "
-                        f"give it {bound.max_value + 1} entries, or keep the index in range (torch.clamp, %)")
-        self._check_overflow(analyzer, batch, heads, seq_q, seq_k)
-        self._checked.add((batch, heads, seq_q, seq_k))
-
-    def _check_overflow(self, analyzer, batch, heads, seq_q, seq_k):
-        """Raise ``ValueError`` where integer arithmetic on b, h, q_idx, kv_idx alone leaves int32 (the kernel's
-        index type; torch computes it in int64 and would not overflow)."""
-        indices = [_TRACE_VARS[n] for n in ("b", "h", "q_idx", "kv_idx")]
-
-        def index_only(expr):
-            other = []
-
-            def visit(node):
-                if isinstance(node, _tir.BufferLoad) or (isinstance(node, _tir.Var)
-                                                         and not any(node.same_as(v) for v in indices)):
-                    other.append(node)
-
-            tvm.tirx.stmt_functor.post_order_visit(expr, visit)
-            return not other
-
-        def visit(node):
-            if isinstance(node, (_tir.Add, _tir.Sub, _tir.Mul)) and str(node.dtype) == "int32" and not found:
-                bound = analyzer.const_int_bound(node)
-                if (bound.min_value < -2 ** 31 or bound.max_value >= 2 ** 31) and index_only(node):
-                    found.append((node, bound))
-
-        for name, expr in self.traced.items():
-            found = []
-            tvm.tirx.stmt_functor.post_order_visit(expr, visit)
-            if found:
-                node, bound = found[0]
-                fn = self.mask_mod if name == "mask" else self.score_mod
-                raise ValueError(
-                    f"{'mask_mod' if name == 'mask' else 'score_mod'} `{_name(fn)}` computes {node}, which reaches "
-                    f"{bound.min_value}..{bound.max_value} for B={batch}, H={heads}, Q_LEN={seq_q}, KV_LEN={seq_k}: "
-                    "past int32, the kernel's integer type (torch's int64 would not overflow). Keep the integers "
-                    "smaller, or compute in floats (multiply by 1.0 first)")
-
-    def check_no_grad(self):
-        """Refuse, where autograd is on, a tensor the modifiers read that requires grad: it would get none."""
-        if not torch.is_grad_enabled():
-            return
-        for handle in self.handles:
-            if handle.tensor.requires_grad:
-                raise ValueError(f"`{handle.name}` {tuple(handle.tensor.shape)}, read by a modifier, requires grad: "
-                                 "flex_attention computes gradients for q, k and v only. Pass it detached "
-                                 f"(`{handle.name}.detach()`), or run under torch.no_grad()")
-
-    def pack(self, device):
-        """The kernels' two captured inputs (float32, int32): every captured tensor, flattened, at its offset, with
-        its current values."""
-        floats = torch.zeros(self.sizes[0], dtype=torch.float32, device=device)
-        ints = torch.zeros(self.sizes[1], dtype=torch.int32, device=device)
-        for handle, offset in zip(self.handles, self.offsets):
-            tensor = handle.tensor
-            try:
-                flat = tensor.detach().reshape(-1).to(device)
-            except (RuntimeError, NotImplementedError) as exc:
-                raise ValueError(f"`{handle.name}`, read by a modifier, is on {tensor.device} and cannot be read by "
-                                 f"kernels on {device} ({exc}); move it there with .to({str(device)!r})") from None
-            if handle.buffer_kind == "int":
-                if flat.numel() and int(flat.long().abs().max()) >= 2 ** 31:
-                    raise ValueError(f"{handle!r}: values must fit in int32")
-                ints[offset:offset + flat.numel()] = flat.to(torch.int32)
-            else:
-                floats[offset:offset + flat.numel()] = flat.float()
-        return floats, ints
-
-
-_PLAIN = (int, float, complex, str, bytes, bool, type(None))
-
-
-def _value_key(value, seen, depth):
-    """A hashable summary of a value a modifier reads, or None where it cannot be summarised (a dict, a list, an
-    object): its traced formula may depend on every part of it. Tensors count by identity and layout, since their
-    values are kernel inputs, read afresh on every call."""
-    if isinstance(value, _PLAIN):
-        return (type(value), value)
-    if isinstance(value, tuple):
-        keys = tuple(_value_key(v, seen, depth) for v in value)
-        return None if any(k is None for k in keys) else keys
-    if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), tuple(value.shape), value.dtype, value._version)
-    if isinstance(value, Captured):
-        return ("captured", id(value), _value_key(value.tensor, seen, depth))
-    if isinstance(value, (types.ModuleType, types.BuiltinFunctionType, type)):
-        return ("object", id(value))
-    if isinstance(value, types.FunctionType):  # the helpers of this module are fixed; the user's are followed
-        return ("object", id(value)) if value.__module__ == __name__ else _fingerprint(value, seen, depth + 1)
-    return None
-
-
-@functools.lru_cache(maxsize=1024)
-def _global_names(code):
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= set(_global_names(const))
-    return tuple(sorted(names))
-
-
-def _fingerprint(fn, seen=None, depth=0):
-    """What a modifier reads: its code and the values of its defaults, closure cells and the globals it names
-    (through the functions it calls), or None where one of them cannot be summarised."""
-    if fn is None:
-        return ()
-    if not isinstance(fn, types.FunctionType) or depth > 8:
-        return None
-    seen = set() if seen is None else seen
-    if id(fn) in seen:
-        return ("again", id(fn))
-    seen.add(id(fn))
-    parts = [fn.__code__, _value_key(fn.__defaults__ or (), seen, depth)]
-    if fn.__kwdefaults__:
-        parts.append(_value_key(tuple(sorted(fn.__kwdefaults__.items())), seen, depth))
-    for cell in fn.__closure__ or ():
-        try:
-            parts.append(_value_key(cell.cell_contents, seen, depth))
-        except ValueError:  # an empty cell
-            parts.append(("empty",))
-    for name in _global_names(fn.__code__):
-        if name in fn.__globals__:
-            key = _value_key(fn.__globals__[name], seen, depth)
-            parts.append(None if key is None else (name, key))
-    return None if any(p is None for p in parts) else tuple(parts)
-
-
-_PLANS = {}
-_PLANS_LOCK = threading.Lock()
-
-
-def cached_plan(score_mod=None, mask_mod=None):
-    """``plan_modifiers``, reused while nothing the modifiers read has changed (``_fingerprint``: their code and
-    the values of the globals and closure cells they use); traced again otherwise, or when one of those values
-    cannot be summarised."""
-    fingerprints = (_fingerprint(score_mod), _fingerprint(mask_mod))
-    if None in fingerprints:
-        return plan_modifiers(score_mod, mask_mod)
-    key = (score_mod, mask_mod, fingerprints)
-    with _PLANS_LOCK:
-        plan = _PLANS.get(key)
-    if plan is None or not plan.current():
-        plan = plan_modifiers(score_mod, mask_mod)
-        with _PLANS_LOCK:
-            if len(_PLANS) >= 128:
-                _PLANS.pop(next(iter(_PLANS)))
-            _PLANS[key] = plan
-    return plan
-
-
-def _forget_plans_and_kernels():
-    """Drop the traced plans and the compiled flex kernels (``cached_plan.cache_clear``)."""
-    from ..kernels import flash_flex
-
-    with _PLANS_LOCK:
-        _PLANS.clear()
-    flash_flex._compiled_forward.cache_clear()
-    flash_flex._compiled_backward.cache_clear()
-
-
-cached_plan.cache_clear = _forget_plans_and_kernels
-
-
-def plan_modifiers(score_mod=None, mask_mod=None):
-    """Check both modifiers (arity, return type, only operations a kernel can express) and trace them.
-
-    Raises ``TypeError`` naming the modifier. Returns a ``ModifierPlan``.
-    """
-    if score_mod is not None:
-        _check_arity(score_mod, "score_mod", 5, ("score", "b", "h", "q_idx", "kv_idx"))
-    if mask_mod is not None:
-        _check_arity(mask_mod, "mask_mod", 4, ("b", "h", "q_idx", "kv_idx"))
-    loader = _Loader()
-    idx = [Sym(_TRACE_VARS[n]) for n in ("b", "h", "q_idx", "kv_idx")]
-    score = Sym(_TRACE_VARS["score"])
-    traced = {}
-    with _building(loader):
-        if score_mod is not None:
-            loader.begin("score_mod", score_mod)
-            traced["score"] = _score_result(score_mod, _call(score_mod, "score_mod", [score] + idx)).expr
-            loader.begin("score_mod'", score_mod)
-            out = _call(score_mod, "score_mod", [Dual(score, Sym(_const(1.0, "float32")))] + idx)
-            traced["score'"] = _score_result(score_mod, out, dual=True).expr
-            traced["derivative"] = _promote(out.deriv if isinstance(out, Dual) else 0.0, 0.0)[0]
-        if mask_mod is not None:
-            loader.begin("mask_mod", mask_mod)
-            traced["mask"] = _mask_result(mask_mod, _call(mask_mod, "mask_mod", idx))
-    return ModifierPlan(score_mod, mask_mod, loader, traced)
-
-
-# --- The float64 reference -------------------------------------------------------------------------------------
-
-def _index_grids(batch_ids, head_ids, seq_q, seq_k, device):
+def index_grids(batch_ids, head_ids, seq_q, seq_k, device):
+    """b, h, q_idx, kv_idx as int64 tensors that broadcast to [B, H, S_q, S_k]: what a modifier receives on torch
+    tensors (``create_block_mask``, the float64 reference)."""
     b = torch.as_tensor(batch_ids, device=device).view(-1, 1, 1, 1)
     h = torch.as_tensor(head_ids, device=device).view(1, -1, 1, 1)
     q_idx = torch.arange(seq_q, device=device).view(1, 1, -1, 1)
@@ -901,91 +96,13 @@ def _index_grids(batch_ids, head_ids, seq_q, seq_k, device):
     return b, h, q_idx, kv_idx
 
 
-def _reference_mask(mask_mod, b, h, q_idx, kv_idx):
+def reference_mask(mask_mod, b, h, q_idx, kv_idx):
+    """``mask_mod`` on tensors of indices, refused unless it returns a boolean tensor."""
     out = mask_mod(b, h, q_idx, kv_idx)
     if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
         got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
-        raise TypeError(f"mask_mod `{_name(mask_mod)}` must return a boolean tensor on tensor inputs; got {got}")
+        raise TypeError(f"mask_mod `{name_of(mask_mod)}` must return a boolean tensor on tensor inputs; got {got}")
     return out
-
-
-def flex_reference(q, k, v, *, score_mod=None, mask_mod=None, sm_scale=None, compute_dtype=torch.float64,
-                   batch_ids=None, head_ids=None):
-    """softmax(mask(score_mod(Q Kᵀ · scale))) V computed naively in ``compute_dtype``; returns (O, LSE).
-
-    O has q's dtype; LSE is float32, natural log. A row that sees no key gets O = 0 and LSE = −∞.
-    ``batch_ids`` / ``head_ids``: the b and h the modifiers see when q is a slice of a larger
-    problem. With a 16-bit ``compute_dtype`` this is the low-precision reference of
-    ``course_utils.core.reference.attention_reference`` (products in 16 bits, softmax in float32).
-    """
-    group = q.shape[1] // k.shape[1]
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    softmax_dtype = torch.float32 if compute_dtype in (torch.float16, torch.bfloat16) else compute_dtype
-    qc, kc, vc = (t.to(compute_dtype) for t in (q, k, v))
-    kc, vc = kc.repeat_interleave(group, dim=1), vc.repeat_interleave(group, dim=1)
-    b, h, q_idx, kv_idx = _index_grids(range(q.shape[0]) if batch_ids is None else batch_ids,
-                                       range(q.shape[1]) if head_ids is None else head_ids,
-                                       q.shape[2], k.shape[2], q.device)
-    scores = torch.einsum("bhqd,bhkd->bhqk", qc, kc).to(softmax_dtype) * scale
-    if score_mod is not None:
-        _STATE.float64.append(compute_dtype == torch.float64)
-        try:
-            scores = score_mod(scores, b, h, q_idx, kv_idx)
-        finally:
-            _STATE.float64.pop()
-        if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
-            raise TypeError(f"score_mod `{_name(score_mod)}` must return a floating-point tensor on tensor inputs")
-        scores = scores.to(softmax_dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    if mask_mod is not None:
-        visible = _reference_mask(mask_mod, b, h, q_idx, kv_idx)
-        scores = scores.masked_fill(~visible, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
-    weights = torch.exp(scores - row_max)
-    denom = weights.sum(dim=-1, keepdim=True)
-    probs = weights / torch.where(denom == 0, torch.ones_like(denom), denom)
-    out = torch.einsum("bhqk,bhkd->bhqd", probs.to(compute_dtype), vc).to(q.dtype)
-    return out, (row_max + torch.log(denom)).squeeze(-1).to(torch.float32)
-
-
-def flex_references(q, k, v, *, d_out=None, score_mod=None, mask_mod=None, sm_scale=None, rounded_out_delta=False):
-    """``validation.references`` for modifiers: float64 and low-precision O, LSE (and gradients), every head.
-
-    The result plugs into ``check_forward(..., refs=...)`` and ``check_backward(..., refs=...)``.
-    Computed one batch entry and one K/V head group at a time, with the b and h the modifiers see.
-    ``rounded_out_delta``: also ``grads_delta``, as ``validation.references`` makes it.
-    """
-    kw = dict(score_mod=score_mod, mask_mod=mask_mod, sm_scale=sm_scale)
-    want = d_out is not None
-    rounded_out_delta = rounded_out_delta and want and q.dtype in (torch.float16, torch.bfloat16)
-    result = {"out": torch.empty_like(q, dtype=torch.float64), "lse": q.new_empty(q.shape[:3], dtype=torch.float32),
-              "out_low": torch.empty_like(q)}
-    if want:
-        for key, dtype in (("grads", torch.float64), ("grads_low", q.dtype)) + (
-                (("grads_delta", torch.float64),) if rounded_out_delta else ()):
-            result[key] = [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v)]
-    for b, hq, hkv in head_chunks(q, k):
-        heads = range(q.shape[1])[hq]
-        for suffix, dtype in (("", torch.float64), ("_low", q.dtype)):
-            leaves = [t[b:b + 1, hh].detach().to(dtype).requires_grad_(want) for t, hh in ((q, hq), (k, hkv), (v, hkv))]
-            with torch.enable_grad():
-                out, lse = flex_reference(*leaves, compute_dtype=dtype, batch_ids=[b], head_ids=list(heads), **kw)
-                result["out" + suffix][b:b + 1, hq] = out.detach()
-                if not suffix:
-                    result["lse"][b:b + 1, hq] = lse
-                if want:
-                    d_chunk = d_out[b:b + 1, hq].to(out.dtype)
-                    delta_too = rounded_out_delta and not suffix
-                    grads = torch.autograd.grad(out, leaves, d_chunk, allow_unused=True, retain_graph=delta_too)
-                    for index, (hh, g) in enumerate(zip((hq, hkv, hkv), grads)):
-                        if g is not None:
-                            result["grads" + suffix][index][b:b + 1, hh] = g
-                    if delta_too:
-                        grads = rounded_out_delta_grads(out, lse, leaves, d_chunk, q.dtype, allow_unused=True)
-                        for index, (hh, g) in enumerate(zip((hq, hkv, hkv), grads)):
-                            if g is not None:
-                                result["grads_delta"][index][b:b + 1, hh] = g
-    return result
 
 
 # --- Block masks -----------------------------------------------------------------------------------------------
@@ -1031,7 +148,7 @@ class BlockMask(NamedTuple):
 
     def __repr__(self):
         c = self.counts()
-        return (f"BlockMask(shape={self.shape}, block={self.block}, mask_mod={_name(self.mask_mod)}, "
+        return (f"BlockMask(shape={self.shape}, block={self.block}, mask_mod={name_of(self.mask_mod)}, "
                 f"{c['full']} full, {c['partial']} partial, {c['empty']} empty tiles: "
                 f"{self.fraction_skipped():.0%} skipped)")
 
@@ -1070,10 +187,10 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", block=None):
     band = max(1, (1 << 24) // (bb * hh * bm * nk * bn))  # query blocks per evaluation
     for q0 in range(0, nq, band):
         q1 = min(nq, q0 + band)
-        b, h, q_idx, kv_idx = _index_grids(range(bb), range(hh), (q1 - q0) * bm, nk * bn, device)
+        b, h, q_idx, kv_idx = index_grids(range(bb), range(hh), (q1 - q0) * bm, nk * bn, device)
         q_idx = q_idx + q0 * bm
         inside = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
-        visible = _reference_mask(mask_mod, b, h, q_idx.clamp(max=Q_LEN - 1), kv_idx.clamp(max=KV_LEN - 1))
+        visible = reference_mask(mask_mod, b, h, q_idx.clamp(max=Q_LEN - 1), kv_idx.clamp(max=KV_LEN - 1))
         visible = (visible & inside).expand(bb, hh, (q1 - q0) * bm, nk * bn)
         tiles = visible.reshape(bb, hh, q1 - q0, bm, nk, bn)
         inside_tiles = inside.expand_as(visible).reshape(bb, hh, q1 - q0, bm, nk, bn)
@@ -1093,8 +210,8 @@ def visible_pairs(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu"):
     band = max(1, (1 << 24) // (bb * hh * KV_LEN))
     total = 0
     for q0 in range(0, Q_LEN, band):
-        b, h, q_idx, kv_idx = _index_grids(range(bb), range(hh), min(band, Q_LEN - q0), KV_LEN, device)
-        total += int(_reference_mask(mask_mod, b, h, q_idx + q0, kv_idx).expand(bb, hh, -1, KV_LEN).sum())
+        b, h, q_idx, kv_idx = index_grids(range(bb), range(hh), min(band, Q_LEN - q0), KV_LEN, device)
+        total += int(reference_mask(mask_mod, b, h, q_idx + q0, kv_idx).expand(bb, hh, -1, KV_LEN).sum())
     return total
 
 
@@ -1107,13 +224,182 @@ def _with_lists(state, block, seq_q, seq_k, mask_mod):
                      visited.sum(-2).int().contiguous(), q_list.contiguous(), block, seq_q, seq_k, mask_mod)
 
 
+
+# --- The compiled kernels --------------------------------------------------------------------------------------
+
+class FlexConfig(NamedTuple):
+    """Threads and pipeline stages of the flex kernels, and the backward's query tile (the forward's tile is the
+    BlockMask's block).
+
+    ``fwd_kernel``: on an sm_90 GPU, "hopper" runs the forward on chapter 07's rotated loop
+    (``flex_fwd_hopper_kernel``, with ``fwd_hopper_stages`` stages) wherever it applies
+    (``uses_hopper_forward``), and "sm80" keeps chapter 03's loop (``flex_fwd_kernel``, with ``fwd_stages``),
+    to compare them.
+    ``bwd_kernel``: "hopper" runs the backward on chapter 08's Hopper loop (``flash_flex_hopper_bwd``, its own
+    64-row steps, two stages and two consumer warpgroups) where it can (``uses_hopper_backward``), else chapter
+    05's loop with ``bwd_block_M``, ``bwd_threads`` and ``bwd_stages``; "sm80" always chapter 05's loop.
+    """
+
+    fwd_threads: int
+    fwd_stages: int
+    bwd_block_M: int
+    bwd_threads: int
+    bwd_stages: int
+    bwd_kernel: str = "hopper"
+    fwd_kernel: str = "hopper"
+    fwd_hopper_stages: int = 2
+
+
+def default_flex_config(device_type, mask_block):
+    """Small and serial on the CPU; on a GPU the threads and stages of chapter 04's tuned forward and chapter 05's
+    tuned backward (``TUNED_FORWARD_CONFIG``, ``TUNED_BACKWARD_CONFIG``: 128 × 128 and 64 × 128 tiles)."""
+    if device_type != "cuda":  # the backward's query tile: the largest divisor of the mask's query block up to 16
+        return FlexConfig(1, 1, max(d for d in range(1, 17) if mask_block[0] % d == 0), 1, 1)
+    return FlexConfig(256, 1, min(64, mask_block[0]), 256, 1)
+
+
+FWD_KERNELS = ("hopper", "sm80")
+
+
+def uses_hopper_forward(pr, config):
+    """Whether problem ``pr`` (an ``AttentionProblem.flex``) runs its forward on chapter 07's rotated loop: asked for
+    by ``config.fwd_kernel``, on an sm_90 GPU, with the BlockMask's 128 × 128 tiles, D = 64 or 128 and 16-bit
+    inputs."""
+    if config.fwd_kernel not in FWD_KERNELS:
+        raise ValueError(f"FlexConfig.fwd_kernel must be one of {FWD_KERNELS}; got {config.fwd_kernel!r}")
+    return (config.fwd_kernel == "hopper" and pr.target == "cuda" and _device.is_hopper()
+            and pr.mask_block == flash_flex_hopper.HOPPER_FLEX_BLOCK and pr.dim in flash_flex_hopper.HOPPER_FLEX_DIMS
+            and pr.dtype in ("float16", "bfloat16"))
+
+
+BWD_KERNELS = ("hopper", "sm80")
+
+
+def uses_hopper_backward(target, dim, mask_block, config):
+    """Whether the backward runs on chapter 08's Hopper loop: asked for (``config.bwd_kernel``), on an sm_90 GPU,
+    with the 128 × 128 block mask it walks and a head dim it is built for."""
+    if config.bwd_kernel not in BWD_KERNELS:
+        raise ValueError(f"FlexConfig.bwd_kernel must be one of {BWD_KERNELS}; got {config.bwd_kernel!r}")
+    return (config.bwd_kernel == "hopper" and target == "cuda" and _device.is_hopper()
+            and tuple(mask_block) == flash_flex_hopper_bwd.HOPPER_FLEX_BLOCK
+            and dim in flash_flex_hopper_bwd.HOPPER_FLEX_DIMS)
+
+
+class FlexBackwardKernels(NamedTuple):
+    """The compiled backward: Δ, the main kernel (dK, dV and dQ's float32 accumulator), dQ's cast, and with GQA
+    the dK/dV cast (else None): the dense backward's ``HELPERS`` around a ``FLEX`` row."""
+
+    preprocess: object
+    main: object
+    postprocess_dq: object
+    postprocess_dkv: object
+
+
+# The registry rows compile through the one cache, keyed by (row, problem, plan, tiling): a plan is equal to
+# another with the same ``key`` (its traced formulas and the layout of what it reads), so an equal formula of
+# another function object finds the kernel already compiled.
+def _forward_kernel(problem, plan, config):
+    """The compiled forward of ``problem`` (an ``AttentionProblem.flex``) with ``plan``'s modifiers: its tile is the
+    block mask's."""
+    if uses_hopper_forward(problem, config):
+        row, stages = FLEX["flex_fwd_hopper"], config.fwd_hopper_stages
+    else:
+        row, stages = FLEX["flex_fwd"], config.fwd_stages
+    return compiled(row, problem, plan=plan, tiling=Tiling(*problem.mask_block, stages, config.fwd_threads))
+
+
+def _backward_kernels(problem, plan, config):
+    """The compiled ``FlexBackwardKernels`` of ``problem`` with ``plan``'s modifiers. The Δ kernel and the casts do
+    not depend on the block mask: they are compiled for the problem without it."""
+    small = dict(block=16, threads=1) if problem.target == "c" else dict(block=64, threads=128)
+    unmasked = problem.replace(mask_shape=None, mask_block=None)
+    pre = compiled(HELPER_ROWS["bwd_preprocess"], unmasked, **small)
+    if uses_hopper_backward(problem.target, problem.dim, problem.mask_block, config):
+        main = compiled(FLEX["flex_bwd_hopper"], problem, plan=plan)  # its own tiling
+    else:
+        tiling = Tiling(config.bwd_block_M, problem.mask_block[1], config.bwd_stages, config.bwd_threads)
+        main = compiled(FLEX["flex_bwd"], problem, plan=plan, tiling=tiling)
+    post_q = compiled(HELPER_ROWS["bwd_postprocess_dq"], unmasked, **small)
+    post_kv = None
+    if problem.heads_kv != problem.heads:
+        post_kv = compiled(HELPER_ROWS["bwd_postprocess_dkv"], unmasked, **small)
+    return FlexBackwardKernels(pre, main, post_q, post_kv)
+
+
+def flex_forward_kernel(q, k, plan, block_mask, sm_scale, config=None):
+    """The compiled forward: ``kernel(q, k, v, kv_count, kv_list, state, floats, ints) -> (out, lse)``."""
+    config = config or default_flex_config(q.device.type, block_mask.block)
+    return _forward_kernel(AttentionProblem.flex(q, k, block_mask, sm_scale), plan, config)
+
+
+def flex_backward_kernels(q, k, plan, block_mask, sm_scale, config=None):
+    """The compiled ``FlexBackwardKernels`` for these shapes, modifiers and block mask."""
+    config = config or default_flex_config(q.device.type, block_mask.block)
+    return _backward_kernels(AttentionProblem.flex(q, k, block_mask, sm_scale), plan, config)
+
+
+def flex_forward_uses_hopper(q, k, block_mask, sm_scale=1.0, config=None):
+    """Whether ``flex_forward_kernel`` runs these inputs on the Hopper kernel (``uses_hopper_forward``)."""
+    config = config or default_flex_config(q.device.type, block_mask.block)
+    return uses_hopper_forward(AttentionProblem.flex(q, k, block_mask, sm_scale), config)
+
+
+def flex_forward(q, k, v, plan, block_mask, sm_scale, config=None):
+    """(O, LSE) of the flex forward kernel (no autograd)."""
+    kernel = flex_forward_kernel(q, k, plan, block_mask, sm_scale, config)
+    bm = block_mask
+    return kernel(q, k, v, bm.kv_count, bm.kv_list, bm.state, *plan.pack(q.device))
+
+
+def flex_backward(q, k, v, out, lse, d_out, plan, block_mask, sm_scale, *, d_lse=None, config=None, delta=None):
+    """(dQ, dK, dV) of flex attention from the forward's O and LSE. ``delta`` replaces Δ (a planted bug)."""
+    kernels = flex_backward_kernels(q, k, plan, block_mask, sm_scale, config)
+    d_out = d_out.contiguous()
+    if delta is None:
+        delta = kernels.preprocess(out, d_out)
+        if d_lse is not None:
+            delta = (delta - d_lse.float()).contiguous()
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if kernels.postprocess_dkv is None:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    else:
+        dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+    bm = block_mask
+    kernels.main(q, k, v, d_out, lse, delta, bm.q_count, bm.q_list, bm.state, *plan.pack(q.device), dq_acc, dk, dv)
+    dq = kernels.postprocess_dq(dq_acc)
+    if kernels.postprocess_dkv is not None:
+        dk, dv = kernels.postprocess_dkv(dk), kernels.postprocess_dkv(dv)
+    return dq, dk, dv
+
+
+class FlexFunction(torch.autograd.Function):
+    """flex attention as an autograd Function: (q, k, v, plan, block_mask, sm_scale) -> (O, LSE)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, block_mask, sm_scale):
+        out, lse = flex_forward(q, k, v, plan, block_mask, sm_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.flex = (plan, block_mask, sm_scale)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        dq, dk, dv = flex_backward(q, k, v, out, lse, d_out, *ctx.flex, d_lse=d_lse)
+        return dq, dk, dv, None, None, None
+
+
 # --- The public function ---------------------------------------------------------------------------------------
 
 def _check_block_mask(block_mask, mask_mod, q, k):
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must come from create_block_mask; got {type(block_mask).__name__}")
     if mask_mod is not None and mask_mod is not block_mask.mask_mod:
-        raise ValueError(f"block_mask was made from mask_mod `{_name(block_mask.mask_mod)}`, not `{_name(mask_mod)}`")
+        raise ValueError(f"block_mask was made from mask_mod `{name_of(block_mask.mask_mod)}`, not "
+                         f"`{name_of(mask_mod)}`")
     bb, hh = block_mask.state.shape[:2]
     if (block_mask.seq_q, block_mask.seq_k) != (q.shape[2], k.shape[2]):
         raise ValueError(f"block_mask is for Q_LEN={block_mask.seq_q}, KV_LEN={block_mask.seq_k}; q has "
@@ -1128,7 +414,7 @@ def _check_shared_dims(plan, block_mask, q):
     """A block mask evaluated at b = 0 (h = 0) alone is wrong for a mask that reads b (h)."""
     for dim, (name, reads) in enumerate((("B", plan.mask_reads_b), ("H", plan.mask_reads_h))):
         if reads and block_mask.state.shape[dim] == 1 and q.shape[dim] > 1:
-            raise ValueError(f"mask_mod `{_name(plan.mask_mod)}` reads {'bh'[dim]}, but block_mask was built with "
+            raise ValueError(f"mask_mod `{name_of(plan.mask_mod)}` reads {'bh'[dim]}, but block_mask was built with "
                              f"{name}=None (evaluated at {'bh'[dim]} = 0 only); build it with "
                              f"create_block_mask(..., {name}={q.shape[dim]}, ...)")
 
@@ -1138,8 +424,6 @@ def _check_backward_block(block, q, k, v):
     cannot walk."""
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         return
-    from ..kernels.flash_flex import default_flex_config
-
     step = default_flex_config(q.device.type, block).bwd_block_M
     if block[0] % step:
         raise ValueError(f"block {tuple(block)}: the backward on {q.device.type} walks query blocks in steps of "
@@ -1173,6 +457,7 @@ def flex_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, s
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     out, lse = FlexFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, block_mask, sm_scale)
     return (out, lse) if return_lse else out
+
 
 
 # --- The modifiers of the chapter ------------------------------------------------------------------------------

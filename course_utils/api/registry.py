@@ -4,8 +4,9 @@
 calls ``row.compile(problem, config)``; nothing downstream asks for a kernel by name. A new kernel is
 one row here (and, for its default tiling, one entry in ``attention``'s configs). ``flash_attention_varlen``
 picks its rows from ``PACKED_FORWARD`` and ``PACKED_BACKWARD`` by the same names: each is the packed prelude
-under the loop of the dense kernel of that name. ``flash_decode`` runs the rows of ``DECODE``. A row's
-``layout`` says which of the problem's fields its factory takes (``DENSE``, ``PACKED``, ``DECODE``...).
+under the loop of the dense kernel of that name. ``flash_decode`` runs the rows of ``DECODE``, ``flex_attention``
+those of ``FLEX``. A row's ``layout`` says which of the problem's fields its factory takes (``DENSE``, ``PACKED``,
+``DECODE_LAYOUT``, ``FLEX_LAYOUT``...).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from ..kernels.flash_bwd_hopper import (
     gemm_policies,
 )
 from ..kernels.flash_decode import flash_decode_kernel, flash_decode_merge_kernel
+from ..kernels.flash_flex import flex_bwd_kernel, flex_fwd_kernel
+from ..kernels.flash_flex_hopper import flex_fwd_hopper_kernel
+from ..kernels.flash_flex_hopper_bwd import flex_bwd_hopper_kernel
 from ..kernels.flash_fwd import flash_fwd_kernel
 from ..kernels.flash_fwd_fp8 import flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
 from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
@@ -45,7 +49,8 @@ from ..kernels.fp8_producer import quantise_rows_kernel, quantise_transposed_ker
 from ..kernels.tiles import Tiling, compile_kernel
 
 __all__ = ["KernelRow", "FORWARD", "BACKWARD", "PACKED_FORWARD", "PACKED_BACKWARD", "DECODE", "HELPERS", "FP8",
-           "OPTION_OFF", "forward_row", "backward_row", "DENSE", "PACKED", "DECODE_LAYOUT", "MERGE", "ROWS"]
+           "FLEX", "OPTION_OFF", "forward_row", "backward_row", "DENSE", "PACKED", "DECODE_LAYOUT", "MERGE",
+           "FLEX_LAYOUT", "FLEX_BACKWARD_LAYOUT", "ROWS"]
 
 
 def _sm_count():
@@ -77,6 +82,18 @@ def DECODE_LAYOUT(problem):
 def MERGE(problem):
     """Decoding's merge of partial results: it reads only the query heads, dim, new tokens and dtype."""
     return dict(heads=problem.heads, dim=problem.dim, seq_new=problem.seq_new, dtype=problem.dtype)
+
+
+def FLEX_LAYOUT(problem):
+    """A flex forward's: the shape, the shape of the block mask's tile states (its tile is the kernel's, in the
+    ``tiling`` the front door passes), heads_kv, scale and dtype."""
+    return dict(zip(("batch", "heads", "seq_q", "seq_k", "dim"), problem.shape), mask_shape=problem.mask_shape,
+                heads_kv=problem.heads_kv, sm_scale=problem.sm_scale, dtype=problem.dtype)
+
+
+def FLEX_BACKWARD_LAYOUT(problem):
+    """A flex backward's: the forward's and the block mask's tile, whose query rows it walks in steps of its own."""
+    return dict(FLEX_LAYOUT(problem), mask_block=problem.mask_block)
 
 
 def _fp8_layout(problem):
@@ -273,9 +290,24 @@ FP8 = {row.name: row for row in (
               hopper_only=True, on_cpu=False, layout=_producer_layout, fast_math=False),
 )}
 
+# Chapter 11's flex kernels (``flex_attention``): the forward on chapter 03's loop or chapter 07's rotated loop, the
+# backward on chapter 05's loop or chapter 08's Hopper loop (between the dense backward's Δ and casts, ``HELPERS``).
+# Each is compiled with the front door's ``plan=`` (a ``ModifierPlan``: the modifiers, inlined; the cache keys it by
+# its traced formulas) and, but for the Hopper backward, which keeps its own, ``tiling=`` (a ``Tiling``).
+FLEX = {row.name: row for row in (
+    KernelRow("flex_fwd", flex_fwd_kernel, (8, 9), "chapter 11's flex forward on chapter 03's loop",
+              layout=FLEX_LAYOUT),
+    KernelRow("flex_fwd_hopper", flex_fwd_hopper_kernel, (8, 9), "chapter 11's flex forward on chapter 07's loop",
+              hopper_only=True, on_cpu=False, layout=FLEX_LAYOUT),
+    KernelRow("flex_bwd", flex_bwd_kernel, (), "chapter 11's flex backward on chapter 05's loop",
+              layout=FLEX_BACKWARD_LAYOUT),
+    KernelRow("flex_bwd_hopper", flex_bwd_hopper_kernel, (), "chapter 11's flex backward on chapter 08's loop",
+              hopper_only=True, on_cpu=False, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS, layout=FLEX_BACKWARD_LAYOUT),
+)}
+
 # Every row, by table: what the one compile cache (``api.compiled``) compiles.
 ROWS = {"forward": FORWARD, "backward": BACKWARD, "packed_forward": PACKED_FORWARD,
-        "packed_backward": PACKED_BACKWARD, "decode": DECODE, "helpers": HELPERS, "fp8": FP8}
+        "packed_backward": PACKED_BACKWARD, "decode": DECODE, "helpers": HELPERS, "fp8": FP8, "flex": FLEX}
 
 
 def forward_row(config):

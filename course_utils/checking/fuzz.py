@@ -491,7 +491,8 @@ def _flex_modifiers(pr, device):
 
 
 def _run_flex(pr, f):
-    from ..api.flex import flex_attention, flex_references
+    from ..api.flex import flex_attention
+    from .flex_reference import flex_references
 
     q, k, v, d_out, _ = _dense_inputs(pr)
     dtype = q.dtype

@@ -5,8 +5,8 @@ masking, sinks, the scale and, where the kernel is compiled for one shape, the s
 hashable, so it is the key of the compile caches; ``kernel_options`` is the keyword list every kernel
 factory takes (``heads_kv``, ``causal``, ``window_size``, ``sm_scale``, ``dtype``), and the kernels'
 ``Prelude`` (``flash_pieces.prelude``) is made from those. The front doors build it from their tensors:
-``dense`` (``flash_attention``, ring attention's blocks), ``packed`` (``flash_attention_varlen``) and
-``decode`` (``flash_decode``).
+``dense`` (``flash_attention``, ring attention's blocks), ``packed`` (``flash_attention_varlen``),
+``decode`` (``flash_decode``) and ``flex`` (``flex_attention``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class AttentionProblem:
     ``batch``, ``seq_q`` and ``seq_k`` are the shape of a dense problem; a packed (varlen) or cached
     (decode) problem reads its lengths at run time and leaves them None. ``seq_new`` and
     ``page_size`` are decoding's new tokens per sequence and cache page size (None: contiguous cache).
+    ``mask_shape`` and ``mask_block`` are a flex problem's block mask: the shape of its tile states
+    [B', H', query blocks, key blocks] and its tile (query rows, keys); its modifiers are not part of
+    the problem (the compile cache keys them by their ``ModifierPlan``).
     """
 
     heads: int
@@ -51,6 +54,8 @@ class AttentionProblem:
     seq_k: int | None = None
     seq_new: int | None = None
     page_size: int | None = None
+    mask_shape: tuple | None = None
+    mask_block: tuple | None = None
 
     @staticmethod
     def _scale(dim, sm_scale):
@@ -78,6 +83,14 @@ class AttentionProblem:
                    target=target_of(q.device), sm_scale=cls._scale(q.shape[3], sm_scale),
                    causal=bool(causal or window_size is not None), window_size=window_size,
                    seq_new=q.shape[1], page_size=page_size)
+
+    @classmethod
+    def flex(cls, q, k, block_mask, sm_scale=None):
+        """q [B, H, S_q, D], k [B, H_kv, S_k, D] under ``block_mask`` (a ``BlockMask``: ``flex_attention``)."""
+        return cls(heads=q.shape[1], heads_kv=k.shape[1], dim=q.shape[3], dtype=DTYPE_NAMES[q.dtype],
+                   target=target_of(q.device), sm_scale=cls._scale(q.shape[3], sm_scale), batch=q.shape[0],
+                   seq_q=q.shape[2], seq_k=k.shape[2], mask_shape=tuple(block_mask.state.shape),
+                   mask_block=tuple(block_mask.block))
 
     @property
     def shape(self):

@@ -12,6 +12,7 @@ import torch
 
 from ..api import flex
 from ..checking.checks import CheckFailed
+from ..checking.flex_reference import flex_references
 from ..checking.validation import check_backward, check_forward
 from .common import ExerciseWrong, check_exercise, not_written, with_diagnosis
 
@@ -54,7 +55,7 @@ def _kernel_check(name, q, k, v, d_out, learner_mods, reference_mods):
         raise not_written(name, exc) from None
     except TypeError as exc:
         raise ExerciseWrong(f"{name}: the kernel could not be built from your function: {exc}") from None
-    refs = flex.flex_references(q, k, v, d_out=d_out, **reference_mods)
+    refs = flex_references(q, k, v, d_out=d_out, **reference_mods)
     try:
         check_forward(q, k, v, out, lse, refs=refs, name=f"{name} in the kernel", quiet=True)
         check_backward(q, k, v, d_out, grads, refs=refs, name=f"{name} in the kernel", quiet=True)

@@ -21,13 +21,16 @@ import tilelang.language as T
 from .flash_bwd_hopper import ACCUM, BackwardPieces, flash_bwd_hopper_kernel
 from .flash_pieces import prelude
 from .flex_pieces import FULL, mask_dims, recompute_probabilities
-from .tiles import TileBackend
+from .flex_trace import ModifierPlan
+from .tiles import TileBackend, Tiling
 
-__all__ = ["flex_bwd_hopper_kernel", "BlockMaskSteps", "HOPPER_FLEX_DIMS", "HOPPER_FLEX_BLOCK"]
+__all__ = ["flex_bwd_hopper_kernel", "BlockMaskSteps", "HOPPER_FLEX_DIMS", "HOPPER_FLEX_BLOCK",
+           "HOPPER_BACKWARD_TILING"]
 
 _GPU = TileBackend("cuda")
 HOPPER_FLEX_DIMS = (64, 128)  # head dims the kernel is built and checked for
 HOPPER_FLEX_BLOCK = (128, 128)  # the block mask's tile it walks (FlexAttention's default)
+HOPPER_BACKWARD_TILING = Tiling(64, HOPPER_FLEX_BLOCK[1], 2, 256)  # 64-row steps, two stages, two consumer warpgroups
 
 
 @T.macro
@@ -47,8 +50,8 @@ class BlockMaskSteps:
     (``BackwardPieces.modifiers``). ``block_mask`` in each method is the tuple of the kernel's inputs
     (QCount, QList, State, CapturedF, CapturedI) that ``launch`` passes to the loop."""
 
-    def __init__(self, batch, heads, seq_q, seq_k, dim, plan, mask_shape, mask_block, *, heads_kv, sm_scale, dtype,
-                 block_M):
+    def __init__(self, batch, heads, seq_q, seq_k, dim, plan: ModifierPlan, mask_shape, mask_block, *, heads_kv,
+                 sm_scale, dtype, block_M):
         self.batch, self.heads, self.seq_q, self.seq_k, self.dim = batch, heads, seq_q, seq_k, dim
         self.plan, self.mask_shape, self.dtype, self.block_M = plan, tuple(mask_shape), dtype, block_M
         self.block_N = mask_block[1]
@@ -108,17 +111,22 @@ class BlockMaskSteps:
         return flex_bwd_hopper
 
 
-def flex_bwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, mask_block, *, heads_kv=None,
-                           sm_scale=None, dtype="float16", block_M=64, num_stages=2, threads=256, defer_dq_wait=True):
+def flex_bwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, plan: ModifierPlan, mask_shape, mask_block, *,
+                           heads_kv=None, sm_scale=None, dtype="float16", tiling=HOPPER_BACKWARD_TILING,
+                           defer_dq_wait=True):
     """Return a ``@T.prim_func`` with ``flex_bwd_kernel``'s contract, on chapter 08's Hopper loop.
 
     ``(Q, K, V, dO, LSE, Δ, QCount, QList, State, CapturedF, CapturedI, dQ_acc, dK, dV)``: dQ_acc (and, with
     GQA, the float32 dK and dV) zero on entry; dQ_acc receives Σ dS·K before its scale. ``mask_block``: the
-    BlockMask's tile, whose keys are the block's resident ``block_N``; its query rows are walked in ``block_M``
-    steps (a multiple of 64: a warpgroup's wgmma owns 64 rows of dQ). ``defer_dq_wait``: chapter 08's version 22,
-    dQ's reduce-add waited for at the next step's dSᵀ barrier (every shipped ``BackwardConfig`` has it).
+    BlockMask's tile, whose keys are the block's resident ``tiling.block_N``; its query rows are walked in
+    ``tiling.block_M`` steps (a multiple of 64: a warpgroup's wgmma owns 64 rows of dQ). ``defer_dq_wait``:
+    chapter 08's version 22, dQ's reduce-add waited for at the next step's dSᵀ barrier (every shipped
+    ``BackwardConfig`` has it).
     """
-    mask_M, block_N = mask_block
+    block_M, block_N, num_stages, threads = tiling
+    mask_M = mask_block[0]
+    if block_N != mask_block[1]:
+        raise ValueError(f"the backward's key block ({block_N}) must be the mask's ({mask_block[1]})")
     if block_M % 64 or mask_M % block_M:
         raise ValueError(f"the Hopper flex backward walks the mask's query block ({mask_M} rows) in steps of a "
                          f"multiple of 64 rows that divides it; got block_M={block_M}")

@@ -1,7 +1,7 @@
 """The pieces of chapter 11's flex kernels that their loops share (chapter 03's and chapter 07's rotated forward,
 chapter 05's and chapter 08's Hopper backward): the states of a block mask's tiles, how a mask shared across batch
-entries or heads is indexed, the forward's step that puts the score tile through ``score_mod`` and ``mask_mod``,
-and the backward's Pᵀ recomputed with the modifiers.
+entries or heads is indexed, the forwards' inputs and launch, the forward's step that puts the score tile through
+``score_mod`` and ``mask_mod``, and the backward's Pᵀ recomputed with the modifiers.
 
 Like ``flash_pieces``, everything here is evaluated while a factory builds its ``@T.prim_func``: ``plan.score``
 and ``plan.mask`` return the modifiers' formulas as TileLang expressions, inlined where the step is called.
@@ -11,7 +11,8 @@ import tilelang.language as T
 
 from .flash_pieces import LOG2E, NEG_INF, prelude
 
-__all__ = ["EMPTY", "PARTIAL", "FULL", "flex_prelude", "mask_dims", "modify_scores", "recompute_probabilities"]
+__all__ = ["EMPTY", "PARTIAL", "FULL", "flex_prelude", "mask_dims", "forward_launch", "modify_scores",
+           "recompute_probabilities"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # the three states of a (query block, key block) pair of a block mask
 
@@ -27,6 +28,35 @@ def flex_prelude(plan, heads, seq_q, seq_k, dim, *, heads_kv=None, sm_scale=None
 def mask_dims(state_shape):
     """The mask's (batch, head) strides: 0 for a dimension the mask shares (B' or H' = 1)."""
     return (1 if state_shape[0] > 1 else 0), (1 if state_shape[1] > 1 else 0)
+
+
+def forward_launch(name, tb, body, shape, p, mask_shape, plan, dtype, threads):
+    """The ``@T.prim_func`` ``name`` of a flex forward: inputs Q, K, V [batch, heads (p.heads_kv), seq, dim] of
+    ``shape``, the BlockMask's KVCount, KVList and State (``mask_shape``), the captured tensors packed as
+    ``plan.sizes``; outputs O and LSE. One block of ``threads`` per (query block, head, batch entry) runs the macro
+    ``body(Q, K, V, KVCount, KVList, State, captured, Output, LSE, bx, by, bz)``, ``captured`` the two packed
+    inputs: chapter 03's loop or chapter 07's rotated one."""
+    batch, heads, seq_q, seq_k, dim = shape
+    mb, mh, n_qb, n_kb = mask_shape
+    n_float, n_int = plan.sizes
+
+    @T.prim_func
+    def flex_fwd(
+        Q: T.Tensor([batch, heads, seq_q, dim], dtype),
+        K: T.Tensor([batch, p.heads_kv, seq_k, dim], dtype),
+        V: T.Tensor([batch, p.heads_kv, seq_k, dim], dtype),
+        KVCount: T.Tensor([mb, mh, n_qb], "int32"),
+        KVList: T.Tensor([mb, mh, n_qb, n_kb], "int32"),
+        State: T.Tensor([mb, mh, n_qb, n_kb], "int32"),
+        CapturedF: T.Tensor([n_float], "float32"),
+        CapturedI: T.Tensor([n_int], "int32"),
+        Output: T.Tensor([batch, heads, seq_q, dim], dtype),
+        LSE: T.Tensor([batch, heads, seq_q], "float32"),
+    ):
+        with tb.kernel(n_qb, heads, batch, threads=threads) as (bx, by, bz):
+            body(Q, K, V, KVCount, KVList, State, (CapturedF, CapturedI), Output, LSE, bx, by, bz)
+
+    return flex_fwd.with_attr("global_symbol", name)
 
 
 @T.macro

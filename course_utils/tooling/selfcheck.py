@@ -262,7 +262,8 @@ def check_ring(world=2):
 def check_flex():
     """``python -m course_utils.check flex``: soft-capping (cap 50) with a causal mask, forward and backward,
     checked on every head against float64; on a GPU also timed next to ``flash_attention(causal=True)``."""
-    from ..api.flex import causal_mask, create_block_mask, flex_attention, flex_references, soft_cap
+    from ..api.flex import causal_mask, create_block_mask, flex_attention, soft_cap
+    from ..checking.flex_reference import flex_references
     from ..measure.bench import time_cuda
 
     batch, heads, seq, dim = (1, 16, 4096, 128) if HAS_GPU else (1, 2, 48, 32)

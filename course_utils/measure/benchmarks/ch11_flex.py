@@ -19,30 +19,28 @@ from torch.autograd.function import once_differentiable
 
 from ...api.attention import flash_attention
 from ...api.flex import (
+    FlexFunction,
     alibi,
     alibi_slopes,
     cached_plan,
     causal_mask,
     create_block_mask,
+    default_flex_config,
     document_ids,
     document_mask,
     flex_attention,
-    flex_references,
-    prefix_lm,
-    soft_cap,
-    visible_pairs,
-)
-from ...checking.validation import check_backward, check_forward
-from ...core.labels import OURS
-from ...kernels.flash_flex import (
-    FlexFunction,
-    default_flex_config,
     flex_backward,
     flex_backward_kernels,
     flex_forward,
     flex_forward_kernel,
     flex_forward_uses_hopper,
+    prefix_lm,
+    soft_cap,
+    visible_pairs,
 )
+from ...checking.flex_reference import flex_references
+from ...checking.validation import check_backward, check_forward
+from ...core.labels import OURS
 from ..bench import tflops, time_side_by_side
 from .common import backward_timer, in_parallel, quiet_flash_attention_4_compiles, random_inputs
 
