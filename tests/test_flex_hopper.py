@@ -1,10 +1,13 @@
-"""FlexAttention's forward on chapter 07's rotated loop (``flex_fwd_hopper_kernel``).
+"""FlexAttention's forward on chapter 07's rotated loop (``flex_fwd_hopper_kernel``) and on its persistent kernel
+(``flex_fwd_hopper_persistent_kernel``).
 
-Without a GPU: the kernel lowers for sm_90a for every kind of modifier (a mask, a score_mod, captured float and int
-tensors, GQA), with the rotated loop's order of asynchronous matmuls, and ptxas compiles it without serialising
-the wgmmas or spilling. On an sm_90 GPU (marked ``gpu``): ``flex_attention`` runs its forward on this kernel, and
-the documented modifiers of ``test_flex_dropin``, at lengths that are not a multiple of the tile and with query
-blocks that see no key, agree with the float64 reference.
+Without a GPU: both kernels lower for sm_90a for every kind of modifier (a mask, a score_mod, captured float and
+int tensors, GQA), the rotated one with its loop's order of asynchronous matmuls, the persistent one loading the
+listed key blocks from its producer, and ptxas compiles them without serialising the wgmmas or spilling; the
+forward picks the persistent kernel exactly where a block mask's rows grow down. On an sm_90 GPU (marked
+``gpu``): ``flex_attention`` runs its forward on these kernels, and the documented modifiers of
+``test_flex_dropin``, at lengths that are not a multiple of the tile and with query blocks that see no key, agree
+with the float64 reference on both.
 """
 
 import math
@@ -27,8 +30,10 @@ from course_utils.api.flex import (
 )
 from course_utils.checking.flex_reference import flex_references
 from course_utils.core.device import is_hopper
+from course_utils.core.problem import AttentionProblem
 from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_flex_hopper import HOPPER_FLEX_BLOCK, HOPPER_FLEX_DIMS, flex_fwd_hopper_kernel
+from course_utils.kernels.flash_flex_persistent import flex_fwd_hopper_persistent_kernel
 
 # --- Lowered for sm_90a, no GPU needed --------------------------------------------------------------------------
 
@@ -51,12 +56,12 @@ PLANS = {  # name: (score_mod, mask_mod, K/V heads, D, dtype)
 }
 
 
-def _lowered(name):
+def _lowered(name, factory=flex_fwd_hopper_kernel):
     score_mod, mask_mod, heads_kv, dim, dtype = PLANS[name]
     plan = plan_modifiers(score_mod, mask_mod)
     blocks = -(-SEQ // 128)
-    return cuda_source(flex_fwd_hopper_kernel(BATCH, HEADS, SEQ, SEQ, dim, plan, (1, 1, blocks, blocks),
-                                              heads_kv=heads_kv, sm_scale=dim ** -0.5, dtype=dtype))
+    return cuda_source(factory(BATCH, HEADS, SEQ, SEQ, dim, plan, (1, 1, blocks, blocks), heads_kv=heads_kv,
+                               sm_scale=dim ** -0.5, dtype=dtype))
 
 
 def _consumer_loop(source):
@@ -67,6 +72,11 @@ def _consumer_loop(source):
 @pytest.fixture(scope="module")
 def lowered():
     return {name: _lowered(name) for name in PLANS}
+
+
+@pytest.fixture(scope="module")
+def lowered_persistent():
+    return {name: _lowered(name, flex_fwd_hopper_persistent_kernel) for name in PLANS}
 
 
 def test_every_plan_lowers_to_the_rotated_loop(lowered):
@@ -81,10 +91,9 @@ def test_every_plan_lowers_to_the_rotated_loop(lowered):
     assert re.search(r"blockIdx\.y\) >> 2\)", lowered["GQA, soft-cap and causal"])  # K/V head = query head // 4
 
 
-def test_ptxas_keeps_the_wgmmas_async_without_spills(lowered):
-    # One translation unit for all of them (one nvcc run): each kernel under its own name.
-    unit = "\n".join(source.replace("flex_fwd_hopper_kernel", f"flex_fwd_hopper_kernel_{i}")
-                     for i, source in enumerate(lowered.values()))
+def _ptxas_of_every_plan(lowered, kernel_name):
+    """ptxas's report on every plan's kernel, in one translation unit (one nvcc run), each under its own name."""
+    unit = "\n".join(source.replace(kernel_name, f"{kernel_name}_{i}") for i, source in enumerate(lowered.values()))
     report = ptxas_report(unit)
     if report is None:
         pytest.skip("nvcc is not installed")
@@ -93,6 +102,46 @@ def test_ptxas_keeps_the_wgmmas_async_without_spills(lowered):
     assert not any("C75" in line or "serialized" in line for line in report), report
     spills = [line for line in report if "spill" in line]
     assert len(spills) == len(PLANS) and all("0 bytes spill stores, 0 bytes spill loads" in s for s in spills), report
+
+
+def test_ptxas_keeps_the_wgmmas_async_without_spills(lowered):
+    _ptxas_of_every_plan(lowered, "flex_fwd_hopper_kernel")
+
+
+def test_the_persistent_kernel_loads_the_listed_key_blocks_and_modifies_every_step(lowered_persistent):
+    for name, source in lowered_persistent.items():
+        producer = source[source.index("tl::warpgroup_reg_dealloc"):source.index("tl::warpgroup_reg_alloc")]
+        assert "KVList[" in producer and "tl::tma_load(K_desc" in producer, name  # the listed block's TMA
+        assert "KVCount[" in source and "wgmma_rs<" in source and "__named_barrier_arrive" in source, name
+    assert "tanhf" in lowered_persistent["soft-cap"] and "tanhf" not in lowered_persistent["causal"]
+    assert "CapturedF[" in lowered_persistent["ALiBi, captured slopes"]
+    assert "CapturedI[" in lowered_persistent["document mask, captured ids"]
+    _ptxas_of_every_plan(lowered_persistent, "flex_fwd_hopper_persistent_kernel")
+
+
+def _flex_problem(mask_mod, dim=128, mask_b=None, seq=1000):
+    q, k = torch.empty(2, 4, seq, dim, dtype=torch.float16), torch.empty(2, 4, seq, dim, dtype=torch.float16)
+    bm = create_block_mask(mask_mod, mask_b, None, seq, seq, block=(128, 128))
+    return AttentionProblem.flex(q, k, bm, dim ** -0.5).replace(target="cuda"), bm
+
+
+def test_the_persistent_forward_runs_where_the_mask_rows_grow_down(monkeypatch):
+    monkeypatch.setattr(flex._device, "is_hopper", lambda: True)
+    docs = torch.stack([flex.document_ids([700, 300]), flex.document_ids([200, 800])])
+    rows = {"causal": _flex_problem(flex.causal_mask), "prefix-LM": _flex_problem(flex.prefix_lm(300)),
+            "window": _flex_problem(_sliding_window), "no mask": _flex_problem(flex.noop_mask),
+            "documents": _flex_problem(flex.document_mask(docs), mask_b=2),
+            "D = 64": _flex_problem(flex.causal_mask, 64)}
+    config = default_flex_config("cuda", (128, 128))
+    chosen = {name: flex.forward_row(pr, config, bm.longest_rows_last) for name, (pr, bm) in rows.items()}
+    assert chosen == {"causal": "flex_fwd_hopper_persistent", "prefix-LM": "flex_fwd_hopper_persistent",
+                      "window": "flex_fwd_hopper_persistent", "no mask": "flex_fwd_hopper_persistent",
+                      "documents": "flex_fwd_hopper", "D = 64": "flex_fwd_hopper"}
+    pr, bm = rows["documents"]
+    assert not bm.longest_rows_last and rows["causal"][1].longest_rows_last
+    for asked, row in (("persistent", "flex_fwd_hopper_persistent"), ("rotated", "flex_fwd_hopper"),
+                       ("sm80", "flex_fwd")):
+        assert flex.forward_row(pr, config._replace(fwd_kernel=asked), bm.longest_rows_last) == row
 
 
 @pytest.mark.skipif(is_hopper(), reason="the dispatch of a machine without a Hopper GPU")
@@ -136,8 +185,9 @@ def _gpu_inputs(dim, dtype, seq=GPU_SEQ, scale=3.0):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def _forward_through_hopper(name, q, k, v, *, score_mod=None, mask_mod=None, block_mask=None):
-    """flex_attention's forward, checked to run on the Hopper kernel and against float64; returns (O, LSE)."""
+def _forward_through_hopper(name, q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, fwd_kernel="hopper"):
+    """flex_attention's forward, checked to run on the Hopper kernel and against float64; returns (O, LSE).
+    ``fwd_kernel`` "persistent" or "rotated": ``flex_forward`` asked for that kernel (``FlexConfig.fwd_kernel``)."""
     if block_mask is None:
         block_mask = create_block_mask(mask_mod or flex.noop_mask, None, None, q.shape[2], k.shape[2], device="cuda")
         if mask_mod is not None:
@@ -149,10 +199,15 @@ def _forward_through_hopper(name, q, k, v, *, score_mod=None, mask_mod=None, blo
     assert block_mask.block == (128, 128)
     assert flex_forward_uses_hopper(q, k, block_mask)
     plan = plan_modifiers(score_mod, block_mask.mask_mod if mask_mod is None else mask_mod)
-    kernel = flex_forward_kernel(q, k, plan, block_mask, 1.0 / math.sqrt(q.shape[-1]))  # flex_attention's
-    assert "flex_fwd_hopper" in kernel.get_kernel_source()
-    out, lse = flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                              return_lse=True)
+    config = default_flex_config("cuda", block_mask.block)._replace(fwd_kernel=fwd_kernel)
+    source = flex_forward_kernel(q, k, plan, block_mask, 1.0 / math.sqrt(q.shape[-1]), config).get_kernel_source()
+    assert "flex_fwd_hopper" in source
+    if fwd_kernel == "hopper":  # flex_attention's own choice
+        out, lse = flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                                  return_lse=True)
+    else:
+        assert ("flex_fwd_hopper_persistent" in source) == (fwd_kernel == "persistent")
+        out, lse = flex_forward(q, k, v, plan, block_mask, 1.0 / math.sqrt(q.shape[-1]), config)
     refs = flex_references(q, k, v, score_mod=score_mod, mask_mod=block_mask.mask_mod)
     cu.check_forward(q, k, v, out, lse, refs=refs, name=name, quiet=True)
     return out, lse
@@ -161,28 +216,31 @@ def _forward_through_hopper(name, q, k, v, *, score_mod=None, mask_mod=None, blo
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("dim, dtype", GPU_CASES, ids=[f"D{d}-{str(t)[6:]}" for d, t in GPU_CASES])
+@pytest.mark.parametrize("fwd_kernel", ["persistent", "rotated"])
 @pytest.mark.parametrize("name", list(dropin.DOCUMENTED))
-def test_documented_modifiers_on_the_hopper_kernel(name, dim, dtype, gpu_dropin):
+def test_documented_modifiers_on_the_hopper_kernel(name, fwd_kernel, dim, dtype, gpu_dropin):
     mods = dict(gpu_dropin.DOCUMENTED[name])
     q, k, v = _gpu_inputs(dim, dtype)
     if mods.pop("block", None):
         mods["block_mask"] = create_block_mask(gpu_dropin.sliding_window_causal, None, None, GPU_SEQ, GPU_SEQ,
                                                device="cuda")
         assert mods["block_mask"].counts()["empty"] > 0  # skipped tiles, as on the CPU
-    _forward_through_hopper(name, q, k, v, **mods)
+    _forward_through_hopper(f"{name}, {fwd_kernel}", q, k, v, fwd_kernel=fwd_kernel, **mods)
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("dim, dtype", GPU_CASES, ids=[f"D{d}-{str(t)[6:]}" for d, t in GPU_CASES])
-def test_query_blocks_that_see_no_key(dim, dtype):
+@pytest.mark.parametrize("fwd_kernel", ["hopper", "persistent", "rotated"])
+def test_query_blocks_that_see_no_key(dim, dtype, fwd_kernel):
     def late_queries_only(b, h, q_idx, kv_idx):
         return (q_idx >= 200) & (kv_idx <= q_idx)
 
     q, k, v = _gpu_inputs(dim, dtype)
     bm = create_block_mask(late_queries_only, None, None, GPU_SEQ, GPU_SEQ, device="cuda")
     assert bm.kv_count[0, 0, 0] == 0  # query block 0 lists no key block; block 1 has rows that see none
-    out, lse = _forward_through_hopper("rows that see no key", q, k, v, block_mask=bm)
+    out, lse = _forward_through_hopper(f"rows that see no key, {fwd_kernel}", q, k, v, block_mask=bm,
+                                       fwd_kernel=fwd_kernel)
     assert torch.equal(out[:, :, :200], torch.zeros_like(out[:, :, :200]))
     assert torch.isneginf(lse[:, :, :200]).all()
 

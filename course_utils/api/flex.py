@@ -115,6 +115,8 @@ class BlockMask(NamedTuple):
     never FULL: only PARTIAL tiles pay for the mask. The forward walks, for each query block,
     ``kv_count`` key blocks listed in ``kv_list``; the backward walks, for each key block,
     ``q_count`` query blocks listed in ``q_list`` (all int32, on the device of the inputs).
+    ``longest_rows_last``: every query block lists at least as many key blocks as the one before (a causal mask,
+    prefix-LM, a sliding window), which the persistent Hopper forward's folded order balances.
     """
 
     state: torch.Tensor
@@ -126,6 +128,7 @@ class BlockMask(NamedTuple):
     seq_q: int
     seq_k: int
     mask_mod: object
+    longest_rows_last: bool = False
 
     @property
     def shape(self):
@@ -220,8 +223,10 @@ def _with_lists(state, block, seq_q, seq_k, mask_mod):
     visited = state != EMPTY
     kv_list = torch.sort((~visited).int(), dim=-1, stable=True).indices.int()
     q_list = torch.sort((~visited).transpose(-1, -2).int(), dim=-1, stable=True).indices.int()
-    return BlockMask(state.contiguous(), visited.sum(-1).int().contiguous(), kv_list.contiguous(),
-                     visited.sum(-2).int().contiguous(), q_list.contiguous(), block, seq_q, seq_k, mask_mod)
+    kv_count = visited.sum(-1).int().contiguous()
+    longest_rows_last = bool((kv_count[..., 1:] >= kv_count[..., :-1]).all())
+    return BlockMask(state.contiguous(), kv_count, kv_list.contiguous(), visited.sum(-2).int().contiguous(),
+                     q_list.contiguous(), block, seq_q, seq_k, mask_mod, longest_rows_last)
 
 
 
@@ -231,10 +236,11 @@ class FlexConfig(NamedTuple):
     """Threads and pipeline stages of the flex kernels, and the backward's query tile (the forward's tile is the
     BlockMask's block).
 
-    ``fwd_kernel``: on an sm_90 GPU, "hopper" runs the forward on chapter 07's rotated loop
-    (``flex_fwd_hopper_kernel``, with ``fwd_hopper_stages`` stages) wherever it applies
-    (``uses_hopper_forward``), and "sm80" keeps chapter 03's loop (``flex_fwd_kernel``, with ``fwd_stages``),
-    to compare them.
+    ``fwd_kernel``: on an sm_90 GPU, "hopper" runs the forward on one of chapter 07's kernels wherever they apply
+    (``uses_hopper_forward``): the persistent one (``flex_fwd_hopper_persistent_kernel``) where the block mask's
+    rows grow down, else the rotated loop (``flex_fwd_hopper_kernel``), both with ``fwd_hopper_stages`` stages
+    (``forward_row``); "persistent" and "rotated" ask for one of them, and "sm80" keeps chapter 03's loop
+    (``flex_fwd_kernel``, with ``fwd_stages``), to compare them.
     ``bwd_kernel``: "hopper" runs the backward on chapter 08's Hopper loop (``flash_flex_hopper_bwd``, its own
     64-row steps, two stages and two consumer warpgroups) where it can (``uses_hopper_backward``), else chapter
     05's loop with ``bwd_block_M``, ``bwd_threads`` and ``bwd_stages``; "sm80" always chapter 05's loop.
@@ -258,16 +264,16 @@ def default_flex_config(device_type, mask_block):
     return FlexConfig(256, 1, min(64, mask_block[0]), 256, 1)
 
 
-FWD_KERNELS = ("hopper", "sm80")
+FWD_KERNELS = ("hopper", "persistent", "rotated", "sm80")
 
 
 def uses_hopper_forward(pr, config):
-    """Whether problem ``pr`` (an ``AttentionProblem.flex``) runs its forward on chapter 07's rotated loop: asked for
-    by ``config.fwd_kernel``, on an sm_90 GPU, with the BlockMask's 128 × 128 tiles, D = 64 or 128 and 16-bit
-    inputs."""
+    """Whether problem ``pr`` (an ``AttentionProblem.flex``) runs its forward on one of chapter 07's kernels: asked
+    for by ``config.fwd_kernel`` (anything but "sm80"), on an sm_90 GPU, with the BlockMask's 128 × 128 tiles,
+    D = 64 or 128 and 16-bit inputs."""
     if config.fwd_kernel not in FWD_KERNELS:
         raise ValueError(f"FlexConfig.fwd_kernel must be one of {FWD_KERNELS}; got {config.fwd_kernel!r}")
-    return (config.fwd_kernel == "hopper" and pr.target == "cuda" and _device.is_hopper()
+    return (config.fwd_kernel != "sm80" and pr.target == "cuda" and _device.is_hopper()
             and pr.mask_block == flash_flex_hopper.HOPPER_FLEX_BLOCK and pr.dim in flash_flex_hopper.HOPPER_FLEX_DIMS
             and pr.dtype in ("float16", "bfloat16"))
 
@@ -298,13 +304,23 @@ class FlexBackwardKernels(NamedTuple):
 # The registry rows compile through the one cache, keyed by (row, problem, plan, tiling): a plan is equal to
 # another with the same ``key`` (its traced formulas and the layout of what it reads), so an equal formula of
 # another function object finds the kernel already compiled.
-def _forward_kernel(problem, plan, config):
+def forward_row(problem, config, longest_rows_last):
+    """The name of the ``FLEX`` row the forward runs: on Hopper (``uses_hopper_forward``) chapter 07's persistent
+    kernel at D = 128 where the block mask's rows grow down (``BlockMask.longest_rows_last``: its folded order pairs
+    a long row with a short one) and the rotated loop otherwise, unless ``config.fwd_kernel`` names one; else chapter
+    03's loop."""
+    if not uses_hopper_forward(problem, config):
+        return "flex_fwd"
+    if config.fwd_kernel == "hopper":  # measured at D = 128 only (docs/flex_hopper.md)
+        return "flex_fwd_hopper_persistent" if longest_rows_last and problem.dim == 128 else "flex_fwd_hopper"
+    return "flex_fwd_hopper_persistent" if config.fwd_kernel == "persistent" else "flex_fwd_hopper"
+
+
+def _forward_kernel(problem, plan, config, longest_rows_last):
     """The compiled forward of ``problem`` (an ``AttentionProblem.flex``) with ``plan``'s modifiers: its tile is the
     block mask's."""
-    if uses_hopper_forward(problem, config):
-        row, stages = FLEX["flex_fwd_hopper"], config.fwd_hopper_stages
-    else:
-        row, stages = FLEX["flex_fwd"], config.fwd_stages
+    row = FLEX[forward_row(problem, config, longest_rows_last)]
+    stages = config.fwd_stages if row.name == "flex_fwd" else config.fwd_hopper_stages
     return compiled(row, problem, plan=plan, tiling=Tiling(*problem.mask_block, stages, config.fwd_threads))
 
 
@@ -329,7 +345,8 @@ def _backward_kernels(problem, plan, config):
 def flex_forward_kernel(q, k, plan, block_mask, sm_scale, config=None):
     """The compiled forward: ``kernel(q, k, v, kv_count, kv_list, state, floats, ints) -> (out, lse)``."""
     config = config or default_flex_config(q.device.type, block_mask.block)
-    return _forward_kernel(AttentionProblem.flex(q, k, block_mask, sm_scale), plan, config)
+    return _forward_kernel(AttentionProblem.flex(q, k, block_mask, sm_scale), plan, config,
+                           block_mask.longest_rows_last)
 
 
 def flex_backward_kernels(q, k, plan, block_mask, sm_scale, config=None):

@@ -29,6 +29,7 @@ from ..kernels.flash_decode import flash_decode_kernel, flash_decode_merge_kerne
 from ..kernels.flash_flex import flex_bwd_kernel, flex_fwd_kernel
 from ..kernels.flash_flex_hopper import flex_fwd_hopper_kernel
 from ..kernels.flash_flex_hopper_bwd import flex_bwd_hopper_kernel
+from ..kernels.flash_flex_persistent import flex_fwd_hopper_persistent_kernel
 from ..kernels.flash_fwd import flash_fwd_kernel
 from ..kernels.flash_fwd_fp8 import flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
 from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
@@ -299,6 +300,9 @@ FLEX = {row.name: row for row in (
               layout=FLEX_LAYOUT),
     KernelRow("flex_fwd_hopper", flex_fwd_hopper_kernel, (8, 9), "chapter 11's flex forward on chapter 07's loop",
               hopper_only=True, on_cpu=False, layout=FLEX_LAYOUT),
+    KernelRow("flex_fwd_hopper_persistent", flex_fwd_hopper_persistent_kernel, (8, 9),
+              "chapter 11's flex forward on chapter 07's persistent kernel", hopper_only=True, on_cpu=False,
+              layout=FLEX_LAYOUT, per_device=_sm_count),
     KernelRow("flex_bwd", flex_bwd_kernel, (), "chapter 11's flex backward on chapter 05's loop",
               layout=FLEX_BACKWARD_LAYOUT),
     KernelRow("flex_bwd_hopper", flex_bwd_hopper_kernel, (), "chapter 11's flex backward on chapter 08's loop",

@@ -24,13 +24,20 @@ from .flex_pieces import FULL, mask_dims, recompute_probabilities
 from .flex_trace import ModifierPlan
 from .tiles import TileBackend, Tiling
 
-__all__ = ["flex_bwd_hopper_kernel", "BlockMaskSteps", "HOPPER_FLEX_DIMS", "HOPPER_FLEX_BLOCK",
+__all__ = ["flex_bwd_hopper_kernel", "FLEX_BACKWARD_PIECES", "BlockMaskSteps", "HOPPER_FLEX_DIMS", "HOPPER_FLEX_BLOCK",
            "HOPPER_BACKWARD_TILING"]
 
 _GPU = TileBackend("cuda")
 HOPPER_FLEX_DIMS = (64, 128)  # head dims the kernel is built and checked for
 HOPPER_FLEX_BLOCK = (128, 128)  # the block mask's tile it walks (FlexAttention's default)
 HOPPER_BACKWARD_TILING = Tiling(64, HOPPER_FLEX_BLOCK[1], 2, 256)  # 64-row steps, two stages, two consumer warpgroups
+
+
+# Chapter 08's options that the flex backward takes, measured on its loop (docs/flex_hopper.md): dQ's reduce-add
+# waited for at the next step's dSᵀ barrier (version 22, as every shipped BackwardConfig), and dK and dV stored by
+# TMA where a block owns its rows (version 19): 1.005-1.036 × without it (medians) over the five modifiers of
+# chapter 11's record, in two runs on an H200. ``dv_under_ds`` is not taken: level or slower, with a larger dQ error.
+FLEX_BACKWARD_PIECES = BackwardPieces(defer_dq_wait=True, dkdv_by_tma=True)
 
 
 @T.macro
@@ -113,15 +120,15 @@ class BlockMaskSteps:
 
 def flex_bwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, plan: ModifierPlan, mask_shape, mask_block, *,
                            heads_kv=None, sm_scale=None, dtype="float16", tiling=HOPPER_BACKWARD_TILING,
-                           defer_dq_wait=True):
+                           pieces=FLEX_BACKWARD_PIECES):
     """Return a ``@T.prim_func`` with ``flex_bwd_kernel``'s contract, on chapter 08's Hopper loop.
 
     ``(Q, K, V, dO, LSE, Δ, QCount, QList, State, CapturedF, CapturedI, dQ_acc, dK, dV)``: dQ_acc (and, with
     GQA, the float32 dK and dV) zero on entry; dQ_acc receives Σ dS·K before its scale. ``mask_block``: the
     BlockMask's tile, whose keys are the block's resident ``tiling.block_N``; its query rows are walked in
-    ``tiling.block_M`` steps (a multiple of 64: a warpgroup's wgmma owns 64 rows of dQ). ``defer_dq_wait``:
-    chapter 08's version 22, dQ's reduce-add waited for at the next step's dSᵀ barrier (every shipped
-    ``BackwardConfig`` has it).
+    ``tiling.block_M`` steps (a multiple of 64: a warpgroup's wgmma owns 64 rows of dQ). ``pieces``: chapter 08's
+    options (a ``BackwardPieces`` without ``modifiers``, which this factory adds); by default those of
+    ``FLEX_BACKWARD_PIECES``.
     """
     block_M, block_N, num_stages, threads = tiling
     mask_M = mask_block[0]
@@ -135,7 +142,7 @@ def flex_bwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, plan: ModifierPlan, 
                          f"{seq_q} queries and {seq_k} keys")
     steps = BlockMaskSteps(batch, heads, seq_q, seq_k, dim, plan, mask_shape, mask_block, heads_kv=heads_kv,
                            sm_scale=sm_scale, dtype=dtype, block_M=block_M)
-    pieces = BackwardPieces(modifiers=steps, defer_dq_wait=defer_dq_wait)
+    pieces = pieces._replace(modifiers=steps)
     return flash_bwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, sm_scale=sm_scale, dtype=dtype,
                                    block_M=block_M, block_N=block_N, num_stages=num_stages, threads=threads,
                                    pieces=pieces)

@@ -30,12 +30,13 @@ def mask_dims(state_shape):
     return (1 if state_shape[0] > 1 else 0), (1 if state_shape[1] > 1 else 0)
 
 
-def forward_launch(name, tb, body, shape, p, mask_shape, plan, dtype, threads):
+def forward_launch(name, tb, body, shape, p, mask_shape, plan, dtype, threads, num_ctas=None):
     """The ``@T.prim_func`` ``name`` of a flex forward: inputs Q, K, V [batch, heads (p.heads_kv), seq, dim] of
     ``shape``, the BlockMask's KVCount, KVList and State (``mask_shape``), the captured tensors packed as
     ``plan.sizes``; outputs O and LSE. One block of ``threads`` per (query block, head, batch entry) runs the macro
     ``body(Q, K, V, KVCount, KVList, State, captured, Output, LSE, bx, by, bz)``, ``captured`` the two packed
-    inputs: chapter 03's loop or chapter 07's rotated one."""
+    inputs: chapter 03's loop or chapter 07's rotated one. With ``num_ctas``, that many persistent blocks run
+    ``body(..., Output, LSE, cta)`` instead: chapter 07's persistent kernel."""
     batch, heads, seq_q, seq_k, dim = shape
     mb, mh, n_qb, n_kb = mask_shape
     n_float, n_int = plan.sizes
@@ -53,8 +54,12 @@ def forward_launch(name, tb, body, shape, p, mask_shape, plan, dtype, threads):
         Output: T.Tensor([batch, heads, seq_q, dim], dtype),
         LSE: T.Tensor([batch, heads, seq_q], "float32"),
     ):
-        with tb.kernel(n_qb, heads, batch, threads=threads) as (bx, by, bz):
-            body(Q, K, V, KVCount, KVList, State, (CapturedF, CapturedI), Output, LSE, bx, by, bz)
+        if num_ctas is None:
+            with tb.kernel(n_qb, heads, batch, threads=threads) as (bx, by, bz):
+                body(Q, K, V, KVCount, KVList, State, (CapturedF, CapturedI), Output, LSE, bx, by, bz)
+        else:
+            with T.Kernel(num_ctas, threads=threads) as cta:
+                body(Q, K, V, KVCount, KVList, State, (CapturedF, CapturedI), Output, LSE, cta)
 
     return flex_fwd.with_attr("global_symbol", name)
 
