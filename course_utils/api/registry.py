@@ -10,6 +10,7 @@ under the loop of the dense kernel of that name. ``flash_decode`` runs the rows 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import tilelang
@@ -27,8 +28,8 @@ from ..kernels.flash_bwd_hopper import (
 from ..kernels.flash_decode import flash_decode_kernel, flash_decode_merge_kernel
 from ..kernels.flash_fwd import flash_fwd_kernel
 from ..kernels.flash_fwd_fp8 import flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
-from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
-from ..kernels.flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
+from ..kernels.flash_fwd_hopper import RotatedPieces, flash_fwd_hopper_kernel
+from ..kernels.flash_fwd_hopper_one_warpgroup import OneWarpgroupTiling, flash_fwd_hopper_one_warpgroup_kernel
 from ..kernels.flash_fwd_hopper_persistent import PersistentTiling, flash_fwd_hopper_persistent_kernel
 from ..kernels.flash_varlen import (
     flash_varlen_bwd_kernel,
@@ -96,7 +97,7 @@ class KernelRow:
     """One kernel: how to build it for an ``AttentionProblem`` and a config, and where it runs."""
 
     name: str
-    factory: object  # (**layout(problem), **tiling, **options) -> @T.prim_func
+    factory: object  # (**layout(problem), **arguments(config)) -> @T.prim_func
     out_idx: tuple  # the parameters the compiled kernel allocates and returns
     what: str  # for error messages: "chapter 08's Hopper kernel"
     hopper_only: bool = False  # wgmma/TMA: needs an sm_90 GPU
@@ -139,26 +140,27 @@ class KernelRow:
             kwargs["has_sinks"] = problem.has_sinks
         if self.on_cpu:
             kwargs["target"] = problem.target
-        tiling = {} if config is None else config.tiling()
         if self.per_device is not None:
-            tiling.update(self.per_device())
-        if self.tiling is None:
-            kwargs.update(tiling, **self.factory_options(config))
-            return self.factory(**kwargs, **extra)
-        options = {o: getattr(config, o) for o in self.options}
-        tiling.update({o: options.pop(o) for o in list(options) if o in self.tiling._fields},
-                      **{e: extra.pop(e) for e in list(extra) if e in self.tiling._fields})
-        kwargs["tiling"] = self.tiling(**tiling)
-        if options:
-            kwargs["pieces"] = self.pieces(**options)
-        return self.factory(**kwargs, **extra)
+            extra = {**self.per_device(), **extra}
+        return self.factory(**kwargs, **self.arguments(config, **extra))
 
-    def factory_options(self, config):
-        """``config``'s fields in ``options`` as the factory's keywords (one ``pieces`` argument, if it takes one)."""
-        if config is None:
-            return {}
-        options = {o: getattr(config, o) for o in self.options}
-        return options if self.pieces is None else {"pieces": self.pieces(**options)}
+    def arguments(self, config, **extra):
+        """The factory's arguments for ``config``'s tiling and ``options`` and for ``extra``: keywords, or, for a
+        factory that takes them so, one ``tiling`` (the factory's default with the config's and ``extra``'s fields
+        of it) and one ``pieces`` (the other options); any other ``extra`` as a keyword."""
+        tiling = {} if config is None else config.tiling()
+        options = {} if config is None else {o: getattr(config, o) for o in self.options}
+        if self.tiling is None:
+            if self.pieces is not None and options:
+                options = {"pieces": self.pieces(**options)}
+            return {**tiling, **options, **extra}
+        fields = self.tiling._fields
+        tiling.update({k: v for k, v in {**options, **extra}.items() if k in fields})
+        arguments = {"tiling": inspect.signature(self.factory).parameters["tiling"].default._replace(**tiling)}
+        options = {k: v for k, v in options.items() if k not in fields}
+        if options:
+            arguments["pieces"] = self.pieces(**options)
+        return {**arguments, **{k: v for k, v in extra.items() if k not in fields}}
 
     def compile(self, problem, config, *, pass_configs=None, **extra):
         """Build and compile for ``problem.target``, with ``pass_configs`` added to the row's and the config's."""
@@ -191,12 +193,12 @@ FORWARD = {row.name: row for row in (
     KernelRow("flash_fwd", flash_fwd_kernel, (4, 5), "chapter 03/04's kernel", sinks=True,
               keyless_blocks_unaliased=True),
     KernelRow("flash_fwd_hopper", flash_fwd_hopper_kernel, (4, 5), _HOPPER_FORWARD, hopper_only=True, on_cpu=False,
-              sinks=True, options=("pingpong",)),
+              sinks=True, options=("pingpong",), tiling=Tiling, pieces=RotatedPieces),
     KernelRow("flash_fwd_hopper_persistent", flash_fwd_hopper_persistent_kernel, (4, 5), _HOPPER_FORWARD,
               hopper_only=True, on_cpu=False, sinks=True, options=("pingpong", "blocks_per_sm"), per_device=_sm_count,
               tiling=PersistentTiling),
     KernelRow("flash_fwd_hopper_one_warpgroup", flash_fwd_hopper_one_warpgroup_kernel, (4, 5), _HOPPER_FORWARD,
-              hopper_only=True, on_cpu=False, sinks=True, options=("blocks_per_sm",)),
+              hopper_only=True, on_cpu=False, sinks=True, options=("blocks_per_sm",), tiling=OneWarpgroupTiling),
 )}
 BACKWARD = {row.name: row for row in (
     KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel"),

@@ -131,11 +131,7 @@ def _cuda_jobs():
     # the rotated loop.
     def hopper_forward(config, dim, **options):
         row = reg.FORWARD[config.kernel]
-        extra = {o: getattr(config, o) for o in row.options}
-        tiling = getattr(row, "tiling", None)
-        if tiling is None:  # a factory that takes its tiling as keywords
-            return row.factory(B, H, 4096, 4096, dim, **options, **config.tiling(), **extra)
-        return row.factory(B, H, 4096, 4096, dim, **options, tiling=tiling(**config.tiling(), **extra))
+        return row.factory(B, H, 4096, 4096, dim, **options, **row.arguments(config))
 
     for (dim, masked), config in att.HOPPER_FORWARD_CONFIGS.items():
         jobs.append((f"fwd_{config.kernel.removeprefix('flash_fwd_')}_d{dim}_{'masked' if masked else 'full'}", hopper,
@@ -150,7 +146,7 @@ def _cuda_jobs():
     for (dim, masked), config in ch07.ROTATED_LOOP_CONFIGS.items():
         jobs.append((f"fwd_hopper_rotated_d{dim}_{'masked' if masked else 'full'}", hopper,
                      lambda config=config, dim=dim, masked=masked: fwd_h.flash_fwd_hopper_kernel(
-                         B, H, S, S, dim, causal=masked, **config.tiling(), pingpong=config.pingpong), None))
+                         B, H, S, S, dim, causal=masked, **reg.FORWARD["flash_fwd_hopper"].arguments(config)), None))
     # Dense backward: chapter 05's kernel and its helpers, chapter 08's Hopper kernel.
     for vname, v in (("d128", dict(dim=128)), ("d128_causal", dict(dim=128, causal=True)),
                      ("d64_gqa_window", dict(dim=64, heads_kv=2, causal=True, window_size=128))):
