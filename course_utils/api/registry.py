@@ -25,7 +25,7 @@ from ..kernels.flash_bwd_hopper import (
     flash_bwd_hopper_kernel,
     gemm_policies,
 )
-from ..kernels.flash_decode import flash_decode_kernel, flash_decode_merge_kernel
+from ..kernels.flash_decode import DecodeConfig, flash_decode_kernel, flash_decode_merge_kernel
 from ..kernels.flash_fwd import flash_fwd_kernel
 from ..kernels.flash_fwd_fp8 import flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
 from ..kernels.flash_fwd_hopper import RotatedPieces, flash_fwd_hopper_kernel
@@ -234,9 +234,10 @@ PACKED_BACKWARD = {row.name: row for row in (
 # one-split kernel writes the result itself. Each is compiled with a ``DecodeConfig`` (the merge: None). The
 # merge writes into O and LSE it is given; "decode_merge_allocating" allocates and returns them.
 DECODE = {row.name: row for row in (
-    KernelRow("decode_split", flash_decode_kernel, (), "chapter 09's split kernel", layout=DECODE_LAYOUT),
+    KernelRow("decode_split", flash_decode_kernel, (), "chapter 09's split kernel", layout=DECODE_LAYOUT,
+              tiling=DecodeConfig),
     KernelRow("decode_single", flash_decode_kernel, (), "chapter 09's one-split kernel", layout=DECODE_LAYOUT,
-              fixed=(("single", True),)),
+              fixed=(("single", True),), tiling=DecodeConfig),
     KernelRow("decode_merge", flash_decode_merge_kernel, (), "chapter 09's merge kernel", layout=MERGE),
     KernelRow("decode_merge_allocating", flash_decode_merge_kernel, (3, 4), "chapter 09's merge kernel",
               layout=MERGE),

@@ -243,7 +243,7 @@ def _cuda_jobs():
         config = dec.decode_config("cuda", 8, 2, 128, 1, page_size)
         jobs.append((f"decode_split_{vname}", both,
                      lambda config=config, page_size=page_size, causal=causal: dec.flash_decode_kernel(
-                         8, 2, 128, 1, page_size=page_size, causal=causal, target="cuda", **config._asdict()),
+                         8, 2, 128, 1, page_size=page_size, causal=causal, target="cuda", tiling=config),
                      config.pass_configs()))
     jobs.append(("decode_merge", both, lambda: dec.flash_decode_merge_kernel(8, 128, 1, target="cuda"), None))
     return jobs
