@@ -418,9 +418,10 @@ def test_packed_forward_syncs_only_on_the_edge_tile():
     consumer threads in every iteration (one cost the H100 4–18%), only on a sequence's last tile."""
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_varlen import OWN_BARRIERS_PASS_CONFIGS, flash_varlen_fwd_kernel
+    from course_utils.kernels.tiles import Tiling
 
-    kernel = flash_varlen_fwd_kernel(4, 64, causal=True, block_M=128, block_N=128, num_stages=2, threads=256,
-                                     schedule="grid", own_barriers=True, target="cuda")
+    kernel = flash_varlen_fwd_kernel(4, 64, causal=True, target="cuda", tiling=Tiling(128, 128, 2, 256),
+                                     schedule="grid", own_barriers=True)
     source = cuda_source(kernel, pass_configs=OWN_BARRIERS_PASS_CONFIGS)
     assert "__sync_thread_partial(3, 256)" not in source  # TileLang's own, before P·V
     assert source.count("__sync_thread_partial(5, 256)") == 3  # the edge tile's, and two in the epilogue

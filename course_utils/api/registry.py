@@ -26,7 +26,7 @@ from ..kernels.flash_bwd_hopper import (
     gemm_policies,
 )
 from ..kernels.flash_decode import DecodeConfig, flash_decode_kernel, flash_decode_merge_kernel
-from ..kernels.flash_fwd import flash_fwd_kernel
+from ..kernels.flash_fwd import ForwardTiling, flash_fwd_kernel
 from ..kernels.flash_fwd_fp8 import flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
 from ..kernels.flash_fwd_hopper import RotatedPieces, flash_fwd_hopper_kernel
 from ..kernels.flash_fwd_hopper_one_warpgroup import OneWarpgroupTiling, flash_fwd_hopper_one_warpgroup_kernel
@@ -191,7 +191,7 @@ def _has_keyless_rows(problem):
 # chapter 05's and chapter 08's backward.
 FORWARD = {row.name: row for row in (
     KernelRow("flash_fwd", flash_fwd_kernel, (4, 5), "chapter 03/04's kernel", sinks=True,
-              keyless_blocks_unaliased=True),
+              keyless_blocks_unaliased=True, tiling=ForwardTiling),
     KernelRow("flash_fwd_hopper", flash_fwd_hopper_kernel, (4, 5), _HOPPER_FORWARD, hopper_only=True, on_cpu=False,
               sinks=True, options=("pingpong",), tiling=Tiling, pieces=RotatedPieces),
     KernelRow("flash_fwd_hopper_persistent", flash_fwd_hopper_persistent_kernel, (4, 5), _HOPPER_FORWARD,
@@ -201,7 +201,7 @@ FORWARD = {row.name: row for row in (
               hopper_only=True, on_cpu=False, sinks=True, options=("blocks_per_sm",), tiling=OneWarpgroupTiling),
 )}
 BACKWARD = {row.name: row for row in (
-    KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel"),
+    KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel", tiling=Tiling),
     KernelRow("flash_bwd_hopper", flash_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
               on_cpu=False, options=("dv_under_ds", "policies", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
               pieces=BackwardPieces, deterministic=True,
@@ -214,14 +214,15 @@ BACKWARD = {row.name: row for row in (
 # H100, so it takes no ``pingpong``.
 PACKED_FORWARD = {row.name: row for row in (
     KernelRow("flash_fwd", flash_varlen_fwd_kernel, (7, 8), "chapter 03/04's kernel", fixed=(("hopper", False),),
-              takes_schedule=True, layout=PACKED),
+              takes_schedule=True, layout=PACKED, tiling=Tiling),
     KernelRow("flash_fwd_hopper", flash_varlen_fwd_kernel, (7, 8), _HOPPER_FORWARD, hopper_only=True,
-              fixed=(("hopper", True),), takes_schedule=True, layout=PACKED),
+              fixed=(("hopper", True),), takes_schedule=True, layout=PACKED, tiling=Tiling),
     KernelRow("flash_fwd_hopper_persistent", flash_varlen_fwd_persistent_kernel, (8, 9), _HOPPER_FORWARD,
               hopper_only=True, on_cpu=False, options=("pingpong",), layout=PACKED, tiling=PersistentTiling),
 )}
 PACKED_BACKWARD = {row.name: row for row in (
-    KernelRow("flash_bwd", flash_varlen_bwd_kernel, (), "chapter 05's kernel", takes_schedule=True, layout=PACKED),
+    KernelRow("flash_bwd", flash_varlen_bwd_kernel, (), "chapter 05's kernel", takes_schedule=True, layout=PACKED,
+              tiling=Tiling),
     KernelRow("flash_bwd_hopper", flash_varlen_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
               on_cpu=False, options=("dv_under_ds", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
               takes_schedule=True, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS, layout=PACKED, tiling=Tiling,
@@ -267,9 +268,10 @@ HELPERS = {row.name: row for row in (
 # Chapter 12's FP8 forward (``flash_attention_fp8``): the tile step on the CPU (float32 tiles holding e4m3 values)
 # or chapter 03's loop on the GPU, and chapter 07's rotated loop on sm_90a. The problem's dtype is e4m3's.
 FP8 = {row.name: row for row in (
-    KernelRow("flash_fwd_fp8", flash_fwd_fp8_kernel, (6, 7), "chapter 12's FP8 forward", layout=_fp8_layout),
+    KernelRow("flash_fwd_fp8", flash_fwd_fp8_kernel, (6, 7), "chapter 12's FP8 forward", layout=_fp8_layout,
+              tiling=Tiling),
     KernelRow("flash_fwd_fp8_hopper", flash_fwd_fp8_hopper_kernel, (6, 7), "chapter 12's FP8 Hopper forward",
-              hopper_only=True, on_cpu=False, layout=_fp8_layout),
+              hopper_only=True, on_cpu=False, layout=_fp8_layout, tiling=Tiling),
     KernelRow("fp8_quantise_rows", quantise_rows_kernel, (1, 2), "chapter 12's FP8 producer of Q and K",
               hopper_only=True, on_cpu=False, layout=_producer_layout, fast_math=False),
     KernelRow("fp8_quantise_keys_major", quantise_transposed_kernel, (2,), "chapter 12's FP8 producer of V",

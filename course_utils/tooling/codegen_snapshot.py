@@ -125,8 +125,8 @@ def _cuda_jobs():
             dim = v.pop("dim")
             archs = both if (config.num_stages < 2 or not v.get("causal")) else hopper  # upstream sm_80 bug
             jobs.append((f"fwd_{cname}_{vname}", archs,
-                         lambda config=config, v=v, dim=dim: fwd.flash_fwd_kernel(B, H, S, S, dim, target="cuda",
-                                                                                  **v, **config.tiling()), None))
+                         lambda config=config, v=v, dim=dim: fwd.flash_fwd_kernel(
+                             B, H, S, S, dim, target="cuda", **v, **reg.FORWARD["flash_fwd"].arguments(config)), None))
     # Hopper forwards: the configs flash_attention picks (each through its kernel's factory), the window fallback,
     # the rotated loop.
     def hopper_forward(config, dim, **options):
@@ -153,8 +153,9 @@ def _cuda_jobs():
         v = dict(v)
         dim = v.pop("dim")
         jobs.append((f"bwd_tuned_{vname}", both,
-                     lambda v=v, dim=dim: bwd.flash_bwd_kernel(B, H, S, S, dim, target="cuda", **v,
-                                                               **att.TUNED_BACKWARD_CONFIG.tiling()), None))
+                     lambda v=v, dim=dim: bwd.flash_bwd_kernel(
+                         B, H, S, S, dim, target="cuda", **v,
+                         **reg.BACKWARD["flash_bwd"].arguments(att.TUNED_BACKWARD_CONFIG)), None))
     jobs.append(("bwd_preprocess_d128", both,
                  lambda: bwd.flash_bwd_preprocess_kernel(B, H, S, 128, block=64, threads=128, target="cuda"), None))
     jobs.append(("bwd_postprocess_d128", both,
@@ -184,8 +185,7 @@ def _cuda_jobs():
                          block_N=block_N), None))
     # Packed (varlen) batches.
     vc = vapi.VARLEN_CUDA_CONFIG
-    common = dict(heads_kv=2, block_M=vc.block_M, block_N=vc.block_N, num_stages=vc.num_stages, threads=vc.threads,
-                  target="cuda")
+    common = dict(heads_kv=2, target="cuda", **reg.PACKED_FORWARD["flash_fwd"].arguments(vc))
     for vname, v, archs, pc in (
             ("grid", dict(schedule="grid"), ("sm_80",), None),
             ("grid_causal_own", dict(schedule="grid", causal=True, own_barriers=True), hopper,
@@ -199,9 +199,8 @@ def _cuda_jobs():
     bc = att.TUNED_BACKWARD_CONFIG
     for vname, v in (("grid", dict(schedule="grid")), ("list_causal", dict(schedule="list", causal=True))):
         jobs.append((f"varlen_bwd_{vname}", both,
-                     lambda v=v: var.flash_varlen_bwd_kernel(4, 128, heads_kv=2, block_M=bc.block_M,
-                                                             block_N=bc.block_N, num_stages=bc.num_stages,
-                                                             threads=bc.threads, target="cuda", **v), None))
+                     lambda v=v: var.flash_varlen_bwd_kernel(4, 128, heads_kv=2, target="cuda", **v,
+                                                             **reg.PACKED_BACKWARD["flash_bwd"].arguments(bc)), None))
     # Packed batches on Hopper: the persistent forward and the Hopper backward, as varlen_api picks them.
     pc = vapi.VARLEN_PERSISTENT_CONFIG
 

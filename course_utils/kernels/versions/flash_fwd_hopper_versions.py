@@ -16,7 +16,7 @@ import dataclasses
 import tilelang
 import tilelang.language as T
 
-from ..flash_fwd import flash_fwd_kernel
+from ..flash_fwd import ForwardTiling, flash_fwd_kernel
 from ..flash_fwd_hopper import RotatedPieces, flash_fwd_hopper_kernel
 from ..flash_fwd_hopper_one_warpgroup import OneWarpgroupTiling, flash_fwd_hopper_one_warpgroup_kernel
 from ..flash_fwd_hopper_persistent import (
@@ -40,8 +40,8 @@ _NO_TMA_NO_WS = {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
 ROTATED_VARIANT, PERSISTENT_VARIANT = "flash_fwd_hopper_variant", "flash_fwd_hopper_persistent_variant"
 
 
-# Each shipped Hopper kernel's tiling type and pieces type: a version's knobs are grouped into them (``grouped``).
-_ARGUMENTS = {flash_fwd_hopper_kernel: (Tiling, RotatedPieces),
+# Each kernel's tiling type and pieces type: a version's knobs are grouped into them (``grouped``).
+_ARGUMENTS = {flash_fwd_kernel: (ForwardTiling, None), flash_fwd_hopper_kernel: (Tiling, RotatedPieces),
               flash_fwd_hopper_persistent_kernel: (PersistentTiling, PersistentPieces),
               flash_fwd_hopper_one_warpgroup_kernel: (OneWarpgroupTiling, None)}
 
@@ -51,8 +51,7 @@ def _build(version, batch, heads, seq, dim, *, causal, dtype="float16"):
     knobs = version.knobs_for(dim, causal)
     if version.factory is flash_fwd_kernel:
         knobs["target"] = "cuda"
-    if version.factory in _ARGUMENTS:
-        knobs = grouped(knobs, *_ARGUMENTS[version.factory])
+    knobs = grouped(knobs, *_ARGUMENTS[version.factory])
     func = renamed(version.factory(batch, heads, seq, seq, dim, causal=causal, dtype=dtype, **knobs), version.name)
     return compile_kernel(func, out_idx=[4, 5], target="cuda", dtype=dtype, **version.compile_options)
 
