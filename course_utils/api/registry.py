@@ -257,7 +257,7 @@ HELPERS = {row.name: row for row in (
     KernelRow("bwd_postprocess_dkv", flash_bwd_postprocess_kernel, (1,), "chapter 05's GQA dK/dV cast",
               layout=lambda pr: dict(batch=pr.batch, heads=pr.heads_kv, seq=pr.seq_k, dim=pr.dim, dtype=pr.dtype)),
     KernelRow("bwd_hopper_dq", flash_bwd_hopper_dq_kernel, (6,), "chapter 08's deterministic dQ kernel",
-              hopper_only=True, on_cpu=False),
+              hopper_only=True, on_cpu=False, tiling=Tiling),
     KernelRow("varlen_delta", varlen_delta_kernel, (), "chapter 09's packed Δ kernel",
               layout=lambda pr: dict(dim=pr.dim, dtype=pr.dtype)),
     KernelRow("varlen_scale_cast", scale_cast_kernel, (2,), "chapter 09's packed scale-and-cast",

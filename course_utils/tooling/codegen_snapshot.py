@@ -181,8 +181,8 @@ def _cuda_jobs():
     for dim, (block_M, block_N) in att.HOPPER_DQ_TILES.items():
         jobs.append((f"bwd_hopper_dq_d{dim}", hopper,
                      lambda dim=dim, block_M=block_M, block_N=block_N: bwd_h.flash_bwd_hopper_dq_kernel(
-                         B, H, S, S, dim, heads_kv=2, causal=True, window_size=128, block_M=block_M,
-                         block_N=block_N), None))
+                         B, H, S, S, dim, heads_kv=2, causal=True, window_size=128,
+                         **reg.HELPERS["bwd_hopper_dq"].arguments(None, block_M=block_M, block_N=block_N)), None))
     # Packed (varlen) batches.
     vc = vapi.VARLEN_CUDA_CONFIG
     common = dict(heads_kv=2, target="cuda", **reg.PACKED_FORWARD["flash_fwd"].arguments(vc))
