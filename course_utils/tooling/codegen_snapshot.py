@@ -161,17 +161,10 @@ def _cuda_jobs():
     jobs.append(("bwd_postprocess_d128", both,
                  lambda: bwd.flash_bwd_postprocess_kernel(B, H, S, 128, scale=128 ** -0.5, block=64, threads=128,
                                                           target="cuda"), None))
-    def backward_options(config):
-        """The config's options as its kernel takes them (one ``pieces`` argument, or, before, keywords)."""
-        row = reg.BACKWARD[config.kernel]
-        if hasattr(row, "factory_options"):
-            return row.factory_options(config)
-        return {o: getattr(config, o) for o in row.options}
-
     for (dim, masked), config in att.HOPPER_BACKWARD_CONFIGS.items():
         jobs.append((f"bwd_hopper_d{dim}_{'masked' if masked else 'full'}", hopper,
                      lambda config=config, dim=dim, masked=masked: bwd_h.flash_bwd_hopper_kernel(
-                         B, H, S, S, dim, causal=masked, **config.tiling(), **backward_options(config)),
+                         B, H, S, S, dim, causal=masked, **reg.BACKWARD[config.kernel].arguments(config)),
                      bwd_h.PASS_CONFIGS))
     config = att.HOPPER_BACKWARD_CONFIGS[128, True]
     jobs.append(("bwd_hopper_deterministic_d128_gqa_window", hopper,
