@@ -45,7 +45,7 @@ from course_utils.pictures import diagrams, plots
 from course_utils.measure.benchmarks import CH03_FORWARD_CONFIG, RECORDS
 from course_utils.core.labels import CUDNN, FA2, OURS, PEERS, SHORT
 from course_utils.checking.validation import check_stored_errors
-from course_utils.kernels.flash_fwd import flash_fwd_kernel
+from course_utils.kernels.flash_fwd import ForwardTiling, flash_fwd_kernel
 from course_utils.kernels.flash_pieces import (LOG2E, Prelude, forward_epilogue, forward_tiles, key_block_range,
                                        mask_scores, natural_lse, normalise_rows, online_softmax)
 from course_utils.core.source import count, cuda_source, grep, show_source
@@ -305,8 +305,8 @@ for what, (args, kwargs, expected) in bad_inputs.items():
 
 # %%
 shape = dict(batch=1, heads=16, seq_q=4096, seq_k=4096, dim=128)
-tiling = dict(block_M=128, block_N=128, num_stages=2, threads=256, target="cuda")
-src_80 = cuda_source(flash_fwd_kernel(*shape.values(), causal=False, **tiling), arch="sm_80")
+tiling = ForwardTiling(block_M=128, block_N=128, num_stages=2, threads=256)
+src_80 = cuda_source(flash_fwd_kernel(*shape.values(), causal=False, target="cuda", tiling=tiling), arch="sm_80")
 grep(src_80, r"__global__ void __launch_bounds__", max_hits=1)
 grep(src_80, r"for \(int kb", max_hits=1)
 
@@ -341,7 +341,7 @@ print(f"scale·log2(e) = LOG2E/√128 = {LOG2E / math.sqrt(128):.7f} = {(LOG2E /
 # matrix instruction issued by a warpgroup of 128 threads.
 
 # %%
-src_90 = cuda_source(flash_fwd_kernel(*shape.values(), causal=True, **tiling), arch="sm_90a")
+src_90 = cuda_source(flash_fwd_kernel(*shape.values(), causal=True, target="cuda", tiling=tiling), arch="sm_90a")
 grep(src_90, r"__global__ void __launch_bounds__", max_hits=1)
 grep(src_90, r"tma_load\(Q_desc", max_hits=1)
 grep(src_90, r"for \(int kb", max_hits=1)

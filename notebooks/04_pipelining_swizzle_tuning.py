@@ -48,7 +48,7 @@ from course_utils.api.attention import TUNED_FORWARD_CONFIG, ForwardConfig
 from course_utils.measure.benchmarks import RECORDS
 from course_utils.core.labels import CUDNN, FA2, OURS, PEERS, SHORT
 from course_utils.checking.validation import check_stored_errors
-from course_utils.kernels.flash_fwd import flash_fwd_kernel
+from course_utils.kernels.flash_fwd import ForwardTiling, flash_fwd_kernel
 from course_utils.core.source import grep, loop_skeleton, lowering_error
 
 print("device:", cu.DEVICE, "| tile target:", cu.TILE_TARGET)
@@ -104,8 +104,7 @@ shape = {key: sweep["results"][0][key] for key in ("batch", "heads", "seq", "dim
 
 def forward(num_stages=1, causal=False, block_M=128, block_N=128, threads=256):
     return flash_fwd_kernel(shape["batch"], shape["heads"], shape["seq"], shape["seq"], shape["dim"],
-                            causal=causal, num_stages=num_stages, block_M=block_M, block_N=block_N,
-                            threads=threads, target="cuda")
+                            causal=causal, target="cuda", tiling=ForwardTiling(block_M, block_N, num_stages, threads))
 
 
 ampere = layouts.lower_with_layouts(forward(num_stages=2), "sm_80")
@@ -270,18 +269,20 @@ cu.check_true(table[0]["swizzled"] == table[0]["row-major"] == table[0]["ideal"]
 # It even cuts a naive column walk from 32 wavefronts to 4 (not 1: this swizzle permutes 16-byte
 # chunks among 8 positions, so 32 rows still share 8 banks).
 #
-# **Can we switch the swizzle off on the H100 and time it?** Not with this toolchain, and the
-# reason is worth knowing. On Hopper, TileLang's `wgmma` gemm reads its operands from shared memory
-# only through the hardware's swizzle modes, so asking for plain row-major tiles
-# (`flash_fwd_kernel(..., linear_smem=True)`) stops at layout inference — the next cell shows the
-# error. The Ampere code path (sm_80: cp.async, ldmatrix, mma.sync) accepts both layouts, but a
-# kernel built for sm_80 is machine code for compute capability 8.x, and the H100 (9.0) refuses to
-# load it (the driver answers `CUDA_ERROR_NO_BINARY_FOR_GPU`: the binary holds sm_80 machine code and no
-# PTX to recompile). On Hopper the swizzle is part of the instruction's contract, not an
-# optimisation to turn off; the conflict counts above are what it buys.
+# **Can we switch the swizzle off on the H100 and time it?** Not with this toolchain, and the reason
+# is worth knowing. On Hopper, TileLang's `wgmma` gemm reads its operands from shared memory only
+# through the hardware's swizzle modes, so asking for plain row-major tiles (a tiling with
+# `linear_smem=True`: `flash_fwd_kernel(..., tiling=ForwardTiling(linear_smem=True))`) stops at
+# layout inference — the next cell shows the error. The Ampere code path (sm_80: cp.async, ldmatrix,
+# mma.sync) accepts both layouts, but a kernel built for sm_80 is machine code for compute
+# capability 8.x, and the H100 (9.0) refuses to load it (the driver answers
+# `CUDA_ERROR_NO_BINARY_FOR_GPU`: the binary holds sm_80 machine code and no PTX to recompile). On
+# Hopper the swizzle is part of the instruction's contract, not an optimisation to turn off; the
+# conflict counts above are what it buys.
 
 # %%
-message = lowering_error(flash_fwd_kernel(1, 1, 256, 256, 128, target="cuda", linear_smem=True), "sm_90a")
+message = lowering_error(flash_fwd_kernel(1, 1, 256, 256, 128, target="cuda", tiling=ForwardTiling(linear_smem=True)),
+                         "sm_90a")
 cu.check_true(message is not None and "different layout" in message,
               "TileLang refuses row-major operand tiles for wgmma: "
               + (message.splitlines()[0] if message else "it lowered them"))

@@ -53,7 +53,7 @@ from course_utils.kernels.flash_pieces import query_block_range, store_dkv
 from course_utils.core.labels import CUDNN, FA2, OURS, PEERS, SHORT
 from course_utils.checking.validation import check_stored_errors
 from course_utils.core.source import count, cuda_source, grep, show_source
-from course_utils.kernels.tiles import compile_kernel
+from course_utils.kernels.tiles import Tiling, compile_kernel
 
 torch.manual_seed(0);
 
@@ -404,7 +404,7 @@ cu.check_backward(q_, k_, v_, d_out, backward_by_hand(kernels.main), causal=caus
 dtype_name = str(dtype).removeprefix("torch.")
 wrong_main = compile_kernel(
     flash_bwd_kernel(batch, heads, seq_q, seq_k, dim, causal=causal, sm_scale=1.0 / dim, dtype=dtype_name,
-                     **bwd_config.tiling()),
+                     tiling=Tiling(**bwd_config.tiling())),
     out_idx=[], dtype=dtype_name)
 cu.expect_failure("sm_scale = 1/D", lambda: cu.check_backward(q_, k_, v_, d_out, backward_by_hand(wrong_main),
                                                                 causal=causal, refs=refs, quiet=True))
@@ -421,7 +421,8 @@ cu.expect_failure("sm_scale = 1/D", lambda: cu.check_backward(q_, k_, v_, d_out,
 import re
 
 h100_shape = dict(batch=4, heads=16, seq_q=4096, seq_k=4096, dim=128)
-h100_main = flash_bwd_kernel(*h100_shape.values(), causal=True, dtype="float16", target="cuda", **config.tiling())
+h100_main = flash_bwd_kernel(*h100_shape.values(), causal=True, dtype="float16", target="cuda",
+                             tiling=Tiling(**config.tiling()))
 src_90 = cuda_source(h100_main, arch="sm_90a")
 grep(src_90, r"__global__ void __launch_bounds__", max_hits=1)
 for line in src_90.splitlines():
@@ -461,10 +462,10 @@ print(re.sub(r"\(\(int\)threadIdx\.x\)", "t", loop[start].strip()))
 # lines that call each kind of atomic:
 
 # %%
-small = dict(block_M=64, block_N=64, num_stages=1, threads=128)
+small = Tiling(block_M=64, block_N=64, num_stages=1, threads=128)
 for arch in ("sm_80", "sm_90a"):
-    src = cuda_source(flash_bwd_kernel(1, 16, 4096, 4096, 64, causal=True, dtype="float16", target="cuda", **small),
-                      arch=arch)
+    src = cuda_source(flash_bwd_kernel(1, 16, 4096, 4096, 64, causal=True, dtype="float16", target="cuda",
+                                       tiling=small), arch=arch)
     print(f"{arch:>6}: {count(src, atomics)}")
 
 # %% [markdown]

@@ -51,7 +51,7 @@ from course_utils.api.attention import (FORWARD_KERNELS,
 from course_utils.measure.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
 from course_utils.measure.benchmarks import RECORDS
 from course_utils.measure.benchmarks.ch07_hopper import PERSISTENT_ALTERNATIVES, ROTATED
-from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
+from course_utils.kernels.flash_fwd_hopper import RotatedPieces, flash_fwd_hopper_kernel
 from course_utils.kernels.hopper_pieces import issue_matmuls, keep_stages_until_read
 from course_utils.kernels.versions.flash_fwd_hopper_versions import VERSIONS, flash_fwd_hopper_variant
 from course_utils.core.labels import CUDNN, FA2, FA4, OURS, PEERS, SHORT
@@ -227,7 +227,7 @@ cu.check_true("warpgroup_reg_alloc<240>" in source and "warpgroup_reg_dealloc<24
 # thread index already shifted past the producer's 128 threads:
 
 # %%
-pingpong_source = cuda_source(flash_fwd_hopper_kernel(**sizes, pingpong=True))
+pingpong_source = cuda_source(flash_fwd_hopper_kernel(**sizes, pieces=RotatedPieces(pingpong=True)))
 grep(pingpong_source, r"named_barrier_arrive|__sync_thread_partial\(\(", max_hits=3, width=100)
 loop = pingpong_source[pingpong_source.index("for (int kb_1 = "):]
 cu.check_true(loop.index("__sync_thread_partial((") < loop.index("wgmma_ss<")

@@ -56,6 +56,7 @@ from course_utils.core.source import cuda_source, grep, ptxas_report, show_sourc
 from course_utils.core.labels import CUDNN, FA4, OURS
 from course_utils.kernels.flash_fwd_fp8 import (flash_fwd_fp8_kernel, fp8_scores, fp8_softmax, fp8_tile_step,
                                                 round_to_e4m3)
+from course_utils.kernels.tiles import Tiling
 from course_utils.measure.benchmarks import RECORDS
 from course_utils.measure.benchmarks.ch12_fp8 import CUDNN_FP8, OURS_FP8, OURS_FP8_KERNEL, OURS_FP8_PLAIN
 from course_utils.pictures import plots
@@ -414,8 +415,7 @@ cu.check_true(instruction["float16", False].startswith("wgmma_ss") and instructi
 # lowers it for sm_90a without a GPU; both products become FP8 `wgmma` reading shared memory, fed by TMA:
 
 # %%
-hopper = flash_fwd_fp8_kernel(1, 16, 4096, 4096, 128, causal=True, block_M=128, block_N=128, threads=256,
-                              num_stages=2, target="cuda")
+hopper = flash_fwd_fp8_kernel(1, 16, 4096, 4096, 128, causal=True, target="cuda", tiling=Tiling(128, 128, 2, 256))
 src_fp8 = cuda_source(hopper, arch="sm_90a")
 grep(src_fp8, r"wgmma_ss<", max_hits=2, width=120)
 grep(src_fp8, r"tma_load\(V_desc", max_hits=1, width=120)

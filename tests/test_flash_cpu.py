@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from course_utils import CheckFailed, attention_reference, check_close, flash_attention
 from course_utils.kernels.flash_bwd import flash_bwd_kernel
-from course_utils.kernels.tiles import compile_kernel
+from course_utils.kernels.tiles import Tiling, compile_kernel
 
 
 def _qkv(b, h, s, d, hkv=None, s_k=None, requires_grad=False):
@@ -101,7 +101,7 @@ def test_a_wrong_backward_kernel_fails_the_check():
     d_out = torch.randn_like(out)
     delta = (d_out * out).sum(-1)
     wrong = compile_kernel(flash_bwd_kernel(1, 1, 32, 32, 16, sm_scale=0.5 / math.sqrt(16), dtype="float32",
-                                            block_M=16, block_N=16, num_stages=1, target="c"),
+                                            target="c", tiling=Tiling(16, 16, 1, 128)),
                            out_idx=[], target="c")
     dq_acc, dk, dv = torch.zeros(1, 1, 32, 16), torch.empty(1, 1, 32, 16), torch.empty(1, 1, 32, 16)
     wrong(q, k, v, d_out, lse, delta, dq_acc, dk, dv)

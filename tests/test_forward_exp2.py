@@ -74,8 +74,8 @@ def _forward_with(monkeypatch, exp2, *, causal, dtype):
 
     monkeypatch.setattr(flash_fwd, "online_softmax", softmax_with_exp2)
     b, h, s, d = 1, 2, 80, 16
-    func = flash_fwd.flash_fwd_kernel(b, h, s, s, d, causal=causal, dtype=dtype, block_M=16, block_N=16,
-                                      num_stages=1, threads=1, target="c")
+    func = flash_fwd.flash_fwd_kernel(b, h, s, s, d, causal=causal, dtype=dtype, target="c",
+                                      tiling=flash_fwd.ForwardTiling(16, 16, 1, 1))
     return compile_kernel(func, out_idx=[4, 5], target="c", dtype=dtype), (b, h, s, d)
 
 

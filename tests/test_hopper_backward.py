@@ -19,6 +19,7 @@ from course_utils.core.problem import AttentionProblem
 from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_bwd_hopper import (
     _DS_BARRIER,
+    DQ_TILING,
     PASS_CONFIGS,
     BackwardPieces,
     flash_bwd_hopper_dq_kernel,
@@ -257,7 +258,7 @@ def test_warp_policies_are_a_config_field_and_change_only_dq_at_d64():
 
 def test_deterministic_kernels_add_nothing_atomically():
     dkdv = _source(causal=True, heads_kv=2, deterministic=True)
-    dq = _source(flash_bwd_hopper_dq_kernel, pass_configs={}, causal=True, block_M=128, block_N=64)
+    dq = _source(flash_bwd_hopper_dq_kernel, pass_configs={}, causal=True, tiling=DQ_TILING._replace(block_N=64))
     for source in (dkdv, dq):
         assert not re.search(r"[Aa]tomic|tma_store_add|red\.", source)
     assert "tma_store_add" in _source(causal=True, heads_kv=2)

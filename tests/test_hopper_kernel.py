@@ -271,12 +271,15 @@ def test_one_warpgroup_fits_three_blocks_per_sm(name):
 
 
 def test_one_warpgroup_kernel_rejects_other_tilings():
-    from course_utils.kernels.flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
+    from course_utils.kernels.flash_fwd_hopper_one_warpgroup import (
+        OneWarpgroupTiling,
+        flash_fwd_hopper_one_warpgroup_kernel,
+    )
 
     with pytest.raises(ValueError, match="one warpgroup on 64 query rows"):
-        flash_fwd_hopper_one_warpgroup_kernel(1, 2, 256, 256, 64, block_M=128, threads=256)
+        flash_fwd_hopper_one_warpgroup_kernel(1, 2, 256, 256, 64, tiling=OneWarpgroupTiling(block_M=128, threads=256))
     with pytest.raises(ValueError, match="blocks_per_sm must be 1 to 4"):
-        flash_fwd_hopper_one_warpgroup_kernel(1, 2, 256, 256, 64, blocks_per_sm=5)
+        flash_fwd_hopper_one_warpgroup_kernel(1, 2, 256, 256, 64, tiling=OneWarpgroupTiling(blocks_per_sm=5))
     q = torch.randn(1, 2, 32, 16)
     with pytest.raises(ValueError, match="sm_90"):
         flash_attention(q, q, q, config=ONE_WARPGROUP_FORWARD_CONFIG)

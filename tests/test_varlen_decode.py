@@ -276,7 +276,7 @@ def test_decode_several_kv_heads_per_block(kv_heads_per_block, num_splits):
 def test_kv_heads_per_block_is_fitted_and_checked():
     """decode_config lowers it to a divisor of H_kv whose rows fit a 64-row tile; the kernel refuses one that
     does not divide H_kv or whose rows do not fit ``block_M``; the split rule counts blocks of c heads."""
-    from course_utils.kernels.flash_decode import choose_num_splits, decode_config, flash_decode_kernel
+    from course_utils.kernels.flash_decode import SPLIT_TILING, choose_num_splits, decode_config, flash_decode_kernel
 
     assert decode_config("cuda", 64, 8, 64, 1, kv_heads_per_block=16).kv_heads_per_block == 8  # 8 × 8 rows
     assert decode_config("cuda", 64, 8, 64, 2, kv_heads_per_block=8).kv_heads_per_block == 4  # 16 rows a head
@@ -289,7 +289,7 @@ def test_kv_heads_per_block_is_fitted_and_checked():
                             (dict(kv_heads_per_block=0), "kv_heads_per_block"),
                             (dict(kv_heads_per_block=2, block_M=8), r"block_M \(8\) must be at least 2 × 8")):
         with pytest.raises(ValueError, match=message):
-            flash_decode_kernel(64, 8, 64, 1, target="c", **kwargs)
+            flash_decode_kernel(64, 8, 64, 1, target="c", tiling=SPLIT_TILING._replace(**kwargs))
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -418,9 +418,10 @@ def test_packed_forward_syncs_only_on_the_edge_tile():
     consumer threads in every iteration (one cost the H100 4–18%), only on a sequence's last tile."""
     from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_varlen import OWN_BARRIERS_PASS_CONFIGS, flash_varlen_fwd_kernel
+    from course_utils.kernels.tiles import Tiling
 
-    kernel = flash_varlen_fwd_kernel(4, 64, causal=True, block_M=128, block_N=128, num_stages=2, threads=256,
-                                     schedule="grid", own_barriers=True, target="cuda")
+    kernel = flash_varlen_fwd_kernel(4, 64, causal=True, target="cuda", tiling=Tiling(128, 128, 2, 256),
+                                     schedule="grid", own_barriers=True)
     source = cuda_source(kernel, pass_configs=OWN_BARRIERS_PASS_CONFIGS)
     assert "__sync_thread_partial(3, 256)" not in source  # TileLang's own, before P·V
     assert source.count("__sync_thread_partial(5, 256)") == 3  # the edge tile's, and two in the epilogue

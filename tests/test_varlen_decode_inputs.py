@@ -255,7 +255,7 @@ def test_one_split_kernel_lowers_for_the_h100(page_size):
 
     config = decode_config("cuda", 64, 8, 64, 1, page_size)
     kernel = flash_decode_kernel(64, 8, 64, 1, page_size=page_size, dtype="bfloat16", single=True, target="cuda",
-                                 **config._asdict())
+                                 tiling=config)
     source = cuda_source(kernel, pass_configs=config.pass_configs())
     assert "flash_decode_single_kernel" in source and "tl::tma_load" in source and "Sinks[" in source
     assert "O_part" not in source
@@ -276,7 +276,7 @@ def test_kv_eviction_hint_reaches_every_kv_load(page_size):
     for hint in (None, "evict_first"):
         config = decode_config("cuda", 64, 8, 128, 1, page_size)._replace(kv_eviction=hint)
         kernel = flash_decode_kernel(64, 8, 128, 1, page_size=page_size, dtype="bfloat16", target="cuda",
-                                     **config._asdict())
+                                     tiling=config)
         loads[hint] = [line for line in cuda_source(kernel).splitlines() if "tl::tma_load" in line]
     assert len(loads[None]) == len(loads["evict_first"]) >= 2
     assert not any("CacheHint" in line for line in loads[None])

@@ -11,6 +11,7 @@ those of ``FLEX``. A row's ``layout`` says which of the problem's fields its fac
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import tilelang
@@ -25,15 +26,15 @@ from ..kernels.flash_bwd_hopper import (
     flash_bwd_hopper_kernel,
     gemm_policies,
 )
-from ..kernels.flash_decode import flash_decode_kernel, flash_decode_merge_kernel
+from ..kernels.flash_decode import DecodeConfig, flash_decode_kernel, flash_decode_merge_kernel
 from ..kernels.flash_flex import flex_bwd_kernel, flex_fwd_kernel
 from ..kernels.flash_flex_hopper import flex_fwd_hopper_kernel
 from ..kernels.flash_flex_hopper_bwd import flex_bwd_hopper_kernel
 from ..kernels.flash_flex_persistent import flex_fwd_hopper_persistent_kernel
-from ..kernels.flash_fwd import flash_fwd_kernel
+from ..kernels.flash_fwd import ForwardTiling, flash_fwd_kernel
 from ..kernels.flash_fwd_fp8 import flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
-from ..kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
-from ..kernels.flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
+from ..kernels.flash_fwd_hopper import RotatedPieces, flash_fwd_hopper_kernel
+from ..kernels.flash_fwd_hopper_one_warpgroup import OneWarpgroupTiling, flash_fwd_hopper_one_warpgroup_kernel
 from ..kernels.flash_fwd_hopper_persistent import PersistentTiling, flash_fwd_hopper_persistent_kernel
 from ..kernels.flash_varlen import (
     flash_varlen_bwd_kernel,
@@ -114,7 +115,7 @@ class KernelRow:
     """One kernel: how to build it for an ``AttentionProblem`` and a config, and where it runs."""
 
     name: str
-    factory: object  # (**layout(problem), **tiling, **options) -> @T.prim_func
+    factory: object  # (**layout(problem), **arguments(config)) -> @T.prim_func
     out_idx: tuple  # the parameters the compiled kernel allocates and returns
     what: str  # for error messages: "chapter 08's Hopper kernel"
     hopper_only: bool = False  # wgmma/TMA: needs an sm_90 GPU
@@ -157,26 +158,27 @@ class KernelRow:
             kwargs["has_sinks"] = problem.has_sinks
         if self.on_cpu:
             kwargs["target"] = problem.target
-        tiling = {} if config is None else config.tiling()
         if self.per_device is not None:
-            tiling.update(self.per_device())
-        if self.tiling is None:
-            kwargs.update(tiling, **self.factory_options(config))
-            return self.factory(**kwargs, **extra)
-        options = {o: getattr(config, o) for o in self.options}
-        tiling.update({o: options.pop(o) for o in list(options) if o in self.tiling._fields},
-                      **{e: extra.pop(e) for e in list(extra) if e in self.tiling._fields})
-        kwargs["tiling"] = self.tiling(**tiling)
-        if options:
-            kwargs["pieces"] = self.pieces(**options)
-        return self.factory(**kwargs, **extra)
+            extra = {**self.per_device(), **extra}
+        return self.factory(**kwargs, **self.arguments(config, **extra))
 
-    def factory_options(self, config):
-        """``config``'s fields in ``options`` as the factory's keywords (one ``pieces`` argument, if it takes one)."""
-        if config is None:
-            return {}
-        options = {o: getattr(config, o) for o in self.options}
-        return options if self.pieces is None else {"pieces": self.pieces(**options)}
+    def arguments(self, config, **extra):
+        """The factory's arguments for ``config``'s tiling and ``options`` and for ``extra``: keywords, or, for a
+        factory that takes them so, one ``tiling`` (the factory's default with the config's and ``extra``'s fields
+        of it) and one ``pieces`` (the other options); any other ``extra`` as a keyword."""
+        tiling = {} if config is None else config.tiling()
+        options = {} if config is None else {o: getattr(config, o) for o in self.options}
+        if self.tiling is None:
+            if self.pieces is not None and options:
+                options = {"pieces": self.pieces(**options)}
+            return {**tiling, **options, **extra}
+        fields = self.tiling._fields
+        tiling.update({k: v for k, v in {**options, **extra}.items() if k in fields})
+        arguments = {"tiling": inspect.signature(self.factory).parameters["tiling"].default._replace(**tiling)}
+        options = {k: v for k, v in options.items() if k not in fields}
+        if options:
+            arguments["pieces"] = self.pieces(**options)
+        return {**arguments, **{k: v for k, v in extra.items() if k not in fields}}
 
     def compile(self, problem, config, *, pass_configs=None, **extra):
         """Build and compile for ``problem.target``, with ``pass_configs`` added to the row's and the config's."""
@@ -207,17 +209,17 @@ def _has_keyless_rows(problem):
 # chapter 05's and chapter 08's backward.
 FORWARD = {row.name: row for row in (
     KernelRow("flash_fwd", flash_fwd_kernel, (4, 5), "chapter 03/04's kernel", sinks=True,
-              keyless_blocks_unaliased=True),
+              keyless_blocks_unaliased=True, tiling=ForwardTiling),
     KernelRow("flash_fwd_hopper", flash_fwd_hopper_kernel, (4, 5), _HOPPER_FORWARD, hopper_only=True, on_cpu=False,
-              sinks=True, options=("pingpong",)),
+              sinks=True, options=("pingpong",), tiling=Tiling, pieces=RotatedPieces),
     KernelRow("flash_fwd_hopper_persistent", flash_fwd_hopper_persistent_kernel, (4, 5), _HOPPER_FORWARD,
               hopper_only=True, on_cpu=False, sinks=True, options=("pingpong", "blocks_per_sm"), per_device=_sm_count,
               tiling=PersistentTiling),
     KernelRow("flash_fwd_hopper_one_warpgroup", flash_fwd_hopper_one_warpgroup_kernel, (4, 5), _HOPPER_FORWARD,
-              hopper_only=True, on_cpu=False, sinks=True, options=("blocks_per_sm",)),
+              hopper_only=True, on_cpu=False, sinks=True, options=("blocks_per_sm",), tiling=OneWarpgroupTiling),
 )}
 BACKWARD = {row.name: row for row in (
-    KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel"),
+    KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel", tiling=Tiling),
     KernelRow("flash_bwd_hopper", flash_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
               on_cpu=False, options=("dv_under_ds", "policies", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
               pieces=BackwardPieces, deterministic=True,
@@ -230,14 +232,15 @@ BACKWARD = {row.name: row for row in (
 # H100, so it takes no ``pingpong``.
 PACKED_FORWARD = {row.name: row for row in (
     KernelRow("flash_fwd", flash_varlen_fwd_kernel, (7, 8), "chapter 03/04's kernel", fixed=(("hopper", False),),
-              takes_schedule=True, layout=PACKED),
+              takes_schedule=True, layout=PACKED, tiling=Tiling),
     KernelRow("flash_fwd_hopper", flash_varlen_fwd_kernel, (7, 8), _HOPPER_FORWARD, hopper_only=True,
-              fixed=(("hopper", True),), takes_schedule=True, layout=PACKED),
+              fixed=(("hopper", True),), takes_schedule=True, layout=PACKED, tiling=Tiling),
     KernelRow("flash_fwd_hopper_persistent", flash_varlen_fwd_persistent_kernel, (8, 9), _HOPPER_FORWARD,
               hopper_only=True, on_cpu=False, options=("pingpong",), layout=PACKED, tiling=PersistentTiling),
 )}
 PACKED_BACKWARD = {row.name: row for row in (
-    KernelRow("flash_bwd", flash_varlen_bwd_kernel, (), "chapter 05's kernel", takes_schedule=True, layout=PACKED),
+    KernelRow("flash_bwd", flash_varlen_bwd_kernel, (), "chapter 05's kernel", takes_schedule=True, layout=PACKED,
+              tiling=Tiling),
     KernelRow("flash_bwd_hopper", flash_varlen_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
               on_cpu=False, options=("dv_under_ds", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
               takes_schedule=True, pass_configs=HOPPER_BACKWARD_PASS_CONFIGS, layout=PACKED, tiling=Tiling,
@@ -250,9 +253,10 @@ PACKED_BACKWARD = {row.name: row for row in (
 # one-split kernel writes the result itself. Each is compiled with a ``DecodeConfig`` (the merge: None). The
 # merge writes into O and LSE it is given; "decode_merge_allocating" allocates and returns them.
 DECODE = {row.name: row for row in (
-    KernelRow("decode_split", flash_decode_kernel, (), "chapter 09's split kernel", layout=DECODE_LAYOUT),
+    KernelRow("decode_split", flash_decode_kernel, (), "chapter 09's split kernel", layout=DECODE_LAYOUT,
+              tiling=DecodeConfig),
     KernelRow("decode_single", flash_decode_kernel, (), "chapter 09's one-split kernel", layout=DECODE_LAYOUT,
-              fixed=(("single", True),)),
+              fixed=(("single", True),), tiling=DecodeConfig),
     KernelRow("decode_merge", flash_decode_merge_kernel, (), "chapter 09's merge kernel", layout=MERGE),
     KernelRow("decode_merge_allocating", flash_decode_merge_kernel, (3, 4), "chapter 09's merge kernel",
               layout=MERGE),
@@ -271,7 +275,7 @@ HELPERS = {row.name: row for row in (
     KernelRow("bwd_postprocess_dkv", flash_bwd_postprocess_kernel, (1,), "chapter 05's GQA dK/dV cast",
               layout=lambda pr: dict(batch=pr.batch, heads=pr.heads_kv, seq=pr.seq_k, dim=pr.dim, dtype=pr.dtype)),
     KernelRow("bwd_hopper_dq", flash_bwd_hopper_dq_kernel, (6,), "chapter 08's deterministic dQ kernel",
-              hopper_only=True, on_cpu=False),
+              hopper_only=True, on_cpu=False, tiling=Tiling),
     KernelRow("varlen_delta", varlen_delta_kernel, (), "chapter 09's packed Δ kernel",
               layout=lambda pr: dict(dim=pr.dim, dtype=pr.dtype)),
     KernelRow("varlen_scale_cast", scale_cast_kernel, (2,), "chapter 09's packed scale-and-cast",
@@ -282,9 +286,10 @@ HELPERS = {row.name: row for row in (
 # Chapter 12's FP8 forward (``flash_attention_fp8``): the tile step on the CPU (float32 tiles holding e4m3 values)
 # or chapter 03's loop on the GPU, and chapter 07's rotated loop on sm_90a. The problem's dtype is e4m3's.
 FP8 = {row.name: row for row in (
-    KernelRow("flash_fwd_fp8", flash_fwd_fp8_kernel, (6, 7), "chapter 12's FP8 forward", layout=_fp8_layout),
+    KernelRow("flash_fwd_fp8", flash_fwd_fp8_kernel, (6, 7), "chapter 12's FP8 forward", layout=_fp8_layout,
+              tiling=Tiling),
     KernelRow("flash_fwd_fp8_hopper", flash_fwd_fp8_hopper_kernel, (6, 7), "chapter 12's FP8 Hopper forward",
-              hopper_only=True, on_cpu=False, layout=_fp8_layout),
+              hopper_only=True, on_cpu=False, layout=_fp8_layout, tiling=Tiling),
     KernelRow("fp8_quantise_rows", quantise_rows_kernel, (1, 2), "chapter 12's FP8 producer of Q and K",
               hopper_only=True, on_cpu=False, layout=_producer_layout, fast_math=False),
     KernelRow("fp8_quantise_keys_major", quantise_transposed_kernel, (2,), "chapter 12's FP8 producer of V",

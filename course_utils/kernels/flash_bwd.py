@@ -15,9 +15,11 @@ cast by a last, small kernel.
 import tilelang.language as T
 
 from .flash_pieces import LOG2E, prelude, query_block_range, store_dkv, visible
-from .tiles import TileBackend
+from .tiles import TileBackend, Tiling
 
-__all__ = ["flash_bwd_preprocess_kernel", "flash_bwd_kernel", "flash_bwd_postprocess_kernel"]
+__all__ = ["flash_bwd_preprocess_kernel", "flash_bwd_kernel", "flash_bwd_postprocess_kernel", "BACKWARD_TILING"]
+
+BACKWARD_TILING = Tiling(64, 64, 2, 128)  # 64 queries per step, 64 resident keys, two stages, 128 threads
 
 
 def flash_bwd_preprocess_kernel(batch, heads, seq_q, dim, *, dtype="float16", block=64, threads=128, target=None):
@@ -67,15 +69,17 @@ def flash_bwd_postprocess_kernel(batch, heads, seq, dim, *, scale=1.0, dtype="fl
 def flash_bwd_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, sm_scale=None,
-    dtype="float16", block_M=64, block_N=64, num_stages=2, threads=128, target=None,
+    dtype="float16", target=None, tiling=BACKWARD_TILING,
 ):
     """Return a ``@T.prim_func`` computing dK, dV and the float32 dQ accumulator (pre-scale).
 
     dQ_acc must be zero on entry; it receives Σ over key blocks of dS·K (multiply by ``sm_scale``
     afterwards). With GQA (heads_kv < heads) several query heads add into one K/V head, so dK and
     dV are float32 accumulators that must also be zero on entry; with heads_kv == heads they are
-    written directly in ``dtype``. ``block_M`` is the query block, ``block_N`` the resident key block.
+    written directly in ``dtype``. ``tiling`` (a ``Tiling``): ``block_M`` is the query block, ``block_N``
+    the resident key block.
     """
+    block_M, block_N, num_stages, threads = tiling
     tb = TileBackend(target)
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)

@@ -40,13 +40,13 @@ from .flash_pieces import (
 )
 from .generated_code import register as register_generated_code_edit
 from .hopper_pieces import keep_stages_until_read
-from .tiles import TileBackend
+from .tiles import TileBackend, Tiling
 
 __all__ = ["flash_bwd_hopper_kernel", "BackwardPieces", "FA3_PIECES", "flash_bwd_hopper_dq_kernel",
            "probabilities_t", "ds_t", "issue_dq", "needs_mask", "issue_scores", "probabilities_then_ds",
            "issue_dq_then_dk", "stage_dq", "store_dkdv_by_tma", "query_steps", "key_steps", "padded_rows",
            "wait_for_reduce_read", "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS",
-           "gemm_policies"]
+           "gemm_policies", "DQ_TILING"]
 
 ACCUM = "float32"
 _GPU = TileBackend("cuda")  # for the pieces chapter 05's kernel shares with this one
@@ -475,17 +475,21 @@ def flash_bwd_hopper_kernel(
     return flash_bwd_hopper
 
 
+DQ_TILING = Tiling(128, 128, 2, 256)  # flash_bwd_hopper_dq_kernel's default (attention.HOPPER_DQ_TILES per head dim)
+
+
 def flash_bwd_hopper_dq_kernel(
     batch, heads, seq_q, seq_k, dim, *,
-    heads_kv=None, causal=False, window_size=None, sm_scale=None,
-    dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256,
+    heads_kv=None, causal=False, window_size=None, sm_scale=None, dtype="float16", tiling=DQ_TILING,
 ):
     """Return a ``@T.prim_func`` ``(Q, K, V, dO, LSE, Δ, dQ)``: dQ alone, one block per query block.
 
     The deterministic backward's other half. A block recomputes S and dP for its queries against
     every key block they see (as the forward does) and accumulates dQ = scale · Σ dS K in registers,
     always in the same order: nothing is added atomically, and dQ is written once, in the input dtype.
+    ``tiling``: a ``Tiling`` (``block_M`` queries per block, ``block_N`` keys per step).
     """
+    block_M, block_N, num_stages, threads = tiling
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
     q_shape, kv_shape = [batch, heads, seq_q, dim], [batch, p.heads_kv, seq_k, dim]

@@ -48,8 +48,9 @@ from .flash_pieces import (
 )
 from .tiles import TileBackend
 
-__all__ = ["DecodeConfig", "DECODE_CONFIGS", "decode_config", "decode_rows", "decode_row_tiles", "flash_decode_kernel",
-           "flash_decode_merge_kernel", "choose_num_splits", "blocks_per_sm", "MAX_SPLITS", "ONE_SPLIT_TILES"]
+__all__ = ["DecodeConfig", "DECODE_CONFIGS", "SPLIT_TILING", "decode_config", "decode_rows", "decode_row_tiles",
+           "flash_decode_kernel", "flash_decode_merge_kernel", "choose_num_splits", "blocks_per_sm", "MAX_SPLITS",
+           "ONE_SPLIT_TILES"]
 
 
 class DecodeConfig(NamedTuple):
@@ -72,7 +73,7 @@ class DecodeConfig(NamedTuple):
     kv_eviction: "str | None" = None  # an L2 eviction hint for the K/V loads ("evict_first", ...); None: none
 
     def tiling(self):
-        """The config as keyword arguments of ``flash_decode_kernel``."""
+        """The config's fields by name (``flash_decode_kernel`` takes the config itself as its ``tiling``)."""
         return self._asdict()
 
     def pass_configs(self):
@@ -140,10 +141,12 @@ def decode_config(target, heads, heads_kv, dim, seq_new, page_size=None, kv_head
     return config._replace(block_M=block_M, block_N=block_N, kv_heads_per_block=hpb)
 
 
+# The factory's default: one K/V head per block, its rows fitted (block_M None), 128 keys per tile, two stages.
+SPLIT_TILING = DecodeConfig(block_N=128, num_stages=2, threads=128)
+
+
 def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal=False, window_size=None,
-                        sm_scale=None, dtype="float16", block_M=None, block_N=128, num_stages=2, threads=128,
-                        warp_specialize=True, min_blocks=0, kv_heads_per_block=1, kv_eviction=None, single=False,
-                        target=None):
+                        sm_scale=None, dtype="float16", target=None, tiling=SPLIT_TILING, single=False):
     """Return the split kernel: partial O and LSE of each (sequence, new token, query head, split).
 
     Tensors: Q [B, S_new, H, D]; K, V [B, S_max, H_kv, D], or with ``page_size`` the pages
@@ -151,7 +154,8 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
     the new tokens included); outputs O_part [B, S_new, H, splits, D] and LSE_part [B, S_new, H,
     splits] in float32. New token ``s`` of sequence ``b`` sits at position
     ``cache_seqlens[b] − S_new + s`` (``causal``; a ``window_size`` implies causal).
-    ``warp_specialize`` and ``min_blocks``: see ``DecodeConfig`` (compile with its ``pass_configs``).
+    ``tiling``: a ``DecodeConfig`` (its tiling, ``warp_specialize``, ``min_blocks``, ``kv_heads_per_block`` and
+    ``kv_eviction``; compile with its ``pass_configs``).
 
     ``single=True``: the one-split kernel, with no merge after it. Each block then owns a whole
     sequence's cache, starts its running max at its rows' sinks (Sinks [H], float32, -inf for none)
@@ -172,6 +176,7 @@ def flash_decode_kernel(heads, heads_kv, dim, seq_new, *, page_size=None, causal
     (which ``flash_decode`` checks only on request: it would need the host to read the indices) gives
     a wrong result for its sequence but never a read outside the cache.
     """
+    block_N, num_stages, threads, block_M, warp_specialize, min_blocks, kv_heads_per_block, kv_eviction = tiling
     tb = TileBackend(target)
     p_model = prelude(heads, seq_new, 1, dim, heads_kv=heads_kv, causal=causal or window_size is not None,
                       window_size=window_size, sm_scale=sm_scale)

@@ -8,6 +8,8 @@ by ``sm_scale · log2(e)`` so the exponentials are ``exp2``; the LSE written out
     python -m course_utils.check flash_fwd  # check against the reference (and time it, on a GPU)
 """
 
+from typing import NamedTuple
+
 import tilelang.language as T
 from tilelang.layout import make_linear_layout
 
@@ -22,22 +24,37 @@ from .flash_pieces import (
 )
 from .tiles import TileBackend
 
-__all__ = ["flash_fwd_kernel"]
+__all__ = ["flash_fwd_kernel", "ForwardTiling", "FORWARD_TILING"]
+
+
+class ForwardTiling(NamedTuple):
+    """The kernel's tiling: ``block_M`` query rows and ``block_N`` keys per tile, ``num_stages`` K/V tiles in
+    flight, ``threads`` per block (a ``Tiling``'s four fields), and the layout of the shared tiles: TileLang's
+    swizzled default, or with ``linear_smem`` plain row-major (GPU only; chapter 04 measures what swizzling is
+    worth)."""
+
+    block_M: int = 128
+    block_N: int = 128
+    num_stages: int = 2
+    threads: int = 256
+    linear_smem: bool = False
+
+
+FORWARD_TILING = ForwardTiling()
 
 
 def flash_fwd_kernel(
     batch, heads, seq_q, seq_k, dim, *,
     heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
-    dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, target=None,
-    linear_smem=False,
+    dtype="float16", target=None, tiling=FORWARD_TILING,
 ):
     """Return a ``@T.prim_func`` computing O and LSE for Q [B, H, S_q, D], K/V [B, H_kv, S_k, D].
 
-    Parameters after ``*`` select the variant (GQA, causal, sliding window, sinks) and the tiling.
+    Parameters after ``*`` select the variant (GQA, causal, sliding window, sinks), the dtype and the
+    target; ``tiling`` (a ``ForwardTiling``) the tile sizes, pipeline stages, threads and shared layout.
     ``Sinks`` is always a parameter (float32 [H]); it is read only when ``has_sinks``.
-    ``linear_smem`` forces plain row-major shared-memory tiles instead of TileLang's swizzled
-    default (GPU only; chapter 04 measures what swizzling is worth).
     """
+    block_M, block_N, num_stages, threads, linear_smem = tiling
     tb = TileBackend(target)
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)

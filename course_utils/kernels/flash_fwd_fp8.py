@@ -25,11 +25,11 @@ Hopper (chapter 12, section 8: checked against the emulation, and timed, on an H
 import tilelang.language as T
 
 from .flash_pieces import LOG2E, NEG_INF, key_block_range, prelude, visible
-from .tiles import TileBackend
+from .tiles import TileBackend, Tiling
 
 __all__ = ["flash_fwd_fp8_kernel", "flash_fwd_fp8_hopper_kernel", "round_to_e4m3", "fp8_tile_step", "fp8_scores",
            "fp8_softmax", "E4M3_MAX",
-           "P_SCALE", "FP8_DTYPE"]
+           "P_SCALE", "FP8_DTYPE", "FP8_TILING", "FP8_HOPPER_TILING"]
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value (the "fn" variant: no infinities)
 # P ≤ 1 is multiplied by this before rounding: a power of two (its descale is exact) that puts P = 1 at
@@ -123,8 +123,12 @@ def fp8_tile_step(tb, p, block_M, block_N):
     return tile_step
 
 
-def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, sm_scale=None,
-                         block_M=16, block_N=16, threads=256, num_stages=1, v_keys=None, target="c"):
+FP8_TILING = Tiling(16, 16, 1, 256)  # flash_fwd_fp8_kernel's default: 16 × 16 tiles, one stage
+FP8_HOPPER_TILING = Tiling(128, 128, 2, 256)  # flash_fwd_fp8_hopper_kernel's: two consumer warpgroups, two stages
+
+
+def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, sm_scale=None, v_keys=None,
+                         target="c", tiling=FP8_TILING):
     """A ``@T.prim_func`` (Q, K, V, Q_descale, K_descale, V_descale) -> (O, LSE) on e4m3 values: float32 tiles
     holding them on the C backend, ``float8_e4m3fn`` tiles on CUDA.
 
@@ -132,8 +136,9 @@ def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, caus
     (``v_keys`` ≥ S_k, default S_k: the producer pads the keys so that TMA finds each row of Vᵀ 16-byte aligned);
     Q_descale [B, H, ⌈S_q/block_M⌉], K_descale [B, H_kv, ⌈S_k/block_N⌉], V_descale [B, H_kv]: a quantised value
     times its descale is the input it stands for. O is float32; the LSE is the natural log of the row's
-    denominator of the scaled scores, as ``flash_attention``'s.
+    denominator of the scaled scores, as ``flash_attention``'s. ``tiling``: a ``Tiling``.
     """
+    block_M, block_N, num_stages, threads = tiling
     tb = TileBackend(target)
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, sm_scale=sm_scale)
     f32 = "float32"
@@ -185,7 +190,7 @@ def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, caus
 
 
 def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, sm_scale=None,
-                                block_M=128, block_N=128, num_stages=2, threads=256, v_keys=None):
+                                v_keys=None, tiling=FP8_HOPPER_TILING):
     """The FP8 forward on chapter 07's rotated loop, for sm_90a: what ``flash_attention_fp8`` runs on Hopper.
 
     Arguments and results as ``flash_fwd_fp8_kernel(..., target="cuda")`` (Vᵀ in, keys padded to ``v_keys``). The
@@ -195,6 +200,7 @@ def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=Non
     operand from registers only in a byte order that is not the accumulator's (FlashAttention-3 permutes it by
     hand), which TileLang 0.1.15 does not do.
     """
+    block_M, block_N, num_stages, threads = tiling
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, sm_scale=sm_scale)
     f32, fp8 = "float32", FP8_DTYPE
     q_blocks, k_blocks = p.blocks(seq_q, block_M), p.blocks(seq_k, block_N)

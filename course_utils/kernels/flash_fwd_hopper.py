@@ -17,6 +17,8 @@ The variations chapter 07 measures and does not keep are in ``flash_fwd_hopper_v
     python -m course_utils.check flash_fwd_hopper  # on an H100: check, then time against the peers
 """
 
+from typing import NamedTuple
+
 import tilelang.language as T
 
 from .flash_pieces import (
@@ -29,9 +31,9 @@ from .flash_pieces import (
     prelude,
 )
 from .hopper_pieces import issue_matmuls, keep_stages_until_read, pass_turn, wait_for_turn
-from .tiles import TileBackend
+from .tiles import TileBackend, Tiling
 
-__all__ = ["flash_fwd_hopper_kernel", "rotated_loop"]
+__all__ = ["flash_fwd_hopper_kernel", "rotated_loop", "RotatedPieces", "ROTATED_PIECES", "ROTATED_TILING"]
 
 
 @T.macro
@@ -89,25 +91,41 @@ def _same_block(step):
     return step
 
 
+class RotatedPieces(NamedTuple):
+    """The rotated loop's switch and the steps chapter 07's ablation swaps (``kernels/versions``); the defaults are
+    the shipped kernel, and None is the shipped step.
+
+    ``pingpong`` (a ``ForwardConfig`` field): the two consumer warpgroups take turns issuing their matmuls
+    (FlashAttention-3's inter-warpgroup schedule). ``order(p, bx, block_M)``: the query block of launch index ``bx``
+    (shipped: heaviest first when masked); ``issue(Q_s, K_s, V_s, S, P, acc_o, kb, k_start, k_end)``: the two
+    matmuls (shipped: ``issue_matmuls``, both every iteration); ``new_max``: ``online_softmax``'s running-max step;
+    ``rescale_step``: the output accumulator's rescale (a piece with ``tiles()`` and ``apply(acc_o, alpha, tiles,
+    block_M, dim)``; shipped: every element, every block).
+    """
+
+    pingpong: bool = False
+    order: object = None
+    issue: object = None
+    new_max: object = None
+    rescale_step: object = None
+
+
+ROTATED_PIECES = RotatedPieces()
+ROTATED_TILING = Tiling(128, 128, 2, 256)  # two consumer warpgroups of 64 query rows, 128 keys per step, 2 stages
+
+
 def flash_fwd_hopper_kernel(
     batch, heads, seq_q, seq_k, dim, *,
-    heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
-    dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, pingpong=False,
-    order=None, issue=None, new_max=None, rescale_step=None,
+    heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None, dtype="float16",
+    tiling=ROTATED_TILING, pieces=ROTATED_PIECES,
 ):
-    """Return a ``@T.prim_func`` computing O and LSE; parameters as in ``flash_fwd_kernel``.
+    """Return a ``@T.prim_func`` computing O and LSE; the problem's parameters as in ``flash_fwd_kernel``, its
+    ``tiling`` a ``Tiling`` and its swapped steps a ``RotatedPieces``.
 
-    ``threads`` counts the consumer threads (two warpgroups); TileLang adds a producer warpgroup.
-    ``pingpong`` makes the two consumer warpgroups take turns issuing their matmuls
-    (FlashAttention-3's inter-warpgroup schedule).
-
-    The steps chapter 07's ablation swaps (``kernels/versions``) are arguments; None is the shipped
-    step. ``order(p, bx, block_M)``: the query block of launch index ``bx`` (shipped: heaviest first
-    when masked); ``issue(Q_s, K_s, V_s, S, P, acc_o, kb, k_start, k_end)``: the two matmuls (shipped:
-    ``issue_matmuls``, both every iteration); ``new_max``: ``online_softmax``'s running-max step;
-    ``rescale_step``: the output accumulator's rescale (a piece with ``tiles()`` and ``apply(acc_o, alpha,
-    tiles, block_M, dim)``; shipped: every element, every block).
+    ``tiling.threads`` counts the consumer threads (two warpgroups); TileLang adds a producer warpgroup.
     """
+    block_M, block_N, num_stages, threads = tiling
+    pingpong, order, issue, new_max, rescale_step = pieces
     tb = TileBackend("cuda")
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)

@@ -24,6 +24,8 @@ it, QKᵀ of block j with P·V of block j − 1 in it, the last P·V after it.
     python -m course_utils.check flash_fwd_hopper_one_warpgroup  # on an H100: check, then time against the peers
 """
 
+from typing import NamedTuple
+
 import tilelang.language as T
 
 from .flash_fwd_hopper_persistent import load_dense_keys, load_dense_values
@@ -39,7 +41,7 @@ from .flash_pieces import (
 )
 from .tiles import TileBackend
 
-__all__ = ["flash_fwd_hopper_one_warpgroup_kernel"]
+__all__ = ["flash_fwd_hopper_one_warpgroup_kernel", "OneWarpgroupTiling", "SHIPPED_TILING"]
 
 
 @T.macro
@@ -53,16 +55,29 @@ def load_key_block(K, V, K_s, V_s, k_full, v_full, bz, kv_head, block_N, kb, sta
         load_dense_values(V, V_s, v_full, bz, kv_head, block_N, kb, stage)
 
 
+class OneWarpgroupTiling(NamedTuple):
+    """The kernel's tiling and launch: one warpgroup (``threads = 128``) on ``block_M = 64`` query rows, ``block_N``
+    keys per step through ``num_stages`` stages; ``blocks_per_sm`` blocks share an SM (the launch asks ptxas to
+    fit their registers)."""
+
+    block_M: int = 64
+    block_N: int = 128
+    num_stages: int = 2
+    threads: int = 128
+    blocks_per_sm: int = 3
+
+
+SHIPPED_TILING = OneWarpgroupTiling()  # cuDNN's at D = 64: 64 × 128 tiles, 2 stages, three blocks per SM
+
+
 def flash_fwd_hopper_one_warpgroup_kernel(
     batch, heads, seq_q, seq_k, dim, *,
-    heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None,
-    dtype="float16", block_M=64, block_N=128, num_stages=2, threads=128, blocks_per_sm=3,
+    heads_kv=None, causal=False, window_size=None, has_sinks=False, sm_scale=None, dtype="float16",
+    tiling=SHIPPED_TILING,
 ):
-    """Return a ``@T.prim_func`` computing O and LSE; parameters as in ``flash_fwd_hopper_kernel``.
-
-    One warpgroup: ``block_M = 64`` and ``threads = 128``. ``blocks_per_sm`` blocks share an SM (the
-    launch asks ptxas to fit their registers).
-    """
+    """Return a ``@T.prim_func`` computing O and LSE; the problem's parameters as in ``flash_fwd_hopper_kernel``,
+    its ``tiling`` a ``OneWarpgroupTiling``."""
+    block_M, block_N, num_stages, threads, blocks_per_sm = tiling
     if block_M != 64 or threads != 128:
         raise ValueError(f"this kernel is one warpgroup on 64 query rows: block_M=64, threads=128; got "
                          f"block_M={block_M}, threads={threads}")

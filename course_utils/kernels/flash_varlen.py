@@ -57,10 +57,11 @@ from .flash_pieces import (
     zero_rows_past_end,
 )
 from .hopper_pieces import issue_matmuls, keep_stages_until_read
-from .tiles import TileBackend
+from .tiles import TileBackend, Tiling
 
 __all__ = ["SCHEDULES", "OWN_BARRIERS_PASS_CONFIGS", "varlen_work_list", "flash_varlen_fwd_kernel",
-           "flash_varlen_bwd_kernel", "varlen_delta_kernel", "scale_cast_kernel", "lse_row_layout"]
+           "flash_varlen_bwd_kernel", "varlen_delta_kernel", "scale_cast_kernel", "lse_row_layout", "FORWARD_TILING",
+           "BACKWARD_TILING"]
 
 SCHEDULES = ("grid", "list")
 # ``own_barriers``: the kernel places its own barriers (compile it with these pass options). Nor may TileLang
@@ -97,17 +98,21 @@ def varlen_work_list(lengths_q, lengths_k, block, *, causal=False, by_keys=False
     return torch.stack([seq[order], index[order]], dim=1).to(torch.int32)
 
 
+FORWARD_TILING = Tiling(128, 128, 2, 256)  # flash_varlen_fwd_kernel's default (chapter 03's loop's)
+BACKWARD_TILING = Tiling(64, 64, 2, 128)  # flash_varlen_bwd_kernel's (chapter 05's)
+
+
 def flash_varlen_fwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_size=None, sm_scale=None,
-                            dtype="float16", block_M=128, block_N=128, num_stages=2, threads=256, schedule="list",
-                            hopper=False, own_barriers=False, target=None):
+                            dtype="float16", target=None, tiling=FORWARD_TILING, schedule="list", hopper=False,
+                            own_barriers=False):
     """Return a ``@T.prim_func`` computing O and LSE of packed sequences (sinks always on: -inf for none).
 
     Tensors: Q [total_q, H, D], K/V [total_k, H_kv, D], CuSeqlensQ/CuSeqlensK [B + 1] (int32), then
     MaxSeqlenQ (int32 scalar; ``schedule="grid"``) or WorkItems [items, 2] (int32; ``"list"``), Sinks
-    [H] (float32), Output [total_q, H, D] and LSE [H, total_q] (natural log, float32). ``hopper``
-    uses chapter 07's rotated wgmma loop (sm_90 only; ``threads`` counts its consumer threads). On the
-    H100 it measured no faster than chapter 03's loop for packed batches, and its ping-pong variant
-    never finished (docs/varlen_and_decoding.md), so it is not offered here.
+    [H] (float32), Output [total_q, H, D] and LSE [H, total_q] (natural log, float32). ``tiling``: a
+    ``Tiling``. ``hopper`` uses chapter 07's rotated wgmma loop (sm_90 only; the tiling's ``threads`` counts
+    its consumer threads). On the H100 it measured no faster than chapter 03's loop for packed batches, and
+    its ping-pong variant never finished (docs/varlen_and_decoding.md), so it is not offered here.
 
     ``own_barriers`` (sm_90, chapter 03's loop; compile with ``OWN_BARRIERS_PASS_CONFIGS``): zeroing the
     value rows past a sequence's end writes shared memory, and TileLang then puts a barrier of all 256
@@ -115,6 +120,7 @@ def flash_varlen_fwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
     overlap one's softmax with the other's matmuls. With this option the kernel places that barrier
     only on the tile that needs it (and the two its epilogue needs): 4–18% faster on the H100.
     """
+    block_M, block_N, num_stages, threads = tiling
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     tb = TileBackend("cuda" if hopper else target)
@@ -223,8 +229,7 @@ def flash_varlen_fwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
 
 
 def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_size=None, sm_scale=None,
-                            dtype="float16", block_M=64, block_N=64, num_stages=2, threads=128, schedule="list",
-                            target=None):
+                            dtype="float16", target=None, tiling=BACKWARD_TILING, schedule="list"):
     """Return a ``@T.prim_func`` computing dK, dV and the float32 dQ accumulator of packed sequences.
 
     Chapter 05's backward per sequence: a block owns ``block_N`` keys of one sequence and head, keeps
@@ -233,8 +238,9 @@ def flash_varlen_bwd_kernel(heads, dim, *, heads_kv=None, causal=False, window_s
     CuSeqlensQ/K; MaxSeqlenK (``"grid"``) or WorkItems
     [items, 2] of (sequence, key block) (``"list"``); dQ_acc [total_q, H, D] float32, zero on entry
     (pre-scale, like chapter 05's); dK, dV [total_k, H_kv, D], in ``dtype`` for MHA, float32
-    accumulators (zero on entry) for GQA.
+    accumulators (zero on entry) for GQA. ``tiling``: a ``Tiling``.
     """
+    block_M, block_N, num_stages, threads = tiling
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     tb = TileBackend(target)

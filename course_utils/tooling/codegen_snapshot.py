@@ -125,17 +125,13 @@ def _cuda_jobs():
             dim = v.pop("dim")
             archs = both if (config.num_stages < 2 or not v.get("causal")) else hopper  # upstream sm_80 bug
             jobs.append((f"fwd_{cname}_{vname}", archs,
-                         lambda config=config, v=v, dim=dim: fwd.flash_fwd_kernel(B, H, S, S, dim, target="cuda",
-                                                                                  **v, **config.tiling()), None))
+                         lambda config=config, v=v, dim=dim: fwd.flash_fwd_kernel(
+                             B, H, S, S, dim, target="cuda", **v, **reg.FORWARD["flash_fwd"].arguments(config)), None))
     # Hopper forwards: the configs flash_attention picks (each through its kernel's factory), the window fallback,
     # the rotated loop.
     def hopper_forward(config, dim, **options):
         row = reg.FORWARD[config.kernel]
-        extra = {o: getattr(config, o) for o in row.options}
-        tiling = getattr(row, "tiling", None)
-        if tiling is None:  # a factory that takes its tiling as keywords
-            return row.factory(B, H, 4096, 4096, dim, **options, **config.tiling(), **extra)
-        return row.factory(B, H, 4096, 4096, dim, **options, tiling=tiling(**config.tiling(), **extra))
+        return row.factory(B, H, 4096, 4096, dim, **options, **row.arguments(config))
 
     for (dim, masked), config in att.HOPPER_FORWARD_CONFIGS.items():
         jobs.append((f"fwd_{config.kernel.removeprefix('flash_fwd_')}_d{dim}_{'masked' if masked else 'full'}", hopper,
@@ -150,31 +146,25 @@ def _cuda_jobs():
     for (dim, masked), config in ch07.ROTATED_LOOP_CONFIGS.items():
         jobs.append((f"fwd_hopper_rotated_d{dim}_{'masked' if masked else 'full'}", hopper,
                      lambda config=config, dim=dim, masked=masked: fwd_h.flash_fwd_hopper_kernel(
-                         B, H, S, S, dim, causal=masked, **config.tiling(), pingpong=config.pingpong), None))
+                         B, H, S, S, dim, causal=masked, **reg.FORWARD["flash_fwd_hopper"].arguments(config)), None))
     # Dense backward: chapter 05's kernel and its helpers, chapter 08's Hopper kernel.
     for vname, v in (("d128", dict(dim=128)), ("d128_causal", dict(dim=128, causal=True)),
                      ("d64_gqa_window", dict(dim=64, heads_kv=2, causal=True, window_size=128))):
         v = dict(v)
         dim = v.pop("dim")
         jobs.append((f"bwd_tuned_{vname}", both,
-                     lambda v=v, dim=dim: bwd.flash_bwd_kernel(B, H, S, S, dim, target="cuda", **v,
-                                                               **att.TUNED_BACKWARD_CONFIG.tiling()), None))
+                     lambda v=v, dim=dim: bwd.flash_bwd_kernel(
+                         B, H, S, S, dim, target="cuda", **v,
+                         **reg.BACKWARD["flash_bwd"].arguments(att.TUNED_BACKWARD_CONFIG)), None))
     jobs.append(("bwd_preprocess_d128", both,
                  lambda: bwd.flash_bwd_preprocess_kernel(B, H, S, 128, block=64, threads=128, target="cuda"), None))
     jobs.append(("bwd_postprocess_d128", both,
                  lambda: bwd.flash_bwd_postprocess_kernel(B, H, S, 128, scale=128 ** -0.5, block=64, threads=128,
                                                           target="cuda"), None))
-    def backward_options(config):
-        """The config's options as its kernel takes them (one ``pieces`` argument, or, before, keywords)."""
-        row = reg.BACKWARD[config.kernel]
-        if hasattr(row, "factory_options"):
-            return row.factory_options(config)
-        return {o: getattr(config, o) for o in row.options}
-
     for (dim, masked), config in att.HOPPER_BACKWARD_CONFIGS.items():
         jobs.append((f"bwd_hopper_d{dim}_{'masked' if masked else 'full'}", hopper,
                      lambda config=config, dim=dim, masked=masked: bwd_h.flash_bwd_hopper_kernel(
-                         B, H, S, S, dim, causal=masked, **config.tiling(), **backward_options(config)),
+                         B, H, S, S, dim, causal=masked, **reg.BACKWARD[config.kernel].arguments(config)),
                      bwd_h.PASS_CONFIGS))
     config = att.HOPPER_BACKWARD_CONFIGS[128, True]
     jobs.append(("bwd_hopper_deterministic_d128_gqa_window", hopper,
@@ -184,12 +174,11 @@ def _cuda_jobs():
     for dim, (block_M, block_N) in att.HOPPER_DQ_TILES.items():
         jobs.append((f"bwd_hopper_dq_d{dim}", hopper,
                      lambda dim=dim, block_M=block_M, block_N=block_N: bwd_h.flash_bwd_hopper_dq_kernel(
-                         B, H, S, S, dim, heads_kv=2, causal=True, window_size=128, block_M=block_M,
-                         block_N=block_N), None))
+                         B, H, S, S, dim, heads_kv=2, causal=True, window_size=128,
+                         **reg.HELPERS["bwd_hopper_dq"].arguments(None, block_M=block_M, block_N=block_N)), None))
     # Packed (varlen) batches.
     vc = vapi.VARLEN_CUDA_CONFIG
-    common = dict(heads_kv=2, block_M=vc.block_M, block_N=vc.block_N, num_stages=vc.num_stages, threads=vc.threads,
-                  target="cuda")
+    common = dict(heads_kv=2, target="cuda", **reg.PACKED_FORWARD["flash_fwd"].arguments(vc))
     for vname, v, archs, pc in (
             ("grid", dict(schedule="grid"), ("sm_80",), None),
             ("grid_causal_own", dict(schedule="grid", causal=True, own_barriers=True), hopper,
@@ -203,9 +192,8 @@ def _cuda_jobs():
     bc = att.TUNED_BACKWARD_CONFIG
     for vname, v in (("grid", dict(schedule="grid")), ("list_causal", dict(schedule="list", causal=True))):
         jobs.append((f"varlen_bwd_{vname}", both,
-                     lambda v=v: var.flash_varlen_bwd_kernel(4, 128, heads_kv=2, block_M=bc.block_M,
-                                                             block_N=bc.block_N, num_stages=bc.num_stages,
-                                                             threads=bc.threads, target="cuda", **v), None))
+                     lambda v=v: var.flash_varlen_bwd_kernel(4, 128, heads_kv=2, target="cuda", **v,
+                                                             **reg.PACKED_BACKWARD["flash_bwd"].arguments(bc)), None))
     # Packed batches on Hopper: the persistent forward and the Hopper backward, as varlen_api picks them.
     pc = vapi.VARLEN_PERSISTENT_CONFIG
 
@@ -247,7 +235,7 @@ def _cuda_jobs():
         config = dec.decode_config("cuda", 8, 2, 128, 1, page_size)
         jobs.append((f"decode_split_{vname}", both,
                      lambda config=config, page_size=page_size, causal=causal: dec.flash_decode_kernel(
-                         8, 2, 128, 1, page_size=page_size, causal=causal, target="cuda", **config._asdict()),
+                         8, 2, 128, 1, page_size=page_size, causal=causal, target="cuda", tiling=config),
                      config.pass_configs()))
     jobs.append(("decode_merge", both, lambda: dec.flash_decode_merge_kernel(8, 128, 1, target="cuda"), None))
     return jobs

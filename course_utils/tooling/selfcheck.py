@@ -291,6 +291,7 @@ def check_fp8_forward():
     from ..checking.checks import check_close, check_true, expect_failure
     from ..core.reference import attention_reference
     from ..kernels.flash_fwd_fp8 import flash_fwd_fp8_kernel
+    from ..kernels.tiles import Tiling
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 40, 32, generator=g)
@@ -311,5 +312,5 @@ def check_fp8_forward():
         expect_failure(bug, lambda: check_close(out, within_ties(out, wrong, slack), bug, atol=1e-4, rtol=1e-3,
                                                 quiet=True))
     print("The sm_90a variant (FP8 wgmma) at D=128, S=4k, lowered:")
-    report_lowering(flash_fwd_fp8_kernel(1, 16, 4096, 4096, 128, causal=True, block_M=128, block_N=128, threads=256,
-                                         num_stages=2, target="cuda"))
+    report_lowering(flash_fwd_fp8_kernel(1, 16, 4096, 4096, 128, causal=True, target="cuda",
+                                         tiling=Tiling(128, 128, 2, 256)))

@@ -23,7 +23,7 @@ import torch
 from ..flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
 from ..flash_bwd_hopper import DQ_BY_ROWS, PASS_CONFIGS, BackwardPieces, flash_bwd_hopper_kernel, issue_dq
 from ..flash_pieces import LOG2E
-from ..tiles import TileBackend, compile_kernel
+from ..tiles import TileBackend, Tiling, compile_kernel
 from .version import Version, renamed
 from .version import versions_for as _versions_for
 
@@ -158,7 +158,7 @@ def _build(version, batch, heads, seq, dim, *, causal, dtype="float16", heads_kv
     variant = dict(heads_kv=heads_kv, causal=causal, window_size=window_size, dtype=dtype)
     if version.factory is flash_bwd_kernel:  # version 1: chapter 05's kernel, synchronous T.gemm
         func = flash_bwd_kernel(batch, heads, seq, seq_k, dim, target="cuda", **variant,
-                                **{k: knobs[k] for k in ("block_M", "block_N", "num_stages", "threads")})
+                                tiling=Tiling(**{k: knobs[k] for k in Tiling._fields}))
         options = {}
     else:
         func = renamed(version.factory(batch, heads, seq, seq_k, dim, **variant, **with_pieces(knobs)), version.name)

@@ -16,9 +16,9 @@ import dataclasses
 import tilelang
 import tilelang.language as T
 
-from ..flash_fwd import flash_fwd_kernel
-from ..flash_fwd_hopper import flash_fwd_hopper_kernel
-from ..flash_fwd_hopper_one_warpgroup import flash_fwd_hopper_one_warpgroup_kernel
+from ..flash_fwd import ForwardTiling, flash_fwd_kernel
+from ..flash_fwd_hopper import RotatedPieces, flash_fwd_hopper_kernel
+from ..flash_fwd_hopper_one_warpgroup import OneWarpgroupTiling, flash_fwd_hopper_one_warpgroup_kernel
 from ..flash_fwd_hopper_persistent import (
     PersistentPieces,
     PersistentTiling,
@@ -26,8 +26,8 @@ from ..flash_fwd_hopper_persistent import (
     tile_order,
 )
 from ..flash_pieces import ACCUM
-from ..tiles import compile_kernel
-from .version import Version, renamed
+from ..tiles import Tiling, compile_kernel
+from .version import Version, grouped, renamed
 from .version import versions_for as _versions_for
 
 __all__ = ["Version", "VERSIONS", "versions_for", "grouped", "flash_fwd_hopper_variant", "variant_pieces",
@@ -40,11 +40,10 @@ _NO_TMA_NO_WS = {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
 ROTATED_VARIANT, PERSISTENT_VARIANT = "flash_fwd_hopper_variant", "flash_fwd_hopper_persistent_variant"
 
 
-def grouped(knobs):
-    """The persistent kernel's arguments from a version's knobs: its tiling in one ``PersistentTiling``, its swapped
-    steps in one ``PersistentPieces``."""
-    return dict(tiling=PersistentTiling(**{k: v for k, v in knobs.items() if k in PersistentTiling._fields}),
-                pieces=PersistentPieces(**{k: v for k, v in knobs.items() if k in PersistentPieces._fields}))
+# Each kernel's tiling type and pieces type: a version's knobs are grouped into them (``grouped``).
+_ARGUMENTS = {flash_fwd_kernel: (ForwardTiling, None), flash_fwd_hopper_kernel: (Tiling, RotatedPieces),
+              flash_fwd_hopper_persistent_kernel: (PersistentTiling, PersistentPieces),
+              flash_fwd_hopper_one_warpgroup_kernel: (OneWarpgroupTiling, None)}
 
 
 def _build(version, batch, heads, seq, dim, *, causal, dtype="float16"):
@@ -52,8 +51,7 @@ def _build(version, batch, heads, seq, dim, *, causal, dtype="float16"):
     knobs = version.knobs_for(dim, causal)
     if version.factory is flash_fwd_kernel:
         knobs["target"] = "cuda"
-    if version.factory is flash_fwd_hopper_persistent_kernel:
-        knobs = grouped(knobs)
+    knobs = grouped(knobs, *_ARGUMENTS[version.factory])
     func = renamed(version.factory(batch, heads, seq, seq, dim, causal=causal, dtype=dtype, **knobs), version.name)
     return compile_kernel(func, out_idx=[4, 5], target="cuda", dtype=dtype, **version.compile_options)
 
@@ -115,7 +113,7 @@ SKIPPED_RESCALE = dataclasses.make_dataclass("Rescale", ["tiles", "apply"], froz
 
 
 def variant_pieces(heavy_first=True, conditional_issue=False, rescale_threshold=None):
-    """The rotated loop's pieces for three switches it does not keep (keywords of ``flash_fwd_hopper_kernel``)."""
+    """The rotated loop's pieces for three switches it does not keep (fields of ``RotatedPieces``)."""
     pieces = {}
     if not heavy_first:
         pieces["order"] = light_first
@@ -134,8 +132,8 @@ def flash_fwd_hopper_variant(*args, heavy_first=True, conditional_issue=False, r
     ``rescale_threshold`` t keeps a stale running max unless a block's max exceeds it by more than t
     (log2 units), so most blocks skip the rescale of the output accumulator (FlashAttention-4's idea).
     """
-    pieces = variant_pieces(heavy_first, conditional_issue, rescale_threshold)
-    return renamed(flash_fwd_hopper_kernel(*args, **kwargs, **pieces), ROTATED_VARIANT)
+    pieces = RotatedPieces(**variant_pieces(heavy_first, conditional_issue, rescale_threshold))
+    return renamed(flash_fwd_hopper_kernel(*args, **kwargs, pieces=pieces), ROTATED_VARIANT)
 
 
 # ---------------------------------------------------------------------------- the persistent kernel's pieces

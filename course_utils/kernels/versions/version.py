@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Version", "versions_for", "renamed"]
+__all__ = ["Version", "versions_for", "renamed", "grouped"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +58,14 @@ def versions_for(versions, causal, dim=None):
 def renamed(func, name):
     """``func`` under the kernel name ``name`` (a variation keeps the name its listing shows)."""
     return func if name is None else func.with_attr("global_symbol", name)
+
+
+def grouped(knobs, tiling, pieces=None):
+    """A version's knobs as its kernel's arguments: the fields of ``tiling`` (the kernel's tiling type) in one
+    ``tiling`` argument, those of ``pieces`` (its pieces type, if it takes one) in one ``pieces`` argument, and any
+    other knob (``target``) as it is."""
+    groups = [(name, kind) for name, kind in (("tiling", tiling), ("pieces", pieces)) if kind is not None]
+    arguments = {k: v for k, v in knobs.items() if not any(k in kind._fields for _, kind in groups)}
+    for name, kind in groups:
+        arguments[name] = kind(**{k: v for k, v in knobs.items() if k in kind._fields})
+    return arguments
