@@ -21,7 +21,7 @@ import tilelang.language as T
 from .flash_bwd_hopper import ACCUM, BackwardPieces, flash_bwd_hopper_kernel
 from .flash_pieces import prelude
 from .flex_pieces import FULL, mask_dims, recompute_probabilities
-from .tiles import TileBackend
+from .tiles import TileBackend, Tiling
 
 __all__ = ["flex_bwd_hopper_kernel", "BlockMaskSteps", "HOPPER_FLEX_DIMS", "HOPPER_FLEX_BLOCK"]
 
@@ -129,5 +129,4 @@ def flex_bwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, plan, mask_shape, ma
                            sm_scale=sm_scale, dtype=dtype, block_M=block_M)
     pieces = BackwardPieces(modifiers=steps, defer_dq_wait=defer_dq_wait)
     return flash_bwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, sm_scale=sm_scale, dtype=dtype,
-                                   block_M=block_M, block_N=block_N, num_stages=num_stages, threads=threads,
-                                   pieces=pieces)
+                                   tiling=Tiling(block_M, block_N, num_stages, threads), pieces=pieces)
