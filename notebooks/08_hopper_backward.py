@@ -53,6 +53,7 @@ from course_utils.pictures.backward_diagrams import LANES, dataflow, step_schedu
 from course_utils.measure.bench import H100_MATMUL_TFLOPS, H100_SFU_TFLOPS
 from course_utils.measure.benchmarks import RECORDS, TIMING_ORDERS, comparison_shapes
 from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS, flash_bwd_hopper_kernel
+from course_utils.kernels.tiles import Tiling
 from course_utils.kernels.versions.flash_bwd_hopper_versions import (VERSIONS, flash_bwd_hopper_variant, shipped_version,
                                                                    with_pieces)
 from course_utils.core.labels import CUDNN, FA2, FA4, OURS
@@ -227,8 +228,7 @@ check_stored_errors(features["results"], "ch08 feature checks: every case, both 
 
 # %%
 sizes = dict(batch=4, heads=16, seq_q=4096, seq_k=4096, dim=128)
-source = cuda_source(flash_bwd_hopper_kernel(**sizes, block_M=config.block_M, block_N=config.block_N),
-                     pass_configs=PASS_CONFIGS)
+source = cuda_source(flash_bwd_hopper_kernel(**sizes, tiling=Tiling(**config.tiling())), pass_configs=PASS_CONFIGS)
 
 # %% [markdown]
 # The kernel meets its other consumer warpgroup at its own named barriers (with `PASS_CONFIGS`).

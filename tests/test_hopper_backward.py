@@ -20,6 +20,7 @@ from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_bwd_hopper import (
     _DS_BARRIER,
     DQ_TILING,
+    FA3_TILING,
     PASS_CONFIGS,
     BackwardPieces,
     flash_bwd_hopper_dq_kernel,
@@ -91,7 +92,8 @@ def test_one_step_in_flash_attention_3_order(dim, masked):
     """Sᵀ and dPᵀ issued together, exponentials after the first wait, dSᵀ stored, one barrier, dV, dQ and
     dK issued together, dQ stored under dK, a second barrier, the bulk reduce-add; no other barrier."""
     config = HOPPER_BACKWARD_CONFIGS[dim, masked]
-    loop = _consumer_loop(_source(dim=dim, causal=masked, block_M=config.block_M, block_N=config.block_N))
+    loop = _consumer_loop(_source(dim=dim, causal=masked,
+                                  tiling=FA3_TILING._replace(block_M=config.block_M, block_N=config.block_N)))
     position = 0
     for mark in STEP:
         found = loop.find(mark, position)
@@ -107,7 +109,8 @@ def test_tilelang_adds_four_barriers_without_the_pass_config():
     assert loop.count("__sync_thread_partial(3, 256)") == 4
 
 
-@pytest.mark.parametrize("options", [dict(causal=True), dict(block_M=80, heads_kv=2, window_size=100, seq=1000)])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(tiling=FA3_TILING._replace(block_M=80), heads_kv=2,
+                                                             window_size=100, seq=1000)])
 def test_shipped_kernel_is_the_ablations_last_step(options):
     """The shipped kernel, the ablation's shipped version and the variant with the shipped switches
     generate the same CUDA (the versions are the shipped skeleton plus the pieces they swap)."""
@@ -115,10 +118,12 @@ def test_shipped_kernel_is_the_ablations_last_step(options):
     knobs = {k: v for k, v in shipped.knobs_for(128, True).items() if k not in ("block_M", "block_N")}
     seq = options.pop("seq", SHAPE["seq_q"])
     shape = dict(SHAPE, seq_q=seq, seq_k=seq)
-    a = cuda_source(flash_bwd_hopper_kernel(**shape, dim=128, **options), pass_configs=PASS_CONFIGS)
-    b = cuda_source(shipped.factory(**shape, dim=128, **options, **with_pieces(knobs)), pass_configs=PASS_CONFIGS)
-    c = cuda_source(flash_bwd_hopper_variant(**shape, dim=128, **options, dv_during_ds=False, ds_buffers=2,
-                                             manual_sync=True), pass_configs=PASS_CONFIGS)
+    tiling = options.pop("tiling", FA3_TILING)
+    a = cuda_source(flash_bwd_hopper_kernel(**shape, dim=128, **options, tiling=tiling), pass_configs=PASS_CONFIGS)
+    b = cuda_source(shipped.factory(**shape, dim=128, **options, **with_pieces({**knobs, **tiling._asdict()})),
+                    pass_configs=PASS_CONFIGS)
+    c = cuda_source(flash_bwd_hopper_variant(**shape, dim=128, **options, **tiling._asdict(), dv_during_ds=False,
+                                             ds_buffers=2, manual_sync=True), pass_configs=PASS_CONFIGS)
     name = re.compile(r"flash_bwd_hopper(_variant)?_kernel")
     assert a == b and "flash_bwd_hopper_variant_kernel" in c
     assert name.sub("K", a) == name.sub("K", c)
@@ -131,11 +136,11 @@ def test_version_14_is_a_config_field():
     v14 = next(v for v in VERSIONS if v.number == 14)
     assert [key for key, c in HOPPER_BACKWARD_CONFIGS.items() if c.dv_under_ds] == [(128, False), (128, True),
                                                                                    (64, True)]
-    shape = dict(SHAPE, dim=128, block_M=80)
+    shape = dict(SHAPE, dim=128, tiling=FA3_TILING._replace(block_M=80))
     on = cuda_source(flash_bwd_hopper_kernel(**shape, pieces=BackwardPieces(dv_under_ds=True)),
                      pass_configs=PASS_CONFIGS)
-    version = cuda_source(v14.factory(**shape, **with_pieces({k: v for k, v in v14.knobs_for(128, False).items()
-                                                              if k != "block_M"})), pass_configs=PASS_CONFIGS)
+    version = cuda_source(v14.factory(**dict(SHAPE, dim=128), **with_pieces(v14.knobs_for(128, False))),
+                          pass_configs=PASS_CONFIGS)
     assert on == version
     assert on != cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
     config = HOPPER_BACKWARD_CONFIGS[128, False]._replace(dv_under_ds=True, dkdv_by_tma=False, defer_dq_wait=False)
@@ -149,7 +154,7 @@ def test_dkdv_by_tma_is_a_config_field():
     """Version 19's epilogue (dK and dV through shared memory, one TMA store each) is ``dkdv_by_tma``: the registry
     passes it to the kernel, which then stores by TMA between two barriers; with GQA (float32 accumulators added
     atomically) it keeps the register path, so the code is the same as with the field off."""
-    shape = dict(SHAPE, dim=128, block_M=80)
+    shape = dict(SHAPE, dim=128, tiling=FA3_TILING._replace(block_M=80))
     on = cuda_source(flash_bwd_hopper_kernel(**shape, pieces=BackwardPieces(dkdv_by_tma=True)),
                      pass_configs=PASS_CONFIGS)
     off = cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
@@ -169,7 +174,7 @@ def test_longest_first_is_a_config_field():
     """``longest_first``: one launch index over (key block, head), the key block outermost, so every head's first
     key blocks (with the causal mask, the longest) start first. On only in the D=128 causal config (version 21); the
     deterministic kernel (one block per K/V head) ignores it; the registry passes it on."""
-    shape = dict(SHAPE, dim=128, block_M=64, causal=True)
+    shape = dict(SHAPE, dim=128, causal=True)  # FA3_TILING: 64 query rows
     on = cuda_source(flash_bwd_hopper_kernel(**shape, pieces=BackwardPieces(longest_first=True)),
                      pass_configs=PASS_CONFIGS)
     off = cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
@@ -199,7 +204,7 @@ def test_defer_dq_wait_moves_the_reduce_wait_and_edits_nothing_else():
     dQ's staging tile stands before the next step's dSᵀ barrier, and ``generated_code`` drops the one TileLang puts
     right after the reduce-add; with the field off, or in any other kernel, the code is TileLang's, untouched. The
     edit never drops a wait from code that has no moved wait (that would be a race on dq_s)."""
-    shape = dict(SHAPE, dim=128, block_M=80)
+    shape = dict(SHAPE, dim=128, tiling=FA3_TILING._replace(block_M=80))
     on = cuda_source(flash_bwd_hopper_kernel(**shape, pieces=BackwardPieces(defer_dq_wait=True)),
                      pass_configs=PASS_CONFIGS)
     off = cuda_source(flash_bwd_hopper_kernel(**shape), pass_configs=PASS_CONFIGS)
@@ -239,15 +244,17 @@ def test_warp_policies_are_a_config_field_and_change_only_dq_at_d64():
     assert shipped_version(64, True, without[64, True]) is v18
     assert shipped_version(64, False, without[64, False]) is v17
     assert shipped_version(128, False, without[128, False]).number == 20  # versions 14 + 19
-    d64 = dict(SHAPE, dim=64, block_M=128, causal=True)
-    shipped = cuda_source(flash_bwd_hopper_kernel(**d64), pass_configs=PASS_CONFIGS)
+    d64 = dict(SHAPE, dim=64, causal=True)
+    shipped = cuda_source(flash_bwd_hopper_kernel(**d64, tiling=FA3_TILING._replace(block_M=128)),
+                          pass_configs=PASS_CONFIGS)
     spelled = ("row", "row", "row", "row", "square")
-    assert cuda_source(flash_bwd_hopper_kernel(**d64, pieces=BackwardPieces(policies=spelled)),
+    assert cuda_source(flash_bwd_hopper_kernel(**d64, tiling=FA3_TILING._replace(block_M=128),
+                                               pieces=BackwardPieces(policies=spelled)),
                        pass_configs=PASS_CONFIGS) == shipped
-    rows = cuda_source(flash_bwd_hopper_kernel(**d64, **with_pieces({k: v for k, v in v17.knobs_for(64, True).items()
-                                                                     if k != "block_M"})), pass_configs=PASS_CONFIGS)
+    rows = cuda_source(flash_bwd_hopper_kernel(**d64, **with_pieces(v17.knobs_for(64, True))),
+                       pass_configs=PASS_CONFIGS)
     assert rows != shipped
-    d128 = dict(SHAPE, dim=128, block_M=64, causal=True)
+    d128 = dict(SHAPE, dim=128, causal=True)
     by_rows = BackwardPieces(policies=v17.knobs_for(64, True)["policies"])
     assert (cuda_source(flash_bwd_hopper_kernel(**d128, pieces=by_rows), pass_configs=PASS_CONFIGS)
             == cuda_source(flash_bwd_hopper_kernel(**d128), pass_configs=PASS_CONFIGS))
@@ -267,7 +274,7 @@ def test_deterministic_kernels_add_nothing_atomically():
 def test_ptxas_keeps_every_wgmma_async_without_spills():
     """At 80 × 128, issuing dV before dSᵀ is formed keeps the float32 P alive next to everything else:
     ptxas runs out of registers and serialises the wgmmas. The shipped order does not."""
-    good = ptxas_report(_source(causal=False, block_M=80))
+    good = ptxas_report(_source(causal=False, tiling=FA3_TILING._replace(block_M=80)))
     if good is None:
         pytest.skip("nvcc is not installed")
     bad = ptxas_report(_source(flash_bwd_hopper_variant, block_M=80, ds_buffers=2, manual_sync=True))
@@ -303,8 +310,8 @@ def test_every_version_has_a_distinct_number_and_tiling():
 def test_lse_and_delta_stages_start_on_128_byte_boundaries():
     """TMA writes each LSE/Δ stage to shared memory at a 128-byte boundary: with 80-row tiles a stage of
     80 floats would put the second one 320 bytes in (the H100 stops with a misaligned address)."""
-    source = cuda_source(flash_bwd_hopper_kernel(**dict(SHAPE, seq_q=1000, seq_k=1000), dim=128, block_M=80),
-                         pass_configs=PASS_CONFIGS)
+    source = cuda_source(flash_bwd_hopper_kernel(**dict(SHAPE, seq_q=1000, seq_k=1000), dim=128,
+                                                 tiling=FA3_TILING._replace(block_M=80)), pass_configs=PASS_CONFIGS)
     strides = re.findall(r"\(\(float\*\)(?:lse|delta)\)\[\(\(qb & 1\) \* (\d+)\)\]", source)
     assert strides and all(int(s) * 4 % 128 == 0 for s in strides), strides
 
@@ -337,7 +344,7 @@ def test_no_shared_buffers_overlap_when_the_loop_has_one_step(dim, masked, seq, 
     The check sees the overlap in the kernel built without that option."""
     config = HOPPER_BACKWARD_CONFIGS[dim, masked]
     func = flash_bwd_hopper_kernel(2, 8, seq, seq, dim, heads_kv=2, causal=masked, window_size=window,
-                                   block_M=config.block_M, block_N=config.block_N)
+                                   tiling=FA3_TILING._replace(block_M=config.block_M, block_N=config.block_N))
     tiles = dict(dim=dim, block_M=config.block_M, block_N=config.block_N)
     assert _overlapping_buffers(cuda_source(func, pass_configs=PASS_CONFIGS), **tiles) == []
     reuse = {k: v for k, v in PASS_CONFIGS.items() if "reuse" not in str(k).lower()}

@@ -222,7 +222,7 @@ BACKWARD = {row.name: row for row in (
     KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel", tiling=Tiling),
     KernelRow("flash_bwd_hopper", flash_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
               on_cpu=False, options=("dv_under_ds", "policies", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
-              pieces=BackwardPieces, deterministic=True,
+              pieces=BackwardPieces, tiling=Tiling, deterministic=True,
               pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
 )}
 

@@ -42,7 +42,7 @@ from .generated_code import register as register_generated_code_edit
 from .hopper_pieces import keep_stages_until_read
 from .tiles import TileBackend, Tiling
 
-__all__ = ["flash_bwd_hopper_kernel", "BackwardPieces", "FA3_PIECES", "flash_bwd_hopper_dq_kernel",
+__all__ = ["flash_bwd_hopper_kernel", "BackwardPieces", "FA3_PIECES", "FA3_TILING", "flash_bwd_hopper_dq_kernel",
            "probabilities_t", "ds_t", "issue_dq", "needs_mask", "issue_scores", "probabilities_then_ds",
            "issue_dq_then_dk", "stage_dq", "store_dkdv_by_tma", "query_steps", "key_steps", "padded_rows",
            "wait_for_reduce_read", "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS",
@@ -291,22 +291,22 @@ class BackwardPieces(NamedTuple):
 
 
 FA3_PIECES = BackwardPieces()
+FA3_TILING = Tiling(64, 128, 2, 256)  # 64 queries per step, 128 resident keys, two stages, two consumer warpgroups
 
 
 def flash_bwd_hopper_kernel(
     batch, heads, seq_q, seq_k, dim, *,
-    heads_kv=None, causal=False, window_size=None, sm_scale=None,
-    dtype="float16", block_M=64, block_N=128, num_stages=2, threads=256, deterministic=False,
-    pieces=FA3_PIECES,
+    heads_kv=None, causal=False, window_size=None, sm_scale=None, dtype="float16",
+    tiling=FA3_TILING, deterministic=False, pieces=FA3_PIECES,
 ):
     """Return a ``@T.prim_func`` with chapter 05's contract: dK, dV and the float32 dQ accumulator.
 
     ``(Q, K, V, dO, LSE, Δ, dQ_acc, dK, dV)``: dQ_acc must be zero on entry and receives Σ dS·K
     (multiply by ``sm_scale`` afterwards); with GQA dK and dV are float32 accumulators, zero on
-    entry. ``block_N`` keys per block, ``block_M`` queries per step: when ``block_M`` is not a
-    multiple of 64 (FlashAttention-3's 80 at D = 128), the dQ product is computed transposed,
-    dQᵀ = Kᵀ dSᵀ, since a warpgroup's wgmma owns 64 rows of its output. ``threads`` counts the
-    consumer threads (two warpgroups); TileLang adds a producer warpgroup.
+    entry. ``tiling`` (a ``Tiling``): ``block_N`` keys per block, ``block_M`` queries per step: when
+    ``block_M`` is not a multiple of 64 (FlashAttention-3's 80 at D = 128), the dQ product is computed
+    transposed, dQᵀ = Kᵀ dSᵀ, since a warpgroup's wgmma owns 64 rows of its output. ``threads`` counts
+    the consumer threads (two warpgroups); TileLang adds a producer warpgroup.
 
     ``deterministic=True``: ``(Q, K, V, dO, LSE, Δ, dK, dV)``, no dQ, dK and dV in the input dtype;
     the grid has one block per K/V head and the loop visits every query head of its group.
@@ -314,6 +314,7 @@ def flash_bwd_hopper_kernel(
     ``pieces``: the steps a ``BackwardConfig`` or chapter 08's ablation swaps (``BackwardPieces``); with
     ``pieces.modifiers``, chapter 11's flex backward and its inputs (``flash_flex_hopper_bwd``).
     """
+    block_M, block_N, num_stages, threads = tiling
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, window_size=window_size,
                 sm_scale=sm_scale)
     # The pieces the step below reads, under the names its listing in chapter 08 shows.

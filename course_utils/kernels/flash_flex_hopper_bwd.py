@@ -144,5 +144,4 @@ def flex_bwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, plan: ModifierPlan, 
                            sm_scale=sm_scale, dtype=dtype, block_M=block_M)
     pieces = pieces._replace(modifiers=steps)
     return flash_bwd_hopper_kernel(batch, heads, seq_q, seq_k, dim, heads_kv=heads_kv, sm_scale=sm_scale, dtype=dtype,
-                                   block_M=block_M, block_N=block_N, num_stages=num_stages, threads=threads,
-                                   pieces=pieces)
+                                   tiling=Tiling(block_M, block_N, num_stages, threads), pieces=pieces)

@@ -169,8 +169,8 @@ def _cuda_jobs():
     config = att.HOPPER_BACKWARD_CONFIGS[128, True]
     jobs.append(("bwd_hopper_deterministic_d128_gqa_window", hopper,
                  lambda config=config: bwd_h.flash_bwd_hopper_kernel(
-                     B, H, S, S, 128, heads_kv=2, causal=True, window_size=128, **config.tiling(),
-                     deterministic=True), bwd_h.PASS_CONFIGS))
+                     B, H, S, S, 128, heads_kv=2, causal=True, window_size=128,
+                     tiling=bwd_h.FA3_TILING._replace(**config.tiling()), deterministic=True), bwd_h.PASS_CONFIGS))
     for dim, (block_M, block_N) in att.HOPPER_DQ_TILES.items():
         jobs.append((f"bwd_hopper_dq_d{dim}", hopper,
                      lambda dim=dim, block_M=block_M, block_N=block_N: bwd_h.flash_bwd_hopper_dq_kernel(

@@ -21,7 +21,14 @@ import tilelang.language as T
 import torch
 
 from ..flash_bwd import flash_bwd_kernel, flash_bwd_postprocess_kernel, flash_bwd_preprocess_kernel
-from ..flash_bwd_hopper import DQ_BY_ROWS, PASS_CONFIGS, BackwardPieces, flash_bwd_hopper_kernel, issue_dq
+from ..flash_bwd_hopper import (
+    DQ_BY_ROWS,
+    FA3_TILING,
+    PASS_CONFIGS,
+    BackwardPieces,
+    flash_bwd_hopper_kernel,
+    issue_dq,
+)
 from ..flash_pieces import LOG2E
 from ..tiles import TileBackend, Tiling, compile_kernel
 from .version import Version, renamed
@@ -101,19 +108,24 @@ def variant_pieces(*, asynchronous=True, dq_reduce="tma", mask_all_tiles=False, 
 
 def flash_bwd_hopper_variant(*args, **kwargs):
     """The shipped Hopper backward with the ablation's switches (``variant_pieces``'s keywords) as swapped
-    pieces; the other keywords are the kernel's."""
+    pieces and, as a version's knobs, the fields of its tiling as keywords; the other keywords are the kernel's."""
     switches = {key: kwargs.pop(key) for key in list(kwargs) if key in _SWITCHES}
-    return renamed(flash_bwd_hopper_kernel(*args, **kwargs, pieces=variant_pieces(**switches)), VARIANT)
+    tiling = FA3_TILING._replace(**{key: kwargs.pop(key) for key in list(kwargs) if key in FA3_TILING._fields})
+    return renamed(flash_bwd_hopper_kernel(*args, **kwargs, tiling=tiling, pieces=variant_pieces(**switches)),
+                   VARIANT)
 
 
 _SWITCHES = frozenset(inspect.signature(variant_pieces).parameters)
 
 
 def with_pieces(knobs):
-    """A version's knobs as ``flash_bwd_hopper_kernel``'s keywords: the tiling as it is, the swapped steps
-    gathered into its ``pieces``."""
+    """A version's knobs as ``flash_bwd_hopper_kernel``'s arguments: the fields of its tiling in one ``tiling``
+    (the kernel's default, ``FA3_TILING``, for those not given), the swapped steps gathered into its ``pieces``;
+    any other knob as it is."""
+    tiling = {key: value for key, value in knobs.items() if key in FA3_TILING._fields}
     steps = {key: value for key, value in knobs.items() if key in BackwardPieces._fields}
-    return {**{key: value for key, value in knobs.items() if key not in steps}, "pieces": BackwardPieces(**steps)}
+    rest = {key: value for key, value in knobs.items() if key not in tiling and key not in steps}
+    return {**rest, "tiling": FA3_TILING._replace(**tiling), "pieces": BackwardPieces(**steps)}
 
 
 def fused_preprocess_kernel(batch, heads, seq_q, dim, *, dtype="float16", block=64, threads=128):

@@ -196,11 +196,11 @@ def self_check():
 
     if not is_hopper():
         from ...core.source import cuda_source, ptxas_report
-        from ...kernels.flash_bwd_hopper import PASS_CONFIGS, flash_bwd_hopper_kernel
+        from ...kernels.flash_bwd_hopper import FA3_TILING, PASS_CONFIGS, flash_bwd_hopper_kernel
 
         for (dim, masked), config in HOPPER_BACKWARD_CONFIGS.items():
-            func = flash_bwd_hopper_kernel(4, 2048 // dim, 4096, 4096, dim, causal=masked, block_M=config.block_M,
-                                           block_N=config.block_N)
+            func = flash_bwd_hopper_kernel(4, 2048 // dim, 4096, 4096, dim, causal=masked,
+                                           tiling=FA3_TILING._replace(block_M=config.block_M, block_N=config.block_N))
             report = ptxas_report(cuda_source(func, pass_configs=PASS_CONFIGS))
             print(f"D={dim} masked={masked} {config.block_M}x{config.block_N}:",
                   "nvcc not installed" if report is None else
