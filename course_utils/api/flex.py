@@ -73,7 +73,8 @@ __all__ = ["flex_attention", "create_block_mask", "BlockMask", "captured", "Capt
            "plan_modifiers", "cached_plan", "noop_mask", "visible_pairs", "index_grids", "reference_mask", "EMPTY",
            "PARTIAL", "FULL", "HELPERS", "default_block", "FlexConfig", "default_flex_config", "uses_hopper_forward",
            "uses_hopper_backward", "FlexBackwardKernels", "flex_forward_kernel", "flex_backward_kernels",
-           "flex_forward_uses_hopper", "flex_forward", "flex_backward", "FlexFunction", "causal_mask", "soft_cap",
+           "flex_forward_uses_hopper", "flex_forward_row", "forward_row", "FWD_KERNELS", "flex_forward",
+           "flex_backward", "FlexFunction", "causal_mask", "soft_cap",
            "alibi_slopes", "alibi", "document_ids", "document_mask", "prefix_lm", "window_with_globals"]
 
 fixed_module(__name__)  # the chapter's modifiers below are fixed code: fingerprints count them by identity
@@ -359,6 +360,12 @@ def flex_forward_uses_hopper(q, k, block_mask, sm_scale=1.0, config=None):
     """Whether ``flex_forward_kernel`` runs these inputs on the Hopper kernel (``uses_hopper_forward``)."""
     config = config or default_flex_config(q.device.type, block_mask.block)
     return uses_hopper_forward(AttentionProblem.flex(q, k, block_mask, sm_scale), config)
+
+
+def flex_forward_row(q, k, block_mask, sm_scale=1.0, config=None):
+    """The name of the ``FLEX`` row ``flex_forward_kernel`` runs for these inputs (``forward_row``)."""
+    config = config or default_flex_config(q.device.type, block_mask.block)
+    return forward_row(AttentionProblem.flex(q, k, block_mask, sm_scale), config, block_mask.longest_rows_last)
 
 
 def flex_forward(q, k, v, plan, block_mask, sm_scale, config=None):

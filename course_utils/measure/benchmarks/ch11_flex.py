@@ -33,6 +33,7 @@ from ...api.flex import (
     flex_backward_kernels,
     flex_forward,
     flex_forward_kernel,
+    flex_forward_row,
     flex_forward_uses_hopper,
     prefix_lm,
     soft_cap,
@@ -45,7 +46,8 @@ from ..bench import tflops, time_side_by_side
 from .common import backward_timer, in_parallel, quiet_flash_attention_4_compiles, random_inputs
 
 __all__ = ["FLEX_SHAPE", "TORCH_FLEX", "TORCH_FLEX_FA4", "SDPA_MASKED", "OURS_NO_SKIP", "OURS_CAUSAL",
-           "OURS_SM80_FORWARD", "OURS_SM80_BWD", "flex_cases", "flex_vs_peers", "packed_lengths"]
+           "OURS_SM80_FORWARD", "OURS_ROTATED_FORWARD", "OURS_SM80_BWD", "flex_cases", "flex_vs_peers",
+           "packed_lengths"]
 
 FLEX_SHAPE = dict(batch=2, heads=16, seq=8192, dim=128)
 TORCH_FLEX = "PyTorch flex_attention (compiled)"
@@ -55,9 +57,11 @@ TORCH_FLEX_FA4 = "PyTorch flex_attention (compiled, FLASH backend: FlashAttentio
 SDPA_MASKED = "SDPA, explicit mask"
 OURS_NO_SKIP = "TileLang (ours), no block skipping"
 OURS_CAUSAL = "TileLang flash_attention(causal=True)"
-# Our flex forward on chapter 03's loop (``FlexConfig.fwd_kernel="sm80"``), where ``OURS`` runs chapter 07's rotated
-# loop: forward rows only (the backward is the same kernel for both).
+# Our flex forward on chapter 03's loop (``FlexConfig.fwd_kernel="sm80"``), where ``OURS`` runs one of chapter 07's
+# kernels, and on chapter 07's rotated loop where ``OURS`` runs its persistent kernel: forward rows only (the
+# backward is the same kernel for all of them).
 OURS_SM80_FORWARD = "TileLang (ours), forward on chapter 03's loop"
+OURS_ROTATED_FORWARD = "TileLang (ours), forward on chapter 07's rotated loop"
 OURS_SM80_BWD = "TileLang (ours), sm_80 backward"
 BACKWARD_ONLY = (OURS_SM80_BWD,)  # its forward is ours: timed once, in the OURS row
 UNCHECKED = (TORCH_FLEX, TORCH_FLEX_FA4, SDPA_MASKED)  # peers: not ours to prove (check_stored_errors's ``unchecked``)
@@ -183,11 +187,16 @@ def _ours_with_lse(score_mod, block_mask, causal):
     return ours
 
 
-def _sm80_forward_config(q, block_mask):
-    """The flex config of ``q``'s device with the forward on chapter 03's loop, or None where that is already the
-    forward ``flex_attention`` runs (no Hopper kernel for these inputs): no row to add."""
+def _other_forward_configs(q, block_mask):
+    """{row of ours: flex config} of the forward-only rows: chapter 03's loop where ``flex_attention`` runs a Hopper
+    kernel, and chapter 07's rotated loop where it runs the persistent one (none where neither applies)."""
     config = default_flex_config(q.device.type, block_mask.block)
-    return config._replace(fwd_kernel="sm80") if flex_forward_uses_hopper(q, q, block_mask, config=config) else None
+    others = {}
+    if flex_forward_uses_hopper(q, q, block_mask, config=config):
+        others[OURS_SM80_FORWARD] = config._replace(fwd_kernel="sm80")
+    if flex_forward_row(q, q, block_mask, config=config) == "flex_fwd_hopper_persistent":
+        others[OURS_ROTATED_FORWARD] = config._replace(fwd_kernel="rotated")
+    return others
 
 
 def _compile_ours_in_parallel(shape, dtype, all_cases, device):
@@ -202,9 +211,7 @@ def _compile_ours_in_parallel(shape, dtype, all_cases, device):
         sm80_backward = default_flex_config(q.device.type, block_mask.block)._replace(bwd_kernel="sm80")
         jobs += [(flex_forward_kernel, plan, block_mask, None), (flex_backward_kernels, plan, block_mask, None),
                  (flex_backward_kernels, plan, block_mask, sm80_backward)]
-        sm80 = _sm80_forward_config(q, block_mask)
-        if sm80 is not None:
-            jobs.append((flex_forward_kernel, plan, block_mask, sm80))
+        jobs += [(flex_forward_kernel, plan, block_mask, c) for c in _other_forward_configs(q, block_mask).values()]
     in_parallel(lambda job: job[0](q, q, job[1], job[2], 1.0 / math.sqrt(d), job[3]), jobs)
 
 
@@ -228,12 +235,10 @@ def flex_vs_peers(shape=None, dtype=torch.bfloat16, cases=None, device="cuda"):
         flops = 4.0 * pairs * d
         # Every function below is timed within this iteration: the closures see this case's values.
         ours = _ours_with_lse(score_mod, block_mask, case == "causal")
-        forward_only = {}
-        sm80 = _sm80_forward_config(q, block_mask)
-        if sm80 is not None:
-            plan = cached_plan(score_mod, mask_mod)
-            forward_only[OURS_SM80_FORWARD] = lambda q_, k_, v_, c=sm80, p=plan: flex_forward(
-                q_, k_, v_, p, block_mask, 1.0 / math.sqrt(d), config=c)
+        plan = cached_plan(score_mod, mask_mod)
+        forward_only = {name: lambda q_, k_, v_, c=c: flex_forward(q_, k_, v_, plan, block_mask, 1.0 / math.sqrt(d),
+                                                                   config=c)
+                        for name, c in _other_forward_configs(q, block_mask).items()}
         impls = {name: (lambda q_, k_, v_, f=f: f(q_, k_, v_)[0]) for name, f in {**ours, **forward_only}.items()}
         impls[TORCH_FLEX] = lambda q_, k_, v_: compiled_flex(q_, k_, v_, score_mod=score_mod, block_mask=torch_mask)
         on_fa4 = _flash_backend(compiled_flex, score_mod, torch_mask, q, k, v)
