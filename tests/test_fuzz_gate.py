@@ -67,6 +67,24 @@ def test_the_same_problems_pass_without_a_plant():
     assert run == len(_PLANT_PROBLEMS) and failed == 0, "\n".join(lines)
 
 
+# A correct float32 kernel the gate once failed: 12× scores, so P's exponents reach ~10³ and their float32 rounding
+# (the scale folded into exp2) moves dK by 1.1e-5 where float32's plain tolerance allowed 1.0e-5.
+_LARGE_EXPONENT = ('{"api": "varlen", "batch": 1, "heads": 4, "heads_kv": 1, "seq_q": 0, "seq_k": 0, "dim": 16, '
+                   '"dtype": "float32", "causal": true, "window": 22, "sinks": false, "sm_scale": null, '
+                   '"deterministic": false, "page_size": null, "modifier": null, "seed": 1402496592, '
+                   '"sink_kind": "normal", "score_scale": 12.0, "lengths_q": [3], "lengths_k": [3]}')
+
+
+def test_float32_tolerance_grows_with_the_exponents_and_still_catches_a_scaled_gradient():
+    problem = fuzz.Problem.parse(_LARGE_EXPONENT)
+    lines = []
+    assert fuzz.run_gate([problem], seconds=60, out=lines.append) == (1, 0), "\n".join(lines)
+    q, k = torch.randn(3, 4, 16) * 12, torch.randn(3, 1, 16) * 12
+    ref = torch.randn(3, 1, 16, dtype=torch.float64)
+    with pytest.raises(fuzz.CheckFailed):
+        fuzz._judge("dK", (ref * 0.999).float(), ref, ref.float(), torch.float32, fuzz.exponent_bound(q, k))
+
+
 def test_a_failure_line_replays_its_problem():
     problem = fuzz.draw_problems(5, 3, gpu=False)[2]
     assert fuzz.Problem.parse(problem.line().split("--replay ")[1].strip("'")) == problem

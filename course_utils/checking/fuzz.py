@@ -262,7 +262,8 @@ def _run_dense(pr, f):
     sinks = _sinks(gen, pr, device)
     kw = dict(causal=pr.causal, window_size=pr.window, sinks=sinks, sm_scale=pr.sm_scale)
     out, lse, grads = _dense_call(pr, q, k, v, sinks, d_out)
-    refs = references(q, k, v, d_out=d_out, rounded_out_delta=True, **kw)
+    refs = dict(references(q, k, v, d_out=d_out, rounded_out_delta=True, **kw),
+                exponent=exponent_bound(q, k, pr.sm_scale))
     own = None if sinks is None else dsinks_from_outputs(sinks, out, lse, d_out)
     _judge_all(f, out, lse, grads, refs, dtype, dsinks_own=own)
     _exact_dense_properties(pr, f, q, k, v, sinks, d_out, out, lse, grads)
@@ -335,7 +336,8 @@ def _run_varlen(pr, f):
     sink_leaf = None if sinks is None else sinks.detach().clone().requires_grad_()
     out, lse = flash_attention_varlen(*leaves, cq, ck, max(pr.lengths_q, default=0), max(pr.lengths_k, default=0),
                                       return_lse=True, **{**kw, "sinks": sink_leaf})
-    refs = varlen_references(q, k, v, cq, ck, d_out=d_out, rounded_out_delta=True, **kw)
+    refs = dict(varlen_references(q, k, v, cq, ck, d_out=d_out, rounded_out_delta=True, **kw),
+                exponent=exponent_bound(q, k, pr.sm_scale))
     out.backward(d_out)
     grads = [t.grad for t in leaves] + ([] if sink_leaf is None else [sink_leaf.grad])
     own = None if sinks is None else dsinks_from_outputs(sinks, out.detach(), lse.detach(), d_out)
@@ -361,20 +363,32 @@ def rounding_slack(ref, dtype):
     return 2 * float(((r + 0.3) - 0.3 - r).abs().max()) if r.numel() else 0.0
 
 
-def _judge(name, actual, ref, low, dtype):
+def exponent_bound(q, k, sm_scale=None):
+    """An upper bound on the exponents ``|score · sm_scale · log2 e|`` a kernel forms (Cauchy–Schwarz: the largest
+    query norm times the largest key norm). A FlashAttention kernel folds the scale into exp2, so P carries a
+    rounding of about 2⁻²⁴ times its exponent: at 12× the usual scores (the gate's ``score_scale``) that is above
+    float32's usual tolerance, where PyTorch's softmax, subtracting the max before it scales, is far more exact."""
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else abs(float(sm_scale))
+    norms = [float(t.detach().double().norm(dim=-1).max()) if t.numel() else 0.0 for t in (q, k)]
+    return norms[0] * norms[1] * scale * math.log2(math.e)
+
+
+def _judge(name, actual, ref, low, dtype, exponent=0.0):
     """FlashAttention's criterion (3× the error of PyTorch in the kernel's precision, plus its tests' rounding
     slack); a float32 result also passes within float32's tolerance, its absolute part scaled by the result's
-    largest magnitude. A gradient sums terms of either sign: where they cancel, an element is small but carries
-    the rounding of its large terms (the backward recomputes P from the LSE, which rounds relative to the score,
-    and scores reach 12× their usual size here), so a tolerance relative to each element would fail correct
-    float32 arithmetic; a wrong term moves the result by a share of its size, far beyond this."""
+    largest magnitude and by the rounding of P's largest exponent (``exponent_bound``). A gradient sums terms of
+    either sign: where they cancel, an element is small but carries the rounding of its large terms (the backward
+    recomputes P from the LSE, which rounds relative to the score, and scores reach 12× their usual size here), so a
+    tolerance relative to each element would fail correct float32 arithmetic; a wrong term moves the result by a
+    share of its size, far beyond this."""
     if actual is None:
         raise CheckFailed(f"{name}: no gradient was returned")
     finite = ref[torch.isfinite(ref)]
     if dtype == torch.float32:
         scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+        atol = max(1e-5, 4 * 2.0 ** -24 * exponent) * scale
         try:
-            return check_close(actual, ref, name, dtype=torch.float32, atol=1e-5 * scale, quiet=True)
+            return check_close(actual, ref, name, dtype=torch.float32, atol=atol, quiet=True)
         except CheckFailed:
             pass
     return check_attention_error(actual, ref, low, name, quiet=True,
@@ -382,7 +396,7 @@ def _judge(name, actual, ref, low, dtype):
 
 
 def _judge_forward(out, lse, refs, dtype):
-    _judge("O", out, refs["out"], refs["out_low"], dtype)
+    _judge("O", out, refs["out"], refs["out_low"], dtype, refs.get("exponent", 0.0))
     check_close(lse, refs["lse"], "LSE", dtype=torch.float32, quiet=True)
 
 
@@ -423,7 +437,8 @@ def _judge_all(f, out, lse, grads, refs, dtype, dsinks_own=None):
                                             refs.get("grads_low", ()), delta_refs):
         lows = (low, low_delta, dsinks_own if name == "dsinks" else None)
         with f.judging("backward"):
-            _judge(name, g, ref, _baseline(ref, lows) if dtype != torch.float32 else low, dtype)
+            _judge(name, g, ref, _baseline(ref, lows) if dtype != torch.float32 else low, dtype,
+                   refs.get("exponent", 0.0))
 # endregion
 
 
@@ -452,8 +467,9 @@ def _run_decode(pr, f):
     kw = dict(causal=pr.causal, window_size=pr.window, sinks=sinks, sm_scale=pr.sm_scale)
     with torch.no_grad():
         out, lse = flash_decode(q, k_cache, v_cache, seqlens, block_table=table, return_lse=True, **kw)
-    refs = decode_references(q, k_cache, v_cache, seqlens.cpu(), block_table=None if table is None else table.cpu(),
-                             **kw)
+    refs = dict(decode_references(q, k_cache, v_cache, seqlens.cpu(),
+                                  block_table=None if table is None else table.cpu(), **kw),
+                exponent=exponent_bound(q, k_cache, pr.sm_scale))
     with f.judging("forward"):
         _judge_forward(out, lse, refs, dtype)
     if any(n < capacity for n in lengths):  # anything past a sequence's length changes nothing
@@ -500,8 +516,8 @@ def _run_flex(pr, f):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse = flex_attention(*leaves, score_mod=score_mod, mask_mod=mask_mod, sm_scale=pr.sm_scale, return_lse=True)
     out.backward(d_out)
-    refs = flex_references(q, k, v, d_out=d_out, score_mod=score_mod, mask_mod=mask_mod, sm_scale=pr.sm_scale,
-                           rounded_out_delta=True)
+    refs = dict(flex_references(q, k, v, d_out=d_out, score_mod=score_mod, mask_mod=mask_mod, sm_scale=pr.sm_scale,
+                                rounded_out_delta=True), exponent=exponent_bound(q, k, pr.sm_scale))
     _judge_all(f, out.detach(), lse.detach(), [t.grad for t in leaves], refs, dtype)
 # endregion
 
