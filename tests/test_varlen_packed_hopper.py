@@ -3,6 +3,7 @@ backward under the packed prelude) — their work list, when they are the defaul
 must and must not contain (lowered without a GPU). Their numbers: docs/varlen_and_decoding.md."""
 
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -189,8 +190,10 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     assert "(i * 64), ((((int)blockIdx.y) * 128) + k0), ((int)blockIdx.x));" in first  # key block y, head x
     seen = {}
     row = registry.PACKED_BACKWARD["flash_bwd_hopper"]
+    # The stand-in keeps the factory's signature (the row reads its default tiling from it).
     monkeypatch.setitem(registry.PACKED_BACKWARD, "flash_bwd_hopper",
-                        dataclasses.replace(row, factory=lambda *a, **kw: seen.update(kw)))
+                        dataclasses.replace(row, factory=functools.wraps(row.factory)(
+                            lambda *a, **kw: seen.update(kw))))
     monkeypatch.setattr(registry, "compile_kernel", lambda *a, **kw: None)
     x = torch.empty(8, 4, 128, dtype=torch.float16)
     problem = dataclasses.replace(varlen_api.AttentionProblem.packed(x, x, causal=True), target="cuda")
