@@ -16,6 +16,7 @@ import torch
 
 from course_utils.api import fp8
 from course_utils.core.reference import attention_reference
+from course_utils.kernels.flash_fwd_fp8 import wgmma_key_slot
 
 CASES = [  # batch, heads, heads_kv, seq_q, seq_k, dim, causal
     (1, 2, 2, 40, 40, 32, False), (2, 4, 2, 33, 50, 16, True), (1, 2, 1, 64, 64, 64, True), (1, 2, 2, 50, 20, 16, True),
@@ -104,11 +105,51 @@ def test_the_hopper_kernel_lowers_to_fp8_wgmma_and_compiles():
 
     kernel = flash_fwd_fp8_hopper_kernel(1, 16, 4096, 4096, 128, causal=True)
     source = cuda_source(kernel, arch="sm_90a")
-    assert source.count("wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 2
+    # Q Kᵀ from shared memory; P V with P from registers (its columns in wgmma_key_slot order)
+    assert source.count("wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 1
+    assert source.count("wgmma_rs<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 1
     report = ptxas_report(source)
     if report is None:
         pytest.skip("nvcc is not installed")
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
+
+
+def _score_to_p_kernel(slot):
+    """Q Kᵀ into a float32 accumulator, copied into an e4m3 register tile at column ``slot(j)``, then P V."""
+    import tilelang.language as T
+
+    fp8, rows, keys, dim = "float8_e4m3fn", 128, 64, 64
+
+    @T.prim_func
+    def score_to_p(Q: T.Tensor([rows, dim], fp8), K: T.Tensor([keys, dim], fp8), V: T.Tensor([dim, keys], fp8),
+                   O: T.Tensor([rows, dim], "float32")):
+        with T.Kernel(1, threads=256):
+            Q_s, K_s, V_s = (T.alloc_shared(shape, fp8) for shape in ([rows, dim], [keys, dim], [dim, keys]))
+            S, P = T.alloc_fragment([rows, keys], "float32"), T.alloc_fragment([rows, keys], fp8)
+            acc = T.alloc_fragment([rows, dim], "float32")
+            T.copy(Q, Q_s)
+            T.copy(K, K_s)
+            T.copy(V, V_s)
+            T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+            for i, j in T.Parallel(rows, keys):
+                P[i, slot(j)] = S[i, j]
+            T.gemm(P, V_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+            T.copy(acc, O)
+
+    return score_to_p
+
+
+def test_wgmma_key_slot_keeps_each_score_in_its_thread():
+    """``wgmma_key_slot`` permutes each group of 16 keys, and with it the accumulator's columns land in an FP8 A
+    operand's register tile without leaving their thread: TileLang lowers the copy and ``wgmma_rs``. In key order
+    (the planted bug) the copy would cross threads, and TileLang refuses it."""
+    from course_utils.core.source import cuda_source
+
+    assert sorted(wgmma_key_slot(j) for j in range(64)) == list(range(64))
+    assert all(wgmma_key_slot(j) // 16 == j // 16 for j in range(64))
+    assert "wgmma_rs<tl::DataType::kFloat8_e4m3" in cuda_source(_score_to_p_kernel(wgmma_key_slot), arch="sm_90a")
+    with pytest.raises(Exception, match="Layout infer conflict"):
+        cuda_source(_score_to_p_kernel(lambda j: j), arch="sm_90a")
 
 
 def test_the_gpu_producer_kernels_lower_for_sm90a_without_spills():
@@ -140,7 +181,8 @@ def test_the_gpu_producer_equals_pytorchs_bit_for_bit(dtype):
     k = torch.randn(2, 2, 200, 128, generator=g).to(dtype).cuda()
     v = torch.randn(2, 2, 200, 128, generator=g).to(dtype).cuda()
     q[1, 2, 128:256] = 0  # a block of zeros: descale 1
-    (q8, k8, v8), descales, v_keys_major = fp8._quantise(q, k, v, False, 0)
+    (q8, k8, _), descales, v_keys_major = fp8._quantise(q, k, v, False, 0)
+    v8 = fp8.keys_in_order(v_keys_major, 200)  # the kernel's key order undone: key j is read from wgmma_key_slot(j)
     # On the CPU: PyTorch's CUDA division by a scalar multiplies by its reciprocal, which is not IEEE's division.
     by_pytorch = {"Q": fp8.quantise_blocks(q.cpu(), 128), "K": fp8.quantise_blocks(k.cpu(), 128),
                   "V": fp8.quantise_tensor(v.cpu())}
@@ -148,7 +190,9 @@ def test_the_gpu_producer_equals_pytorchs_bit_for_bit(dtype):
         values, descale = by_pytorch[name]
         assert torch.equal(got.cpu().view(torch.uint8), values.view(torch.uint8)), name
         assert torch.equal(descales[name].cpu(), descale), name
-    assert v_keys_major.shape == (2, 2, 128, 208) and not v_keys_major[..., 200:].float().any()
+    # The kernel's key order: keys 200..207 (padding, zero) sit in the slots that wgmma_key_slot gives them
+    padding = [wgmma_key_slot(j) for j in range(200, 208)]
+    assert v_keys_major.shape == (2, 2, 128, 208) and not v_keys_major[..., padding].float().any()
     for bad in (float("nan"), float("inf")):
         k_bad = k.clone()
         k_bad[0, 1, 150, 3] = bad

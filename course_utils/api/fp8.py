@@ -21,7 +21,7 @@ import torch
 from ..core.device import is_hopper
 from ..core.problem import DTYPE_NAMES, AttentionProblem, target_of
 from ..core.reference import validate_attention_inputs
-from ..kernels.flash_fwd_fp8 import E4M3_MAX, P_SCALE
+from ..kernels.flash_fwd_fp8 import E4M3_MAX, P_SCALE, wgmma_key_slot
 from .compiled import compiled
 from .inputs import check_sm_scale
 from .registry import FP8
@@ -29,7 +29,7 @@ from .registry import FP8
 __all__ = ["flash_attention_fp8", "quantise_blocks", "quantise_tensor", "random_hadamard", "fp8_error_bound",
            "emulate_fp8_forward", "within_ties", "TIE_MARGIN", "quantise_inputs", "FP8_TILE", "FP8_DTYPES",
            "E4M3_MAX", "P_SCALE", "E4M3_UNIT_ROUNDOFF", "E4M3_SUBNORMAL_SPACING", "fp8_tile",
-           "FP8_GPU_TILE", "FP8_GPU_HEAD_DIMS"]
+           "FP8_GPU_TILE", "FP8_GPU_HEAD_DIMS", "keys_in_order"]
 
 FP8_TILE = 16  # block_M = block_N on the C backend: the blocks the Q and K descales belong to
 FP8_GPU_TILE = 128  # block_M = block_N of the sm_90a kernel: 128 × 128 tiles, two warpgroups of 64 rows
@@ -157,15 +157,21 @@ def _compiled_producer(x, keys_major):
     return compiled(FP8["fp8_quantise_rows"], problem, block=FP8_GPU_TILE)
 
 
+def keys_in_order(v_keys_major, seq_k):
+    """V's values [B, H_kv, S_k, D] from the producer's key-major tensor, whose key j sits at ``wgmma_key_slot(j)``."""
+    slots = torch.tensor([wgmma_key_slot(j) for j in range(seq_k)], device=v_keys_major.device)
+    return v_keys_major[..., slots].transpose(-1, -2)
+
+
 def _quantise_on_gpu(q, k, v):
-    """The producer step as two kernels that read each input once (``kernels.fp8_producer``): ((q8, k8, v8),
-    descales, V's values key-major [B, H_kv, D, S_k padded], what the kernel reads); v8 is a view of the last."""
+    """The producer step as two kernels that read each input once (``kernels.fp8_producer``): ((q8, k8, None),
+    descales, V's values key-major [B, H_kv, D, S_k padded] in the kernel's key order, what the kernel reads).
+    V's values in key order are not made here: the kernel does not read them (``keys_in_order`` gives them)."""
     (q8, q_descale), (k8, k_descale) = (_compiled_producer(x, False)(x.contiguous()) for x in (q, k))
     amax = torch.linalg.vector_norm(v, ord=math.inf, dim=(-1, -2), dtype=torch.float32)  # NaN stays NaN
     v_descale = _descale_of(amax)
     v_keys_major = _compiled_producer(v, True)(v.contiguous(), v_descale)
-    v8 = v_keys_major[..., :v.shape[2]].transpose(-1, -2)
-    return (q8, k8, v8), dict(Q=q_descale, K=k_descale, V=v_descale), v_keys_major
+    return (q8, k8, None), dict(Q=q_descale, K=k_descale, V=v_descale), v_keys_major
 
 
 def _quantise(q, k, v, hadamard, seed):
@@ -188,13 +194,15 @@ def quantise_inputs(q, k, v, hadamard=False, seed=0):
     """The producer step: ((q8, k8, v8) as float32 tensors of e4m3 values, their descales {"Q", "K", "V"}); with
     ``hadamard``, Q and K rotated by ``random_hadamard(D, seed)`` first. Q and K are quantised in blocks of
     ``fp8_tile(q.device)`` rows, the kernel's tile on that device."""
-    (q8, k8, v8), descales, _ = _quantise(q, k, v, hadamard, seed)
+    (q8, k8, v8), descales, v_keys_major = _quantise(q, k, v, hadamard, seed)
+    if v8 is None:
+        v8 = keys_in_order(v_keys_major, v.shape[2])
     return (q8.float(), k8.float(), v8.float()), descales
 
 
 def _run_gpu(q8, k8, v_keys_major, descales, causal, sm_scale, loop="rotated"):
     """The sm_90a kernel (``loop``: one of FP8_GPU_LOOPS) on e4m3 tensors, V key-major as the producer step writes
-    it ([B, H_kv, D, S_k padded to V_KEY_ALIGN])."""
+    it ([B, H_kv, D, S_k padded to V_KEY_ALIGN], keys in ``wgmma_key_slot`` order)."""
     kernel = _compiled_gpu(_problem(q8, k8, causal, sm_scale), loop)
     return kernel(q8.contiguous(), k8.contiguous(), v_keys_major, descales["Q"].contiguous(),
                   descales["K"].contiguous(), descales["V"].contiguous())

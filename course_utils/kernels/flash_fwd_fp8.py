@@ -17,24 +17,26 @@ The C backend has no FP8 arithmetic: ``round_to_e4m3`` rounds a float32 to the n
 of two e4m3 numbers exactly. The matmuls' float32 accumulation is what the tensor cores do too.
 
 For ``target="cuda"`` the same source declares its tiles ``float8_e4m3fn``: the two ``T.gemm`` calls become FP8
-``wgmma`` for sm_90a, P is converted by the copy into its FP8 tile, and V arrives transposed (``[B, H_kv, D,
-S_k]``, keys contiguous), because FP8 ``wgmma`` reads only K-major operands. ``api.fp8`` runs that variant on
+``wgmma`` for sm_90a, P is converted by its store into an FP8 register tile, and V arrives transposed (``[B, H_kv, D,
+S_k]``, keys contiguous), because FP8 ``wgmma`` reads only K-major operands, with its keys in ``wgmma_key_slot`` order
+within each group of 16, the order of P's columns in registers. ``api.fp8`` runs that variant on
 Hopper (chapter 12, section 8: checked against the emulation, and timed, on an H200).
 """
 
 import tilelang.language as T
 
-from .flash_pieces import LOG2E, NEG_INF, key_block_range, prelude, visible
+from .flash_pieces import LOG2E, NEG_INF, key_block_range, mask_scores, prelude, visible
 from .tiles import TileBackend, Tiling
 
 __all__ = ["flash_fwd_fp8_kernel", "flash_fwd_fp8_hopper_kernel", "round_to_e4m3", "fp8_tile_step", "fp8_scores",
-           "fp8_softmax", "E4M3_MAX",
+           "fp8_softmax", "E4M3_MAX", "wgmma_key_slot", "WGMMA_KEY_GROUP",
            "P_SCALE", "FP8_DTYPE", "FP8_TILING", "FP8_HOPPER_TILING"]
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value (the "fn" variant: no infinities)
 # P ≤ 1 is multiplied by this before rounding: a power of two (its descale is exact) that puts P = 1 at
 # e4m3's exponent 8, so probabilities down to 2⁻¹⁴ keep full precision instead of falling into subnormals.
 P_SCALE = 256.0
+P_SCALE_LOG2 = 8.0  # log2(P_SCALE): the Hopper kernel folds P_SCALE into the exponent
 # torch.float8_e4m3fn's name in TVM ("float8_e4m3" is another DLPack type code, 8 against torch's 10)
 FP8_DTYPE = "float8_e4m3fn"
 _E4M3_MIN_EXPONENT = -6  # the smallest normal e4m3 number is 2⁻⁶; below it the spacing stays 2⁻⁹
@@ -51,6 +53,23 @@ def round_to_e4m3(x):
     exponent = T.max(T.floor(T.log2(x)), T.float32(_E4M3_MIN_EXPONENT))
     step = T.exp2(exponent - _E4M3_MANTISSA_BITS)
     return T.min(T.nearbyint(x / step) * step, T.float32(E4M3_MAX))
+
+
+WGMMA_KEY_GROUP = 16  # the slots permute keys within groups of 16: V's padding (V_KEY_ALIGN) keeps whole groups
+
+
+def wgmma_key_slot(j):
+    """The column of the FP8 P tile, and the key position of the V tile, that hold key ``j`` of a score tile.
+
+    FP8 ``wgmma`` takes P from registers in the layout of its A operand: in each group of 16 columns, the thread
+    ``t`` of a quad holds columns 4t .. 4t+3. The score accumulator gives that thread columns 2t, 2t+1, 8+2t and
+    9+2t instead, so copying S into P in key order would move bytes between threads (TileLang refuses: "Layout
+    infer conflict"). P V sums over keys, and any order of the keys gives the same sum if P's columns and V's keys
+    follow it: so column j goes to the slot its thread already owns, and the producer step writes V's keys in the
+    same order. FlashAttention-3 permutes P's registers instead (its paper, section 3.3). Works on ints and on
+    TileLang expressions alike."""
+    group, j16 = j // WGMMA_KEY_GROUP * WGMMA_KEY_GROUP, j % WGMMA_KEY_GROUP
+    return group + (j16 % 8) // 2 * 4 + j16 // 8 * 2 + j16 % 2
 
 
 def fp8_scores(tb, p, block_M, block_N):
@@ -90,6 +109,32 @@ def fp8_softmax(tb, block_M, block_N):
     return softmax
 
 
+def fp8_softmax_scaled(block_M, block_N):
+    """``fp8_softmax`` for the Hopper kernel, in fewer instructions per score: ``softmax(S, exponent_scale, m, m_prev,
+    alpha, shift, l, row_max, row_sum)`` on raw scores ``S`` leaves P · P_SCALE in ``S`` and ℓ · P_SCALE in ``l``.
+
+    The same arithmetic up to the rounding of one step: the descales multiply the row max (a positive factor keeps
+    the max where it was), then ``exp2(S · scale − shift)`` is one fused multiply-add per score, with P_SCALE
+    folded into the shift (``m − 8``), so P needs no multiply before its rounding. ℓ sums P · P_SCALE, exactly
+    P_SCALE times ℓ (a power of two); the epilogue divides by it alone."""
+
+    @T.macro
+    def softmax(S, exponent_scale, m, m_prev, alpha, shift, l, row_max, row_sum):
+        T.copy(m, m_prev)
+        T.reduce_max(S, row_max, dim=1)
+        for i in T.Parallel(block_M):
+            m[i] = T.max(m_prev[i], row_max[i] * exponent_scale)
+            alpha[i] = T.if_then_else(m[i] == NEG_INF, 1, T.exp2(m_prev[i] - m[i]))
+            shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] - P_SCALE_LOG2)  # masked scores stay -inf: P = 0
+        for i, j in T.Parallel(block_M, block_N):
+            S[i, j] = T.exp2(S[i, j] * exponent_scale - shift[i])
+        T.reduce_sum(S, row_sum, dim=1)
+        for i in T.Parallel(block_M):
+            l[i] = l[i] * alpha[i] + row_sum[i]
+
+    return softmax
+
+
 def fp8_tile_step(tb, p, block_M, block_N):
     """The key-tile step of the FP8 forward as a ``T.macro``: scores, descales folded into the exponent,
     the online softmax in exp2 units, P rounded to e4m3 at ``P_SCALE``, then ``acc_o += P V``."""
@@ -107,17 +152,16 @@ def fp8_tile_step(tb, p, block_M, block_N):
         softmax(S, m, m_prev, alpha, l, row_sum)
         # endregion
         # region: quantise P
-        if tb.on_gpu:  # the copy into the FP8 tile converts (round to nearest even, saturating)
+        if tb.on_gpu:  # the store into the FP8 tile converts (round to nearest even, saturating)
             for i, j in tb.parallel(block_M, block_N):
-                S[i, j] *= P_SCALE
-            T.copy(S, P)
+                P[i, wgmma_key_slot(j)] = S[i, j] * P_SCALE
         else:
             for i, j in tb.parallel(block_M, block_N):
                 P[i, j] = round_to_e4m3(S[i, j] * P_SCALE)
         # endregion
         for i, j in tb.parallel(block_M, acc_o.shape[1]):
             acc_o[i, j] *= alpha[i]
-        # On the GPU V_s holds a tile of Vᵀ [D, keys]: FP8 wgmma reads its B operand K-major only.
+        # On the GPU V_s holds a tile of Vᵀ [D, keys], keys in wgmma_key_slot order: FP8 wgmma reads B K-major only.
         T.gemm(P, V_s, acc_o, transpose_B=tb.on_gpu, policy=T.GemmWarpPolicy.FullRow)
 
     return tile_step
@@ -132,8 +176,9 @@ def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, caus
     """A ``@T.prim_func`` (Q, K, V, Q_descale, K_descale, V_descale) -> (O, LSE) on e4m3 values: float32 tiles
     holding them on the C backend, ``float8_e4m3fn`` tiles on CUDA.
 
-    Q [B, H, S_q, D], K [B, H_kv, S_k, D], V [B, H_kv, S_k, D] on the C backend and Vᵀ [B, H_kv, D, v_keys] on CUDA
-    (``v_keys`` ≥ S_k, default S_k: the producer pads the keys so that TMA finds each row of Vᵀ 16-byte aligned);
+    Q [B, H, S_q, D], K [B, H_kv, S_k, D], V [B, H_kv, S_k, D] on the C backend and Vᵀ [B, H_kv, D, v_keys] on CUDA,
+    keys in ``wgmma_key_slot`` order (``v_keys`` ≥ S_k, default S_k: the producer pads the keys to a multiple of 16,
+    so that TMA finds each row of Vᵀ 16-byte aligned and the slots permute whole groups);
     Q_descale [B, H, ⌈S_q/block_M⌉], K_descale [B, H_kv, ⌈S_k/block_N⌉], V_descale [B, H_kv]: a quantised value
     times its descale is the input it stands for. O is float32; the LSE is the natural log of the row's
     denominator of the scaled scores, as ``flash_attention``'s. ``tiling``: a ``Tiling``.
@@ -159,7 +204,7 @@ def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, caus
             # endregion
             Q_s, K_s = tb.shared([block_M, dim], fp8), tb.shared([block_N, dim], fp8)
             V_s = tb.shared([dim, block_N] if tb.on_gpu else [block_N, dim], fp8)
-            S, P = tb.fragment([block_M, block_N], f32), tb.shared([block_M, block_N], fp8)
+            S, P = tb.fragment([block_M, block_N], f32), tb.fragment([block_M, block_N], fp8)
             acc_o = tb.fragment([block_M, dim], f32)
             m, m_prev, alpha, l, row_sum, lse = (tb.fragment([block_M], f32) for _ in range(6))
             kv_head = h // p.group
@@ -196,16 +241,15 @@ def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=Non
     Arguments and results as ``flash_fwd_fp8_kernel(..., target="cuda")`` (Vᵀ in, keys padded to ``v_keys``). The
     arithmetic is the same tile step, so the same emulation judges it; the schedule is chapter 07's: iteration
     ``kb`` issues Q Kᵀ of key block ``kb`` and P V of block ``kb − 1`` as two asynchronous wgmma batches, then
-    computes the softmax of block ``kb`` while P V still runs. P goes through shared memory: FP8 wgmma takes its A
-    operand from registers only in a byte order that is not the accumulator's (FlashAttention-3 permutes it by
-    hand), which TileLang 0.1.15 does not do.
+    computes the softmax of block ``kb`` while P V still runs. P stays in registers, its columns in
+    ``wgmma_key_slot`` order (V's keys arrive in the same order), so each warpgroup's P V needs no barrier.
     """
     block_M, block_N, num_stages, threads = tiling
     p = prelude(heads, seq_q, seq_k, dim, heads_kv=heads_kv, causal=causal, sm_scale=sm_scale)
     f32, fp8 = "float32", FP8_DTYPE
     q_blocks, k_blocks = p.blocks(seq_q, block_M), p.blocks(seq_k, block_N)
     tb = TileBackend("cuda")
-    scores, softmax = fp8_scores(tb, p, block_M, block_N), fp8_softmax(tb, block_M, block_N)
+    softmax = fp8_softmax_scaled(block_M, block_N)
 
     @T.prim_func
     def flash_fwd_fp8_hopper(Q: T.Tensor([batch, heads, seq_q, dim], fp8),
@@ -217,17 +261,16 @@ def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=Non
                              O: T.Tensor([batch, heads, seq_q, dim], f32), LSE: T.Tensor([batch, heads, seq_q], f32)):
         with T.Kernel(q_blocks, heads, batch, threads=threads) as (qb, h, b):
             Q_s, K_s = T.alloc_shared([block_M, dim], fp8), T.alloc_shared([block_N, dim], fp8)
-            V_s, P = T.alloc_shared([dim, block_N], fp8), T.alloc_shared([block_M, block_N], fp8)
+            V_s, P = T.alloc_shared([dim, block_N], fp8), T.alloc_fragment([block_M, block_N], fp8)
             S, acc_o = T.alloc_fragment([block_M, block_N], f32), T.alloc_fragment([block_M, dim], f32)
-            m, m_prev, alpha, l, row_sum, lse = (T.alloc_fragment([block_M], f32) for _ in range(6))
+            m, m_prev, alpha, shift, l, row_max, row_sum, lse = (T.alloc_fragment([block_M], f32) for _ in range(8))
             stage_in_use = T.alloc_local([1], f32)
             kv_head = h // p.group
             T.copy(Q[b, h, qb * block_M:(qb + 1) * block_M, :], Q_s)
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(m, NEG_INF)
-            T.clear(S)
-            T.copy(S, P)  # the first iteration's P V adds nothing (a fill of P would be split over the producer too)
+            T.fill(P, 0)  # the first iteration's P V adds nothing
             k_start, k_end = key_block_range(p, qb, block_M, block_N)
             # region: rotated loop
             for kb in T.Pipelined(k_start, k_end + 1, num_stages=num_stages):
@@ -240,23 +283,24 @@ def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=Non
                 T.wgmma_gemm(P, V_s, acc_o, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.wait_wgmma(1)  # the scores are ready; P V may still be running
                 if kb < k_end:
-                    scores(S, Q_descale[b, h, qb] * K_descale[b, kv_head, k_blk] * p.scale_log2, qb, kb)
-                    softmax(S, m, m_prev, alpha, l, row_sum)
+                    mask_scores(tb, p, S, qb, kb, block_M, block_N)  # only the tiles on a boundary
+                    softmax(S, Q_descale[b, h, qb] * K_descale[b, kv_head, k_blk] * p.scale_log2, m, m_prev, alpha,
+                            shift, l, row_max, row_sum)
                     T.wait_wgmma(0)  # P V of the previous block is in acc_o and no longer reads P
                     for i, j in T.Parallel(block_M, dim):
                         acc_o[i, j] *= alpha[i]
                     for i, j in T.Parallel(block_M, block_N):
-                        S[i, j] *= P_SCALE
-                    T.copy(S, P)
+                        P[i, wgmma_key_slot(j)] = S[i, j]  # S holds P · P_SCALE
                 else:
                     T.wait_wgmma(0)
                 # Read both stage buffers after the last wait, so that they are released only once read.
                 stage_in_use[0] = T.Cast(f32, K_s[0, 0]) + T.Cast(f32, V_s[0, 0])
             # endregion
+            # l holds ℓ · P_SCALE (fp8_softmax_scaled)
             for i in T.Parallel(block_M):
-                lse[i] = T.if_then_else(l[i] == 0, NEG_INF, (m[i] + T.log2(l[i])) / LOG2E)
+                lse[i] = T.if_then_else(l[i] == 0, NEG_INF, (m[i] + T.log2(l[i]) - P_SCALE_LOG2) / LOG2E)
             for i, j in T.Parallel(block_M, dim):
-                acc_o[i, j] = T.if_then_else(l[i] == 0, 0, acc_o[i, j] * V_descale[b, kv_head] / (P_SCALE * l[i]))
+                acc_o[i, j] = T.if_then_else(l[i] == 0, 0, acc_o[i, j] * V_descale[b, kv_head] / l[i])
             T.copy(acc_o, O[b, h, qb * block_M:(qb + 1) * block_M, :])
             T.copy(lse, LSE[b, h, qb * block_M:(qb + 1) * block_M])
 

@@ -8,7 +8,8 @@ itself. These two kernels read each input once and write its e4m3 values once:
   gives its descale (largest / 448, and 1 for a block of zeros), every value is divided by it and rounded to
   e4m3. A block holding a NaN or an infinity gets an infinite descale, so the caller's check of the descales refuses it.
 - ``quantise_transposed_kernel``: V with the per-(batch, head) descale it is given, written key-major
-  ([B, H, D, S_k padded]), the layout FP8 ``wgmma`` reads; padded keys are 0.
+  ([B, H, D, S_k padded]), the layout FP8 ``wgmma`` reads, its keys in ``wgmma_key_slot`` order within each group
+  of 16 (the order of P's columns in the kernel's registers); padded keys are 0.
 
 They are compiled without fast math: the divisions are IEEE's, and e4m3 conversion rounds to nearest even, so the
 values and descales equal those of ``api.fp8.quantise_blocks`` and ``quantise_tensor`` on the CPU bit for bit
@@ -17,7 +18,7 @@ values and descales equal those of ``api.fp8.quantise_blocks`` and ``quantise_te
 
 import tilelang.language as T
 
-from .flash_fwd_fp8 import E4M3_MAX, FP8_DTYPE
+from .flash_fwd_fp8 import E4M3_MAX, FP8_DTYPE, WGMMA_KEY_GROUP, wgmma_key_slot
 
 __all__ = ["quantise_rows_kernel", "quantise_transposed_kernel"]
 
@@ -60,7 +61,9 @@ def quantise_rows_kernel(batch, heads, seq, dim, *, block=128, dtype="bfloat16",
 
 
 def quantise_transposed_kernel(batch, heads, seq, dim, padded_seq, *, block=128, dtype="bfloat16", threads=128):
-    """``(X [B, H, S, D], descale [B, H] float32) -> values [B, H, D, padded_seq] e4m3``, keys ≥ S zero."""
+    """``(X [B, H, S, D], descale [B, H] float32) -> values [B, H, D, padded_seq] e4m3``, keys ≥ S zero, key j at
+    ``wgmma_key_slot(j)``."""
+    assert block % WGMMA_KEY_GROUP == 0 and padded_seq % WGMMA_KEY_GROUP == 0, "the slots permute groups of 16 keys"
     blocks = -(-padded_seq // block)
 
     @T.prim_func
@@ -75,6 +78,7 @@ def quantise_transposed_kernel(batch, heads, seq, dim, padded_seq, *, block=128,
                 x_s[i, d] = T.if_then_else(bx * block + i < seq, T.cast(X[bz, by, bx * block + i, d], "float32"), 0)
             for d, i in T.Parallel(dim, block):
                 if bx * block + i < padded_seq:
-                    Values[bz, by, d, bx * block + i] = T.cast(x_s[i, d] / Descale[bz, by], FP8_DTYPE)
+                    Values[bz, by, d, bx * block + wgmma_key_slot(i)] = T.cast(x_s[i, d] / Descale[bz, by],
+                                                                                FP8_DTYPE)
 
     return quantise_transposed

@@ -21,7 +21,7 @@ from matplotlib.colors import ListedColormap
 from . import plots  # noqa: F401  (importing it applies the course style)
 
 __all__ = ["shared_tile", "layout_offsets", "fragment_tables", "Lowered", "lower_with_layouts", "gemm_fragments",
-           "fragment_map"]
+           "fragment_map", "key_order_map"]
 
 
 # --------------------------------------------------------------------------- evaluating layouts
@@ -224,3 +224,23 @@ def fragment_map(ax, threads, registers=None, *, title=None, rows=None, cols=Non
                     linespacing=0.9)
     ax.grid(False)
     ax.set(title=title, xlabel="column j", ylabel="row i")
+
+
+def key_order_map(ax, score_threads, p_threads, slots):
+    """One row of a group of key columns, twice: the thread holding each score (the accumulator's layout, top) and
+    each column of P (the register A operand's layout, bottom), coloured by lane within the quad (thread % 4);
+    a line joins score column j to the P column ``slots[j]`` it is stored in."""
+    score_threads, p_threads = np.asarray(score_threads), np.asarray(p_threads)
+    colors = plt.get_cmap("tab10").colors
+    for y, threads, name in ((1, score_threads, "S (scores)"), (0, p_threads, "P (A operand)")):
+        for j, thread in enumerate(threads):
+            ax.add_patch(plt.Rectangle((j - 0.45, y - 0.3), 0.9, 0.6, color=colors[int(thread) % 4]))
+            ax.text(j, y, f"t{int(thread) % 4}", ha="center", va="center", fontsize=8, color="white")
+        ax.text(-0.8, y, name, ha="right", va="center", fontsize=9)
+    for j, slot in enumerate(slots):
+        ax.plot([j, slot], [0.7, 0.3], color="0.35", lw=0.9)
+    ax.set(xlim=(-5.5, len(slots) - 0.4), ylim=(-0.5, 1.5), xticks=range(len(slots)), yticks=[],
+           xlabel="key column (within a group of 16)")
+    ax.grid(False)
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
