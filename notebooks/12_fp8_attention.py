@@ -55,7 +55,7 @@ from course_utils.api.fp8 import (E4M3_MAX, E4M3_UNIT_ROUNDOFF, P_SCALE, emulate
 from course_utils.core.source import cuda_source, grep, ptxas_report, show_source
 from course_utils.core.labels import CUDNN, FA4, OURS
 from course_utils.kernels.flash_fwd_fp8 import (FP8_DTYPE, flash_fwd_fp8_kernel, fp8_scores, fp8_softmax,
-                                                fp8_tile_step, round_to_e4m3, wgmma_key_slot)
+                                                fp8_softmax_scaled, fp8_tile_step, round_to_e4m3, wgmma_key_slot)
 from course_utils.kernels.tiles import Tiling
 from course_utils.measure.benchmarks import RECORDS
 from course_utils.measure.benchmarks.ch12_fp8 import CUDNN_FP8, OURS_FP8, OURS_FP8_KERNEL, OURS_FP8_PLAIN
@@ -739,12 +739,18 @@ ch12.check_fp8_forward(fp8_forward)
 #
 # The course's own code for what exercise (b) asked you to write, kept until after it so that it cannot give the
 # answer away. The course's kernel passes the two descales into the step as values, read once per tile, and takes
-# GQA (a K/V head per group of query heads). Its scores and softmax are two pieces of their own, which the Hopper
-# kernel of section 8 (`flash_fwd_fp8_hopper_kernel`) calls too:
+# GQA (a K/V head per group of query heads). Its scores and softmax are two pieces of their own:
 
 # %%
 show_source(fp8_scores)
 show_source(fp8_softmax)
+
+# %% [markdown]
+# The Hopper kernel of section 8 (`flash_fwd_fp8_hopper_kernel`) masks with chapter 03's `mask_scores` (boundary
+# tiles only) and folds the scale into its softmax, the same arithmetic in fewer instructions per score:
+
+# %%
+show_source(fp8_softmax_scaled)
 
 # %%
 show_source(fp8_tile_step)

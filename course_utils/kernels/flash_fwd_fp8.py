@@ -29,7 +29,7 @@ from .flash_pieces import LOG2E, NEG_INF, key_block_range, mask_scores, prelude,
 from .tiles import TileBackend, Tiling
 
 __all__ = ["flash_fwd_fp8_kernel", "flash_fwd_fp8_hopper_kernel", "round_to_e4m3", "fp8_tile_step", "fp8_scores",
-           "fp8_softmax", "E4M3_MAX", "wgmma_key_slot", "WGMMA_KEY_GROUP",
+           "fp8_softmax", "fp8_softmax_scaled", "E4M3_MAX", "wgmma_key_slot", "WGMMA_KEY_GROUP",
            "P_SCALE", "FP8_DTYPE", "FP8_TILING", "FP8_HOPPER_TILING"]
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value (the "fn" variant: no infinities)
@@ -239,7 +239,8 @@ def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=Non
     """The FP8 forward on chapter 07's rotated loop, for sm_90a: what ``flash_attention_fp8`` runs on Hopper.
 
     Arguments and results as ``flash_fwd_fp8_kernel(..., target="cuda")`` (Vᵀ in, keys padded to ``v_keys``). The
-    arithmetic is the same tile step, so the same emulation judges it; the schedule is chapter 07's: iteration
+    arithmetic is the tile step's up to one rounding per score (``fp8_softmax_scaled``, masks on boundary tiles
+    only), within what the emulation's slack allows; the schedule is chapter 07's: iteration
     ``kb`` issues Q Kᵀ of key block ``kb`` and P V of block ``kb − 1`` as two asynchronous wgmma batches, then
     computes the softmax of block ``kb`` while P V still runs. P stays in registers, its columns in
     ``wgmma_key_slot`` order (V's keys arrive in the same order), so each warpgroup's P V needs no barrier.
