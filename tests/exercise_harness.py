@@ -4,6 +4,7 @@ exercise's cells from its notebook, plant a mutant, load it like a notebook cell
 Three lists of exercises use it: ``exercise_mutants.py`` (the flash kernels of chapters 02–06,
 ``test_exercises_ch02_03_05_06.py``), ``exercise_mutants_speed_and_scale.py`` (chapters 04 and 07–10,
 ``test_exercises_ch04_07_to_10.py``) and ``exercise_mutants_fp8.py`` (chapter 12, ``test_exercises_ch12.py``).
+Each test module gets the tests every list needs from ``exercise_tests`` and adds its own.
 Mutants are checked in worker processes, which import the list they come from by its module name.
 """
 
@@ -18,6 +19,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import jupytext
+import pytest
 
 from course_utils.tooling.workspace import strip_solutions  # noqa: F401  (the learner's edition of a cell)
 
@@ -94,7 +96,7 @@ def mutant_verdicts(mutants_module):
         return list(pool.map(partial(mutant_verdict, mutants_module), range(count)))
 
 
-# The checks every list of exercises makes; each test module parametrizes them over its own lists.
+# The checks every list of exercises makes; ``exercise_tests`` parametrizes them over one list.
 def assert_passes(exercise, source, label, capsys):
     """The checker accepts ``source`` and says so with a ✓."""
     checker(exercise)(load(exercise, source, label))
@@ -103,8 +105,6 @@ def assert_passes(exercise, source, label, capsys):
 
 def assert_blank_says_not_written_yet(exercise):
     """The learner's edition (solutions stripped) fails with "not written yet" in one line, without a traceback."""
-    import pytest
-
     from course_utils.exercises.common import ExerciseIncomplete
 
     source = strip_solutions(exercise_source(exercise))
@@ -120,3 +120,73 @@ def assert_diagnosed(mutant, verdict):
     assert kind == "ExerciseWrong", f"{mutant.name}: {kind}: {message}"
     assert mutant.diagnosis in message, message
     assert "\n" not in message
+
+
+# The tests every list of exercises gets, made per list: a test module binds them into its globals, where pytest
+# collects them under these names (tests/conftest.py schedules test_mutant_gets_its_diagnosis by its name).
+def exercise_tests(mutants_module, why_mutant_is_skipped=None):
+    """The shared tests of the list in ``mutants_module`` by name, for ``globals().update(exercise_tests(...))``.
+
+    ``why_mutant_is_skipped(mutant)`` says why this machine cannot check a mutant, or None where it can."""
+    mutants = importlib.import_module(mutants_module)
+    tests = {"verdicts": _verdicts_fixture(mutants_module), **_solution_tests(mutants.EXERCISES),
+             "test_mutant_gets_its_diagnosis": _mutant_test(mutants.MUTANTS, why_mutant_is_skipped)}
+    if mutants.VARIANTS:  # an empty parametrization would still collect one (skipped) case
+        tests["test_correct_variant_passes"] = _variant_test(mutants.EXERCISES, mutants.VARIANTS)
+    tests["test_every_exercise_has_mutants"] = _coverage_test(mutants.EXERCISES, mutants.MUTANTS)
+    return tests
+
+
+def _verdicts_fixture(mutants_module):
+    @pytest.fixture(scope="module")
+    def verdicts():
+        """(kind, message) of the checker on every mutant, computed once per test module in worker processes."""
+        return mutant_verdicts(mutants_module)
+
+    return verdicts
+
+
+def _solution_tests(exercises):
+    @pytest.mark.parametrize("key", exercises)
+    def test_solution_passes(key, capsys):
+        """The course's solution passes its own checker: a checker that rejects it is wrong, not the learner."""
+        exercise = exercises[key]
+        assert_passes(exercise, exercise_source(exercise), "solution", capsys)
+
+    @pytest.mark.parametrize("key", exercises)
+    def test_blank_says_not_written_yet(key):
+        """What the learner starts from fails in one line that says so, not with a traceback."""
+        assert_blank_says_not_written_yet(exercises[key])
+
+    return {"test_solution_passes": test_solution_passes,
+            "test_blank_says_not_written_yet": test_blank_says_not_written_yet}
+
+
+def _mutant_test(mutants, why_skipped):
+    @pytest.mark.parametrize("index", range(len(mutants)), ids=[f"{m.exercise}: {m.name}" for m in mutants])
+    def test_mutant_gets_its_diagnosis(index, verdicts):
+        """Each planted bug is caught, and named the way a learner who wrote it needs to read."""
+        reason = why_skipped and why_skipped(mutants[index])
+        if reason:
+            pytest.skip(reason)
+        assert_diagnosed(mutants[index], verdicts[index])
+
+    return test_mutant_gets_its_diagnosis
+
+
+def _variant_test(exercises, variants):
+    @pytest.mark.parametrize("variant", variants, ids=lambda v: f"{v.exercise}: {v.name}")
+    def test_correct_variant_passes(variant, capsys):
+        """A correct rewrite of the solution passes too: the checker tests the result, not the course's wording."""
+        exercise = exercises[variant.exercise]
+        assert_passes(exercise, mutate(exercise_source(exercise), variant), variant.name, capsys)
+
+    return test_correct_variant_passes
+
+
+def _coverage_test(exercises, mutants):
+    def test_every_exercise_has_mutants():
+        """An exercise without mutants has a checker that nothing shows can fail."""
+        assert {m.exercise for m in mutants} == set(exercises)
+
+    return test_every_exercise_has_mutants

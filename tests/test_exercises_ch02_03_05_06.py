@@ -9,53 +9,13 @@ checked two at a time in worker processes.
 
 import jupytext
 import pytest
-from exercise_harness import (
-    NOTEBOOKS,
-    assert_blank_says_not_written_yet,
-    assert_diagnosed,
-    assert_passes,
-    checker,
-    exercise_source,
-    load,
-    mutant_verdicts,
-    mutate,
-    strip_solutions,
-)
-from exercise_mutants import EXERCISES, MUTANTS, VARIANTS
+from exercise_harness import NOTEBOOKS, checker, exercise_source, exercise_tests, load, strip_solutions
+from exercise_mutants import EXERCISES
 
 from course_utils.exercises.common import ExerciseFailed, ExerciseIncomplete, ExerciseWrong
 
-
-@pytest.fixture(scope="module")
-def verdicts():
-    """(kind, message) of the checker on every mutant, computed in parallel worker processes."""
-    return mutant_verdicts("exercise_mutants")
-
-
-@pytest.mark.parametrize("key", EXERCISES)
-def test_solution_passes(key, capsys):
-    exercise = EXERCISES[key]
-    assert_passes(exercise, exercise_source(exercise), "solution", capsys)
-
-
-@pytest.mark.parametrize("key", EXERCISES)
-def test_blank_says_not_written_yet(key):
-    assert_blank_says_not_written_yet(EXERCISES[key])
-
-
-@pytest.mark.parametrize("index", range(len(MUTANTS)), ids=[f"{m.exercise}: {m.name}" for m in MUTANTS])
-def test_mutant_gets_its_diagnosis(index, verdicts):
-    assert_diagnosed(MUTANTS[index], verdicts[index])
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v.exercise}: {v.name}")
-def test_correct_variant_passes(variant, capsys):
-    exercise = EXERCISES[variant.exercise]
-    assert_passes(exercise, mutate(exercise_source(exercise), variant), variant.name, capsys)
-
-
-def test_every_exercise_has_mutants():
-    assert {m.exercise for m in MUTANTS} == set(EXERCISES)
+# Solutions, learner's editions, mutants and correct variants of exercise_mutants.py (exercise_harness.py).
+globals().update(exercise_tests("exercise_mutants"))
 
 
 def test_build_error_is_one_line():

@@ -9,48 +9,21 @@ import re
 import shutil
 
 import pytest
-from exercise_harness import (
-    NOTEBOOKS,
-    assert_blank_says_not_written_yet,
-    assert_diagnosed,
-    assert_passes,
-    exercise_source,
-    load,
-    mutant_verdicts,
-    mutate,
-)
-from exercise_mutants_speed_and_scale import EXERCISES, MUTANTS, VARIANTS
+from exercise_harness import NOTEBOOKS, exercise_source, exercise_tests, load
+from exercise_mutants_speed_and_scale import EXERCISES
 
 from course_utils.exercises.common import ExerciseIncomplete
 
 
-@pytest.fixture(scope="module")
-def verdicts():
-    return mutant_verdicts("exercise_mutants_speed_and_scale")
+def _why_unchecked_here(mutant):
+    """A mutant that only ptxas sees needs nvcc, which a machine without the CUDA toolkit lacks."""
+    if mutant.diagnosis.startswith("ptxas") and shutil.which("nvcc") is None:
+        return "only ptxas sees this mutant, and nvcc is not installed here"
+    return None
 
 
-@pytest.mark.parametrize("key", EXERCISES)
-def test_solution_passes(key, capsys):
-    exercise = EXERCISES[key]
-    assert_passes(exercise, exercise_source(exercise), "solution", capsys)
-
-
-@pytest.mark.parametrize("key", EXERCISES)
-def test_blank_says_not_written_yet(key):
-    assert_blank_says_not_written_yet(EXERCISES[key])
-
-
-@pytest.mark.parametrize("index", range(len(MUTANTS)), ids=[f"{m.exercise}: {m.name}" for m in MUTANTS])
-def test_mutant_gets_its_diagnosis(index, verdicts):
-    if MUTANTS[index].diagnosis.startswith("ptxas") and shutil.which("nvcc") is None:
-        pytest.skip("only ptxas sees this mutant, and nvcc is not installed here")
-    assert_diagnosed(MUTANTS[index], verdicts[index])
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v.exercise}: {v.name}")
-def test_correct_variant_passes(variant, capsys):
-    exercise = EXERCISES[variant.exercise]
-    assert_passes(exercise, mutate(exercise_source(exercise), variant), variant.name, capsys)
+# Solutions, learner's editions, mutants and correct variants of exercise_mutants_speed_and_scale.py.
+globals().update(exercise_tests("exercise_mutants_speed_and_scale", why_mutant_is_skipped=_why_unchecked_here))
 
 
 # Lines of ptxas's report (CUDA 13) as the Hopper exercises' mutants produce them, and one the course's kernels avoid.
@@ -82,10 +55,6 @@ def test_ptxas_hazards_are_named(code, cause):
     assert problem and code in problem and cause in problem, problem
     spilled = ptxas_problem([_CLEAN[0], "24 bytes stack frame, 16 bytes spill stores, 16 bytes spill loads"])
     assert spilled and "spills registers" in spilled
-
-
-def test_every_exercise_has_mutants():
-    assert {m.exercise for m in MUTANTS} == set(EXERCISES)
 
 
 @pytest.mark.parametrize("chapter", ["04", "07", "08", "09", "10"])

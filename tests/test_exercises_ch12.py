@@ -2,41 +2,11 @@
 the learner's edition (solutions stripped) says "not written yet". The solutions are read from the notebook's .py;
 the mutants are checked two at a time in worker processes (one kernel compilation each, about two seconds)."""
 
-import pytest
-from exercise_harness import (
-    assert_blank_says_not_written_yet,
-    assert_diagnosed,
-    assert_passes,
-    exercise_source,
-    load,
-    mutant_verdicts,
-)
-from exercise_mutants_fp8 import EXERCISES, MUTANTS
+from exercise_harness import exercise_source, exercise_tests, load
+from exercise_mutants_fp8 import EXERCISES
 
-
-@pytest.fixture(scope="module")
-def verdicts():
-    return mutant_verdicts("exercise_mutants_fp8")
-
-
-@pytest.mark.parametrize("key", EXERCISES)
-def test_solution_passes(key, capsys):
-    exercise = EXERCISES[key]
-    assert_passes(exercise, exercise_source(exercise), "solution", capsys)
-
-
-@pytest.mark.parametrize("key", EXERCISES)
-def test_blank_says_not_written_yet(key):
-    assert_blank_says_not_written_yet(EXERCISES[key])
-
-
-@pytest.mark.parametrize("index", range(len(MUTANTS)), ids=[f"{m.exercise}: {m.name}" for m in MUTANTS])
-def test_mutant_gets_its_diagnosis(index, verdicts):
-    assert_diagnosed(MUTANTS[index], verdicts[index])
-
-
-def test_every_exercise_has_mutants():
-    assert {m.exercise for m in MUTANTS} == set(EXERCISES)
+# Solutions, learner's editions and mutants of exercise_mutants_fp8.py (exercise_harness.py).
+globals().update(exercise_tests("exercise_mutants_fp8"))
 
 
 def test_solution_lowers_for_the_h100():
