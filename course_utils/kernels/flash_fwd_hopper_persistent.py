@@ -45,8 +45,8 @@ from .flash_pieces import (
 from .tiles import TileBackend
 
 __all__ = ["flash_fwd_hopper_persistent_kernel", "tile_count", "tile_order", "tiles_per_block", "tile_index",
-           "persistent_schedule", "H100_SMS", "peeled_key_loop", "ConsumerTiles", "ConsumerBarriers", "LoopTiling",
-           "SoftmaxPieces", "SHIPPED_SOFTMAX", "PersistentTiling", "PersistentPieces", "SHIPPED_PIECES",
+           "persistent_schedule", "H100_SMS", "peeled_key_loop", "ConsumerTiles", "ConsumerBarriers", "stage_barriers",
+           "LoopTiling", "SoftmaxPieces", "SHIPPED_SOFTMAX", "PersistentTiling", "PersistentPieces", "SHIPPED_PIECES",
            "SHIPPED_TILING"]
 
 H100_SMS = 132  # multiprocessors of an H100 SXM5: one persistent block each
@@ -180,6 +180,20 @@ class ConsumerBarriers(NamedTuple):
     k_empty: object
     v_full: object
     v_empty: object
+
+
+@T.macro
+def stage_barriers(threads, num_stages):
+    """The mbarriers of a persistent kernel's stages: ``(q_full, ConsumerBarriers)``, Q's one stage and K's and V's
+    ``num_stages``. Full: the 128 producer threads arrive and the TMA bytes land. Empty: every one of the
+    ``threads`` consumer threads arrives."""
+    q_full = T.alloc_barrier(128)
+    q_empty = T.alloc_barrier(threads)
+    k_full = T.alloc_barrier([128] * num_stages)
+    k_empty = T.alloc_barrier([threads] * num_stages)
+    v_full = T.alloc_barrier([128] * num_stages)
+    v_empty = T.alloc_barrier([threads] * num_stages)
+    return q_full, ConsumerBarriers(q_empty, k_full, k_empty, v_full, v_empty)
 
 
 class LoopTiling(NamedTuple):
@@ -363,16 +377,10 @@ def flash_fwd_hopper_persistent_kernel(
         S, P, acc_o, m, m_prev, shift, alpha, row_sum, l = forward_fragments(  # noqa: E741
             tb, block_M, block_N, dim, dtype)
         l_part = row_sums.tiles(block_M) if row_sums is not None else None
-        # Full: the 128 producer threads arrive and the TMA bytes land. Empty: every consumer thread arrives.
-        q_full = T.alloc_barrier(128)
-        q_empty = T.alloc_barrier(threads)
-        k_full = T.alloc_barrier([128] * num_stages)
-        k_empty = T.alloc_barrier([threads] * num_stages)
-        v_full = T.alloc_barrier([128] * num_stages)
-        v_empty = T.alloc_barrier([threads] * num_stages)
+        q_full, barriers = stage_barriers(threads, num_stages)
+        q_empty, k_full, k_empty, v_full, v_empty = barriers
         it = T.alloc_var("int32", init=0)  # key blocks passed so far, over all tiles of this block
         tiles = ConsumerTiles(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l)
-        barriers = ConsumerBarriers(q_empty, k_full, k_empty, v_full, v_empty)
 
         if T.get_thread_binding() < 128:
             # region: producer

@@ -17,12 +17,12 @@ import torch
 
 from .flash_fwd_hopper_persistent import (
     SHIPPED_TILING,
-    ConsumerBarriers,
     ConsumerTiles,
     LoopTiling,
     first_turn,
     peeled_key_loop,
     produce_key_blocks,
+    stage_barriers,
 )
 from .flash_pieces import (
     ACCUM,
@@ -175,18 +175,13 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
                 tb, block_M, block_N, dim, dtype)
             if o_by_tma:
                 O_s = T.alloc_shared([block_M, dim], dtype)
-            q_full = T.alloc_barrier(128)
-            q_empty = T.alloc_barrier(threads)
-            k_full = T.alloc_barrier([128] * num_stages)
-            k_empty = T.alloc_barrier([threads] * num_stages)
-            v_full = T.alloc_barrier([128] * num_stages)
-            v_empty = T.alloc_barrier([threads] * num_stages)
+            q_full, barriers = stage_barriers(threads, num_stages)
+            q_empty, k_full, k_empty, v_full, v_empty = barriers
             v_edge = T.alloc_barrier(128)  # the producer's own wait for a tile it must zero rows of
             it = T.alloc_var("int32", init=0)  # key blocks passed so far, over all tiles of this block
             done = T.alloc_var("int32", init=0)  # tiles done so far (the parity of Q's barriers)
             edges = T.alloc_var("int32", init=0)  # tiles zeroed so far (the parity of v_edge)
             tiles = ConsumerTiles(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l)
-            barriers = ConsumerBarriers(q_empty, k_full, k_empty, v_full, v_empty)
             n_pairs = Count[0]
             rounds = T.ceildiv(n_pairs, num_ctas)
             rows_left = T.alloc_var("int32", init=0)  # the tile's rows in its sequence (consumers)
