@@ -647,7 +647,8 @@ ch12.check_quantise_tile(quantise_tile)
 # - P times `P_SCALE`, rounded with `round_to_e4m3`, into the `P` tile, then `acc_o += P V`.
 #
 # The checker runs your kernel on the CPU against the float64 emulation of the same FP8 roundings, on inputs whose
-# query and key blocks have different scales, and names the likely bug.
+# query and key blocks have different scales, and names the likely bug. Then it lowers your kernel for sm_90a and
+# sm_80 (with these float32 tiles: your TileLang must compile for the GPUs too; section 7 shows the FP8 tiles).
 #
 # Stuck? `hint("12", "b", 1)`, then `hint("12", "b", 2)`; `solution("12", "b")` shows the answer.
 

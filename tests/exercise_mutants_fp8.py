@@ -1,7 +1,7 @@
 """Chapter 12's exercises and their mutants: the notebook's solution with one planted bug each.
 
 (a) quantises a tensor block by block in PyTorch; (b) is the FP8 forward's key-tile step in TileLang, checked on
-the C backend against the float64 emulation of the same FP8 roundings. ``tests/test_exercises_ch12.py`` runs them
+the C backend against the float64 emulation of the same FP8 roundings, then lowered for sm_90a and sm_80. ``tests/test_exercises_ch12.py`` runs them
 (the same harness as ``exercise_mutants.py``).
 """
 
@@ -50,6 +50,10 @@ MUTANTS = [
            (("P[i, j] = round_to_e4m3(S[i, j] * P_SCALE)", "P[i, j] = S[i, j] * P_SCALE"),), "P is not quantised"),
     Mutant("ch12_fp8_forward", "the key tile's descale from the query block",
            (("K_descale[b, h, kb]", "K_descale[b, h, qb]"),), "the wrong block"),
+    Mutant("ch12_fp8_forward", "P rounded in the float32 score tile fed to T.gemm (right on the CPU, rejected for "
+           "sm_90a)",
+           (("P[i, j] = round_to_e4m3(S[i, j] * P_SCALE)\n        T.gemm(P, V_s, acc_o)",
+             "S[i, j] = round_to_e4m3(S[i, j] * P_SCALE)\n        T.gemm(S, V_s, acc_o)"),), "lowered for sm_90a"),
 ]
 
 VARIANTS = []  # correct rewrites that must pass (none yet)

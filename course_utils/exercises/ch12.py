@@ -159,14 +159,16 @@ _FP8_SUSPECTS = [
 def check_fp8_forward(factory):
     """Check the learner's FP8 forward, ``factory(batch, heads, seq_q, seq_k, dim, *, causal, block_M, block_N,
     target)`` returning a prim_func (Q, K, V, Q_descale, K_descale, V_descale) -> (O, LSE), on the C backend
-    against the float64 emulation of the same FP8 roundings."""
+    against the float64 emulation of the same FP8 roundings, then lowered for sm_90a and sm_80."""
     check_kernel(
         "FP8 forward", factory, _fp8_cases, suspects=_FP8_SUSPECTS, atol=1e-4, rtol=1e-3,
         hint="Compare your tile step with section 3: S = Q Kᵀ, the descales of this Q block and this K tile "
              "multiplied into sm_scale · log2(e), the mask, the running max in exp2 units with its guard, α on ℓ "
              "and acc_o, ℓ from P before rounding, P · P_SCALE rounded to e4m3, then P V.",
         summary="query and key blocks of different scales, block_M ≶ block_N, ragged S, rows that see no key, "
-                "S below one block", learner=("fp8_tile_macros",))
+                "S below one block", learner=("fp8_tile_macros",),
+        # its float32 tiles lowered for the GPUs: the TileLang must compile there too (section 7 makes them FP8)
+        gpu=((1, 4, 256, 256, 64), dict(causal=True, block_M=64, block_N=64)))
 
 
 HINTS = {
