@@ -1,8 +1,8 @@
 """Chapter 12's exercises and their mutants: the notebook's solution with one planted bug each.
 
 (a) quantises a tensor block by block in PyTorch; (b) is the FP8 forward's key-tile step in TileLang, checked on
-the C backend against the float64 emulation of the same FP8 roundings, then lowered for sm_90a and sm_80. ``tests/test_exercises_ch12.py`` runs them
-(the same harness as ``exercise_mutants.py``).
+the C backend against the float64 emulation of the same FP8 roundings, then lowered for sm_90a and sm_80.
+``tests/test_exercises_ch12.py`` runs them (the same harness as ``exercise_mutants.py``).
 """
 
 from exercise_harness import Exercise, Mutant
