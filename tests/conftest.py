@@ -32,18 +32,9 @@ SPREAD_OVER_WORKERS = {
 }
 
 
-# The files that start process groups of their own (gloo ranks on this machine's cores) are one work unit, so that
-# two rings never run at once: with both at once, four ranks on two cores, a rank aborted ("terminate called without
-# an active exception") in about one run of five; each file alone passed every time.
-ONE_AT_A_TIME = {"10_ring_attention.ipynb", "test_ring_attention.py"}
-
-
 def work_unit(nodeid):
-    """What a worker takes at once under ``--dist loadfile``: the file, or the test alone (SPREAD_OVER_WORKERS), or
-    the files of ONE_AT_A_TIME together."""
+    """What a worker takes at once under ``--dist loadfile``: the file, or the test alone (SPREAD_OVER_WORKERS)."""
     file, _, test = nodeid.partition("::")
-    if Path(file).name in ONE_AT_A_TIME:
-        return "gloo process groups"
     if Path(file).name not in SPREAD_OVER_WORKERS:
         return file
     together = SPREAD_OVER_WORKERS[Path(file).name]
