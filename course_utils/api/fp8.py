@@ -176,8 +176,9 @@ def _quantise_on_gpu(q, k, v):
 
 def _quantise(q, k, v, hadamard, seed):
     """The producer step in e4m3 tensors: ((q8, k8, v8), descales, V's values key-major or None), the blocks of
-    ``fp8_tile(q.device)``. On a GPU V is also written key-major and padded (``_quantise_on_gpu``), the layout
-    the kernel reads; on the CPU that third entry is None."""
+    ``fp8_tile(q.device)``. On a GPU V is written key-major, padded and in the kernel's key order instead
+    (``_quantise_on_gpu``), the layout the kernel reads, and v8 is None (``keys_in_order`` gives it); on the CPU
+    that third entry is None."""
     if hadamard:
         rotation = random_hadamard(q.shape[-1], seed).to(device=q.device, dtype=torch.float32)
         q, k = q.float() @ rotation, k.float() @ rotation
