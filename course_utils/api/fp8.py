@@ -159,8 +159,7 @@ def _compiled_producer(x, keys_major):
 
 def keys_in_order(v_keys_major, seq_k):
     """V's values [B, H_kv, S_k, D] from the producer's key-major tensor, whose key j sits at ``wgmma_key_slot(j)``."""
-    slots = torch.tensor([wgmma_key_slot(j) for j in range(seq_k)], device=v_keys_major.device)
-    return v_keys_major[..., slots].transpose(-1, -2)
+    return v_keys_major[..., wgmma_key_slot(torch.arange(seq_k, device=v_keys_major.device))].transpose(-1, -2)
 
 
 def _quantise_on_gpu(q, k, v):

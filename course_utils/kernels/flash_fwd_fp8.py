@@ -23,6 +23,8 @@ within each group of 16, the order of P's columns in registers. ``api.fp8`` runs
 Hopper (chapter 12, section 8: checked against the emulation, and timed, on an H200).
 """
 
+import math
+
 import tilelang.language as T
 
 from .flash_pieces import LOG2E, NEG_INF, key_block_range, mask_scores, prelude, visible
@@ -36,7 +38,7 @@ E4M3_MAX = 448.0  # the largest finite e4m3 value (the "fn" variant: no infiniti
 # P ≤ 1 is multiplied by this before rounding: a power of two (its descale is exact) that puts P = 1 at
 # e4m3's exponent 8, so probabilities down to 2⁻¹⁴ keep full precision instead of falling into subnormals.
 P_SCALE = 256.0
-P_SCALE_LOG2 = 8.0  # log2(P_SCALE): the Hopper kernel folds P_SCALE into the exponent
+P_SCALE_LOG2 = math.log2(P_SCALE)  # the Hopper kernel folds P_SCALE into the exponent
 # torch.float8_e4m3fn's name in TVM ("float8_e4m3" is another DLPack type code, 8 against torch's 10)
 FP8_DTYPE = "float8_e4m3fn"
 _E4M3_MIN_EXPONENT = -6  # the smallest normal e4m3 number is 2⁻⁶; below it the spacing stays 2⁻⁹
@@ -66,8 +68,8 @@ def wgmma_key_slot(j):
     9+2t instead, so copying S into P in key order would move bytes between threads (TileLang refuses: "Layout
     infer conflict"). P V sums over keys, and any order of the keys gives the same sum if P's columns and V's keys
     follow it: so column j goes to the slot its thread already owns, and the producer step writes V's keys in the
-    same order. FlashAttention-3 permutes P's registers instead (its paper, section 3.3). Works on ints and on
-    TileLang expressions alike."""
+    same order. FlashAttention-3 permutes P's registers instead (its paper, section 3.3). Works on ints, integer
+    tensors and TileLang expressions alike."""
     group, j16 = j // WGMMA_KEY_GROUP * WGMMA_KEY_GROUP, j % WGMMA_KEY_GROUP
     return group + (j16 % 8) // 2 * 4 + j16 // 8 * 2 + j16 % 2
 
