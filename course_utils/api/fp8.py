@@ -117,10 +117,28 @@ def _check_fp8_inputs(q, k, v, sm_scale):
     check_sm_scale(sm_scale)
 
 
-def _check_descales(descales):
-    finite = torch.stack([torch.isfinite(descale).all() for descale in descales.values()]).tolist()  # one sync
-    for name, ok in zip(descales, finite):
-        if not ok:
+def _largest_descales(descales):
+    """Each tensor's largest descale, copied to the host without waiting: (values, an event that says they have
+    arrived). Descales are positive, so the largest is finite only if all are (a NaN propagates through amax)."""
+    largest = torch.stack([descale.amax() for descale in descales.values()])
+    if largest.device.type != "cuda":
+        return largest, None
+    on_host = torch.empty(largest.shape, dtype=largest.dtype, pin_memory=True)
+    on_host.copy_(largest, non_blocking=True)
+    arrived = torch.cuda.Event()
+    arrived.record()
+    return on_host, arrived
+
+
+def _check_descales(descales, largest=None):
+    """Refuse inputs holding a NaN or an infinity. On a GPU the caller queues the attention kernel between
+    ``_largest_descales`` and this check, so the wait here leaves the GPU busy (its output is discarded if the
+    check fails)."""
+    values, arrived = largest or _largest_descales(descales)
+    if arrived is not None:
+        arrived.synchronize()
+    for name, value in zip(descales, values.tolist()):
+        if not math.isfinite(value):
             raise ValueError(f"flash_attention_fp8: a {name} block has a NaN or infinite scale (its input holds a NaN "
                              "or an infinity, which no FP8 scale can represent)")
 
@@ -138,9 +156,9 @@ def _compiled(problem):
     return compiled(FP8["flash_fwd_fp8"], problem, block_M=FP8_TILE, block_N=FP8_TILE)
 
 
-def _compiled_gpu(problem, loop):
+def _compiled_gpu(problem, loop, out_dtype):
     v_keys = -(-problem.seq_k // V_KEY_ALIGN) * V_KEY_ALIGN
-    tiles = dict(block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE, v_keys=v_keys)
+    tiles = dict(block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE, v_keys=v_keys, out_dtype=DTYPE_NAMES[out_dtype])
     if loop == "rotated":
         return compiled(FP8["flash_fwd_fp8_hopper"], problem, **tiles)
     return compiled(FP8["flash_fwd_fp8"], problem, threads=256, num_stages=2, **tiles)
@@ -200,10 +218,10 @@ def quantise_inputs(q, k, v, hadamard=False, seed=0):
     return (q8.float(), k8.float(), v8.float()), descales
 
 
-def _run_gpu(q8, k8, v_keys_major, descales, causal, sm_scale, loop="rotated"):
+def _run_gpu(q8, k8, v_keys_major, descales, causal, sm_scale, loop="rotated", out_dtype=torch.float32):
     """The sm_90a kernel (``loop``: one of FP8_GPU_LOOPS) on e4m3 tensors, V key-major as the producer step writes
-    it ([B, H_kv, D, S_k padded to V_KEY_ALIGN], keys in ``wgmma_key_slot`` order)."""
-    kernel = _compiled_gpu(_problem(q8, k8, causal, sm_scale), loop)
+    it ([B, H_kv, D, S_k padded to V_KEY_ALIGN], keys in ``wgmma_key_slot`` order); O in ``out_dtype``."""
+    kernel = _compiled_gpu(_problem(q8, k8, causal, sm_scale), loop, out_dtype)
     return kernel(q8.contiguous(), k8.contiguous(), v_keys_major, descales["Q"].contiguous(),
                   descales["K"].contiguous(), descales["V"].contiguous())
 
@@ -220,10 +238,12 @@ def flash_attention_fp8(q, k, v, *, causal=False, sm_scale=None, hadamard=False,
     """
     _check_fp8_inputs(q, k, v, sm_scale)
     (q8, k8, v8), descales, v_keys_major = _quantise(q, k, v, hadamard, hadamard_seed)
-    _check_descales(descales)
     if q.device.type == "cuda":
-        out, lse = _run_gpu(q8, k8, v_keys_major, descales, causal, sm_scale)
+        largest = _largest_descales(descales)
+        out, lse = _run_gpu(q8, k8, v_keys_major, descales, causal, sm_scale, out_dtype=q.dtype)
+        _check_descales(descales, largest)
     else:
+        _check_descales(descales)
         kernel = _compiled(_problem(q, k, causal, sm_scale))
         out, lse = kernel(q8.float(), k8.float(), v8.float(), descales["Q"].contiguous(), descales["K"].contiguous(),
                           descales["V"].contiguous())

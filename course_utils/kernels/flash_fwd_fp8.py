@@ -174,7 +174,7 @@ FP8_HOPPER_TILING = Tiling(128, 128, 2, 256)  # flash_fwd_fp8_hopper_kernel's: t
 
 
 def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, sm_scale=None, v_keys=None,
-                         target="c", tiling=FP8_TILING):
+                         target="c", tiling=FP8_TILING, out_dtype="float32"):
     """A ``@T.prim_func`` (Q, K, V, Q_descale, K_descale, V_descale) -> (O, LSE) on e4m3 values: float32 tiles
     holding them on the C backend, ``float8_e4m3fn`` tiles on CUDA.
 
@@ -182,8 +182,9 @@ def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, caus
     keys in ``wgmma_key_slot`` order (``v_keys`` ≥ S_k, default S_k: the producer pads the keys to a multiple of 16,
     so that TMA finds each row of Vᵀ 16-byte aligned and the slots permute whole groups);
     Q_descale [B, H, ⌈S_q/block_M⌉], K_descale [B, H_kv, ⌈S_k/block_N⌉], V_descale [B, H_kv]: a quantised value
-    times its descale is the input it stands for. O is float32; the LSE is the natural log of the row's
-    denominator of the scaled scores, as ``flash_attention``'s. ``tiling``: a ``Tiling``.
+    times its descale is the input it stands for. O is ``out_dtype`` (float32 on the C backend; on CUDA the inputs'
+    16-bit type, rounded once from the float32 accumulator, as a cast afterwards would); the LSE is the natural log
+    of the row's denominator of the scaled scores, as ``flash_attention``'s. ``tiling``: a ``Tiling``.
     """
     block_M, block_N, num_stages, threads = tiling
     tb = TileBackend(target)
@@ -201,7 +202,8 @@ def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, caus
                       Q_descale: T.Tensor([batch, heads, q_blocks], f32),
                       K_descale: T.Tensor([batch, p.heads_kv, k_blocks], f32),
                       V_descale: T.Tensor([batch, p.heads_kv], f32),
-                      O: T.Tensor([batch, heads, seq_q, dim], f32), LSE: T.Tensor([batch, heads, seq_q], f32)):
+                      O: T.Tensor([batch, heads, seq_q, dim], out_dtype),
+                      LSE: T.Tensor([batch, heads, seq_q], f32)):
         with tb.kernel(q_blocks, heads, batch, threads=threads) as (qb, h, b):
             # endregion
             Q_s, K_s = tb.shared([block_M, dim], fp8), tb.shared([block_N, dim], fp8)
@@ -237,7 +239,7 @@ def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, caus
 
 
 def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, sm_scale=None,
-                                v_keys=None, tiling=FP8_HOPPER_TILING):
+                                v_keys=None, tiling=FP8_HOPPER_TILING, out_dtype="float32"):
     """The FP8 forward on chapter 07's rotated loop, for sm_90a: what ``flash_attention_fp8`` runs on Hopper.
 
     Arguments and results as ``flash_fwd_fp8_kernel(..., target="cuda")`` (Vᵀ in, keys padded to ``v_keys``). The
@@ -261,7 +263,8 @@ def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=Non
                              Q_descale: T.Tensor([batch, heads, q_blocks], f32),
                              K_descale: T.Tensor([batch, p.heads_kv, k_blocks], f32),
                              V_descale: T.Tensor([batch, p.heads_kv], f32),
-                             O: T.Tensor([batch, heads, seq_q, dim], f32), LSE: T.Tensor([batch, heads, seq_q], f32)):
+                             O: T.Tensor([batch, heads, seq_q, dim], out_dtype),
+                             LSE: T.Tensor([batch, heads, seq_q], f32)):
         with T.Kernel(q_blocks, heads, batch, threads=threads) as (qb, h, b):
             Q_s, K_s = T.alloc_shared([block_M, dim], fp8), T.alloc_shared([block_N, dim], fp8)
             V_s, P = T.alloc_shared([dim, block_N], fp8), T.alloc_fragment([block_M, block_N], fp8)

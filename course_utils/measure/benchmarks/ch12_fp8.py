@@ -104,7 +104,7 @@ def _check_against_emulation(q, k, v, causal):
     (q8_all, k8_all, _), all_descales, v_keys_major = _quantise(q, k, v, False, 0)
     gaps = {}
     for loop in FP8_GPU_LOOPS:
-        out, lse = _run_gpu(q8_all, k8_all, v_keys_major, all_descales, causal, None, loop)
+        out, lse = _run_gpu(q8_all, k8_all, v_keys_major, all_descales, causal, None, loop, out_dtype=q.dtype)
         judged = within_ties(out[:1, :1], emulated, slack)
         gaps[loop] = float((out[:1, :1].double() - judged).abs().max())
         bound = 1e-4 + (1e-3 + torch.finfo(q.dtype).eps) * float(judged.abs().max())
@@ -130,8 +130,10 @@ def fp8_vs_peers(seqs=FP8_SEQS, dim=128, causal_options=(False, True), dtype=tor
             emulation_gap = _check_against_emulation(q, k, v, causal)
             (q8, k8, _), descales, v_keys_major = _quantise(q, k, v, False, 0)
             impls = {OURS_FP8: lambda: flash_attention_fp8(q, k, v, causal=causal),
-                     OURS_FP8_KERNEL: lambda: _run_gpu(q8, k8, v_keys_major, descales, causal, None),
-                     OURS_FP8_PLAIN: lambda: _run_gpu(q8, k8, v_keys_major, descales, causal, None, "plain"),
+                     OURS_FP8_KERNEL: lambda: _run_gpu(q8, k8, v_keys_major, descales, causal, None,
+                                                       out_dtype=dtype),
+                     OURS_FP8_PLAIN: lambda: _run_gpu(q8, k8, v_keys_major, descales, causal, None, "plain",
+                                                      out_dtype=dtype),
                      OURS: lambda: flash_attention(q, k, v, causal=causal),
                      CUDNN: lambda: sdpa(q, k, v, causal, SDPA_PEERS[CUDNN])}
             if fa4 is not None:
