@@ -23,7 +23,7 @@ from .flash_fwd_fp8 import E4M3_MAX, FP8_DTYPE, WGMMA_KEY_GROUP, wgmma_key_slot
 __all__ = ["quantise_rows_kernel", "quantise_transposed_kernel"]
 
 
-def quantise_rows_kernel(batch, heads, seq, dim, *, block=128, dtype="bfloat16", threads=128):
+def quantise_rows_kernel(batch, heads, seq, dim, *, block=128, dtype="bfloat16", threads=256):
     """``(X [B, H, S, D]) -> (values [B, H, S, D] e4m3, descale [B, H, ⌈S/block⌉] float32)``."""
     blocks = -(-seq // block)
 
@@ -34,6 +34,7 @@ def quantise_rows_kernel(batch, heads, seq, dim, *, block=128, dtype="bfloat16",
         Descale: T.Tensor([batch, heads, blocks], "float32"),
     ):
         with T.Kernel(blocks, heads, batch, threads=threads) as (bx, by, bz):
+            x_in = T.alloc_fragment([block, dim], dtype)
             x = T.alloc_fragment([block, dim], "float32")
             not_finite = T.alloc_fragment([block, dim], "float32")
             row_max = T.alloc_fragment([block], "float32")
@@ -41,8 +42,9 @@ def quantise_rows_kernel(batch, heads, seq, dim, *, block=128, dtype="bfloat16",
             tile_max = T.alloc_fragment([1], "float32")
             tile_not_finite = T.alloc_fragment([1], "float32")
             descale = T.alloc_local([1], "float32")
+            T.copy(X[bz, by, bx * block:(bx + 1) * block, :], x_in)  # one copy: 16-byte loads
             for i, d in T.Parallel(block, dim):
-                x[i, d] = T.if_then_else(bx * block + i < seq, T.cast(X[bz, by, bx * block + i, d], "float32"), 0)
+                x[i, d] = T.if_then_else(bx * block + i < seq, T.cast(x_in[i, d], "float32"), 0)
                 # Counted apart: the max below would skip a NaN (and TVM folds x - x to 0, so no NaN arithmetic).
                 not_finite[i, d] = T.if_then_else(T.isfinite(x[i, d]), T.float32(0), T.float32(1))
             T.reduce_absmax(x, row_max, dim=1)
@@ -60,7 +62,7 @@ def quantise_rows_kernel(batch, heads, seq, dim, *, block=128, dtype="bfloat16",
     return quantise_rows
 
 
-def quantise_transposed_kernel(batch, heads, seq, dim, padded_seq, *, block=128, dtype="bfloat16", threads=128):
+def quantise_transposed_kernel(batch, heads, seq, dim, padded_seq, *, block=128, dtype="bfloat16", threads=256):
     """``(X [B, H, S, D], descale [B, H] float32) -> values [B, H, D, padded_seq] e4m3``, keys ≥ S zero, key j at
     ``wgmma_key_slot(j)``."""
     assert block % WGMMA_KEY_GROUP == 0 and padded_seq % WGMMA_KEY_GROUP == 0, "the slots permute groups of 16 keys"
@@ -73,12 +75,15 @@ def quantise_transposed_kernel(batch, heads, seq, dim, padded_seq, *, block=128,
         Values: T.Tensor([batch, heads, dim, padded_seq], FP8_DTYPE),
     ):
         with T.Kernel(blocks, heads, batch, threads=threads) as (bx, by, bz):
-            x_s = T.alloc_shared([block, dim + 1], "float32")  # a row of dim + 1: the transposed reads hit 32 banks
+            x_in = T.alloc_fragment([block, dim], dtype)
+            # A row of dim + 2 16-bit values (an odd number of 4-byte words): the transposed reads hit 32 banks.
+            x_s = T.alloc_shared([block, dim + 2], dtype)
+            values_s = T.alloc_shared([dim, block], FP8_DTYPE)
+            T.copy(X[bz, by, bx * block:(bx + 1) * block, :], x_in)  # one copy: 16-byte loads
             for i, d in T.Parallel(block, dim):
-                x_s[i, d] = T.if_then_else(bx * block + i < seq, T.cast(X[bz, by, bx * block + i, d], "float32"), 0)
+                x_s[i, d] = T.if_then_else(bx * block + i < seq, x_in[i, d], T.cast(0, dtype))
             for d, i in T.Parallel(dim, block):
-                if bx * block + i < padded_seq:
-                    Values[bz, by, d, bx * block + wgmma_key_slot(i)] = T.cast(x_s[i, d] / Descale[bz, by],
-                                                                                FP8_DTYPE)
+                values_s[d, wgmma_key_slot(i)] = T.cast(T.cast(x_s[i, d], "float32") / Descale[bz, by], FP8_DTYPE)
+            T.copy(values_s, Values[bz, by, :, bx * block:(bx + 1) * block])  # whole rows of keys: 16-byte stores
 
     return quantise_transposed
