@@ -4,7 +4,9 @@
 Without a GPU: both kernels lower for sm_90a for every kind of modifier (a mask, a score_mod, captured float and
 int tensors, GQA), the rotated one with its loop's order of asynchronous matmuls, the persistent one loading the
 listed key blocks from its producer, and ptxas compiles them without serialising the wgmmas or spilling; the
-forward picks the persistent kernel exactly where a block mask's rows grow down. On an sm_90 GPU (marked
+forward picks the persistent kernel exactly where a block mask's rows grow down. The persistent kernel's sorted
+order (``fwd_kernel="persistent_sorted"``): each block mask row's query blocks longest first, a permutation, and its
+walk takes every tile once, the longest first. On an sm_90 GPU (marked
 ``gpu``): ``flex_attention`` runs its forward on these kernels, and the documented modifiers of
 ``test_flex_dropin``, at lengths that are not a multiple of the tile and with query blocks that see no key, agree
 with the float64 reference on both.
@@ -33,7 +35,11 @@ from course_utils.core.device import is_hopper
 from course_utils.core.problem import AttentionProblem
 from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_flex_hopper import HOPPER_FLEX_BLOCK, HOPPER_FLEX_DIMS, flex_fwd_hopper_kernel
-from course_utils.kernels.flash_flex_persistent import flex_fwd_hopper_persistent_kernel
+from course_utils.kernels.flash_flex_persistent import (
+    flex_fwd_hopper_persistent_kernel,
+    sorted_schedule,
+    strided_tile_count,
+)
 
 # --- Lowered for sm_90a, no GPU needed --------------------------------------------------------------------------
 
@@ -56,12 +62,12 @@ PLANS = {  # name: (score_mod, mask_mod, K/V heads, D, dtype)
 }
 
 
-def _lowered(name, factory=flex_fwd_hopper_kernel):
+def _lowered(name, factory=flex_fwd_hopper_kernel, **options):
     score_mod, mask_mod, heads_kv, dim, dtype = PLANS[name]
     plan = plan_modifiers(score_mod, mask_mod)
     blocks = -(-SEQ // 128)
     return cuda_source(factory(BATCH, HEADS, SEQ, SEQ, dim, plan, (1, 1, blocks, blocks), heads_kv=heads_kv,
-                               sm_scale=dim ** -0.5, dtype=dtype))
+                               sm_scale=dim ** -0.5, dtype=dtype, **options))
 
 
 def _consumer_loop(source):
@@ -89,6 +95,11 @@ def test_every_plan_lowers_to_the_rotated_loop(lowered):
     assert "CapturedF[" in lowered["ALiBi, captured slopes"]
     assert "CapturedI[" in lowered["document mask, captured ids"]
     assert re.search(r"blockIdx\.y\) >> 2\)", lowered["GQA, soft-cap and causal"])  # K/V head = query head // 4
+
+
+@pytest.fixture(scope="module")
+def lowered_sorted():
+    return {name: _lowered(name, flex_fwd_hopper_persistent_kernel, tile_order="sorted") for name in PLANS}
 
 
 def _ptxas_of_every_plan(lowered, kernel_name):
@@ -119,6 +130,89 @@ def test_the_persistent_kernel_loads_the_listed_key_blocks_and_modifies_every_st
     _ptxas_of_every_plan(lowered_persistent, "flex_fwd_hopper_persistent_kernel")
 
 
+def test_the_sorted_persistent_kernel_reads_its_order_and_compiles_without_spills(lowered_sorted):
+    for name, source in lowered_sorted.items():
+        producer = source[source.index("tl::warpgroup_reg_dealloc"):source.index("tl::warpgroup_reg_alloc")]
+        consumer = source[source.index("tl::warpgroup_reg_alloc"):]
+        for part in (producer, consumer):  # both walk the same tiles: each reads the order
+            assert "RowsByCost[" in part and "KVCount[" in part, name
+        assert "KVList[" in producer and "tl::tma_load(K_desc" in producer, name
+    assert "CapturedI[" in lowered_sorted["document mask, captured ids"]
+    _ptxas_of_every_plan(lowered_sorted, "flex_fwd_hopper_persistent_sorted_kernel")
+
+
+def _per_head_window(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < 128 * (h + 1))
+
+
+def _documents_per_head(b, h, q_idx, kv_idx):  # depends on b and h: the ids of batch entry b, shifted by head h
+    n = _SORT_DOCS.shape[1]
+    return _SORT_DOCS[b, (q_idx + 64 * h) % n] == _SORT_DOCS[b, (kv_idx + 64 * h) % n]
+
+
+_SORT_DOCS = torch.stack([flex.document_ids([700, 100, 1200, 300]), flex.document_ids([150, 1500, 200, 450])])
+
+
+def _sorted_cases():
+    """{name: (block mask, batch, heads)}: masks shared and not, rows growing down and not."""
+    seq = 2300  # 18 query blocks, the last ragged
+    docs = torch.stack([flex.document_ids([700, 300, 1300]), flex.document_ids([200, 1600, 500])])
+    return {
+        "documents": (create_block_mask(flex.document_mask(docs), 2, None, seq, seq, block=(128, 128)), 2, 4),
+        "causal": (create_block_mask(flex.causal_mask, None, None, seq, seq, block=(128, 128)), 2, 4),
+        "prefix-LM": (create_block_mask(flex.prefix_lm(600), None, None, seq, seq, block=(128, 128)), 3, 2),
+        "window per head": (create_block_mask(_per_head_window, None, 4, seq, seq, block=(128, 128)), 2, 4),
+        "documents per b and h": (create_block_mask(_documents_per_head, 2, 3, seq, seq, block=(128, 128)), 2, 3),
+        "rows that see no key": (create_block_mask(lambda b, h, q, k: (q >= 700) & (k <= q), None, None, seq, seq,
+                                                   block=(128, 128)), 1, 5),
+    }
+
+
+def test_rows_by_cost_lists_each_mask_rows_query_blocks_longest_first():
+    for name, (bm, _, _) in _sorted_cases().items():
+        order = bm.rows_by_cost
+        assert order.dtype == torch.int32 and order.shape == bm.kv_count.shape and order.is_contiguous(), name
+        n_qb = bm.kv_count.shape[-1]
+        assert torch.equal(order.sort(dim=-1).values, torch.arange(n_qb, dtype=torch.int32).expand_as(order)), name
+        counts = bm.kv_count.gather(-1, order.long())
+        assert (counts[..., 1:] <= counts[..., :-1]).all(), name
+        assert (order[..., 0] == bm.kv_count.argmax(-1)).all(), name
+    causal = _sorted_cases()["causal"][0]
+    assert causal.rows_by_cost[0, 0].tolist() == list(range(17, -1, -1))  # causal: the bottom row first
+
+
+@pytest.mark.parametrize("num_ctas", [132, 16, 7, 1, 1000])
+def test_the_sorted_walk_takes_every_tile_once_longest_first(num_ctas):
+    for name, (bm, batch, heads) in _sorted_cases().items():
+        n_qb = bm.kv_count.shape[-1]
+        total = batch * heads * n_qb
+        schedule = sorted_schedule(bm.rows_by_cost, batch, heads, num_ctas)
+        tiles = [t for block in schedule for t in block]
+        assert sorted(tiles) == [(b, h, qb) for b in range(batch) for h in range(heads) for qb in range(n_qb)], name
+        launched = max(1, min(num_ctas, (total + 1) // 2))
+        assert len(schedule) == launched and all(
+            len(block) == int(tvm_value(strided_tile_count(total, launched, cta))) for cta, block in
+            enumerate(schedule)), name
+
+        def cost(tile):
+            b, h, qb = tile
+            return int(bm.kv_count[b if bm.kv_count.shape[0] > 1 else 0, h if bm.kv_count.shape[1] > 1 else 0, qb])
+
+        # Round w: the w-th tile of every block; with a mask shared across b and h every round's tiles are at
+        # least as long as the next round's.
+        rounds = [[cost(block[w]) for block in schedule if w < len(block)] for w in range(len(schedule[0]))]
+        if bm.kv_count.shape[:2] == (1, 1):
+            assert all(min(a) >= max(b) for a, b in zip(rounds, rounds[1:])), name
+        if launched >= batch * heads:  # round 0 holds every (batch entry, head)'s longest row
+            assert max(rounds[0]) == int(bm.kv_count.max()), name
+
+
+def tvm_value(expr):
+    from tilelang import tvm
+
+    return expr if isinstance(expr, int) else tvm.arith.Analyzer().simplify(expr)
+
+
 def _flex_problem(mask_mod, dim=128, mask_b=None, seq=1000):
     q, k = torch.empty(2, 4, seq, dim, dtype=torch.float16), torch.empty(2, 4, seq, dim, dtype=torch.float16)
     bm = create_block_mask(mask_mod, mask_b, None, seq, seq, block=(128, 128))
@@ -140,7 +234,7 @@ def test_the_persistent_forward_runs_where_the_mask_rows_grow_down(monkeypatch):
     pr, bm = rows["documents"]
     assert not bm.longest_rows_last and rows["causal"][1].longest_rows_last
     for asked, row in (("persistent", "flex_fwd_hopper_persistent"), ("rotated", "flex_fwd_hopper"),
-                       ("sm80", "flex_fwd")):
+                       ("persistent_sorted", "flex_fwd_hopper_persistent_sorted"), ("sm80", "flex_fwd")):
         assert flex.forward_row(pr, config._replace(fwd_kernel=asked), bm.longest_rows_last) == row
 
 
@@ -187,7 +281,8 @@ def _gpu_inputs(dim, dtype, seq=GPU_SEQ, scale=3.0):
 
 def _forward_through_hopper(name, q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, fwd_kernel="hopper"):
     """flex_attention's forward, checked to run on the Hopper kernel and against float64; returns (O, LSE).
-    ``fwd_kernel`` "persistent" or "rotated": ``flex_forward`` asked for that kernel (``FlexConfig.fwd_kernel``)."""
+    ``fwd_kernel`` "persistent", "persistent_sorted" or "rotated": ``flex_forward`` asked for that kernel
+    (``FlexConfig.fwd_kernel``)."""
     if block_mask is None:
         block_mask = create_block_mask(mask_mod or flex.noop_mask, None, None, q.shape[2], k.shape[2], device="cuda")
         if mask_mod is not None:
@@ -206,7 +301,8 @@ def _forward_through_hopper(name, q, k, v, *, score_mod=None, mask_mod=None, blo
         out, lse = flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
                                   return_lse=True)
     else:
-        assert ("flex_fwd_hopper_persistent" in source) == (fwd_kernel == "persistent")
+        assert ("flex_fwd_hopper_persistent" in source) == fwd_kernel.startswith("persistent")
+        assert ("flex_fwd_hopper_persistent_sorted" in source) == (fwd_kernel == "persistent_sorted")
         out, lse = flex_forward(q, k, v, plan, block_mask, 1.0 / math.sqrt(q.shape[-1]), config)
     refs = flex_references(q, k, v, score_mod=score_mod, mask_mod=block_mask.mask_mod)
     cu.check_forward(q, k, v, out, lse, refs=refs, name=name, quiet=True)
@@ -216,7 +312,7 @@ def _forward_through_hopper(name, q, k, v, *, score_mod=None, mask_mod=None, blo
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("dim, dtype", GPU_CASES, ids=[f"D{d}-{str(t)[6:]}" for d, t in GPU_CASES])
-@pytest.mark.parametrize("fwd_kernel", ["persistent", "rotated"])
+@pytest.mark.parametrize("fwd_kernel", ["persistent", "persistent_sorted", "rotated"])
 @pytest.mark.parametrize("name", list(dropin.DOCUMENTED))
 def test_documented_modifiers_on_the_hopper_kernel(name, fwd_kernel, dim, dtype, gpu_dropin):
     mods = dict(gpu_dropin.DOCUMENTED[name])
@@ -231,7 +327,7 @@ def test_documented_modifiers_on_the_hopper_kernel(name, fwd_kernel, dim, dtype,
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("dim, dtype", GPU_CASES, ids=[f"D{d}-{str(t)[6:]}" for d, t in GPU_CASES])
-@pytest.mark.parametrize("fwd_kernel", ["hopper", "persistent", "rotated"])
+@pytest.mark.parametrize("fwd_kernel", ["hopper", "persistent", "persistent_sorted", "rotated"])
 def test_query_blocks_that_see_no_key(dim, dtype, fwd_kernel):
     def late_queries_only(b, h, q_idx, kv_idx):
         return (q_idx >= 200) & (kv_idx <= q_idx)
@@ -260,3 +356,24 @@ def test_causal_flex_on_both_kernels_and_flash_attention_against_float64():
     cu.check_forward(q, k, v, out, lse, refs=refs, name="causal, S = 2000, sm80 flex kernel", quiet=True)
     out, lse = cu.flash_attention(q, k, v, causal=True, return_lse=True)
     cu.check_forward(q, k, v, out, lse, refs=refs, name="causal, S = 2000, flash_attention", quiet=True)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("mask", ["documents", "documents per b and h", "window per head"])
+def test_the_sorted_persistent_forward_over_several_rounds_against_float64(mask):
+    """More tiles than two per SM, so every persistent block walks several rounds of the sorted list; masks that
+    depend on b, on h, on both."""
+    seq = 4600  # 36 query blocks, 2 · 4 · 36 = 288 tiles (a 132-SM GPU: at least two rounds), the last block ragged
+    docs = torch.stack([flex.document_ids([900, 100, 2600, 1000]), flex.document_ids([150, 3500, 200, 750])])
+    docs = docs.to("cuda")
+    mask_mod, mask_b, mask_h = {
+        "documents": (flex.document_mask(docs), 2, None),
+        "documents per b and h": (lambda b, h, q, k: docs[b, (q + 64 * h) % seq] == docs[b, (k + 64 * h) % seq], 2, 4),
+        "window per head": (_per_head_window, None, 4),
+    }[mask]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 4, seq, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    bm = create_block_mask(mask_mod, mask_b, mask_h, seq, seq, device="cuda")
+    assert bm.rows_by_cost.device.type == "cuda"
+    _forward_through_hopper(f"{mask}, sorted persistent", q, k, v, block_mask=bm, fwd_kernel="persistent_sorted")

@@ -118,6 +118,9 @@ class BlockMask(NamedTuple):
     ``q_count`` query blocks listed in ``q_list`` (all int32, on the device of the inputs).
     ``longest_rows_last``: every query block lists at least as many key blocks as the one before (a causal mask,
     prefix-LM, a sliding window), which the persistent Hopper forward's folded order balances.
+    ``rows_by_cost`` [B', H', query blocks] int32: each mask row's query blocks by the number of key blocks they
+    list, most first (ties in increasing order): the persistent Hopper forward's sorted tile order
+    (``FlexConfig(fwd_kernel="persistent_sorted")``), made once with the mask.
     """
 
     state: torch.Tensor
@@ -130,6 +133,7 @@ class BlockMask(NamedTuple):
     seq_k: int
     mask_mod: object
     longest_rows_last: bool = False
+    rows_by_cost: torch.Tensor = None
 
     @property
     def shape(self):
@@ -226,8 +230,9 @@ def _with_lists(state, block, seq_q, seq_k, mask_mod):
     q_list = torch.sort((~visited).transpose(-1, -2).int(), dim=-1, stable=True).indices.int()
     kv_count = visited.sum(-1).int().contiguous()
     longest_rows_last = bool((kv_count[..., 1:] >= kv_count[..., :-1]).all())
+    rows_by_cost = torch.sort(kv_count, dim=-1, descending=True, stable=True).indices.int().contiguous()
     return BlockMask(state.contiguous(), kv_count, kv_list.contiguous(), visited.sum(-2).int().contiguous(),
-                     q_list.contiguous(), block, seq_q, seq_k, mask_mod, longest_rows_last)
+                     q_list.contiguous(), block, seq_q, seq_k, mask_mod, longest_rows_last, rows_by_cost)
 
 
 
@@ -241,7 +246,9 @@ class FlexConfig(NamedTuple):
     (``uses_hopper_forward``): the persistent one (``flex_fwd_hopper_persistent_kernel``) where the block mask's
     rows grow down, else the rotated loop (``flex_fwd_hopper_kernel``), both with ``fwd_hopper_stages`` stages
     (``forward_row``); "persistent" and "rotated" ask for one of them, and "sm80" keeps chapter 03's loop
-    (``flex_fwd_kernel``, with ``fwd_stages``), to compare them.
+    (``flex_fwd_kernel``, with ``fwd_stages``), to compare them. "persistent_sorted" asks for the persistent kernel
+    taking its tiles longest first by the block mask's own counts (``BlockMask.rows_by_cost``) instead of the
+    causal mask's folded order: for masks whose rows do not grow down; not chosen by "hopper" (to be measured).
     ``bwd_kernel``: "hopper" runs the backward on chapter 08's Hopper loop (``flash_flex_hopper_bwd``, its own
     64-row steps, two stages and two consumer warpgroups) where it can (``uses_hopper_backward``), else chapter
     05's loop with ``bwd_block_M``, ``bwd_threads`` and ``bwd_stages``; "sm80" always chapter 05's loop.
@@ -265,7 +272,10 @@ def default_flex_config(device_type, mask_block):
     return FlexConfig(256, 1, min(64, mask_block[0]), 256, 1)
 
 
-FWD_KERNELS = ("hopper", "persistent", "rotated", "sm80")
+FWD_KERNELS = ("hopper", "persistent", "persistent_sorted", "rotated", "sm80")
+# The FLEX row of each forward kernel a config names (``forward_row``; "hopper" chooses between the first two).
+_NAMED_FORWARD_ROWS = {"persistent": "flex_fwd_hopper_persistent",
+                       "persistent_sorted": "flex_fwd_hopper_persistent_sorted", "rotated": "flex_fwd_hopper"}
 
 
 def uses_hopper_forward(pr, config):
@@ -314,7 +324,7 @@ def forward_row(problem, config, longest_rows_last):
         return "flex_fwd"
     if config.fwd_kernel == "hopper":  # measured at D = 128 only (docs/flex_hopper.md)
         return "flex_fwd_hopper_persistent" if longest_rows_last and problem.dim == 128 else "flex_fwd_hopper"
-    return "flex_fwd_hopper_persistent" if config.fwd_kernel == "persistent" else "flex_fwd_hopper"
+    return _NAMED_FORWARD_ROWS[config.fwd_kernel]
 
 
 def _forward_kernel(problem, plan, config, longest_rows_last):
@@ -369,10 +379,15 @@ def flex_forward_row(q, k, block_mask, sm_scale=1.0, config=None):
 
 
 def flex_forward(q, k, v, plan, block_mask, sm_scale, config=None):
-    """(O, LSE) of the flex forward kernel (no autograd)."""
+    """(O, LSE) of the flex forward kernel (no autograd); the persistent kernel's sorted order also reads the block
+    mask's ``rows_by_cost``."""
     kernel = flex_forward_kernel(q, k, plan, block_mask, sm_scale, config)
     bm = block_mask
-    return kernel(q, k, v, bm.kv_count, bm.kv_list, bm.state, *plan.pack(q.device))
+    order = ()
+    if (config is not None and config.fwd_kernel == "persistent_sorted"
+            and flex_forward_row(q, k, bm, sm_scale, config) == "flex_fwd_hopper_persistent_sorted"):
+        order = (bm.rows_by_cost,)
+    return kernel(q, k, v, bm.kv_count, bm.kv_list, bm.state, *plan.pack(q.device), *order)
 
 
 def flex_backward(q, k, v, out, lse, d_out, plan, block_mask, sm_scale, *, d_lse=None, config=None, delta=None):

@@ -311,8 +311,9 @@ class PersistentPieces(NamedTuple):
 
     ``modifiers``: chapter 11's FlexAttention on this kernel (``flash_flex_persistent.ListedKeySteps``): each tile
     walks the key blocks a block mask lists (``key_range``, ``key_loads``), its scores go through the score_mod
-    and the mask_mod (``score_step``), and the kernel takes the block mask's inputs (``launch``); None: the
-    dense kernel's key ranges and masks.
+    and the mask_mod (``score_step``), the kernel takes the block mask's inputs (``launch``), and ``tile_walk`` says
+    which tiles each persistent block takes (``order`` over ``tile_index``, or an order the block mask gives);
+    None: the dense kernel's key ranges, masks and walk.
     """
 
     order: object = tile_order
@@ -353,6 +354,12 @@ def flash_fwd_hopper_persistent_kernel(
     tiling = LoopTiling(block_M, block_N, num_stages, pingpong)
 
     if modifiers is None:
+        def block_tile_count(block_mask, cta):
+            return tiles_per_block(total, num_ctas, cta)
+
+        def block_tile(block_mask, cta, w):
+            return order(p, tile_index(num_ctas, cta, w), block_M)
+
         def key_range(block_mask, bz, by, qb):
             return key_block_range(p, qb, block_M, block_N)
 
@@ -364,6 +371,7 @@ def flash_fwd_hopper_persistent_kernel(
             return None
     else:
         key_range, key_loads, score_step = modifiers.key_range, modifiers.key_loads, modifiers.score_step
+        block_tile_count, block_tile = modifiers.tile_walk(p, order, total, num_ctas, block_M)
 
     @T.macro
     def walk_tiles(Q, K, V, Sinks, Output, LSE, cta, block_mask):
@@ -385,8 +393,8 @@ def flash_fwd_hopper_persistent_kernel(
         if T.get_thread_binding() < 128:
             # region: producer
             T.set_max_nreg(24, 0)
-            for w in T.serial(tiles_per_block(total, num_ctas, cta)):
-                bz, by, qb = order(p, tile_index(num_ctas, cta, w), block_M)
+            for w in T.serial(block_tile_count(block_mask, cta)):
+                bz, by, qb = block_tile(block_mask, cta, w)
                 kv_head = by // p.group
                 k_start, k_end = key_range(block_mask, bz, by, qb)
                 T.mbarrier_wait_parity(q_empty[0], (w & 1) ^ 1)  # the previous tile's last QKᵀ is done
@@ -400,8 +408,8 @@ def flash_fwd_hopper_persistent_kernel(
             T.set_max_nreg(consumer_regs, 1)
             if pingpong:
                 first_turn(consumers)
-            for w in T.serial(tiles_per_block(total, num_ctas, cta)):
-                bz, by, qb = order(p, tile_index(num_ctas, cta, w), block_M)
+            for w in T.serial(block_tile_count(block_mask, cta)):
+                bz, by, qb = block_tile(block_mask, cta, w)
                 k_start, k_end = key_range(block_mask, bz, by, qb)
                 T.fill(acc_o, 0)
                 T.fill(l, 0)

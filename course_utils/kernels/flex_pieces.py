@@ -30,16 +30,21 @@ def mask_dims(state_shape):
     return (1 if state_shape[0] > 1 else 0), (1 if state_shape[1] > 1 else 0)
 
 
-def forward_launch(name, tb, body, shape, p, mask_shape, plan, dtype, threads, num_ctas=None):
+def forward_launch(name, tb, body, shape, p, mask_shape, plan, dtype, threads, num_ctas=None, rows_by_cost=False):
     """The ``@T.prim_func`` ``name`` of a flex forward: inputs Q, K, V [batch, heads (p.heads_kv), seq, dim] of
     ``shape``, the BlockMask's KVCount, KVList and State (``mask_shape``), the captured tensors packed as
     ``plan.sizes``; outputs O and LSE. One block of ``threads`` per (query block, head, batch entry) runs the macro
     ``body(Q, K, V, KVCount, KVList, State, captured, Output, LSE, bx, by, bz)``, ``captured`` the two packed
     inputs: chapter 03's loop or chapter 07's rotated one. With ``num_ctas``, that many persistent blocks run
-    ``body(..., Output, LSE, cta)`` instead: chapter 07's persistent kernel."""
+    ``body(..., Output, LSE, cta)`` instead: chapter 07's persistent kernel; with ``rows_by_cost`` too, one more
+    input after the captured ones, RowsByCost [B', H', query blocks] int32 (``BlockMask.rows_by_cost``: the
+    persistent kernel's sorted tile order), passed to ``body`` before Output."""
     batch, heads, seq_q, seq_k, dim = shape
     mb, mh, n_qb, n_kb = mask_shape
     n_float, n_int = plan.sizes
+
+    if rows_by_cost:
+        return _sorted_forward_launch(name, body, shape, p, mask_shape, plan, dtype, threads, num_ctas)
 
     @T.prim_func
     def flex_fwd(
@@ -62,6 +67,32 @@ def forward_launch(name, tb, body, shape, p, mask_shape, plan, dtype, threads, n
                 body(Q, K, V, KVCount, KVList, State, (CapturedF, CapturedI), Output, LSE, cta)
 
     return flex_fwd.with_attr("global_symbol", name)
+
+
+def _sorted_forward_launch(name, body, shape, p, mask_shape, plan, dtype, threads, num_ctas):
+    """``forward_launch``'s persistent kernel with one more input, RowsByCost, after the captured ones."""
+    batch, heads, seq_q, seq_k, dim = shape
+    mb, mh, n_qb, n_kb = mask_shape
+    n_float, n_int = plan.sizes
+
+    @T.prim_func
+    def flex_fwd_sorted(
+        Q: T.Tensor([batch, heads, seq_q, dim], dtype),
+        K: T.Tensor([batch, p.heads_kv, seq_k, dim], dtype),
+        V: T.Tensor([batch, p.heads_kv, seq_k, dim], dtype),
+        KVCount: T.Tensor([mb, mh, n_qb], "int32"),
+        KVList: T.Tensor([mb, mh, n_qb, n_kb], "int32"),
+        State: T.Tensor([mb, mh, n_qb, n_kb], "int32"),
+        CapturedF: T.Tensor([n_float], "float32"),
+        CapturedI: T.Tensor([n_int], "int32"),
+        RowsByCost: T.Tensor([mb, mh, n_qb], "int32"),
+        Output: T.Tensor([batch, heads, seq_q, dim], dtype),
+        LSE: T.Tensor([batch, heads, seq_q], "float32"),
+    ):
+        with T.Kernel(num_ctas, threads=threads) as cta:
+            body(Q, K, V, KVCount, KVList, State, (CapturedF, CapturedI), RowsByCost, Output, LSE, cta)
+
+    return flex_fwd_sorted.with_attr("global_symbol", name)
 
 
 @T.macro
