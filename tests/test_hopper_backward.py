@@ -18,6 +18,8 @@ from course_utils.core.device import is_hopper
 from course_utils.core.problem import AttentionProblem
 from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_bwd_hopper import (
+    _DQ_BARRIER,
+    _DQ_WARPGROUP_BARRIERS,
     _DS_BARRIER,
     DQ_TILING,
     FA3_TILING,
@@ -281,6 +283,89 @@ def test_ptxas_keeps_every_wgmma_async_without_spills():
     assert not any("C751" in line for line in good), good
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in good), good
     assert any("serialized" in line for line in bad), bad
+
+
+# One consumer warpgroup's dQ handoff: the proxy fence, its own 128-thread barrier, one elected thread (the
+# warpgroup's first) issuing the bulk reduce-adds of its box. Consumer threads are 128-383 (the producer is 0-127).
+_WARPGROUP_HANDOFF = re.compile(
+    r"tl::fence_proxy_async\(\);\s*if \(\(\(int\)threadIdx\.x\) < 256\) \{\s*"
+    r"tl::__sync_thread_partial\((\d+), 128\);\s*if \(\(\(int\)threadIdx\.x\) == 128\) \{(.*?)"
+    r"tl::tma_store_arrive\(\);\s*\}\s*\} else \{\s*"
+    r"tl::__sync_thread_partial\((\d+), 128\);\s*if \(\(\(int\)threadIdx\.x\) == 256\) \{(.*?)"
+    r"tl::tma_store_arrive\(\);", re.S)
+# A store into dQ's staging tile: one float or a vector of ``n`` (its offset in floats is the group).
+_DQ_STAGE_STORE = re.compile(r"^\s*(?:\(\(float\*\)dq_s\)\[(.*)\]|\*\(float(\d)\*\)\(\(\(float\*\)dq_s\) \+ (.*)\)) = ")
+
+
+def _offsets(expr, loop, names):
+    """The values of a generated index expression (C integer arithmetic on non-negative values, which Python's
+    operators share) over ``loop`` = (variable, extent) and the given ``names``."""
+    expr = expr.replace("((int)threadIdx.x)", "tid")
+    return {eval(expr, {}, dict(names, **{loop[0]: i})) for i in range(loop[1])}  # noqa: S307
+
+
+def _loop_before(lines, n):
+    """(variable, extent) of the ``for`` loop that opens right before line ``n``."""
+    m = next(re.search(r"for \(int (\w+) = 0; \1 < (\d+);", line) for line in reversed(lines[:n]) if "for (int" in line)
+    return m.group(1), int(m.group(2))
+
+
+@pytest.mark.parametrize("dim, masked", sorted(HOPPER_BACKWARD_CONFIGS))
+def test_dq_per_warpgroup_each_warpgroup_adds_its_own_box(dim, masked):
+    """``dq_per_warpgroup`` (a ``BackwardConfig`` field, off in every shipped config), on each shipped config: every
+    consumer thread stages dQ only into its own warpgroup's half of the staging tile (the index expressions of the
+    generated stores, evaluated for each thread), each warpgroup meets on a 128-thread barrier of its own and its
+    first thread adds its own half by TMA; no 256-thread barrier for dQ is left, and ``defer_dq_wait`` still moves
+    the reduce's wait to the dSᵀ barrier. ptxas: no spills, no wgmma serialised. (At D=64 with the causal mask ptxas
+    injects one wgmma wait, C7517, which the shipped kernel does not get; the GPU run of fa4_levers weighs it.)"""
+    shipped = HOPPER_BACKWARD_CONFIGS[dim, masked]
+    assert not shipped.dq_per_warpgroup
+    config = shipped._replace(dq_per_warpgroup=True)
+    problem = AttentionProblem(heads=4, heads_kv=4, dim=dim, dtype="float16", target="cuda", causal=masked,
+                               sm_scale=1 / math.sqrt(dim), batch=2, seq_q=2048, seq_k=2048)
+    code = cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS)
+    loop = _consumer_loop(code)
+    assert f"__sync_thread_partial({_DQ_BARRIER}, 256)" not in code
+    assert loop.count("__sync_thread_partial") == 3 and loop.count(f"__sync_thread_partial({_DS_BARRIER}, 256)") == 1
+    handoff = _WARPGROUP_HANDOFF.search(loop)
+    assert handoff, loop[-3000:]
+    assert (int(handoff.group(1)), int(handoff.group(3))) == _DQ_WARPGROUP_BARRIERS
+    assert _reduce_waits(code) == (0, 1)
+    half = config.block_M * dim // 2  # floats of one warpgroup's box
+    lines = loop.splitlines()
+    stores = [(n, m) for n, line in enumerate(lines) if (m := _DQ_STAGE_STORE.match(line))]
+    assert stores
+    for tid in range(128, 384):
+        warpgroup = tid // 128 - 1
+        for n, m in stores:
+            width = int(m.group(2) or 1)
+            offsets = _offsets(m.group(1) or m.group(3), _loop_before(lines, n), dict(tid=tid))
+            assert all(warpgroup * half <= o and o + width <= (warpgroup + 1) * half for o in offsets), (tid, n)
+    for warpgroup, branch in enumerate((handoff.group(2), handoff.group(4))):
+        assert branch.count("tl::tma_store_add(dQ_acc_desc") == 1
+        sources = re.search(r"tma_store_add\(dQ_acc_desc, \(&\(\(\(float\*\)dq_s\)\[(.*?)\]\)\)", branch).group(1)
+        loop_var = re.search(r"for \(int (\w+) = 0; \1 < (\d+);", branch)
+        offsets = _offsets(sources, (loop_var.group(1), int(loop_var.group(2))) if loop_var else ("_", 1), {})
+        assert all(warpgroup * half <= o < (warpgroup + 1) * half for o in offsets), (warpgroup, offsets)
+    report = ptxas_report(code)
+    if report is None:
+        pytest.skip("nvcc is not installed")
+    assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
+    assert not any("serialized" in line for line in report), report
+
+
+def test_dq_per_warpgroup_needs_a_split_into_boxes():
+    """The field is off everywhere it ships, changes nothing in the deterministic kernel (no dQ), and refuses a dQ
+    split it cannot cut into one box per warpgroup, or the kernel's barriers left to TileLang."""
+    assert not any(c.dq_per_warpgroup for c in HOPPER_BACKWARD_CONFIGS.values())
+    shape = dict(SHAPE, dim=128, causal=True)
+    on = BackwardPieces(dq_per_warpgroup=True)
+    assert (cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True, pieces=on), pass_configs=PASS_CONFIGS)
+            == cuda_source(flash_bwd_hopper_kernel(**shape, deterministic=True), pass_configs=PASS_CONFIGS))
+    with pytest.raises(ValueError, match="warp policy 'row' or 'col'"):  # D=64, 128 rows: "square" has two choices
+        flash_bwd_hopper_kernel(**dict(SHAPE, dim=64), tiling=FA3_TILING._replace(block_M=128), pieces=on)
+    with pytest.raises(ValueError, match="own_barriers"):
+        flash_bwd_hopper_kernel(**shape, pieces=on._replace(own_barriers=False))
 
 
 @pytest.mark.skipif(is_hopper(), reason="the defaults and errors of a machine without a Hopper GPU")

@@ -144,6 +144,10 @@ class BackwardConfig(NamedTuple):
     # Chapter 08's kernel only: the dQ reduce-add's wait moved from right after it to the next step's dSᵀ barrier
     # (the ablation's version 22; kernels/generated_code.py).
     defer_dq_wait: bool = False
+    # Chapter 08's kernel only: each consumer warpgroup stages its own box of dQ, meets only its own 128 threads on
+    # a named barrier of its own and adds that box by the copy engine; the two warpgroups never meet for dQ
+    # (FlashAttention-4's per-warpgroup handoff, without its writer warp). Off in every shipped config: unmeasured.
+    dq_per_warpgroup: bool = False
 
     tiling = ForwardConfig.tiling
 

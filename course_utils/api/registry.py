@@ -62,7 +62,7 @@ def _sm_count():
 
 # Config fields that only some kernels take (a row's ``options``), with the value that leaves each off.
 OPTION_OFF = {"pingpong": False, "blocks_per_sm": 1, "dv_under_ds": False, "policies": None, "dkdv_by_tma": False,
-              "longest_first": False, "defer_dq_wait": False}
+              "longest_first": False, "defer_dq_wait": False, "dq_per_warpgroup": False}
 
 
 def DENSE(problem):
@@ -221,7 +221,8 @@ FORWARD = {row.name: row for row in (
 BACKWARD = {row.name: row for row in (
     KernelRow("flash_bwd", flash_bwd_kernel, (), "chapter 05's kernel", tiling=Tiling),
     KernelRow("flash_bwd_hopper", flash_bwd_hopper_kernel, (), "chapter 08's Hopper kernel", hopper_only=True,
-              on_cpu=False, options=("dv_under_ds", "policies", "dkdv_by_tma", "longest_first", "defer_dq_wait"),
+              on_cpu=False, options=("dv_under_ds", "policies", "dkdv_by_tma", "longest_first", "defer_dq_wait",
+                                     "dq_per_warpgroup"),
               pieces=BackwardPieces, tiling=Tiling, deterministic=True,
               pass_configs=HOPPER_BACKWARD_PASS_CONFIGS),
 )}

@@ -46,7 +46,7 @@ __all__ = ["flash_bwd_hopper_kernel", "BackwardPieces", "FA3_PIECES", "FA3_TILIN
            "probabilities_t", "ds_t", "issue_dq", "needs_mask", "issue_scores", "probabilities_then_ds",
            "issue_dq_then_dk", "stage_dq", "store_dkdv_by_tma", "query_steps", "key_steps", "padded_rows",
            "wait_for_reduce_read", "consumer_barrier", "PASS_CONFIGS", "GEMMS", "WARP_POLICIES", "DQ_BY_ROWS",
-           "gemm_policies", "DQ_TILING"]
+           "gemm_policies", "DQ_TILING", "dq_split", "stage_dq_per_warpgroup", "reduce_dq_per_warpgroup"]
 
 ACCUM = "float32"
 _GPU = TileBackend("cuda")  # for the pieces chapter 05's kernel shares with this one
@@ -60,6 +60,7 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
 register_generated_code_edit()  # defer_dq_wait: TileLang's own wait after the dQ reduce-add goes
 # named barrier ids (TileLang's own syncs use 1-3, chapter 07's ping-pong 8-9)
 _DS_BARRIER, _DQ_BARRIER, _EPILOGUE_BARRIER = 6, 5, 7
+_DQ_WARPGROUP_BARRIERS = (10, 11)  # dq_per_warpgroup: one per consumer warpgroup, 128 threads each
 
 # The five products of one step, in issue order, and how their two consumer warpgroups may split each one's
 # output: "row" stacks the warpgroups along its rows (64 each), "col" puts them side by side along its columns,
@@ -200,6 +201,77 @@ def stage_dq(dq, dq_s, swap_dq, block_M, dim):
         T.copy(dq, dq_s)
 
 
+def dq_split(policy, swap_dq, block_M, dim):
+    """How ``dq_per_warpgroup`` cuts dQ's staging tile: ``"queries"`` (each consumer warpgroup holds half of the
+    query rows of dQ, all of D) or ``"dim"`` (all query rows, half of D), read off the warp policy of the dQ
+    product (``policy``) and whether it is computed transposed (``swap_dq``: its output is dQᵀ, D rows by
+    ``block_M`` columns). FullRow stacks the two warpgroups along the output's rows, FullCol puts them side by
+    side; Square is resolved only where it has one choice (64 output rows: a warpgroup's wgmma owns 64 rows, so
+    the warpgroups split the columns). The half must be a whole number of rows and columns."""
+    rows = dim if swap_dq else block_M
+    if policy == T.GemmWarpPolicy.FullRow:
+        by_output_rows = True
+    elif policy == T.GemmWarpPolicy.FullCol or (policy == T.GemmWarpPolicy.Square and rows == 64):
+        by_output_rows = False
+    else:
+        raise ValueError(f"dq_per_warpgroup needs dQ's warp policy 'row' or 'col' (so that each warpgroup holds "
+                         f"one box of dQ); got {policy!r} for a {'transposed ' if swap_dq else ''}dQ of "
+                         f"{block_M} rows × {dim}")
+    split = "queries" if by_output_rows != swap_dq else "dim"
+    half = block_M if split == "queries" else dim
+    if half % 2 or (split == "queries" and not swap_dq and block_M // 2 % 64):
+        raise ValueError(f"dq_per_warpgroup cannot cut dQ ({block_M} rows × {dim}) by {split} in two warpgroups")
+    return split
+
+
+@T.macro
+def stage_dq_per_warpgroup(dq, dq_wg, swap_dq, split, block_M, dim):
+    """Put this step's dQ into ``dq_wg`` = [2, box]: box ``w`` is the part of dQ warpgroup ``w``'s threads hold
+    (``dq_split``), so every thread writes only its own warpgroup's box (transposed back when it was computed as
+    dQᵀ)."""
+    if split == "queries":
+        half = block_M // 2
+        if swap_dq:
+            for i, d in T.Parallel(block_M, dim):
+                dq_wg[i // half, i % half, d] = dq[d, i]
+        else:
+            for i, d in T.Parallel(block_M, dim):
+                dq_wg[i // half, i % half, d] = dq[i, d]
+    else:
+        half = dim // 2
+        if swap_dq:
+            for i, d in T.Parallel(block_M, dim):
+                dq_wg[d // half, i, d % half] = dq[d, i]
+        else:
+            for i, d in T.Parallel(block_M, dim):
+                dq_wg[d // half, i, d % half] = dq[i, d]
+
+
+@T.macro
+def reduce_dq_per_warpgroup(dQ_acc, dq_wg, bz, head, qb, split, block_M, dim):
+    """Each consumer warpgroup adds its own box of dQ (``dq_wg[w]``) into the accumulator's rows of query block
+    ``qb``: its 128 threads meet on a barrier of their own (``_DQ_WARPGROUP_BARRIERS[w]``, after every
+    writing thread's proxy fence), and one of them issues the copy engine's reduce-add of that box. The two
+    warpgroups never meet for dQ."""
+    T.fence_proxy_async()
+    if T.get_thread_binding() < 128:
+        T.call_extern("handle", "tl::__sync_thread_partial", _DQ_WARPGROUP_BARRIERS[0], 128)
+        if split == "queries":
+            T.atomic_add(dQ_acc[bz, head, qb * block_M:qb * block_M + block_M // 2, :], dq_wg[0, :, :],
+                         use_tma=True)
+        else:
+            T.atomic_add(dQ_acc[bz, head, qb * block_M:(qb + 1) * block_M, 0:dim // 2], dq_wg[0, :, :],
+                         use_tma=True)
+    else:
+        T.call_extern("handle", "tl::__sync_thread_partial", _DQ_WARPGROUP_BARRIERS[1], 128)
+        if split == "queries":
+            T.atomic_add(dQ_acc[bz, head, qb * block_M + block_M // 2:(qb + 1) * block_M, :], dq_wg[1, :, :],
+                         use_tma=True)
+        else:
+            T.atomic_add(dQ_acc[bz, head, qb * block_M:(qb + 1) * block_M, dim // 2:dim], dq_wg[1, :, :],
+                         use_tma=True)
+
+
 @T.macro
 def probabilities_then_ds(PT, PT_cast, dPT, dST_cast, dO_s, dv, delta, block_M, block_N, dv_under_ds,
                           dv_policy=T.GemmWarpPolicy.FullRow, ds_from_float32_p=False, GT=None):
@@ -268,6 +340,13 @@ class BackwardPieces(NamedTuple):
     reduce-add waits for the copy engine's read of the staging tile at the next step's dSᵀ barrier, not right
     after issuing it (``generated_code``).
 
+    ``dq_per_warpgroup`` (a ``BackwardConfig`` field, off in every shipped config): each consumer warpgroup stages
+    its own box of dQ (the part its threads hold, ``dq_split``) in a staging tile of its own, meets only its own
+    128 threads on a named barrier of its own, and one of its threads issues the reduce-add of that box
+    (``reduce_dq_per_warpgroup``); with ``defer_dq_wait`` that thread waits for the read at the next dSᵀ barrier.
+    Off: both warpgroups stage the whole tile, meet at a 256-thread barrier, and one thread adds it.
+    (FlashAttention-4's per-warpgroup dQ handoff, without its writer warp.)
+
     ``modifiers``: chapter 11's FlexAttention on this loop (``flash_flex_hopper_bwd.BlockMaskSteps``). The loop
     then walks the query blocks a block mask lists (``query_steps``, ``query_block``), recomputes Pᵀ with the
     score_mod and the mask_mod (``probabilities``, with score_mod′ᵀ in ``derivative_tile``, which ``ds_t``
@@ -288,6 +367,7 @@ class BackwardPieces(NamedTuple):
     longest_first: bool = False
     defer_dq_wait: bool = False
     modifiers: object = None
+    dq_per_warpgroup: bool = False
 
 
 FA3_PIECES = BackwardPieces()
@@ -330,13 +410,22 @@ def flash_bwd_hopper_kernel(
     if pieces.defer_dq_wait and not (own_barriers and reduce_dq is None):
         raise ValueError("defer_dq_wait moves the dQ reduce's wait to the kernel's own dSᵀ barrier: it needs "
                          "own_barriers=True and the shipped reduce_dq")
+    if pieces.dq_per_warpgroup and not (own_barriers and reduce_dq is None and tiling.threads == 256):
+        raise ValueError("dq_per_warpgroup replaces the shipped reduce_dq's 256-thread barrier: it needs "
+                         "own_barriers=True, the shipped reduce_dq and two consumer warpgroups (threads=256)")
     defer_dq_wait = pieces.defer_dq_wait and not deterministic  # no dQ to add
+    dq_per_warpgroup = pieces.dq_per_warpgroup and not deterministic
     swap_dq = block_M % 64 != 0
     policy = gemm_policies(pieces.policies, swap_dq)
     stat_rows = padded_rows(block_M)
     group = p.group if deterministic else 1  # query heads visited by one block
     dkv_dtype = dtype if p.group == group else ACCUM
     dq_shape = [dim, block_M] if swap_dq else [block_M, dim]
+    if dq_per_warpgroup:  # one staging box per consumer warpgroup
+        dq_box_split = dq_split(policy["dq"], swap_dq, block_M, dim)
+        dq_s_shape = [2, block_M // 2, dim] if dq_box_split == "queries" else [2, block_M, dim // 2]
+    else:
+        dq_s_shape = [block_M, dim]
     n_kb = p.blocks(seq_k, block_N)
     lse_scale = 1.0 if pieces.lse_log2 else LOG2E
 
@@ -358,7 +447,7 @@ def flash_bwd_hopper_kernel(
         if not deterministic:
             dST_s = T.alloc_shared([ds_buffers, block_N, block_M], dtype)  # two: no barrier before the store
             dq = T.alloc_fragment(dq_shape, ACCUM)
-            dq_s = T.alloc_shared([block_M, dim], ACCUM)
+            dq_s = T.alloc_shared(dq_s_shape, ACCUM)
         if modifiers is None:
             GT = None
         else:
@@ -421,7 +510,10 @@ def flash_bwd_hopper_kernel(
                     issue_dq_then_dk(K_s, Q_s, dST_s[buf, :, :], dST_cast, dq, dk, swap_dq, policy["dq"], policy["dk"])
                 else:
                     issue(K_s, Q_s, dST_s[buf, :, :], dST_cast, dq, dk, swap_dq)
-                if reduce_dq is None:
+                if dq_per_warpgroup:
+                    stage_dq_per_warpgroup(dq, dq_s, swap_dq, dq_box_split, block_M, dim)
+                    reduce_dq_per_warpgroup(dQ_acc, dq_s, bz, head, qb, dq_box_split, block_M, dim)
+                elif reduce_dq is None:
                     stage_dq(dq, dq_s, swap_dq, block_M, dim)
                     if own_barriers:
                         consumer_barrier(_DQ_BARRIER)

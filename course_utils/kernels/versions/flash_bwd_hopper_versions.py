@@ -315,7 +315,8 @@ def versions_for(causal, dim=None):
 def shipped_version(dim, causal, config):
     """The version whose row in the ablation runs what ``flash_attention`` runs: the shipped kernel at
     ``config``'s tiling (a ``BackwardConfig``, or a (block_M, block_N) pair) with its options."""
-    defaults = dict(dv_under_ds=False, policies=None, dkdv_by_tma=False, longest_first=False, defer_dq_wait=False)
+    defaults = dict(dv_under_ds=False, policies=None, dkdv_by_tma=False, longest_first=False, defer_dq_wait=False,
+                    dq_per_warpgroup=False)
     options = {name: getattr(config, name, off) for name, off in defaults.items()}
     candidates = [v for v in VERSIONS if v.shipped_code and (causal or not v.causal_only) and dim in v.dims
                   and v.tiling(dim, causal) == tuple(config[:2])

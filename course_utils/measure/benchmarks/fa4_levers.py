@@ -2,12 +2,15 @@
 
     python -m course_utils.measure.benchmarks.fa4_levers --out DIR            # on an H100/H200
     python -m course_utils.measure.benchmarks.fa4_levers --out DIR --compile-only   # no GPU: lower + ptxas
+    python -m course_utils.measure.benchmarks.fa4_levers --out DIR --only bwd --variants dq_per_warpgroup  # one A/B
 
 Times the backward (and the forward where it trails) under variants of the shipped ``BackwardConfig`` /
 ``ForwardConfig`` that exist as fields today (block sizes, stages, warpgroups and kernels, the two consumer
-warpgroups' split of dQ, dK/dV by TMA, the longest-first causal order), beside the shipped default, cuDNN
-(SDPA's cuDNN backend) and FlashAttention-4 where ``flash-attn-4`` is importable. bf16, B·S = 16k tokens,
-H·D = 2048; D = 64 causal at S = 2k, 4k, 8k and D = 128 at S = 4k, causal and not.
+warpgroups' split of dQ, dK/dV by TMA, the longest-first causal order, the per-warpgroup dQ handoff), beside the
+shipped default, cuDNN (SDPA's cuDNN backend) and FlashAttention-4 where ``flash-attn-4`` is importable. bf16,
+B·S = 16k tokens, H·D = 2048; D = 64 causal at S = 2k, 4k, 8k, D = 64 without a mask at S = 4k (the backward
+only) and D = 128 at S = 4k, causal and not. ``--variants`` keeps only the named variants beside the shipped
+config (and the peers), for one A/B.
 
 Every variant is first checked against the float64 reference (``checking.validation``: every head, the
 FlashAttention criterion) on a small problem (B = 2, H = 4, S = 1024) with the same config; a variant that
@@ -47,8 +50,8 @@ from ...api.attention import (
     hopper_forward_config,
 )
 
-__all__ = ["CASES", "Variant", "VARIANTS", "variants_for", "shipped_config", "check_variant", "compile_only",
-           "measure", "main"]
+__all__ = ["CASES", "Variant", "VARIANTS", "DQ_PER_WARPGROUP", "keep_variants", "variants_for", "shipped_config",
+           "check_variant", "compile_only", "measure", "main"]
 
 DTYPE = "bfloat16"
 TOKENS, HIDDEN = 16384, 2048
@@ -68,6 +71,7 @@ CASES = (
     Case("bwd", 64, True, (2048, 4096, 8192)),
     Case("bwd", 128, True, (4096,)),
     Case("bwd", 128, False, (4096,)),
+    Case("bwd", 64, False, (4096,)),  # for the per-warpgroup dQ handoff, which every backward config tries
     Case("fwd", 64, True, (2048, 4096, 8192)),
     Case("fwd", 128, True, (4096,)),
     Case("fwd", 128, False, (4096,)),
@@ -88,6 +92,13 @@ def _fwd(config):
     return lambda shipped: config
 
 
+# FlashAttention-4's dQ handoff (docs/fa4_sm90.md, section 3), without its writer warp: each consumer warpgroup
+# stages its own box of dQ, meets only its own 128 threads and adds that box by TMA; tried on every backward case.
+DQ_PER_WARPGROUP = Variant("dq_per_warpgroup", "each warpgroup stages and reduce-adds its own box of dQ after a "
+                           "128-thread barrier of its own: no 256-thread barrier for dQ (FA4's per-warpgroup "
+                           "handoff, no writer warp)", _bwd(dq_per_warpgroup=True))
+
+
 # Per (direction, dim, causal): the variants beside the shipped config. Each is one knob that exists today, chosen
 # for what FlashAttention-4's SM90 kernels do differently (flash_attn/cute/interface.py's _tile_size_*_sm90) or for
 # a shipped choice of another case that this case does not make. The shipped config is always row 0.
@@ -103,14 +114,20 @@ VARIANTS = {
                 "split needs 128 rows", _bwd(block_M=64, policies=None)),
         Variant("3 stages", "Q/dO/LSE/Δ three stages deep (D=64 tiles leave shared memory for it)",
                 _bwd(num_stages=3)),
+        DQ_PER_WARPGROUP,
+    ),
+    ("bwd", 64, False): (
+        DQ_PER_WARPGROUP,
     ),
     ("bwd", 128, True): (
         Variant("64x128 (FA4 tile)", "FA4/FA3 tile for D=128 causal: 64 query rows per step", _bwd(block_M=64)),
         Variant("no longest_first", "the LPT order off: what it is worth at 4k", _bwd(longest_first=False)),
+        DQ_PER_WARPGROUP,
     ),
     ("bwd", 128, False): (
         Variant("64x128", "64 query rows per step (FA4 uses 80 here, as we ship)", _bwd(block_M=64)),
         Variant("no dkdv_by_tma", "dK/dV stored from registers", _bwd(dkdv_by_tma=False)),
+        DQ_PER_WARPGROUP,
     ),
     ("fwd", 64, True): (
         Variant("persistent 192x128 pp (FA4 tile)", "FA4's D<=64 forward tile (192x128, 3 consumer warpgroups, "
@@ -132,6 +149,16 @@ VARIANTS = {
                 _fwd(ForwardConfig(128, 176, 2, 256, kernel="flash_fwd_hopper_persistent", pingpong=True))),
     ),
 }
+
+
+def keep_variants(labels):
+    """Keep only the variants named in ``labels`` (beside the shipped config) in ``VARIANTS``, for one A/B; an
+    unknown label is an error."""
+    global VARIANTS
+    known = {v.label for vs in VARIANTS.values() for v in vs}
+    if set(labels) - known:
+        raise SystemExit(f"unknown variants {sorted(set(labels) - known)}; known: {sorted(known)}")
+    VARIANTS = {key: tuple(v for v in vs if v.label in labels) for key, vs in VARIANTS.items()}
 
 
 def shipped_config(direction, dim, causal, seq):
@@ -429,7 +456,11 @@ def main(argv=None):
     parser.add_argument("--no-ptxas", action="store_true", help="with --compile-only: lower only")
     parser.add_argument("--only", default=None, help="comma-separated directions to run (bwd,fwd)")
     parser.add_argument("--workers", type=int, default=8, help="parallel compiles")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variant labels to keep beside the shipped config (e.g. dq_per_warpgroup)")
     args = parser.parse_args(argv)
+    if args.variants is not None:
+        keep_variants(args.variants.split(","))
     cases = CASES if args.only is None else tuple(c for c in CASES if c.direction in args.only.split(","))
     start = time.perf_counter()
     if args.compile_only:
