@@ -4,9 +4,9 @@
 Without a GPU: both kernels lower for sm_90a for every kind of modifier (a mask, a score_mod, captured float and
 int tensors, GQA), the rotated one with its loop's order of asynchronous matmuls, the persistent one loading the
 listed key blocks from its producer, and ptxas compiles them without serialising the wgmmas or spilling; the
-forward picks the persistent kernel exactly where a block mask's rows grow down. The persistent kernel's sorted
-order (``fwd_kernel="persistent_sorted"``): each block mask row's query blocks longest first, a permutation, and its
-walk takes every tile once, the longest first. On an sm_90 GPU (marked
+forward picks the persistent kernel at D = 128, in the folded order exactly where a block mask's rows grow down and
+longest row first elsewhere. The sorted order (``fwd_kernel="persistent_sorted"``): each block mask row's query
+blocks longest first, a permutation, and its walk takes every tile once, the longest first. On an sm_90 GPU (marked
 ``gpu``): ``flex_attention`` runs its forward on these kernels, and the documented modifiers of
 ``test_flex_dropin``, at lengths that are not a multiple of the tile and with query blocks that see no key, agree
 with the float64 reference on both.
@@ -219,7 +219,9 @@ def _flex_problem(mask_mod, dim=128, mask_b=None, seq=1000):
     return AttentionProblem.flex(q, k, bm, dim ** -0.5).replace(target="cuda"), bm
 
 
-def test_the_persistent_forward_runs_where_the_mask_rows_grow_down(monkeypatch):
+def test_the_persistent_forward_runs_at_d128_in_the_order_the_mask_rows_call_for(monkeypatch):
+    """D = 128: the folded order where the rows grow down, longest row first elsewhere (the documents); the rotated
+    loop at D = 64; and every kernel a config names."""
     monkeypatch.setattr(flex._device, "is_hopper", lambda: True)
     docs = torch.stack([flex.document_ids([700, 300]), flex.document_ids([200, 800])])
     rows = {"causal": _flex_problem(flex.causal_mask), "prefix-LM": _flex_problem(flex.prefix_lm(300)),
@@ -230,7 +232,7 @@ def test_the_persistent_forward_runs_where_the_mask_rows_grow_down(monkeypatch):
     chosen = {name: flex.forward_row(pr, config, bm.longest_rows_last) for name, (pr, bm) in rows.items()}
     assert chosen == {"causal": "flex_fwd_hopper_persistent", "prefix-LM": "flex_fwd_hopper_persistent",
                       "window": "flex_fwd_hopper_persistent", "no mask": "flex_fwd_hopper_persistent",
-                      "documents": "flex_fwd_hopper", "D = 64": "flex_fwd_hopper"}
+                      "documents": "flex_fwd_hopper_persistent_sorted", "D = 64": "flex_fwd_hopper"}
     pr, bm = rows["documents"]
     assert not bm.longest_rows_last and rows["causal"][1].longest_rows_last
     for asked, row in (("persistent", "flex_fwd_hopper_persistent"), ("rotated", "flex_fwd_hopper"),

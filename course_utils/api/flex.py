@@ -243,12 +243,11 @@ class FlexConfig(NamedTuple):
     BlockMask's block).
 
     ``fwd_kernel``: on an sm_90 GPU, "hopper" runs the forward on one of chapter 07's kernels wherever they apply
-    (``uses_hopper_forward``): the persistent one (``flex_fwd_hopper_persistent_kernel``) where the block mask's
-    rows grow down, else the rotated loop (``flex_fwd_hopper_kernel``), both with ``fwd_hopper_stages`` stages
-    (``forward_row``); "persistent" and "rotated" ask for one of them, and "sm80" keeps chapter 03's loop
+    (``uses_hopper_forward``): the persistent one (``flex_fwd_hopper_persistent_kernel``) at D = 128, else the
+    rotated loop (``flex_fwd_hopper_kernel``), both with ``fwd_hopper_stages`` stages (``forward_row``); "persistent" and "rotated" ask for one of them, and "sm80" keeps chapter 03's loop
     (``flex_fwd_kernel``, with ``fwd_stages``), to compare them. "persistent_sorted" asks for the persistent kernel
     taking its tiles longest first by the block mask's own counts (``BlockMask.rows_by_cost``) instead of the
-    causal mask's folded order: for masks whose rows do not grow down; not chosen by "hopper" (to be measured).
+    causal mask's folded order, which "hopper" chooses at D = 128 where the rows do not grow down.
     ``bwd_kernel``: "hopper" runs the backward on chapter 08's Hopper loop (``flash_flex_hopper_bwd``, its own
     64-row steps, two stages and two consumer warpgroups) where it can (``uses_hopper_backward``), else chapter
     05's loop with ``bwd_block_M``, ``bwd_threads`` and ``bwd_stages``; "sm80" always chapter 05's loop.
@@ -317,13 +316,16 @@ class FlexBackwardKernels(NamedTuple):
 # another function object finds the kernel already compiled.
 def forward_row(problem, config, longest_rows_last):
     """The name of the ``FLEX`` row the forward runs: on Hopper (``uses_hopper_forward``) chapter 07's persistent
-    kernel at D = 128 where the block mask's rows grow down (``BlockMask.longest_rows_last``: its folded order pairs
-    a long row with a short one) and the rotated loop otherwise, unless ``config.fwd_kernel`` names one; else chapter
-    03's loop."""
+    kernel at D = 128, in the causal mask's folded order where the block mask's rows grow down
+    (``BlockMask.longest_rows_last``: the order pairs a long row with a short one) and longest row first otherwise
+    (``BlockMask.rows_by_cost``), and the rotated loop at D = 64, unless ``config.fwd_kernel`` names one; else
+    chapter 03's loop."""
     if not uses_hopper_forward(problem, config):
         return "flex_fwd"
-    if config.fwd_kernel == "hopper":  # measured at D = 128 only (docs/flex_hopper.md)
-        return "flex_fwd_hopper_persistent" if longest_rows_last and problem.dim == 128 else "flex_fwd_hopper"
+    if config.fwd_kernel == "hopper":  # the persistent kernel measured at D = 128 only (docs/flex_hopper.md)
+        if problem.dim != 128:
+            return "flex_fwd_hopper"
+        return "flex_fwd_hopper_persistent" if longest_rows_last else "flex_fwd_hopper_persistent_sorted"
     return _NAMED_FORWARD_ROWS[config.fwd_kernel]
 
 
@@ -383,10 +385,8 @@ def flex_forward(q, k, v, plan, block_mask, sm_scale, config=None):
     mask's ``rows_by_cost``."""
     kernel = flex_forward_kernel(q, k, plan, block_mask, sm_scale, config)
     bm = block_mask
-    order = ()
-    if (config is not None and config.fwd_kernel == "persistent_sorted"
-            and flex_forward_row(q, k, bm, sm_scale, config) == "flex_fwd_hopper_persistent_sorted"):
-        order = (bm.rows_by_cost,)
+    sorted_order = flex_forward_row(q, k, bm, sm_scale, config) == "flex_fwd_hopper_persistent_sorted"
+    order = (bm.rows_by_cost,) if sorted_order else ()
     return kernel(q, k, v, bm.kv_count, bm.kv_list, bm.state, *plan.pack(q.device), *order)
 
 
