@@ -255,15 +255,28 @@ def test_unknown_forward_kernel_is_an_error():
         flex_forward_uses_hopper(q, k, bm, config=config)
 
 
-def test_the_gates_flex_draws_reach_the_hopper_kernel():
+def test_the_gates_flex_draws_reach_the_hopper_kernel(monkeypatch):
     """The correctness gate's flex problems on a GPU go through flex_attention with the default block: each one
-    is a shape the Hopper kernel takes, so on an sm_90 GPU the gate checks it."""
-    from course_utils.checking.fuzz import draw_problems
+    is a shape the Hopper kernels take, and together they reach each forward flex_attention picks there (the
+    rotated loop, the persistent kernel in the folded order and in the sorted order), so on an sm_90 GPU the gate
+    checks them all."""
+    from course_utils.checking.fuzz import _flex_modifiers, draw_problems
 
-    draws = draw_problems(0, 200, gpu=True, apis=("flex",))
+    monkeypatch.setattr(flex._device, "is_hopper", lambda: True)
+    draws = draw_problems(0, 1500, gpu=True, apis=("flex",))  # a gate run's count
     assert flex.default_block("cuda") == HOPPER_FLEX_BLOCK
     assert draws and all(p.dim in HOPPER_FLEX_DIMS and p.dtype in ("float16", "bfloat16") for p in draws)
     assert {p.dim for p in draws} == set(HOPPER_FLEX_DIMS)
+    config = default_flex_config("cuda", HOPPER_FLEX_BLOCK)
+    rows = set()
+    for p in draws:
+        _, mask_mod = _flex_modifiers(p, "cpu")
+        bm = create_block_mask(mask_mod or flex.noop_mask, None, None, p.seq_q, p.seq_k, block=HOPPER_FLEX_BLOCK)
+        q = torch.empty(p.batch, p.heads, p.seq_q, p.dim, dtype=getattr(torch, p.dtype))
+        k = torch.empty(p.batch, p.heads_kv, p.seq_k, p.dim, dtype=q.dtype)
+        problem = AttentionProblem.flex(q, k, bm, p.dim ** -0.5).replace(target="cuda")
+        rows.add(flex.forward_row(problem, config, bm.longest_rows_last))
+    assert rows == {"flex_fwd_hopper", "flex_fwd_hopper_persistent", "flex_fwd_hopper_persistent_sorted"}
 
 
 # --- On an sm_90 GPU -----------------------------------------------------------------------------------------------

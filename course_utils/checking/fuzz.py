@@ -496,9 +496,9 @@ def _flex_modifiers(pr, device):
         return flex.soft_cap(30.0), flex.causal_mask
     if name == "alibi":
         return flex.alibi(flex.alibi_slopes(pr.heads).to(device)), flex.causal_mask
-    if name == "document":
+    if name == "document":  # the long document first: rows that shrink, which flex's sorted tile order serves
         cut = max(1, pr.seq_k // 3)
-        return None, flex.document_mask(flex.document_ids([cut, pr.seq_k - cut], device=device))
+        return None, flex.document_mask(flex.document_ids([pr.seq_k - cut, cut], device=device))
     if name == "prefix_lm":
         return None, flex.prefix_lm(max(1, pr.seq_k // 4))
     if name == "window_globals":
