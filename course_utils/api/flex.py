@@ -244,8 +244,9 @@ class FlexConfig(NamedTuple):
 
     ``fwd_kernel``: on an sm_90 GPU, "hopper" runs the forward on one of chapter 07's kernels wherever they apply
     (``uses_hopper_forward``): the persistent one (``flex_fwd_hopper_persistent_kernel``) at D = 128, else the
-    rotated loop (``flex_fwd_hopper_kernel``), both with ``fwd_hopper_stages`` stages (``forward_row``); "persistent" and "rotated" ask for one of them, and "sm80" keeps chapter 03's loop
-    (``flex_fwd_kernel``, with ``fwd_stages``), to compare them. "persistent_sorted" asks for the persistent kernel
+    rotated loop (``flex_fwd_hopper_kernel``), both with ``fwd_hopper_stages`` stages (``forward_row``);
+    "persistent" and "rotated" ask for one of them, and "sm80" keeps chapter 03's loop (``flex_fwd_kernel``, with
+    ``fwd_stages``), to compare them. "persistent_sorted" asks for the persistent kernel
     taking its tiles longest first by the block mask's own counts (``BlockMask.rows_by_cost``) instead of the
     causal mask's folded order, which "hopper" chooses at D = 128 where the rows do not grow down.
     ``bwd_kernel``: "hopper" runs the backward on chapter 08's Hopper loop (``flash_flex_hopper_bwd``, its own

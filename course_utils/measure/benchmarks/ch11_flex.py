@@ -189,7 +189,8 @@ def _ours_with_lse(score_mod, block_mask, causal):
 
 def _other_forward_configs(q, block_mask):
     """{row of ours: flex config} of the forward-only rows: chapter 03's loop where ``flex_attention`` runs a Hopper
-    kernel, and chapter 07's rotated loop where it runs the persistent one (in either order) (none where neither applies)."""
+    kernel, and chapter 07's rotated loop where it runs the persistent one, in either order (none where neither
+    applies)."""
     config = default_flex_config(q.device.type, block_mask.block)
     others = {}
     if flex_forward_uses_hopper(q, q, block_mask, config=config):
