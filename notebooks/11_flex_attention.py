@@ -458,6 +458,66 @@ cu.expect_failure("chain rule dropped", lambda: cu.check_backward(q, k, v, d_out
 # with the same modifiers (`FlexConfig(fwd_kernel="sm80", bwd_kernel="sm80")`), and the rotated loop where the
 # persistent kernel runs (`fwd_kernel="rotated"`), so it shows what each step buys.
 #
+# Why the order matters: a persistent block runs its tiles back to back, so the kernel ends when its busiest block
+# does. Below, the documents' mask of the record (B = 2, H = 16, S = 8k, each row its own packing) on 132 persistent
+# blocks, each block's work in the folded order and in the sorted one, computed by the kernel's own schedule
+# functions (`persistent_schedule` with the folded order, `sorted_schedule` with the mask's `rows_by_cost`). A tile
+# costs the key blocks its row lists (`KVCount`):
+
+# %%
+from course_utils.kernels.flash_fwd_hopper_persistent import H100_SMS, persistent_schedule
+from course_utils.kernels.flash_flex_persistent import sorted_schedule
+from course_utils.kernels.flash_pieces import prelude
+from course_utils.measure.benchmarks.ch11_flex import packed_lengths
+
+B, H, S = 2, 16, 8192
+doc_ids = torch.stack([flex.document_ids(packed_lengths(S, seed)) for seed in range(B)])  # the record's packings
+doc_mask = create_block_mask(flex.document_mask(doc_ids), B, None, S, S, block=(128, 128))
+orders = {"folded (the causal mask's)": persistent_schedule(prelude(H, S, S, 128, causal=True), batch=B,
+                                                             block_M=128, num_ctas=H100_SMS),
+          "sorted (longest row first)": sorted_schedule(doc_mask.rows_by_cost, B, H, num_ctas=H100_SMS)}
+every_tile = sorted((b, h, q) for b in range(B) for h in range(H) for q in range(S // 128))
+work = {}
+for name, lists in orders.items():
+    cu.check_true(sorted(t for tiles in lists for t in tiles) == every_tile, f"{name}: every tile once")
+    work[name] = [sum(int(doc_mask.kv_count[b, 0, q]) for b, _, q in tiles) for tiles in lists]
+fig, ax = plt.subplots(figsize=(10, 3.2))
+for name, loads in work.items():
+    ax.plot(sorted(loads, reverse=True), label=f"{name}: busiest block {max(loads)} key blocks")
+mean = sum(work[name]) / H100_SMS
+ax.axhline(mean, color="gray", linestyle=":", label=f"all work spread evenly: {mean:.0f}")
+ax.set(xlabel="persistent blocks, busiest first", ylabel="key blocks", title="documents' mask, 132 blocks")
+ax.legend(fontsize=8)
+plt.show()
+folded, by_cost = (max(loads) for loads in work.values())
+cu.check_true(not doc_mask.longest_rows_last and by_cost < folded,
+              f"rows that do not grow down; the sorted order's busiest block has less work: {by_cost} against {folded}")
+
+# %% [markdown]
+# The folded order pairs each head's last query block with its first, expecting the last row to be the longest;
+# with documents the long rows sit anywhere, and some blocks draw several. Sorted, the longest tiles go first and
+# the short ones fill in at the end, close to an even spread. On one H200, in an A/B of the three forwards at the
+# record's shape (each checked against float64 first), the claims below judge it:
+
+# %%
+ab = cu.bench.stored_record("flex_order_h200")
+if ab is not None:
+    ab_cases = ab["results"]["cases"]
+
+    def ab_timing(case, variant):
+        return {"ms": ab_cases[case]["ms"][variant], "ms_spread": ab_cases[case]["ms_spread"][variant]}
+
+    cu.claim_versus("documents: the sorted persistent order against the folded one and the rotated loop",
+                    {other: cu.speed_ratio(ab_timing("documents", "persistent_sorted"), ab_timing("documents", other))
+                     for other in ("persistent", "rotated")}, says="ahead")
+    cu.claim_versus("rows that grow down: the sorted order against the folded one",
+                    {case: cu.speed_ratio(ab_timing(case, "persistent_sorted"), ab_timing(case, "persistent"))
+                     for case in ("causal", "prefix-LM")}, says="level")
+
+# %% [markdown]
+# So `flex_attention` takes the sorted order where the rows do not grow down and keeps the folded one where they do
+# (no gain there, the claims above). The record below times the kernel it picks.
+#
 # One shape (B = 2, H = 16, S = 8192, D = 128, bfloat16) and five modifiers: soft-capping (cap 50,
 # causal), ALiBi (causal), document masking of a packed batch (lengths drawn from 128 to 8k tokens,
 # each row packed on its own), prefix-LM (2048 tokens) and causal. Against:

@@ -97,9 +97,14 @@ def test_every_plan_lowers_to_the_rotated_loop(lowered):
     assert re.search(r"blockIdx\.y\) >> 2\)", lowered["GQA, soft-cap and causal"])  # K/V head = query head // 4
 
 
+# The sorted order changes only the tile walk, which the modifiers do not touch (the folded kernel's tests cover
+# them): a plan without captured tensors and one reading them.
+SORTED_PLANS = ("causal", "document mask, captured ids")
+
+
 @pytest.fixture(scope="module")
 def lowered_sorted():
-    return {name: _lowered(name, flex_fwd_hopper_persistent_kernel, tile_order="sorted") for name in PLANS}
+    return {name: _lowered(name, flex_fwd_hopper_persistent_kernel, tile_order="sorted") for name in SORTED_PLANS}
 
 
 def _ptxas_of_every_plan(lowered, kernel_name):
@@ -109,10 +114,10 @@ def _ptxas_of_every_plan(lowered, kernel_name):
     if report is None:
         pytest.skip("nvcc is not installed")
     entries = [line for line in report if "Compiling entry function" in line]
-    assert len(entries) == len(PLANS), report
+    assert len(entries) == len(lowered), report
     assert not any("C75" in line or "serialized" in line for line in report), report
     spills = [line for line in report if "spill" in line]
-    assert len(spills) == len(PLANS) and all("0 bytes spill stores, 0 bytes spill loads" in s for s in spills), report
+    assert len(spills) == len(lowered) and all("0 bytes spill stores, 0 bytes spill loads" in s for s in spills), report
 
 
 def test_ptxas_keeps_the_wgmmas_async_without_spills(lowered):
