@@ -28,7 +28,10 @@ from .flash_fwd_hopper_persistent import (
     H100_SMS,
     PersistentPieces,
     PersistentTiling,
+    evaluate,
+    evaluated_walk,
     flash_fwd_hopper_persistent_kernel,
+    launched_blocks,
     tile_index,
     tile_order,
     tiles_per_block,
@@ -67,41 +70,27 @@ def strided_tile_index(num_ctas, cta, w):
     return w * num_ctas + T.if_then_else(w % 2 == 0, cta, num_ctas - 1 - cta)
 
 
-def sorted_tile(p, rows_by_cost, b_step, h_step, batch, index):
+def sorted_tile(heads, rows_by_cost, b_step, h_step, batch, index):
     """The (batch, head, query block) of the ``index``-th tile of the sorted list: rank ``index // (batch · heads)``
     of every (batch entry, head) in turn, the rank-th longest query block of its mask row (``rows_by_cost``
     [B', H', query blocks], at the mask's own indices). With a mask shared across b and h the list is sorted by
     cost exactly; with one that depends on them, the r-th longest rows of all heads come in round r."""
-    bh_count = batch * p.heads
+    bh_count = batch * heads
     rank, bh = index // bh_count, index % bh_count
-    bz, by = bh // p.heads, bh % p.heads
+    bz, by = bh // heads, bh % heads
     return bz, by, rows_by_cost[bz * b_step, by * h_step, rank]
 
 
 def sorted_schedule(rows_by_cost, batch, heads, num_ctas):
     """The (batch, head, query block) tiles each persistent block takes in the sorted order, in order: the kernel's
-    walk evaluated in Python on a ``BlockMask.rows_by_cost`` (for tests and pictures)."""
-    from tilelang import tvm
-
-    analyzer = tvm.arith.Analyzer()
-
-    def value(expr):
-        return expr if isinstance(expr, int) else int(analyzer.simplify(expr))
-
-    mb, mh, n_qb = rows_by_cost.shape
-    total = batch * heads * n_qb
-    num_ctas = max(1, min(num_ctas, (total + 1) // 2))  # as flash_fwd_hopper_persistent_kernel launches
-    b_step, h_step = (1 if mb > 1 else 0), (1 if mh > 1 else 0)
-    schedule = []
-    for cta in range(num_ctas):
-        tiles = []
-        for w in range(value(strided_tile_count(total, num_ctas, cta))):
-            index = value(strided_tile_index(num_ctas, cta, w))
-            rank, bh = index // (batch * heads), index % (batch * heads)
-            bz, by = bh // heads, bh % heads
-            tiles.append((bz, by, int(rows_by_cost[bz * b_step, by * h_step, rank])))
-        schedule.append(tiles)
-    return schedule
+    walk (``strided_tile_count``, ``strided_tile_index``, ``sorted_tile``) evaluated in Python on a
+    ``BlockMask.rows_by_cost`` (for tests and pictures)."""
+    total = batch * heads * rows_by_cost.shape[2]
+    num_ctas = launched_blocks(num_ctas, total)
+    b_step, h_step = mask_dims(rows_by_cost.shape)
+    return evaluated_walk(lambda cta: strided_tile_count(total, num_ctas, cta),
+                          lambda cta, w: sorted_tile(heads, rows_by_cost, b_step, h_step, batch,
+                                                     evaluate(strided_tile_index(num_ctas, cta, w))), num_ctas)
 
 
 @T.macro
@@ -155,7 +144,7 @@ class ListedKeySteps:
                     lambda block_mask, cta, w: order(p, tile_index(num_ctas, cta, w), block_M))
         batch = self.shape[0]
         return (lambda block_mask, cta: strided_tile_count(total, num_ctas, cta),
-                lambda block_mask, cta, w: sorted_tile(p, block_mask[5], self.b_step, self.h_step, batch,
+                lambda block_mask, cta, w: sorted_tile(p.heads, block_mask[5], self.b_step, self.h_step, batch,
                                                        strided_tile_index(num_ctas, cta, w)))
 
     def _mask_index(self, bz, by):

@@ -45,7 +45,8 @@ from .flash_pieces import (
 from .tiles import TileBackend
 
 __all__ = ["flash_fwd_hopper_persistent_kernel", "tile_count", "tile_order", "tiles_per_block", "tile_index",
-           "persistent_schedule", "H100_SMS", "peeled_key_loop", "ConsumerTiles", "ConsumerBarriers", "stage_barriers",
+           "persistent_schedule", "evaluated_walk", "evaluate", "launched_blocks", "H100_SMS", "peeled_key_loop",
+           "ConsumerTiles", "ConsumerBarriers", "stage_barriers",
            "LoopTiling", "SoftmaxPieces", "SHIPPED_SOFTMAX", "PersistentTiling", "PersistentPieces", "SHIPPED_PIECES",
            "SHIPPED_TILING"]
 
@@ -83,20 +84,35 @@ def tile_index(num_ctas, cta, w):
     return 2 * (cta + (w // 2) * num_ctas) + w % 2
 
 
+def launched_blocks(num_ctas, total):
+    """How many persistent blocks the kernel launches for ``total`` tiles: ``num_ctas``, but no more than the pairs
+    of tiles (a block takes at least one pair)."""
+    return max(1, min(num_ctas, (total + 1) // 2))
+
+
+def evaluate(expr):
+    """An index expression of the tile walk as a Python int (its inputs are all known)."""
+    from tilelang import tvm
+
+    if isinstance(expr, tvm.ir.PrimExpr):
+        return int(tvm.arith.Analyzer().simplify(expr))
+    return int(expr)
+
+
+def evaluated_walk(count, tile, num_ctas):
+    """The tiles each of ``num_ctas`` persistent blocks takes, in order: a kernel's walk functions, ``count(cta)``
+    tiles and the ``w``-th ``tile(cta, w)``, evaluated in Python (for pictures and tests)."""
+    return [[tuple(evaluate(x) for x in tile(cta, w)) for w in range(evaluate(count(cta)))]
+            for cta in range(num_ctas)]
+
+
 def persistent_schedule(p, batch, block_M, num_ctas):
     """The (batch, head, query block) tiles each persistent block takes, in order: the kernel's own
     schedule functions evaluated in Python (for pictures and tests)."""
-    from tilelang import tvm
-
-    analyzer = tvm.arith.Analyzer()
-
-    def value(expr):
-        return expr if isinstance(expr, int) else int(analyzer.simplify(expr))
-
     total = tile_count(p, batch, block_M)
-    num_ctas = max(1, min(num_ctas, (total + 1) // 2))
-    return [[tuple(value(x) for x in tile_order(p, value(tile_index(num_ctas, cta, w)), block_M))
-             for w in range(value(tiles_per_block(total, num_ctas, cta)))] for cta in range(num_ctas)]
+    num_ctas = launched_blocks(num_ctas, total)
+    return evaluated_walk(lambda cta: tiles_per_block(total, num_ctas, cta),
+                          lambda cta, w: tile_order(p, evaluate(tile_index(num_ctas, cta, w)), block_M), num_ctas)
 
 
 @T.macro
@@ -347,7 +363,7 @@ def flash_fwd_hopper_persistent_kernel(
     consumers = block_M // 64
     n_kb = p.blocks(seq_k, block_N)
     total = tile_count(p, batch, block_M)
-    num_ctas = max(1, min(num_ctas * blocks_per_sm, (total + 1) // 2))
+    num_ctas = launched_blocks(num_ctas * blocks_per_sm, total)
     launch_regs = 65536 // (blocks_per_sm * (threads + 128)) // 8 * 8
     consumer_regs = 2 * launch_regs - 24 if blocks_per_sm > 1 else 240 if consumers == 2 else 160
     add_row_sums = None if row_sums is None else row_sums.add
