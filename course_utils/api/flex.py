@@ -330,10 +330,10 @@ def forward_row(problem, config, longest_rows_last):
     return _NAMED_FORWARD_ROWS[config.fwd_kernel]
 
 
-def _forward_kernel(problem, plan, config, longest_rows_last):
-    """The compiled forward of ``problem`` (an ``AttentionProblem.flex``) with ``plan``'s modifiers: its tile is the
-    block mask's."""
-    row = FLEX[forward_row(problem, config, longest_rows_last)]
+def _forward_kernel(problem, plan, config, row_name):
+    """The compiled forward of ``problem`` (an ``AttentionProblem.flex``) with ``plan``'s modifiers on the ``FLEX``
+    row ``row_name`` (``forward_row``): its tile is the block mask's."""
+    row = FLEX[row_name]
     stages = config.fwd_stages if row.name == "flex_fwd" else config.fwd_hopper_stages
     return compiled(row, problem, plan=plan, tiling=Tiling(*problem.mask_block, stages, config.fwd_threads))
 
@@ -359,8 +359,8 @@ def _backward_kernels(problem, plan, config):
 def flex_forward_kernel(q, k, plan, block_mask, sm_scale, config=None):
     """The compiled forward: ``kernel(q, k, v, kv_count, kv_list, state, floats, ints) -> (out, lse)``."""
     config = config or default_flex_config(q.device.type, block_mask.block)
-    return _forward_kernel(AttentionProblem.flex(q, k, block_mask, sm_scale), plan, config,
-                           block_mask.longest_rows_last)
+    problem = AttentionProblem.flex(q, k, block_mask, sm_scale)
+    return _forward_kernel(problem, plan, config, forward_row(problem, config, block_mask.longest_rows_last))
 
 
 def flex_backward_kernels(q, k, plan, block_mask, sm_scale, config=None):
@@ -384,10 +384,12 @@ def flex_forward_row(q, k, block_mask, sm_scale=1.0, config=None):
 def flex_forward(q, k, v, plan, block_mask, sm_scale, config=None):
     """(O, LSE) of the flex forward kernel (no autograd); the persistent kernel's sorted order also reads the block
     mask's ``rows_by_cost``."""
-    kernel = flex_forward_kernel(q, k, plan, block_mask, sm_scale, config)
     bm = block_mask
-    sorted_order = flex_forward_row(q, k, bm, sm_scale, config) == "flex_fwd_hopper_persistent_sorted"
-    order = (bm.rows_by_cost,) if sorted_order else ()
+    config = config or default_flex_config(q.device.type, bm.block)
+    problem = AttentionProblem.flex(q, k, bm, sm_scale)
+    row = forward_row(problem, config, bm.longest_rows_last)
+    kernel = _forward_kernel(problem, plan, config, row)
+    order = (bm.rows_by_cost,) if row == "flex_fwd_hopper_persistent_sorted" else ()
     return kernel(q, k, v, bm.kv_count, bm.kv_list, bm.state, *plan.pack(q.device), *order)
 
 
