@@ -114,6 +114,32 @@ def test_the_hopper_kernel_lowers_to_fp8_wgmma_and_compiles():
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
 
 
+@pytest.mark.parametrize("causal, dim", [(True, 128), (False, 64)])
+def test_the_persistent_kernel_lowers_to_fp8_wgmma_with_turns_and_compiles(causal, dim):
+    """The FP8 forward on chapter 07's persistent kernel lowers for sm_90a to FP8 wgmma (Q Kᵀ from shared memory, P V
+    from registers, Vᵀ's stages loaded by TMA), its two consumer warpgroups taking turns on named barriers 8 and 9
+    (with ``pingpong=False`` there are none), and ptxas compiles it without spills."""
+    from course_utils.core.source import cuda_source, ptxas_report
+    from course_utils.kernels.flash_fwd_fp8_persistent import FP8_PERSISTENT_TILING, flash_fwd_fp8_persistent_kernel
+
+    kernel = flash_fwd_fp8_persistent_kernel(2, 16, 1000, 1000, dim, heads_kv=4, causal=causal, v_keys=1008,
+                                             out_dtype="bfloat16")
+    source = cuda_source(kernel, arch="sm_90a")
+    # the first key block's Q Kᵀ before the loop and the loop's; the loop's P V and the last one after it
+    assert source.count("wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 2
+    assert source.count("wgmma_rs<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 2
+    assert "tl::__named_barrier_arrive(8, 256)" in source  # the first turn, handed to warpgroup 0
+    assert source.count("tl::__sync_thread_partial(((((int)threadIdx.x) >> 7) + 7), 256)") == 2
+    alone = cuda_source(flash_fwd_fp8_persistent_kernel(2, 16, 1000, 1000, dim, heads_kv=4, causal=causal,
+                                                        v_keys=1008, tiling=FP8_PERSISTENT_TILING._replace(
+                                                            pingpong=False)), arch="sm_90a")
+    assert "__named_barrier_arrive" not in alone
+    report = ptxas_report(source)
+    if report is None:
+        pytest.skip("nvcc is not installed")
+    assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
+
+
 def _score_to_p_kernel(slot):
     """Q Kᵀ into a float32 accumulator, copied into an e4m3 register tile at column ``slot(j)``, then P V."""
     import tilelang.language as T

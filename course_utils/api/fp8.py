@@ -34,9 +34,10 @@ __all__ = ["flash_attention_fp8", "quantise_blocks", "quantise_tensor", "random_
 FP8_TILE = 16  # block_M = block_N on the C backend: the blocks the Q and K descales belong to
 FP8_GPU_TILE = 128  # block_M = block_N of the sm_90a kernel: 128 × 128 tiles, two warpgroups of 64 rows
 FP8_GPU_HEAD_DIMS = (64, 128)  # FP8 wgmma reduces 32 values per step; D = 16 is too short and 32 untested
-# The loops of the sm_90a kernel: "rotated" (chapter 07's, P V overlapped with the next softmax; the default) and
-# "plain" (chapter 03's), which chapter 12's record times beside it.
-FP8_GPU_LOOPS = ("rotated", "plain")
+# The loops of the sm_90a kernel: "persistent" (chapter 07's persistent kernel, the consumer warpgroups taking turns;
+# the default), "rotated" (chapter 07's rotated loop) and "plain" (chapter 03's), which chapter 12's record times
+# beside it.
+FP8_GPU_LOOPS = ("persistent", "rotated", "plain")
 V_KEY_ALIGN = 16  # Vᵀ's rows are keys: TMA needs each row's start 16-byte aligned, so the keys are padded to 16
 FP8_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # inputs quantised to e4m3 by the producer step
 FP8_HEAD_DIMS = (16, 32, 64, 128)  # powers of two: the Hadamard rotation needs one
@@ -159,6 +160,10 @@ def _compiled(problem):
 def _compiled_gpu(problem, loop, out_dtype):
     v_keys = -(-problem.seq_k // V_KEY_ALIGN) * V_KEY_ALIGN
     tiles = dict(block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE, v_keys=v_keys, out_dtype=DTYPE_NAMES[out_dtype])
+    if loop == "persistent":
+        return compiled(FP8["flash_fwd_fp8_persistent"], problem, **tiles)
+    if loop == "persistent_alone":  # the warpgroups issue as they come (chapter 07's ablation of ping-pong)
+        return compiled(FP8["flash_fwd_fp8_persistent"], problem, pingpong=False, **tiles)
     if loop == "rotated":
         return compiled(FP8["flash_fwd_fp8_hopper"], problem, **tiles)
     return compiled(FP8["flash_fwd_fp8"], problem, threads=256, num_stages=2, **tiles)
@@ -218,7 +223,7 @@ def quantise_inputs(q, k, v, hadamard=False, seed=0):
     return (q8.float(), k8.float(), v8.float()), descales
 
 
-def _run_gpu(q8, k8, v_keys_major, descales, causal, sm_scale, loop="rotated", out_dtype=torch.float32):
+def _run_gpu(q8, k8, v_keys_major, descales, causal, sm_scale, loop="persistent", out_dtype=torch.float32):
     """The sm_90a kernel (``loop``: one of FP8_GPU_LOOPS) on e4m3 tensors, V key-major as the producer step writes
     it ([B, H_kv, D, S_k padded to V_KEY_ALIGN], keys in ``wgmma_key_slot`` order); O in ``out_dtype``."""
     kernel = _compiled_gpu(_problem(q8, k8, causal, sm_scale), loop, out_dtype)

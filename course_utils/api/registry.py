@@ -33,6 +33,7 @@ from ..kernels.flash_flex_hopper_bwd import flex_bwd_hopper_kernel
 from ..kernels.flash_flex_persistent import flex_fwd_hopper_persistent_kernel
 from ..kernels.flash_fwd import ForwardTiling, flash_fwd_kernel
 from ..kernels.flash_fwd_fp8 import flash_fwd_fp8_hopper_kernel, flash_fwd_fp8_kernel
+from ..kernels.flash_fwd_fp8_persistent import flash_fwd_fp8_persistent_kernel
 from ..kernels.flash_fwd_hopper import RotatedPieces, flash_fwd_hopper_kernel
 from ..kernels.flash_fwd_hopper_one_warpgroup import OneWarpgroupTiling, flash_fwd_hopper_one_warpgroup_kernel
 from ..kernels.flash_fwd_hopper_persistent import PersistentTiling, flash_fwd_hopper_persistent_kernel
@@ -285,12 +286,16 @@ HELPERS = {row.name: row for row in (
 
 
 # Chapter 12's FP8 forward (``flash_attention_fp8``): the tile step on the CPU (float32 tiles holding e4m3 values)
-# or chapter 03's loop on the GPU, and chapter 07's rotated loop on sm_90a. The problem's dtype is e4m3's.
+# or chapter 03's loop on the GPU, and chapter 07's rotated loop or its persistent kernel on sm_90a. The problem's
+# dtype is e4m3's.
 FP8 = {row.name: row for row in (
     KernelRow("flash_fwd_fp8", flash_fwd_fp8_kernel, (6, 7), "chapter 12's FP8 forward", layout=_fp8_layout,
               tiling=Tiling),
     KernelRow("flash_fwd_fp8_hopper", flash_fwd_fp8_hopper_kernel, (6, 7), "chapter 12's FP8 Hopper forward",
               hopper_only=True, on_cpu=False, layout=_fp8_layout, tiling=Tiling),
+    KernelRow("flash_fwd_fp8_persistent", flash_fwd_fp8_persistent_kernel, (6, 7),
+              "chapter 12's FP8 forward on chapter 07's persistent kernel", hopper_only=True, on_cpu=False,
+              layout=_fp8_layout, per_device=_sm_count, tiling=PersistentTiling),
     KernelRow("fp8_quantise_rows", quantise_rows_kernel, (1, 2), "chapter 12's FP8 producer of Q and K",
               hopper_only=True, on_cpu=False, layout=_producer_layout, fast_math=False),
     KernelRow("fp8_quantise_keys_major", quantise_transposed_kernel, (2,), "chapter 12's FP8 producer of V",
