@@ -265,7 +265,7 @@ cu.check_true(loop.index("__sync_thread_partial((") < loop.index("wgmma_ss<")
 import re
 
 from course_utils.kernels.flash_fwd_hopper_persistent import (PersistentTiling, flash_fwd_hopper_persistent_kernel,
-                                                      persistent_schedule, tile_count)
+                                                      persistent_schedule, produce_tiles, tile_count)
 from course_utils.kernels.flash_pieces import prelude
 
 demo = prelude(2, 1024, 1024, 64, causal=True)  # 2 heads, S = 1k: 8 query blocks of 128 per head
@@ -299,10 +299,11 @@ cu.check_true(pair_costs == {9}, f"every folded pair costs the same: {pair_costs
 # producer's 128 threads arrive) and an *empty* one (every consumer thread has finished reading).
 # Producer and consumers walk the same tiles and count the key blocks they have passed, `it`:
 # block `it` lives in stage `it % 2`, and the parity to wait for flips each time the stages wrap.
-# A wrong parity does not give a wrong answer: it hangs. The producer:
+# A wrong parity does not give a wrong answer: it hangs. The producer (one macro, which chapter 11's flex
+# kernel and chapter 12's FP8 kernel share):
 
 # %%
-show_source(flash_fwd_hopper_persistent_kernel, "producer")
+show_source(produce_tiles)
 
 # %% [markdown]
 # The consumers' loop over the key blocks of one tile, peeled, waits on these barriers and on its own

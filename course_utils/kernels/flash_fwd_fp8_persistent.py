@@ -26,7 +26,7 @@ from .flash_fwd_hopper_persistent import (
     launched_blocks,
     load_dense_keys,
     peeled_key_loop,
-    produce_key_blocks,
+    produce_tiles,
     stage_barriers,
     tile_count,
     tile_index,
@@ -97,23 +97,19 @@ def flash_fwd_fp8_persistent_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv
             acc_o = T.alloc_fragment([block_M, dim], f32)
             m, m_prev, shift, alpha, row_sum, l, lse = (T.alloc_fragment([block_M], f32) for _ in range(7))
             q_full, barriers = stage_barriers(threads, num_stages)
-            q_empty, k_full, k_empty, v_full, v_empty = barriers
+            k_full, v_full = barriers.k_full, barriers.v_full
             it = T.alloc_var("int32", init=0)  # key blocks passed so far, over all tiles of this block
             tiles = ConsumerTiles(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l)
 
             if T.get_thread_binding() < 128:
                 # region: producer
-                T.set_max_nreg(24, 0)
-                for w in T.serial(tiles_per_block(total, num_ctas, cta)):
-                    bz, by, qb = tile_order(p, tile_index(num_ctas, cta, w), block_M)
-                    kv_head = by // p.group
-                    k_start, k_end = key_block_range(p, qb, block_M, block_N)
-                    T.mbarrier_wait_parity(q_empty[0], (w & 1) ^ 1)  # the previous tile's last QKᵀ is done
-                    T.tma_copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s, barrier=q_full[0])
-                    T.mbarrier_arrive(q_full[0])
-                    produce_key_blocks(partial(load_dense_keys, K, K_s, k_full, bz, kv_head, block_N),
-                                       partial(load_values_transposed, V, V_s, v_full, bz, kv_head, block_N),
-                                       k_full, k_empty, v_empty, it, k_start, k_end, n_kb, num_stages)
+                produce_tiles(p, Q, Q_s, q_full, barriers, it, tiles_per_block(total, num_ctas, cta),
+                              lambda w: tile_order(p, tile_index(num_ctas, cta, w), block_M),
+                              lambda bz, by, qb: key_block_range(p, qb, block_M, block_N),
+                              lambda bz, by, kv_head, qb: (
+                                  partial(load_dense_keys, K, K_s, k_full, bz, kv_head, block_N),
+                                  partial(load_values_transposed, V, V_s, v_full, bz, kv_head, block_N)),
+                              block_M, n_kb, num_stages)
                 # endregion
             else:
                 T.set_max_nreg(240 if consumers == 2 else 160, 1)

@@ -46,7 +46,7 @@ from .tiles import TileBackend
 
 __all__ = ["flash_fwd_hopper_persistent_kernel", "tile_count", "tile_order", "tiles_per_block", "tile_index",
            "persistent_schedule", "evaluated_walk", "evaluate", "launched_blocks", "H100_SMS", "peeled_key_loop",
-           "ConsumerTiles", "ConsumerBarriers", "stage_barriers", "produce_key_blocks", "load_dense_keys",
+           "ConsumerTiles", "ConsumerBarriers", "stage_barriers", "produce_tiles", "load_dense_keys",
            "first_turn", "LoopTiling", "SoftmaxPieces", "ProbabilitySteps", "values_by_v", "SHIPPED_SOFTMAX",
            "PersistentTiling", "PersistentPieces", "SHIPPED_PIECES", "SHIPPED_TILING"]
 
@@ -154,6 +154,25 @@ def produce_key_blocks(load_k, load_v, k_full, k_empty, v_empty, it: T.Ref, k_st
         T.mbarrier_wait_parity(v_empty[stage], phase ^ 1)
         load_v(kb, stage)
         it = it + 1
+
+
+@T.macro
+def produce_tiles(p, Q, Q_s, q_full, barriers, it: T.Ref, count, tile, key_range, key_loads, block_M, n_kb,
+                  num_stages):
+    """The producer warpgroup of a persistent kernel: for each of its ``count`` tiles, ``tile(w)`` = (batch, head,
+    query block), Q's load once the previous tile's last QKᵀ is done, then the key blocks ``key_range(bz, by, qb)``
+    through ``key_loads(bz, by, kv_head, qb)`` = (load_k, load_v) (``produce_key_blocks``)."""
+    T.set_max_nreg(24, 0)
+    for w in T.serial(count):
+        bz, by, qb = tile(w)
+        kv_head = by // p.group
+        k_start, k_end = key_range(bz, by, qb)
+        T.mbarrier_wait_parity(barriers.q_empty[0], (w & 1) ^ 1)  # the previous tile's last QKᵀ is done
+        T.tma_copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s, barrier=q_full[0])
+        T.mbarrier_arrive(q_full[0])
+        load_k, load_v = key_loads(bz, by, kv_head, qb)
+        produce_key_blocks(load_k, load_v, barriers.k_full, barriers.k_empty, barriers.v_empty, it, k_start, k_end,
+                           n_kb, num_stages)
 
 
 @T.macro
@@ -434,23 +453,15 @@ def flash_fwd_hopper_persistent_kernel(
             tb, block_M, block_N, dim, dtype)
         l_part = row_sums.tiles(block_M) if row_sums is not None else None
         q_full, barriers = stage_barriers(threads, num_stages)
-        q_empty, k_full, k_empty, v_full, v_empty = barriers
+        k_full, v_full = barriers.k_full, barriers.v_full
         it = T.alloc_var("int32", init=0)  # key blocks passed so far, over all tiles of this block
         tiles = ConsumerTiles(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l)
 
         if T.get_thread_binding() < 128:
             # region: producer
-            T.set_max_nreg(24, 0)
-            for w in T.serial(block_tile_count(block_mask, cta)):
-                bz, by, qb = block_tile(block_mask, cta, w)
-                kv_head = by // p.group
-                k_start, k_end = key_range(block_mask, bz, by, qb)
-                T.mbarrier_wait_parity(q_empty[0], (w & 1) ^ 1)  # the previous tile's last QKᵀ is done
-                T.tma_copy(Q[bz, by, qb * block_M:(qb + 1) * block_M, :], Q_s, barrier=q_full[0])
-                T.mbarrier_arrive(q_full[0])
-                load_k, load_v = key_loads(K, V, K_s, V_s, k_full, v_full, block_mask, bz, by, kv_head, qb)
-                produce_key_blocks(load_k, load_v, k_full, k_empty, v_empty, it, k_start, k_end, n_kb,
-                                   num_stages)
+            produce_tiles(p, Q, Q_s, q_full, barriers, it, block_tile_count(block_mask, cta),
+                          partial(block_tile, block_mask, cta), partial(key_range, block_mask),
+                          partial(key_loads, K, V, K_s, V_s, k_full, v_full, block_mask), block_M, n_kb, num_stages)
             # endregion
         else:
             T.set_max_nreg(consumer_regs, 1)
