@@ -579,9 +579,12 @@ if levers is not None:
                         says=says)
 
 # %% [markdown]
-# The third change, and one that did not help: on the persistent kernel, 160, 192 and 224 keys per step (its
-# consumer warpgroups get 240 registers, so none of them spills) against 128, K quantised per key block of that
-# size, in an A/B of its own:
+# The third change, and two that did not help, each in an A/B of its own on the persistent kernel: 160, 192 and
+# 224 keys per step (its consumer warpgroups get 240 registers, so none of them spills) against 128, K quantised per
+# key block of that size; and FlashAttention-4's split of the exponentials (chapter 07's version 20): 2, 4, 6 or 8
+# of every 16 groups of score columns by a polynomial on the FP32 units instead of the SFU, without a mask (with the
+# causal mask TileLang 0.1.15 refuses to lower a partial split at these sizes). If the SFU were what the softmax waits
+# for, moving exponentials off it would help; the claims say it does not:
 
 # %%
 def versus(record, after, before, what, says):
@@ -601,6 +604,10 @@ tiles = cu.bench.stored_record("fp8_tiles_h200")
 if tiles is not None:
     for keys in (160, 192, 224):
         versus(tiles, f"keys{keys}", "keys128", f"{keys} keys per step against 128, persistent kernel", "level")
+poly = cu.bench.stored_record("fp8_poly_exp2_h200")
+if poly is not None:
+    for n, says in ((2, "level"), (4, "level"), (6, "behind"), (8, "behind")):
+        versus(poly, f"poly{n}", "poly0", f"{n} in 16 exponentials by a polynomial against none", says)
 
 # %% [markdown]
 # The kernel alone now runs ahead of the course's bf16 forward and of FlashAttention-4's in every case, and ahead of
@@ -609,8 +616,8 @@ if tiles is not None:
 # claim), because the producer step, which quantises Q, K and V on every call, now costs a
 # large share of the kernel's own time (the last claim of the record). What FlashAttention-3 does beyond this kernel:
 # - larger key tiles (its heuristic takes 128 × 224 at D = 128 in FP8). On the rotated loop 224 spilled and 160 ran
-#   ahead of 128 only with the causal mask; on the persistent kernel 160, 192 and 224 run level with 128 (the last
-#   claims above), so the kernel keeps 128, the rows of a Q or K descale;
+#   ahead of 128 only with the causal mask; on the persistent kernel 160, 192 and 224 run level with 128 (the
+#   key-tile claims above), so the kernel keeps 128, the rows of a Q or K descale;
 # - V transposed inside the kernel by its producer warpgroup, and the quantisation fused into the previous layer
 #   (the public call's producer pass).
 # The error claim above counts the cases where ours is no worse; cuDNN's O carries one more e4m3 rounding than ours.

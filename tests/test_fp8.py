@@ -140,6 +140,25 @@ def test_the_persistent_kernel_lowers_to_fp8_wgmma_with_turns_and_compiles(causa
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
 
 
+def test_the_exponential_split_lowers_without_a_mask_and_not_with_the_causal_one():
+    """The FP8 persistent kernel takes the softmax's exponential as a piece (``exp2``; chapter 12's A/B
+    ``fp8_poly_exp2_h200`` times FlashAttention-4's split with it): without a mask 4 of 16 column groups by the
+    polynomial lowers (its rounding constant is in the code, the SFU's exp2 too); with the causal mask TileLang 0.1.15
+    refuses a partial split at this shape (``docs/tilelang_notes.md``), and all 16 lowers."""
+    from course_utils.core.source import cuda_source, lowering_error
+    from course_utils.kernels.flash_fwd_fp8_persistent import flash_fwd_fp8_persistent_kernel
+    from course_utils.kernels.versions.flash_fwd_hopper_versions import exp2_poly_share
+
+    def kernel(causal, n):  # the A/B's shape: smaller problems (B = 1, H = 4) lower with the mask too
+        return flash_fwd_fp8_persistent_kernel(4, 16, 4096, 4096, 128, causal=causal, v_keys=4096,
+                                               out_dtype="bfloat16", exp2=exp2_poly_share(n, degree=4))
+
+    source = cuda_source(kernel(False, 4), arch="sm_90a")
+    assert "0x1.0001p+23" in source and "exp2f(" in source  # the polynomial's rounding add (2^23 + 2^7), the SFU
+    assert "ThreadSync" in (lowering_error(kernel(True, 4)) or "")
+    assert lowering_error(kernel(True, 16)) is None
+
+
 def _score_to_p_kernel(slot):
     """Q Kᵀ into a float32 accumulator, copied into an e4m3 register tile at column ``slot(j)``, then P V."""
     import tilelang.language as T

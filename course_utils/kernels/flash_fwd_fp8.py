@@ -111,14 +111,15 @@ def fp8_softmax(tb, block_M, block_N):
     return softmax
 
 
-def fp8_softmax_scaled(block_M, block_N):
+def fp8_softmax_scaled(block_M, block_N, exp2=None):
     """``fp8_softmax`` for the Hopper kernel, in fewer instructions per score: ``softmax(S, exponent_scale, m, m_prev,
     alpha, shift, l, row_max, row_sum)`` on raw scores ``S`` leaves P · P_SCALE in ``S`` and ℓ · P_SCALE in ``l``.
 
     The same arithmetic up to the rounding of one step: the descales multiply the row max (a positive factor keeps
     the max where it was), then ``exp2(S · scale − shift)`` is one fused multiply-add per score, with P_SCALE
     folded into the shift (``m − 8``), so P needs no multiply before its rounding. ℓ sums P · P_SCALE, exactly
-    P_SCALE times ℓ (a power of two); the epilogue divides by it alone."""
+    P_SCALE times ℓ (a power of two); the epilogue divides by it alone. ``exp2(x, column)``: the exponential of
+    score column ``column`` (None: ``T.exp2``, the SFU's), as ``online_softmax`` takes it."""
 
     @T.macro
     def softmax(S, exponent_scale, m, m_prev, alpha, shift, l, row_max, row_sum):
@@ -128,8 +129,12 @@ def fp8_softmax_scaled(block_M, block_N):
             m[i] = T.max(m_prev[i], row_max[i] * exponent_scale)
             alpha[i] = T.if_then_else(m[i] == NEG_INF, 1, T.exp2(m_prev[i] - m[i]))
             shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] - P_SCALE_LOG2)  # masked scores stay -inf: P = 0
-        for i, j in T.Parallel(block_M, block_N):
-            S[i, j] = T.exp2(S[i, j] * exponent_scale - shift[i])
+        if exp2 is None:
+            for i, j in T.Parallel(block_M, block_N):
+                S[i, j] = T.exp2(S[i, j] * exponent_scale - shift[i])
+        else:
+            for i, j in T.Parallel(block_M, block_N):
+                S[i, j] = exp2(S[i, j] * exponent_scale - shift[i], j)
         T.reduce_sum(S, row_sum, dim=1)
         for i in T.Parallel(block_M):
             l[i] = l[i] * alpha[i] + row_sum[i]

@@ -57,8 +57,9 @@ def store_scaled_p(S, P):
 
 
 def flash_fwd_fp8_persistent_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, sm_scale=None,
-                                    v_keys=None, tiling=FP8_PERSISTENT_TILING, out_dtype="float32"):
-    """A ``@T.prim_func`` (Q, K, Vᵀ, Q_descale, K_descale, V_descale) -> (O, LSE) for sm_90a: see the module."""
+                                    v_keys=None, tiling=FP8_PERSISTENT_TILING, out_dtype="float32", exp2=None):
+    """A ``@T.prim_func`` (Q, K, Vᵀ, Q_descale, K_descale, V_descale) -> (O, LSE) for sm_90a: see the module.
+    ``exp2``: the softmax's exponential, as ``fp8_softmax_scaled`` takes it (None: the SFU's)."""
     block_M, block_N, num_stages, threads, pingpong, num_ctas, blocks_per_sm = tiling
     if threads != 2 * block_M or block_M % 64 or blocks_per_sm != 1:
         raise ValueError(f"the FP8 persistent kernel runs one consumer warpgroup per 64 query rows, one block per "
@@ -70,7 +71,7 @@ def flash_fwd_fp8_persistent_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv
     q_blocks, n_kb = p.blocks(seq_q, block_M), p.blocks(seq_k, block_N)
     total = tile_count(p, batch, block_M)
     num_ctas = launched_blocks(num_ctas, total)
-    softmax = fp8_softmax_scaled(block_M, block_N)
+    softmax = fp8_softmax_scaled(block_M, block_N, exp2)
     loop_tiling = LoopTiling(block_M, block_N, num_stages, pingpong)
 
     @T.macro
