@@ -5,8 +5,9 @@ chapter can explain a kernel piece by piece without copying its text.
 ``cuda_source`` lowers a ``@T.prim_func`` to CUDA for a given architecture without a GPU, and
 ``grep`` prints short, numbered excerpts of that (long) source, and ``loop_skeleton`` the steps of
 one of its loops in order. ``ptxas_report`` compiles it with nvcc and returns what ptxas says
-about registers, spills and serialised wgmmas. ``lowering_error`` lowers a kernel that is expected
-to be refused and returns TileLang's message.
+about registers, spills and serialised wgmmas; ``machine_code`` disassembles what ptxas made (SASS) and
+``wait_before_exponentials`` finds where it put a warpgroup's wait for its P·V. ``lowering_error`` lowers a kernel
+that is expected to be refused and returns TileLang's message.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import inspect
 import re
 
 __all__ = ["show_source", "shown_runs", "source_regions", "cuda_source", "grep", "count", "loop_skeleton",
-           "ptxas_report", "lowering_error"]
+           "ptxas_report", "machine_code", "wait_before_exponentials", "lowering_error"]
 
 
 _REGION = re.compile(r"^\s*# region: (.+?)\s*$")
@@ -157,32 +158,84 @@ def loop_skeleton(source, loop_header, steps):
     return [(n, text + (f" ×{k}" if k > 1 else "")) for n, text, k in out]
 
 
+def _nvcc(source, arch, output, extra, tmp):
+    """Run nvcc on TileLang's CUDA ``source`` in directory ``tmp``, writing ``output`` (``-c`` or ``-cubin``)."""
+    import os
+    import subprocess
+
+    import tilelang
+
+    root = os.path.dirname(tilelang.__file__)
+    number = arch.removeprefix("sm_")
+    path = os.path.join(tmp, "kernel.cu")
+    with open(path, "w") as f:
+        f.write(source)
+    cmd = ["nvcc", "-std=c++17", "-O3", "--use_fast_math", "-w", output, path, "-o", os.path.join(tmp, "kernel.out"),
+           "-gencode", f"arch=compute_{number},code=sm_{number}", *extra,
+           "-I", os.path.join(root, "src"), "-I", os.path.join(root, "3rdparty", "cutlass", "include")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"nvcc failed:\n{done.stderr[-2000:]}")
+    return done, os.path.join(tmp, "kernel.out")
+
+
 def ptxas_report(source, arch="sm_90a"):
     """Compile TileLang's CUDA ``source`` with nvcc (no GPU needed) and return ptxas's report lines.
 
     The report gives registers, spills and performance warnings such as C7514 (wgmma serialised).
     Returns None when nvcc is not installed.
     """
-    import os
+    import shutil
+    import tempfile
+
+    if shutil.which("nvcc") is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        done, _ = _nvcc(source, arch, "-c", ["-Xptxas", "-v"], tmp)
+    return [line.strip() for line in done.stderr.splitlines() if line.startswith("ptxas") or "spill" in line]
+
+
+def _nvdisasm():
+    """nvdisasm on the PATH, or the one of the ``nvidia-cuda-nvdisasm`` wheel (requirements.txt), or None."""
+    import shutil
+    from pathlib import Path
+
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    candidates = [p for root in nvidia.__path__ for p in Path(root).glob("cu*/bin/nvdisasm")]
+    return str(candidates[0]) if candidates else None
+
+
+def machine_code(source, arch="sm_90a"):
+    """The SASS that ptxas makes of TileLang's CUDA ``source``: one instruction per item (predicate, opcode and
+    operands, without addresses or encodings). None when nvcc or nvdisasm is not installed."""
     import shutil
     import subprocess
     import tempfile
 
-    import tilelang
-
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
+    nvdisasm = _nvdisasm()
+    if shutil.which("nvcc") is None or nvdisasm is None:
         return None
-    root = os.path.dirname(tilelang.__file__)
-    number = arch.removeprefix("sm_")
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cu")
-        with open(path, "w") as f:
-            f.write(source)
-        cmd = [nvcc, "-std=c++17", "-O3", "--use_fast_math", "-w", "-c", path, "-o", os.path.join(tmp, "kernel.o"),
-               "-gencode", f"arch=compute_{number},code=sm_{number}", "-Xptxas", "-v",
-               "-I", os.path.join(root, "src"), "-I", os.path.join(root, "3rdparty", "cutlass", "include")]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"nvcc failed:\n{done.stderr[-2000:]}")
-    return [line.strip() for line in done.stderr.splitlines() if line.startswith("ptxas") or "spill" in line]
+        _, cubin = _nvcc(source, arch, "-cubin", [], tmp)
+        text = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text)]
+
+
+def wait_before_exponentials(sass):
+    """In SASS from ``machine_code``, after the first wait for all but the last wgmma batch (``WARPGROUP.DEPBAR.LE
+    gsb0, 0x1``: the scores are ready, P·V may still run): (instructions up to the first exponential ``MUFU.EX2``,
+    whether a wait for every batch, ``DEPBAR.LE gsb0, 0x0``, comes before that exponential on its path). A wait
+    before the window's last branch belongs to another path (the rotated loop's last iteration, which has no
+    softmax), so only the waits after it count."""
+    start = next(i for i, op in enumerate(sass) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"))
+    first_exp = next(i for i in range(start, len(sass)) if "MUFU.EX2" in sass[i])
+    window = sass[start:first_exp + 1]
+    branches = [i for i, op in enumerate(window) if re.search(r"(^|\s)BRA\b", op)]
+    on_path = window[branches[-1] + 1:] if branches else window
+    return window, any(op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") for op in on_path)
