@@ -245,16 +245,3 @@ def test_the_gpu_producer_equals_pytorchs_bit_for_bit(dtype):
         assert not descales["K"][0, 1, 1].isfinite() and descales["K"].isfinite().sum() == descales["K"].numel() - 1
         with pytest.raises(ValueError, match="NaN or infinite"):
             fp8.flash_attention_fp8(q, k_bad, v)
-
-
-def test_the_wait_check_finds_the_wait_on_the_softmax_path_only():
-    """``wait_before_exponentials`` (chapter 07, section 3) on planted SASS: the wait for P·V before the first
-    exponential is found; one after it, or only on the other path of a branch (the last iteration's), is not."""
-    from course_utils.core.source import wait_before_exponentials
-
-    scores, all_done, exp = "WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "MUFU.EX2 R1, R1"
-    assert wait_before_exponentials([scores, "FMNMX R2, R3", all_done, exp])[1]
-    assert not wait_before_exponentials([scores, "FMNMX R2, R3", exp, all_done])[1]
-    assert not wait_before_exponentials([scores, "@!P0 BRA `(.L_x_1)", all_done, "BRA `(.L_x_2)", "FFMA R1", exp,
-                                         all_done])[1]
-    assert wait_before_exponentials([scores, "@!P0 BRA `(.L_x_1)", all_done, "BRA `(.L_x_2)", all_done, exp])[1]

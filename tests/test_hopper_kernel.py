@@ -283,3 +283,16 @@ def test_one_warpgroup_kernel_rejects_other_tilings():
     q = torch.randn(1, 2, 32, 16)
     with pytest.raises(ValueError, match="sm_90"):
         flash_attention(q, q, q, config=ONE_WARPGROUP_FORWARD_CONFIG)
+
+
+def test_the_wait_check_finds_the_wait_on_the_softmax_path_only():
+    """``wait_before_exponentials`` (chapter 07, section 3) on planted SASS: the wait for P·V before the first
+    exponential is found; one after it, or only on the other path of a branch (the last iteration's), is not."""
+    from course_utils.core.source import wait_before_exponentials
+
+    scores, all_done, exp = "WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "MUFU.EX2 R1, R1"
+    assert wait_before_exponentials([scores, "FMNMX R2, R3", all_done, exp])[1]
+    assert not wait_before_exponentials([scores, "FMNMX R2, R3", exp, all_done])[1]
+    assert not wait_before_exponentials([scores, "@!P0 BRA `(.L_x_1)", all_done, "BRA `(.L_x_2)", "FFMA R1", exp,
+                                         all_done])[1]
+    assert wait_before_exponentials([scores, "@!P0 BRA `(.L_x_1)", all_done, "BRA `(.L_x_2)", all_done, exp])[1]
