@@ -19,8 +19,8 @@ of two e4m3 numbers exactly. The matmuls' float32 accumulation is what the tenso
 For ``target="cuda"`` the same source declares its tiles ``float8_e4m3fn``: the two ``T.gemm`` calls become FP8
 ``wgmma`` for sm_90a, P is converted by its store into an FP8 register tile, and V arrives transposed (``[B, H_kv, D,
 S_k]``, keys contiguous), because FP8 ``wgmma`` reads only K-major operands, with its keys in ``wgmma_key_slot`` order
-within each group of 16, the order of P's columns in registers. ``api.fp8`` runs that variant on
-Hopper (chapter 12, section 8: checked against the emulation, and timed, on an H200).
+within each group of 16, the order of P's columns in registers. On Hopper ``api.fp8`` runs the tile step in
+chapter 07's persistent kernel (``flash_fwd_fp8_persistent``; chapter 12, section 8: checked, timed on an H200).
 """
 
 import math
@@ -245,7 +245,8 @@ def flash_fwd_fp8_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, caus
 
 def flash_fwd_fp8_hopper_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv=None, causal=False, sm_scale=None,
                                 v_keys=None, tiling=FP8_HOPPER_TILING, out_dtype="float32"):
-    """The FP8 forward on chapter 07's rotated loop, for sm_90a: what ``flash_attention_fp8`` runs on Hopper.
+    """The FP8 forward on chapter 07's rotated loop, for sm_90a: what ``flash_attention_fp8`` ran on Hopper before
+    ``flash_fwd_fp8_persistent_kernel`` (its ``loop="rotated"``; chapter 12's record times it beside that one).
 
     Arguments and results as ``flash_fwd_fp8_kernel(..., target="cuda")`` (Vᵀ in, keys padded to ``v_keys``). The
     arithmetic is the tile step's up to one rounding per score (``fp8_softmax_scaled``, masks on boundary tiles
