@@ -126,8 +126,7 @@ def flash_fwd_fp8_persistent_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv
                     T.mbarrier_wait_parity(q_full[0], w & 1)
                     steps = ProbabilitySteps(partial(scaled_softmax, Q_descale, K_descale, bz, by, kv_head, qb),
                                              store_scaled_p, values_transposed=True)
-                    peeled_key_loop(tb, p, tiles, barriers, it, qb, k_start, k_end, n_kb, loop_tiling,
-                                    probabilities=steps)
+                    peeled_key_loop(tb, p, tiles, barriers, it, qb, k_start, k_end, n_kb, loop_tiling, steps)
                     # region: epilogue
                     # l holds ℓ · P_SCALE; V's descale and P's scale are undone with the division by ℓ.
                     for i in T.Parallel(block_M):

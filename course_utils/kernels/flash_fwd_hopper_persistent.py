@@ -47,8 +47,8 @@ from .tiles import TileBackend
 __all__ = ["flash_fwd_hopper_persistent_kernel", "tile_count", "tile_order", "tiles_per_block", "tile_index",
            "persistent_schedule", "evaluated_walk", "evaluate", "launched_blocks", "H100_SMS", "peeled_key_loop",
            "ConsumerTiles", "ConsumerBarriers", "stage_barriers", "produce_tiles", "load_dense_keys",
-           "first_turn", "LoopTiling", "SoftmaxPieces", "ProbabilitySteps", "values_by_v", "SHIPPED_SOFTMAX",
-           "PersistentTiling", "PersistentPieces", "SHIPPED_PIECES", "SHIPPED_TILING"]
+           "first_turn", "LoopTiling", "SoftmaxPieces", "ProbabilitySteps", "online_probabilities", "values_by_v",
+           "SHIPPED_SOFTMAX", "PersistentTiling", "PersistentPieces", "SHIPPED_PIECES", "SHIPPED_TILING"]
 
 H100_SMS = 132  # multiprocessors of an H100 SXM5: one persistent block each
 _TURN_BARRIER = 8  # named barriers 8, 9, 10: one per consumer warpgroup (TileLang uses the low ids)
@@ -253,20 +253,36 @@ SHIPPED_SOFTMAX = SoftmaxPieces()
 
 
 class ProbabilitySteps(NamedTuple):
-    """Another softmax and P for ``peeled_key_loop`` (chapter 12's FP8 forward): ``softmax(tiles, kb)`` turns the
+    """What ``peeled_key_loop`` does between a key block's scores and its P·V: ``softmax(tiles, kb)`` turns the
     masked raw scores of key block ``kb`` in ``tiles.S`` into P's values and updates the row statistics;
     ``store_p(S, P)`` writes them into P; ``values_transposed``: the V stages hold Vᵀ [D, keys] (FP8 ``wgmma``
-    reads B K-major only)."""
+    reads B K-major only). ``online_probabilities`` gives the 16-bit forwards'; chapter 12's FP8 forward has its own."""
 
     softmax: object
     store_p: object
     values_transposed: bool
 
 
+def online_probabilities(tb, p, tiling, softmax=SHIPPED_SOFTMAX):
+    """The 16-bit forwards' ``ProbabilitySteps``: ``online_softmax`` (with ``softmax``'s swapped steps, chapter 07's
+    ablation; ``SHIPPED_SOFTMAX``: none), P a copy of S in the inputs' dtype, V as it is stored."""
+
+    def online_step(tiles, kb):  # calls the macro itself: a macro of its own would rename the loop variable kb
+        online_softmax(tb, tiles.S, tiles.m, tiles.m_prev, tiles.shift, tiles.alpha, tiles.row_sum, tiles.l,
+                       tiling.block_M, tiling.block_N, p.scale_log2, exp2=softmax.exp2,
+                       add_row_sums=softmax.add_row_sums, row_parts=softmax.row_parts)
+
+    @T.macro
+    def copy_p(S, P):
+        T.copy(S, P)
+
+    return ProbabilitySteps(online_step, copy_p, values_transposed=False)
+
+
 @T.macro
 def values_by_v(tiles, v_stage, probabilities):
-    """Issue ``acc_o += P · V`` on V's stage ``v_stage`` (Vᵀ's for an FP8 ``probabilities``)."""
-    if probabilities is not None and probabilities.values_transposed:
+    """Issue ``acc_o += P · V`` on V's stage ``v_stage`` (Vᵀ's where ``probabilities`` say so)."""
+    if probabilities.values_transposed:
         T.wgmma_gemm(tiles.P, tiles.V_s[v_stage, :, :], tiles.acc_o, transpose_B=True,
                      policy=T.GemmWarpPolicy.FullRow)
     else:
@@ -274,14 +290,14 @@ def values_by_v(tiles, v_stage, probabilities):
 
 
 @T.macro
-def peeled_key_loop(tb, p, tiles, barriers, it: T.Ref, qb, k_start, k_end, n_kb, tiling, softmax=SHIPPED_SOFTMAX,
-                    score_step=None, probabilities=None):
+def peeled_key_loop(tb, p, tiles, barriers, it: T.Ref, qb, k_start, k_end, n_kb, tiling, probabilities,
+                    score_step=None):
     """The consumers' rotated loop over one tile's key blocks, peeled: the first QKᵀ and softmax before
     the loop, the last P·V after it (shared by the dense, the packed, the flex and the FP8 persistent forwards).
 
     ``score_step(S, step)``: what happens to the raw scores of the loop's ``step``-th key block before the
-    softmax (flex: its modifiers); None: ``mask_scores`` of key block ``k_start + step``.
-    ``probabilities``: a ``ProbabilitySteps`` for another softmax and P (FP8); None: ``online_softmax``, P a copy."""
+    softmax (flex: its modifiers); None: ``mask_scores`` of key block ``k_start + step``. ``probabilities``: a
+    ``ProbabilitySteps``, the softmax and P (``online_probabilities``, or chapter 12's FP8 steps)."""
     # The first key block: scores and softmax only.
     stage = it % tiling.num_stages
     T.mbarrier_wait_parity(barriers.k_full[stage], (it // tiling.num_stages) & 1)
@@ -297,15 +313,10 @@ def peeled_key_loop(tb, p, tiles, barriers, it: T.Ref, qb, k_start, k_end, n_kb,
         mask_scores(tb, p, tiles.S, qb, T.max(T.min(k_start, n_kb - 1), 0), tiling.block_M, tiling.block_N)
     else:
         score_step(tiles.S, 0)
-    if probabilities is None:
-        online_softmax(tb, tiles.S, tiles.m, tiles.m_prev, tiles.shift, tiles.alpha, tiles.row_sum, tiles.l,
-                       tiling.block_M, tiling.block_N, p.scale_log2, exp2=softmax.exp2,
-                       add_row_sums=softmax.add_row_sums, row_parts=softmax.row_parts)
-        T.copy(tiles.S, tiles.P)
-    else:
-        probabilities.softmax(tiles, T.max(T.min(k_start, n_kb - 1), 0))
-        probabilities.store_p(tiles.S, tiles.P)
-    # Each step: QKᵀ of block j and P·V of block j - 1 in flight, softmax of block j under P·V.
+    probabilities.softmax(tiles, T.max(T.min(k_start, n_kb - 1), 0))
+    probabilities.store_p(tiles.S, tiles.P)
+    # Each step: QKᵀ of block j and P·V of block j - 1 in flight, then softmax of block j (ptxas waits for the
+    # P·V before its exponentials: chapter 07, section 3).
     for j in T.serial(1, T.max(k_end - k_start, 1)):
         k_stage, v_stage = (it + 1) % tiling.num_stages, it % tiling.num_stages
         T.mbarrier_wait_parity(barriers.k_full[k_stage], ((it + 1) // tiling.num_stages) & 1)
@@ -323,20 +334,12 @@ def peeled_key_loop(tb, p, tiles, barriers, it: T.Ref, qb, k_start, k_end, n_kb,
             mask_scores(tb, p, tiles.S, qb, k_start + j, tiling.block_M, tiling.block_N)
         else:
             score_step(tiles.S, j)
-        if probabilities is None:
-            online_softmax(tb, tiles.S, tiles.m, tiles.m_prev, tiles.shift, tiles.alpha, tiles.row_sum, tiles.l,
-                           tiling.block_M, tiling.block_N, p.scale_log2, exp2=softmax.exp2,
-                           add_row_sums=softmax.add_row_sums, row_parts=softmax.row_parts)
-        else:
-            probabilities.softmax(tiles, k_start + j)
+        probabilities.softmax(tiles, k_start + j)
         T.wait_wgmma(0)
         T.mbarrier_arrive(barriers.v_empty[v_stage])
         for i, d in T.Parallel(tiling.block_M, p.dim):
             tiles.acc_o[i, d] *= tiles.alpha[i]
-        if probabilities is None:
-            T.copy(tiles.S, tiles.P)
-        else:
-            probabilities.store_p(tiles.S, tiles.P)
+        probabilities.store_p(tiles.S, tiles.P)
         it = it + 1
     T.mbarrier_arrive(barriers.q_empty[0])  # the producer may load the next tile's Q
     # The last key block: P·V only.
@@ -479,7 +482,8 @@ def flash_fwd_hopper_persistent_kernel(
 
                 # region: peeled loop
                 peeled_key_loop(tb, p, tiles, barriers, it, qb, k_start, k_end, n_kb, tiling,
-                                SoftmaxPieces(exp2, add_row_sums, l_part), score_step(block_mask, bz, by, qb))
+                                online_probabilities(tb, p, tiling, SoftmaxPieces(exp2, add_row_sums, l_part)),
+                                score_step(block_mask, bz, by, qb))
                 # endregion
                 if row_sums is not None:
                     row_sums.finish(l_part, l)

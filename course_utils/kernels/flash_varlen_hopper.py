@@ -20,6 +20,7 @@ from .flash_fwd_hopper_persistent import (
     ConsumerTiles,
     LoopTiling,
     first_turn,
+    online_probabilities,
     peeled_key_loop,
     produce_key_blocks,
     stage_barriers,
@@ -242,7 +243,8 @@ def flash_varlen_fwd_persistent_kernel(heads, dim, *, heads_kv=None, causal=Fals
                         T.mbarrier_wait_parity(q_full[0], done & 1)
 
                         # region: peeled loop (chapter 07's)
-                        peeled_key_loop(tb, p, tiles, barriers, it, qb, k_start, k_end, n_kb, tiling)
+                        peeled_key_loop(tb, p, tiles, barriers, it, qb, k_start, k_end, n_kb, tiling,
+                                        online_probabilities(tb, p, tiling))
                         # endregion
 
                         # region: guarded epilogue, from registers
