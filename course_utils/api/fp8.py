@@ -162,8 +162,6 @@ def _compiled_gpu(problem, loop, out_dtype):
     tiles = dict(block_M=FP8_GPU_TILE, block_N=FP8_GPU_TILE, v_keys=v_keys, out_dtype=DTYPE_NAMES[out_dtype])
     if loop == "persistent":
         return compiled(FP8["flash_fwd_fp8_persistent"], problem, **tiles)
-    if loop == "persistent_alone":  # the warpgroups issue as they come (chapter 07's ablation of ping-pong)
-        return compiled(FP8["flash_fwd_fp8_persistent"], problem, pingpong=False, **tiles)
     if loop == "rotated":
         return compiled(FP8["flash_fwd_fp8_hopper"], problem, **tiles)
     return compiled(FP8["flash_fwd_fp8"], problem, threads=256, num_stages=2, **tiles)

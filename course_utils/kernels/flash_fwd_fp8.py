@@ -120,6 +120,7 @@ def fp8_softmax_scaled(block_M, block_N, exp2=None):
     folded into the shift (``m − 8``), so P needs no multiply before its rounding. ℓ sums P · P_SCALE, exactly
     P_SCALE times ℓ (a power of two); the epilogue divides by it alone. ``exp2(x, column)``: the exponential of
     score column ``column`` (None: ``T.exp2``, the SFU's), as ``online_softmax`` takes it."""
+    exponential = exp2 or (lambda x, column: T.exp2(x))
 
     @T.macro
     def softmax(S, exponent_scale, m, m_prev, alpha, shift, l, row_max, row_sum):
@@ -129,12 +130,8 @@ def fp8_softmax_scaled(block_M, block_N, exp2=None):
             m[i] = T.max(m_prev[i], row_max[i] * exponent_scale)
             alpha[i] = T.if_then_else(m[i] == NEG_INF, 1, T.exp2(m_prev[i] - m[i]))
             shift[i] = T.if_then_else(m[i] == NEG_INF, 0, m[i] - P_SCALE_LOG2)  # masked scores stay -inf: P = 0
-        if exp2 is None:
-            for i, j in T.Parallel(block_M, block_N):
-                S[i, j] = T.exp2(S[i, j] * exponent_scale - shift[i])
-        else:
-            for i, j in T.Parallel(block_M, block_N):
-                S[i, j] = exp2(S[i, j] * exponent_scale - shift[i], j)
+        for i, j in T.Parallel(block_M, block_N):
+            S[i, j] = exponential(S[i, j] * exponent_scale - shift[i], j)
         T.reduce_sum(S, row_sum, dim=1)
         for i in T.Parallel(block_M):
             l[i] = l[i] * alpha[i] + row_sum[i]
