@@ -156,3 +156,22 @@ def test_forward_without_gradients_skips_autograd_and_agrees():
     assert torch.equal(plain, tracked.detach())
     with torch.no_grad():
         assert flash_attention(*leaves, causal=True, sinks=sinks).grad_fn is None
+
+
+def test_rows_put_in_front_change_no_gradient():
+    """The deterministic backward runs a shape whose kernel ptxas cannot compile with query rows put in front
+    (``backward_with_rows_in_front``). Here on the CPU, with a causal window, sinks and a gradient on the LSE:
+    those rows (dO = 0, LSE = +∞) leave dQ, dK, dV and the sinks' gradient as they were."""
+    from course_utils.api.attention import attention_backward, backward_with_rows_in_front
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, s, 16, generator=g) for s in (5, 9, 9))
+    sinks, d_lse = torch.randn(2, generator=g), torch.randn(1, 2, 5, generator=g)
+    d_out = torch.randn(1, 2, 5, 16, generator=g)
+    options = dict(causal=True, window_size=4, sinks=sinks)
+    out, lse = flash_attention(q, k, v, return_lse=True, **options)
+    plain = attention_backward(q, k, v, out, lse, d_out, d_lse=d_lse, **options)
+    padded = backward_with_rows_in_front(11, q, k, v, out, lse, d_out, d_lse=d_lse, **options)
+    for name, a, b in zip(("dQ", "dK", "dV", "dsinks"), plain, padded):
+        assert a.shape == b.shape, name
+        check_close(b, a, name, atol=1e-5, rtol=1e-5)

@@ -116,6 +116,18 @@ def test_backward_of_a_few_queries_compiles_and_is_right(seq_q, seq_k, causal, d
     check_backward(q, k, v, d_out, grads, causal=causal)
 
 
+def test_deterministic_backward_runs_where_its_kernel_does_not_compile():
+    """At S_q = 2 (D = 128, bf16, causal, a 34-key window; found by the correctness gate on an H200) ptxas cannot
+    allocate the deterministic kernel's registers even with 64-row query blocks: the backward runs it with query
+    rows put in front (``backward_with_rows_in_front``), right and still bitwise reproducible."""
+    q = torch.randn(1, 2, 2, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 35, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    d_out = torch.randn_like(q)
+    runs = [_grads(q, k, v, d_out, causal=True, window_size=34, deterministic=True) for _ in range(2)]
+    check_backward(q, k, v, d_out, runs[0], causal=True, window_size=34, name="deterministic, rows in front")
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_chapter04_kernel_at_full_size(causal):
     """On Hopper the default is chapter 07's kernel; chapter 04's tuned kernel must stay correct too."""

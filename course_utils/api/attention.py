@@ -9,6 +9,7 @@ would run on given inputs, and ``attention_backward`` is its backward pass as a 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -251,9 +252,11 @@ def _registers_ran_out(exc):
 
 def _compile_main(row, problem, config, deterministic):
     """The backward's main kernel. ptxas fails to allocate chapter 08's kernel's registers at a few tiny query
-    counts (S_q = 1, 3 or 6 at D = 128 among those tried; 4, 8, 32 and 64 compile): there it is built with 64-row
+    counts (S_q = 1, 2, 3 or 6 at D = 128 among those tried; 4, 8, 32 and 64 compile): there it is built with 64-row
     query blocks, and failing that the default backward runs chapter 05's kernel, which takes the same arguments
-    and computes the same gradients (the deterministic one has no such second choice: a clear error)."""
+    and computes the same gradients. The deterministic one has no such second choice: it raises
+    ``DeterministicRegistersError``, and ``attention_backward`` runs it with rows in front of the queries
+    (``backward_with_rows_in_front``)."""
     options = dict(deterministic=deterministic) if row.deterministic else {}
     try:
         return compiled(row, problem, config, **options)
@@ -267,10 +270,15 @@ def _compile_main(row, problem, config, deterministic):
         if not _registers_ran_out(exc):
             raise
     if deterministic:
-        raise ValueError(f"deterministic=True: ptxas cannot allocate the registers of chapter 08's deterministic "
-                         f"backward at S_q={problem.seq_q}, S_k={problem.seq_k}, D={problem.dim} ({problem.dtype}); "
-                         "the default backward runs this shape") from failure
+        raise DeterministicRegistersError(
+            f"deterministic=True: ptxas cannot allocate the registers of chapter 08's deterministic backward at "
+            f"S_q={problem.seq_q}, S_k={problem.seq_k}, D={problem.dim} ({problem.dtype}); the default backward "
+            "runs this shape") from failure
     return compiled(backward_row(TUNED_BACKWARD_CONFIG), problem, TUNED_BACKWARD_CONFIG)
+
+
+class DeterministicRegistersError(ValueError):
+    """ptxas could not compile the deterministic backward's kernel for this shape (``_compile_main``)."""
 
 
 def forward_kernel(q, k, *, causal=False, window_size=None, has_sinks=False, sm_scale=None, config=None):
@@ -306,8 +314,16 @@ def attention_backward(q, k, v, out, lse, d_out, *, d_lse=None, causal=False, wi
     ``deterministic``: bitwise-reproducible gradients (chapter 08; Hopper only): no float atomics,
     every gradient summed in a fixed order, at the price of recomputing S and dP for dQ.
     """
-    kernels = backward_kernels(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale, config=config,
-                               deterministic=deterministic)
+    try:
+        kernels = backward_kernels(q, k, causal=causal, window_size=window_size, sm_scale=sm_scale, config=config,
+                                   deterministic=deterministic)
+    except DeterministicRegistersError:
+        rows = -(-q.shape[2] // QUERY_PADDING) * QUERY_PADDING - q.shape[2]
+        if not rows:
+            raise
+        return backward_with_rows_in_front(rows, q, k, v, out, lse, d_out, d_lse=d_lse, causal=causal,
+                                           window_size=window_size, sinks=sinks, sm_scale=sm_scale, config=config,
+                                           deterministic=deterministic)
     # region: three kernels
     d_out = d_out.contiguous()
     delta = kernels.preprocess(out, d_out)
@@ -338,6 +354,26 @@ def attention_backward(q, k, v, out, lse, d_out, *, d_lse=None, causal=False, wi
         d_sinks = -(p_sink * delta).sum(dim=(0, 2))
     # endregion
     return dq, dk, dv, d_sinks
+
+
+# The deterministic backward's kernel fails ptxas's register allocation at a few small query counts (1, 2, 3, 6
+# at D = 128 among those tried); a multiple of 64 queries compiles, so such a problem runs with rows put in front.
+QUERY_PADDING = 64
+
+
+def backward_with_rows_in_front(rows, q, k, v, out, lse, d_out, *, d_lse=None, **options):
+    """``attention_backward`` run with ``rows`` query rows put in front of the given ones, and their gradients
+    dropped. The rows change nothing: their dO is 0, so their dP and Δ are 0 and they add nothing to dK, dV or
+    the sinks' gradient (their LSE is +∞ as well, so that each of their probabilities is exp(S − ∞) = 0 outright).
+    In front, they leave the given rows' places relative to the last key, where a causal mask and a window are
+    aligned, as they were."""
+    def in_front(x, value=0.0):
+        return torch.cat([x.new_full((*x.shape[:2], rows, *x.shape[3:]), value), x], dim=2)
+
+    dq, dk, dv, d_sinks = attention_backward(in_front(q), k, v, in_front(out), in_front(lse, math.inf),
+                                             in_front(d_out), d_lse=None if d_lse is None else in_front(d_lse),
+                                             **options)
+    return dq[:, :, rows:], dk, dv, d_sinks
 
 
 class _ForwardPlan(NamedTuple):
