@@ -141,22 +141,31 @@ def test_the_persistent_kernel_lowers_to_fp8_wgmma_with_turns_and_compiles(causa
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
 
 
-def test_the_exponential_split_lowers_without_a_mask_and_not_with_the_causal_one():
+def test_the_exponential_split_lowers_with_and_without_the_causal_mask():
     """The FP8 persistent kernel takes the softmax's exponential as a piece (``exp2``; chapter 12's A/B
-    ``fp8_poly_exp2_h200`` times FlashAttention-4's split with it): without a mask 4 of 16 column groups by the
-    polynomial lowers (its rounding constant is in the code, the SFU's exp2 too); with the causal mask TileLang 0.1.15
-    refuses a partial split at this shape (``docs/tilelang_notes.md``)."""
-    from course_utils.core.source import cuda_source, lowering_error
+    ``fp8_poly_exp2_h200`` times FlashAttention-4's split with it): 4 of 16 column groups by the polynomial lowers
+    (its rounding constant is in the code, the SFU's exp2 too), with the causal mask too since the kernel reads Q's
+    descale once a tile (before, TileLang 0.1.15's ThreadSync refused the causal split at this shape)."""
+    from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_fwd_fp8_persistent import flash_fwd_fp8_persistent_kernel
     from course_utils.kernels.versions.flash_fwd_hopper_versions import exp2_poly_share
 
-    def kernel(causal, n):  # the A/B's shape: smaller problems (B = 1, H = 4) lower with the mask too
-        return flash_fwd_fp8_persistent_kernel(4, 16, 4096, 4096, 128, causal=causal, v_keys=4096,
-                                               out_dtype="bfloat16", exp2=exp2_poly_share(n, degree=4))
+    for causal in (False, True):  # the A/B's shape
+        source = cuda_source(flash_fwd_fp8_persistent_kernel(4, 16, 4096, 4096, 128, causal=causal, v_keys=4096,
+                                                             out_dtype="bfloat16", exp2=exp2_poly_share(4, degree=4)),
+                             arch="sm_90a")
+        assert "0x1.0001p+23" in source and "exp2f(" in source  # the polynomial's rounding add (2^23 + 2^7), the SFU
 
-    source = cuda_source(kernel(False, 4), arch="sm_90a")
-    assert "0x1.0001p+23" in source and "exp2f(" in source  # the polynomial's rounding add (2^23 + 2^7), the SFU
-    assert "ThreadSync" in (lowering_error(kernel(True, 4)) or "")
+
+def test_the_persistent_kernel_lowers_causal_tiles_of_one_fold():
+    """129 to 255 causal queries: the folded walk's query block is a select on the tile counter, and reading Q's
+    descale at it in every key step made TileLang 0.1.15's ThreadSync refuse the kernel ("a divergent region with
+    255 participating threads"; the correctness gate found it). Read once a tile, it lowers."""
+    from course_utils.core.source import lowering_error
+    from course_utils.kernels.flash_fwd_fp8_persistent import flash_fwd_fp8_persistent_kernel
+
+    assert lowering_error(flash_fwd_fp8_persistent_kernel(1, 2, 129, 129, 128, causal=True, v_keys=144,
+                                                          out_dtype="bfloat16")) is None
 
 
 def _score_to_p_kernel(slot):
@@ -201,9 +210,9 @@ def test_the_gpu_producer_kernels_lower_for_sm90a_without_spills():
     """The producer step's two kernels (``kernels.fp8_producer``) lower for sm_90a and ptxas compiles them without
     spills; the GPU test below checks their values bit for bit against PyTorch's producer."""
     from course_utils.core.source import cuda_source, ptxas_report
-    from course_utils.kernels.fp8_producer import quantise_rows_kernel, quantise_transposed_kernel
+    from course_utils.kernels.fp8_producer import quantise_inputs_kernel, quantise_transposed_kernel
 
-    for kernel in (quantise_rows_kernel(2, 4, 300, 128), quantise_transposed_kernel(2, 4, 300, 128, 304)):
+    for kernel in (quantise_inputs_kernel(2, 4, 2, 300, 200, 128), quantise_transposed_kernel(2, 2, 200, 128, 208)):
         source = cuda_source(kernel, arch="sm_90a")
         assert "__NV_E4M3" in source or "fp8_e4_t" in source
         report = ptxas_report(source)
@@ -238,10 +247,13 @@ def test_the_gpu_producer_equals_pytorchs_bit_for_bit(dtype):
     # The kernel's key order: keys 200..207 (padding, zero) sit in the slots that wgmma_key_slot gives them
     padding = [wgmma_key_slot(j) for j in range(200, 208)]
     assert v_keys_major.shape == (2, 2, 128, 208) and not v_keys_major[..., padding].float().any()
-    for bad in (float("nan"), float("inf")):
-        k_bad = k.clone()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        k_bad, v_bad = k.clone(), v.clone()
         k_bad[0, 1, 150, 3] = bad
-        _, descales, _ = fp8._quantise(q, k_bad, v, False, 0)
+        v_bad[1, 0, 199, 127] = bad  # V's last key, in its last (partial) block
+        _, descales, _ = fp8._quantise(q, k_bad, v_bad, False, 0)
         assert not descales["K"][0, 1, 1].isfinite() and descales["K"].isfinite().sum() == descales["K"].numel() - 1
-        with pytest.raises(ValueError, match="NaN or infinite"):
-            fp8.flash_attention_fp8(q, k_bad, v)
+        assert not descales["V"][1, 0].isfinite() and descales["V"].isfinite().sum() == descales["V"].numel() - 1
+        for inputs in ((q, k_bad, v), (q, k, v_bad)):
+            with pytest.raises(ValueError, match="NaN or infinite"):
+                fp8.flash_attention_fp8(*inputs)

@@ -167,15 +167,23 @@ def _compiled_gpu(problem, loop, out_dtype):
     return compiled(FP8["flash_fwd_fp8"], problem, threads=256, num_stages=2, **tiles)
 
 
-def _compiled_producer(x, keys_major):
-    """The GPU producer kernel for ``x``: Q or K per tile, or (``keys_major``) V transposed and padded."""
-    batch, heads, seq, dim = x.shape
-    problem = AttentionProblem(heads=heads, heads_kv=heads, dim=dim, dtype=DTYPE_NAMES[x.dtype], target="cuda",
-                               sm_scale=1.0, batch=batch, seq_q=seq, seq_k=seq)
-    if keys_major:
-        return compiled(FP8["fp8_quantise_keys_major"], problem, block=FP8_GPU_TILE,
-                        padded_seq=-(-seq // V_KEY_ALIGN) * V_KEY_ALIGN)
-    return compiled(FP8["fp8_quantise_rows"], problem, block=FP8_GPU_TILE)
+def _producer_problem(q, k):
+    """The producer kernels' problem: Q's and K's shapes, in Q's dtype."""
+    return AttentionProblem(heads=q.shape[1], heads_kv=k.shape[1], dim=q.shape[-1], dtype=DTYPE_NAMES[q.dtype],
+                            target="cuda", sm_scale=1.0, batch=q.shape[0], seq_q=q.shape[2], seq_k=k.shape[2])
+
+
+def _compiled_producer(q, k, v):
+    """The GPU producer kernel of Q and K per tile and V's largest magnitudes (V may have another dtype than Q and
+    K: they are float32 after the Hadamard rotation)."""
+    return compiled(FP8["fp8_quantise_inputs"], _producer_problem(q, k), block=FP8_GPU_TILE,
+                    v_dtype=DTYPE_NAMES[v.dtype])
+
+
+def _compiled_transposer(v):
+    """The GPU producer kernel of V, transposed and padded."""
+    return compiled(FP8["fp8_quantise_keys_major"], _producer_problem(v, v), block=FP8_GPU_TILE,
+                    padded_seq=-(-v.shape[2] // V_KEY_ALIGN) * V_KEY_ALIGN)
 
 
 def keys_in_order(v_keys_major, seq_k):
@@ -184,13 +192,14 @@ def keys_in_order(v_keys_major, seq_k):
 
 
 def _quantise_on_gpu(q, k, v):
-    """The producer step as two kernels that read each input once (``kernels.fp8_producer``): ((q8, k8, None),
+    """The producer step as two kernels (``kernels.fp8_producer``): the first reads Q, K and V once and leaves V's
+    largest magnitude per head, the second reads V again and writes it key-major. Returns ((q8, k8, None),
     descales, V's values key-major [B, H_kv, D, S_k padded] in the kernel's key order, what the kernel reads).
     V's values in key order are not made here: the kernel does not read them (``keys_in_order`` gives them)."""
-    (q8, q_descale), (k8, k_descale) = (_compiled_producer(x, False)(x.contiguous()) for x in (q, k))
-    amax = torch.linalg.vector_norm(v, ord=math.inf, dim=(-1, -2), dtype=torch.float32)  # NaN stays NaN
-    v_descale = _descale_of(amax)
-    v_keys_major = _compiled_producer(v, True)(v.contiguous(), v_descale)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    v_largest = torch.zeros(v.shape[:2], dtype=torch.int32, device=v.device)  # float32 bits, for an atomic max
+    q8, q_descale, k8, k_descale = _compiled_producer(q, k, v)(q, k, v, v_largest)
+    v_keys_major, v_descale = _compiled_transposer(v)(v, v_largest)
     return (q8, k8, None), dict(Q=q_descale, K=k_descale, V=v_descale), v_keys_major
 
 

@@ -48,7 +48,7 @@ from ..kernels.flash_varlen_hopper import (
     flash_varlen_bwd_hopper_kernel,
     flash_varlen_fwd_persistent_kernel,
 )
-from ..kernels.fp8_producer import quantise_rows_kernel, quantise_transposed_kernel
+from ..kernels.fp8_producer import quantise_inputs_kernel, quantise_transposed_kernel
 from ..kernels.tiles import Tiling, compile_kernel
 
 __all__ = ["KernelRow", "FORWARD", "BACKWARD", "PACKED_FORWARD", "PACKED_BACKWARD", "DECODE", "HELPERS", "FP8",
@@ -106,8 +106,14 @@ def _fp8_layout(problem):
 
 
 def _producer_layout(problem):
-    """The FP8 producer's: one input tensor [batch, heads, seq_q, dim] and its dtype."""
-    return dict(batch=problem.batch, heads=problem.heads, seq=problem.seq_q, dim=problem.dim, dtype=problem.dtype)
+    """The FP8 producer's: Q's, K's and V's shapes and their dtype."""
+    return dict(zip(("batch", "heads", "seq_q", "seq_k", "dim"), problem.shape), heads_kv=problem.heads_kv,
+                dtype=problem.dtype)
+
+
+def _transposed_layout(problem):
+    """The FP8 producer of V's: V's shape and its dtype."""
+    return dict(batch=problem.batch, heads=problem.heads_kv, seq=problem.seq_k, dim=problem.dim, dtype=problem.dtype)
 
 
 # The rows are keys of the one compile cache (``api.compiled``): a row is hashed by identity.
@@ -296,10 +302,11 @@ FP8 = {row.name: row for row in (
     KernelRow("flash_fwd_fp8_persistent", flash_fwd_fp8_persistent_kernel, (6, 7),
               "chapter 12's FP8 forward on chapter 07's persistent kernel", hopper_only=True, on_cpu=False,
               layout=_fp8_layout, per_device=_sm_count, tiling=PersistentTiling),
-    KernelRow("fp8_quantise_rows", quantise_rows_kernel, (1, 2), "chapter 12's FP8 producer of Q and K",
-              hopper_only=True, on_cpu=False, layout=_producer_layout, fast_math=False),
-    KernelRow("fp8_quantise_keys_major", quantise_transposed_kernel, (2,), "chapter 12's FP8 producer of V",
-              hopper_only=True, on_cpu=False, layout=_producer_layout, fast_math=False),
+    KernelRow("fp8_quantise_inputs", quantise_inputs_kernel, (4, 5, 6, 7),
+              "chapter 12's FP8 producer of Q and K, and of V's largest magnitude", hopper_only=True, on_cpu=False,
+              layout=_producer_layout, fast_math=False),
+    KernelRow("fp8_quantise_keys_major", quantise_transposed_kernel, (2, 3), "chapter 12's FP8 producer of V",
+              hopper_only=True, on_cpu=False, layout=_transposed_layout, fast_math=False),
 )}
 
 # Chapter 11's flex kernels (``flex_attention``): the forward on chapter 03's loop or chapter 07's rotated loop, the

@@ -75,9 +75,9 @@ def flash_fwd_fp8_persistent_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv
     loop_tiling = LoopTiling(block_M, block_N, num_stages, pingpong)
 
     @T.macro
-    def scaled_softmax(Q_descale, K_descale, bz, by, kv_head, qb, tiles, kb):
+    def scaled_softmax(q_descale, K_descale, bz, kv_head, tiles, kb):
         # row_sum doubles as the row max: the max is used up before the sum is written
-        softmax(tiles.S, Q_descale[bz, by, qb] * K_descale[bz, kv_head, kb] * p.scale_log2, tiles.m,
+        softmax(tiles.S, q_descale * K_descale[bz, kv_head, kb] * p.scale_log2, tiles.m,
                 tiles.m_prev, tiles.alpha, tiles.shift, tiles.l, tiles.row_sum, tiles.row_sum)
 
     @T.prim_func
@@ -100,6 +100,9 @@ def flash_fwd_fp8_persistent_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv
             q_full, barriers = stage_barriers(threads, num_stages)
             k_full, v_full = barriers.k_full, barriers.v_full
             it = T.alloc_var("int32", init=0)  # key blocks passed so far, over all tiles of this block
+            # Q's descale, read once a tile. (Read in every step, TileLang 0.1.15's ThreadSync failed to lower some
+            # causal shapes of 129-255 queries: "a divergent region with 255 participating threads".)
+            q_descale = T.alloc_var(f32)
             tiles = ConsumerTiles(Q_s, K_s, V_s, S, P, acc_o, m, m_prev, shift, alpha, row_sum, l)
 
             if T.get_thread_binding() < 128:
@@ -123,8 +126,9 @@ def flash_fwd_fp8_persistent_kernel(batch, heads, seq_q, seq_k, dim, *, heads_kv
                     T.fill(acc_o, 0)
                     T.fill(l, 0)
                     T.fill(m, NEG_INF)
+                    q_descale = Q_descale[bz, by, qb]
                     T.mbarrier_wait_parity(q_full[0], w & 1)
-                    steps = ProbabilitySteps(partial(scaled_softmax, Q_descale, K_descale, bz, by, kv_head, qb),
+                    steps = ProbabilitySteps(partial(scaled_softmax, q_descale, K_descale, bz, kv_head),
                                              store_scaled_p, values_transposed=True)
                     peeled_key_loop(tb, p, tiles, barriers, it, qb, k_start, k_end, n_kb, loop_tiling, steps)
                     # region: epilogue
