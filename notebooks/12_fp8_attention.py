@@ -475,10 +475,12 @@ else:
 # of what such score errors and P V's sum can move. The correctness gate draws FP8 problems on the GPU too
 # (`docs/proof_gate.md`).
 #
-# The producer step runs on the GPU as two TileLang kernels of its own (`kernels/fp8_producer.py`): one reads Q or
-# K once and writes its e4m3 values and one descale per 128 rows; the other writes V's values key-major, padded to
-# 16 keys, in `wgmma_key_slot` order: the layout FP8 `wgmma` reads, in the order of P's columns. Compiled without fast math, they equal the CPU's PyTorch producer bit for
-# bit (`tests/test_fp8.py` checks it on the GPU). The "FP8 kernel" rows time the attention kernel alone on inputs
+# The producer step runs on the GPU as two TileLang kernels of its own (`kernels/fp8_producer.py`). The first is one
+# launch that reads Q, K and V once: it writes Q's and K's e4m3 values with one descale per 128 rows, and leaves
+# each V head's largest magnitude (an integer atomic max on the float's bits). The second reads V again and writes
+# its values key-major, padded to 16 keys, in `wgmma_key_slot` order: the layout FP8 `wgmma` reads, in the order of
+# P's columns. Compiled without fast math, they equal the CPU's PyTorch producer bit for bit (`tests/test_fp8.py`
+# checks it on the GPU). The "FP8 kernel" rows time the attention kernel alone on inputs
 # the producer made beforehand; the "FP8 (API)" rows time `flash_attention_fp8`, producer included.
 #
 # The peers ran on the same inputs in the same run:
@@ -583,8 +585,9 @@ if levers is not None:
 # 224 keys per step (its consumer warpgroups get 240 registers, so none of them spills) against 128, K quantised per
 # key block of that size; and FlashAttention-4's split of the exponentials (chapter 07's version 20): 2, 4, 6 or 8
 # of every 16 groups of score columns by a polynomial on the FP32 units instead of the SFU, without a mask (with the
-# causal mask TileLang 0.1.15 refuses to lower a partial split at these sizes). If the SFU were what the softmax waits
-# for, moving exponentials off it would help; the claims say it does not:
+# causal mask a partial split did not lower at these sizes when this A/B ran; it does since the kernel reads Q's
+# descale once a tile, not timed yet). If the SFU were what the softmax waits for, moving exponentials off it would
+# help; the claims say it does not:
 
 # %%
 def versus(record, after, before, what, says):
@@ -610,11 +613,28 @@ if poly is not None:
         versus(poly, f"poly{n}", "poly0", f"{n} in 16 exponentials by a polynomial against none", says)
 
 # %% [markdown]
+# The producer step had a kernel for Q, one for K, a PyTorch reduction for V's largest magnitude and PyTorch
+# arithmetic for its descale. Now it is one launch for Q, K and V's largest magnitude, then V's kernel, which
+# computes its own descale. An A/B in the batch of the record above, outputs compared bit for bit first:
+
+# %%
+producer = cu.bench.stored_record("fp8_producer_one_launch_h200")
+if producer is not None:
+    timed = {(r["seq"], r["impl"]): r for r in producer["results"]["rows"]}
+    for after, before, what in (("producer_new", "producer_old", "the producer step in one launch"),
+                                ("public_new", "public_old", "the public call with it"),
+                                ("public_new_causal", "public_old_causal", "the causal public call with it")):
+        cu.claim_versus(f"{what} against before",
+                        {f"{s // 1024}k": cu.speed_ratio(timed[s, after], timed[s, before]) for s in (4096, 8192)},
+                        says="ahead")
+
+# %% [markdown]
 # The kernel alone now runs ahead of the course's bf16 forward and of FlashAttention-4's in every case, and ahead of
 # cuDNN's FP8 or level with it (the claims of the record above), yet short of its target (the second claim of the
-# record). The public call is the one to fix next: it runs behind the bf16 forward or level with it (the sixth
-# claim), because the producer step, which quantises Q, K and V on every call, now costs a
-# large share of the kernel's own time (the last claim of the record). What FlashAttention-3 does beyond this kernel:
+# record). The public call is the one to fix next: even with the producer step in one launch it runs level with the
+# bf16 forward or behind it (the sixth claim), because that step, which quantises Q, K and V on every call, still
+# costs a large share of the kernel's own time (the last claim of the record). What FlashAttention-3 does beyond
+# this kernel:
 # - larger key tiles (its heuristic takes 128 × 224 at D = 128 in FP8). On the rotated loop 224 spilled and 160 ran
 #   ahead of 128 only with the causal mask; on the persistent kernel 160, 192 and 224 run level with 128 (the
 #   key-tile claims above), so the kernel keeps 128, the rows of a Q or K descale;
