@@ -212,9 +212,13 @@ def test_the_gpu_producer_kernels_lower_for_sm90a_without_spills():
     from course_utils.core.source import cuda_source, ptxas_report
     from course_utils.kernels.fp8_producer import quantise_inputs_kernel, quantise_transposed_kernel
 
-    for kernel in (quantise_inputs_kernel(2, 4, 2, 300, 200, 128), quantise_transposed_kernel(2, 2, 200, 128, 208)):
+    hadamard = quantise_inputs_kernel(2, 4, 2, 300, 200, 128, dtype="float32", v_dtype="bfloat16")  # Q, K rotated
+    for kernel, one_launch in ((quantise_inputs_kernel(2, 4, 2, 300, 200, 128), True), (hadamard, True),
+                               (quantise_transposed_kernel(2, 2, 200, 128, 208), False)):
         source = cuda_source(kernel, arch="sm_90a")
         assert "__NV_E4M3" in source or "fp8_e4_t" in source
+        # the one launch asks for three resident blocks per SM (chapter 12's occupancy A/B), V's kernel for none
+        assert ("__launch_bounds__(256, 3)" in source) == one_launch
         report = ptxas_report(source)
         if report is None:
             pytest.skip("nvcc is not installed")
