@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from shared_lowering import cuda_source, ptxas_report
 from tilelang import tvm
 
 from course_utils import flash_attention
@@ -16,7 +17,6 @@ from course_utils.api.registry import BACKWARD
 from course_utils.api.varlen_api import VARLEN_HOPPER_BACKWARD_CONFIGS
 from course_utils.core.device import is_hopper
 from course_utils.core.problem import AttentionProblem
-from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_bwd_hopper import (
     _DQ_BARRIER,
     _DQ_WARPGROUP_BARRIERS,

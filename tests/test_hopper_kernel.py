@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from shared_lowering import cuda_source, ptxas_report
 
 from course_utils import flash_attention
 from course_utils.api.attention import (
@@ -17,7 +18,6 @@ from course_utils.api.attention import (
     hopper_forward_config,
     is_hopper,
 )
-from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_fwd_hopper import flash_fwd_hopper_kernel
 from course_utils.kernels.flash_fwd_hopper_persistent import PersistentTiling
 from course_utils.kernels.versions.flash_fwd_hopper_versions import flash_fwd_hopper_variant

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from shared_lowering import cuda_source
 
 from course_utils import flash_attention_varlen
 from course_utils.api import registry, varlen_api
@@ -116,7 +117,6 @@ def test_persistent_threads_must_match_its_warpgroups(monkeypatch):
 def test_persistent_packed_forward_code():
     """sm_90a lowering, no GPU: the consumers never meet in a barrier of their own (the producer zeroes the value
     rows past a sequence's end: it waits for that load itself, zeroes, fences, and only then lets them read)."""
-    from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_varlen_hopper import PackedForwardPieces, flash_varlen_fwd_persistent_kernel
 
     source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True,
@@ -132,7 +132,6 @@ def test_persistent_packed_forward_code():
 def test_persistent_packed_forward_stores_full_tiles_by_tma():
     """``o_by_tma``: a tile whose 128 rows are all its sequence's goes through shared memory by TMA (after the
     previous store has read it), a ragged one row by row; the block waits for its last store before it exits."""
-    from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_varlen_hopper import flash_varlen_fwd_persistent_kernel
 
     source = cuda_source(flash_varlen_fwd_persistent_kernel(4, 128, causal=True))  # the default
@@ -146,7 +145,6 @@ def test_persistent_packed_forward_stores_full_tiles_by_tma():
 def test_packed_hopper_backward_code():
     """sm_90a lowering: the barrier after zeroing rows of another sequence sits only in the two branches that
     zero them (K/V on a block's first step, Q/dO on a query block past the end), each after its fence."""
-    from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
     from course_utils.kernels.flash_varlen_hopper import flash_varlen_bwd_hopper_kernel
 
@@ -162,7 +160,6 @@ def test_packed_hopper_backward_takes_the_dense_kernels_fields(monkeypatch):
     always); ``longest_first``: the key block on the grid's second axis, the head on its first (as dense);
     ``defer_dq_wait``: the dQ reduce's wait before the next dSᵀ barrier, none right after it; and
     ``_varlen_backward`` passes the fields on."""
-    from course_utils.core.source import cuda_source
     from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS
     from course_utils.kernels.flash_varlen_hopper import PackedBackwardPieces, flash_varlen_bwd_hopper_kernel
     from course_utils.kernels.generated_code import _EARLY_WAIT, MOVED_WAIT
