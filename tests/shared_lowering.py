@@ -9,6 +9,8 @@ same when the CUDA source and the architecture are. Lowering and ptxas are deter
 what it would have got from a lowering of its own.
 """
 
+import re
+
 from course_utils.core import source as _source
 
 _LOWERED = {}
@@ -34,3 +36,49 @@ def ptxas_report(source, arch="sm_90a"):
         _REPORTS[key] = _source.ptxas_report(source, arch=arch)
     report = _REPORTS[key]
     return None if report is None else list(report)  # a copy: a test may edit its list
+
+
+_ENTRY = re.compile(r"__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(")
+
+
+def ptxas_reports(sources, arch="sm_90a"):
+    """ptxas's report on each of ``sources`` (a dict: label → CUDA source), from one nvcc run: {label: its lines},
+    or None without nvcc. Most of an nvcc run is its front end reading TileLang's and CUTLASS's headers, the same
+    for every kernel, so the kernels go into one translation unit, each under its own name (ptxas compiles and
+    reports on each entry function on its own: registers, spills and serialised wgmmas are per function).
+
+    A line naming one kernel, and the lines of that kernel's section (from "Compiling entry function" on), are its
+    own; any other line (before the first section) is given to every kernel, so no warning is lost. The names are
+    given back in the lines, as a report of the source alone would have them."""
+    labels = list(sources)
+    renamed, names = [], []
+    for i, label in enumerate(labels):
+        entries = sorted(set(_ENTRY.findall(sources[label])), key=len, reverse=True)
+        assert entries, f"{label}: no __global__ function in its source"
+        own = {name: f"{name}_in_unit_{i}" for name in entries}
+        text = sources[label]
+        for name, new in own.items():
+            text = re.sub(rf"\b{name}\b", new, text)
+        renamed.append(text)
+        names.append(own)
+    report = ptxas_report("\n".join(renamed), arch=arch)
+    if report is None:
+        return None
+    owner = {new: i for i, own in enumerate(names) for new in own.values()}
+    lines = {i: [] for i in range(len(labels))}
+    section = None
+    for line in report:
+        named = {owner[name] for name in re.findall(r"\w+", line) if name in owner}
+        if line.startswith("ptxas info    : Compiling entry function") and len(named) == 1:
+            section = next(iter(named))
+        for i in named or ([section] if section is not None else range(len(labels))):
+            lines[i].append(line)
+    back = {}
+    for i, label in enumerate(labels):
+        restored = []
+        for line in lines[i]:
+            for name, new in names[i].items():
+                line = line.replace(new, name)
+            restored.append(line)
+        back[label] = restored
+    return back

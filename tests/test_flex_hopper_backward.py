@@ -10,6 +10,7 @@ lengths that 128 does not divide, keys no query sees and rows a score_mod hides 
 import pytest
 import test_flex_dropin as dropin
 import torch
+from shared_lowering import cuda_source, ptxas_reports
 
 import course_utils as cu
 from course_utils.api import flex
@@ -33,7 +34,6 @@ from course_utils.api.flex import (
 from course_utils.checking.flex_reference import flex_references
 from course_utils.checking.fuzz import draw_problems
 from course_utils.core import device
-from course_utils.core.source import cuda_source, ptxas_report
 from course_utils.kernels.flash_bwd_hopper import PASS_CONFIGS, BackwardPieces, flash_bwd_hopper_kernel
 from course_utils.kernels.flash_flex_hopper_bwd import flex_bwd_hopper_kernel
 from course_utils.kernels.tiles import Tiling
@@ -57,21 +57,33 @@ LOWERED = {  # name: (score_mod, mask_mod, heads_kv, head dim)
 }
 
 
-@pytest.mark.parametrize("name", list(LOWERED))
-def test_lowers_for_sm90a_and_compiles_without_spills(name):
+def _lowered(name):
     score_mod, mask_mod, heads_kv, dim = LOWERED[name]
     plan = plan_modifiers(score_mod, mask_mod)
     blocks = S_CPU // 128
-    source = cuda_source(flex_bwd_hopper_kernel(1, 8, S_CPU, S_CPU, dim, plan, (1, 1, blocks, blocks), (128, 128),
-                                                heads_kv=heads_kv, sm_scale=0.09, dtype="bfloat16"),
-                         pass_configs=PASS_CONFIGS)
+    return cuda_source(flex_bwd_hopper_kernel(1, 8, S_CPU, S_CPU, dim, plan, (1, 1, blocks, blocks), (128, 128),
+                                              heads_kv=heads_kv, sm_scale=0.09, dtype="bfloat16"),
+                       pass_configs=PASS_CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """ptxas's report on every plan's kernel, from one nvcc run (``shared_lowering.ptxas_reports``: each kernel under
+    its own name in one translation unit); None where nvcc is not installed."""
+    return ptxas_reports({name: _lowered(name) for name in LOWERED})
+
+
+@pytest.mark.parametrize("name", list(LOWERED))
+def test_lowers_for_sm90a_and_compiles_without_spills(name, reports):
+    score_mod, mask_mod, heads_kv, dim = LOWERED[name]
+    source = _lowered(name)
     assert "wgmma" in source and "tma_store_add" in source  # chapter 08's products, dQ added by the copy engine
     assert "QList" in source and "State" in source  # the block mask's walk and its FULL tiles
     assert ("tanhf" in source) == (score_mod is not None and "soft-cap" in name)
     assert ("AtomicAdd" in source) == (heads_kv != 8)  # GQA: float32 dK, dV accumulated over a group
-    report = ptxas_report(source)
-    if report is None:
+    if reports is None:
         pytest.skip("nvcc is not installed")
+    report = reports[name]
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
 
 

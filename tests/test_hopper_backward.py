@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from shared_lowering import cuda_source, ptxas_report
+from shared_lowering import cuda_source, ptxas_reports
 from tilelang import tvm
 
 from course_utils import flash_attention
@@ -273,13 +273,28 @@ def test_deterministic_kernels_add_nothing_atomically():
     assert "tma_store_add" in _source(causal=True, heads_kv=2)
 
 
-def test_ptxas_keeps_every_wgmma_async_without_spills():
+@pytest.fixture(scope="module")
+def reports():
+    """ptxas's report on each kernel the tests below compile, all from one nvcc run (``shared_lowering.ptxas_reports``:
+    each kernel under its own name in one translation unit); None where nvcc is not installed."""
+    return ptxas_reports({"shipped order, 80 rows": _source(causal=False, tiling=FA3_TILING._replace(block_M=80)),
+                           "dV issued before dSᵀ, 80 rows": _source(flash_bwd_hopper_variant, block_M=80, ds_buffers=2,
+                                                                    manual_sync=True),
+                           **{("dq_per_warpgroup", dim, masked): _dq_per_warpgroup_code(dim, masked)
+                              for dim, masked in DQ_PER_WARPGROUP_CONFIGS}})
+
+
+def report_of(reports, kernel):
+    """``kernel``'s report; the test is skipped where nvcc is not installed."""
+    if reports is None:
+        pytest.skip("nvcc is not installed")
+    return reports[kernel]
+
+
+def test_ptxas_keeps_every_wgmma_async_without_spills(reports):
     """At 80 × 128, issuing dV before dSᵀ is formed keeps the float32 P alive next to everything else:
     ptxas runs out of registers and serialises the wgmmas. The shipped order does not."""
-    good = ptxas_report(_source(causal=False, tiling=FA3_TILING._replace(block_M=80)))
-    if good is None:
-        pytest.skip("nvcc is not installed")
-    bad = ptxas_report(_source(flash_bwd_hopper_variant, block_M=80, ds_buffers=2, manual_sync=True))
+    good, bad = report_of(reports, "shipped order, 80 rows"), report_of(reports, "dV issued before dSᵀ, 80 rows")
     assert not any("C751" in line for line in good), good
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in good), good
     assert any("serialized" in line for line in bad), bad
@@ -311,8 +326,19 @@ def _loop_before(lines, n):
 
 
 # Both ways the warpgroups split dQ: by D (D = 128, dQ computed transposed) and by rows (D = 64).
-@pytest.mark.parametrize("dim, masked", [(128, True), (64, False)])
-def test_dq_per_warpgroup_each_warpgroup_adds_its_own_box(dim, masked):
+DQ_PER_WARPGROUP_CONFIGS = [(128, True), (64, False)]
+
+
+def _dq_per_warpgroup_code(dim, masked):
+    """The registry's kernel for the shipped config at (dim, masked) with ``dq_per_warpgroup`` on."""
+    config = HOPPER_BACKWARD_CONFIGS[dim, masked]._replace(dq_per_warpgroup=True)
+    problem = AttentionProblem(heads=4, heads_kv=4, dim=dim, dtype="float16", target="cuda", causal=masked,
+                               sm_scale=1 / math.sqrt(dim), batch=2, seq_q=2048, seq_k=2048)
+    return cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS)
+
+
+@pytest.mark.parametrize("dim, masked", DQ_PER_WARPGROUP_CONFIGS)
+def test_dq_per_warpgroup_each_warpgroup_adds_its_own_box(dim, masked, reports):
     """``dq_per_warpgroup`` (a ``BackwardConfig`` field, off in every shipped config), on two shipped configs: every
     consumer thread stages dQ only into its own warpgroup's half of the staging tile (the index expressions of the
     generated stores, evaluated for each thread), each warpgroup meets on a 128-thread barrier of its own and its
@@ -322,9 +348,7 @@ def test_dq_per_warpgroup_each_warpgroup_adds_its_own_box(dim, masked):
     shipped = HOPPER_BACKWARD_CONFIGS[dim, masked]
     assert not shipped.dq_per_warpgroup
     config = shipped._replace(dq_per_warpgroup=True)
-    problem = AttentionProblem(heads=4, heads_kv=4, dim=dim, dtype="float16", target="cuda", causal=masked,
-                               sm_scale=1 / math.sqrt(dim), batch=2, seq_q=2048, seq_k=2048)
-    code = cuda_source(BACKWARD["flash_bwd_hopper"].build(problem, config), pass_configs=PASS_CONFIGS)
+    code = _dq_per_warpgroup_code(dim, masked)
     loop = _consumer_loop(code)
     assert f"__sync_thread_partial({_DQ_BARRIER}, 256)" not in code
     assert loop.count("__sync_thread_partial") == 3 and loop.count(f"__sync_thread_partial({_DS_BARRIER}, 256)") == 1
@@ -348,9 +372,7 @@ def test_dq_per_warpgroup_each_warpgroup_adds_its_own_box(dim, masked):
         loop_var = re.search(r"for \(int (\w+) = 0; \1 < (\d+);", branch)
         offsets = _offsets(sources, (loop_var.group(1), int(loop_var.group(2))) if loop_var else ("_", 1), {})
         assert all(warpgroup * half <= o < (warpgroup + 1) * half for o in offsets), (warpgroup, offsets)
-    report = ptxas_report(code)
-    if report is None:
-        pytest.skip("nvcc is not installed")
+    report = report_of(reports, ("dq_per_warpgroup", dim, masked))
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in report), report
     assert not any("serialized" in line for line in report), report
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from shared_lowering import cuda_source, ptxas_report
+from shared_lowering import cuda_source, ptxas_reports
 
 from course_utils import flash_attention
 from course_utils.api.attention import (
@@ -53,12 +53,22 @@ def test_both_matmuls_issued_unconditionally():
     assert not re.search(r"if \(kb_1 < |if \(0 < kb_1\)", before_first_wait)
 
 
-def report_of(source):
-    """ptxas's report on ``source``; the test is skipped where nvcc is not installed."""
-    report = ptxas_report(source)
-    if report is None:
+@pytest.fixture(scope="module")
+def reports():
+    """ptxas's report on each kernel the tests below compile, all from one nvcc run (``shared_lowering.ptxas_reports``:
+    each kernel under its own name in one translation unit); None where nvcc is not installed."""
+    sources = {"rotated": _source(), "rotated, conditional issue": _source(flash_fwd_hopper_variant,
+                                                                          conditional_issue=True),
+               **{("persistent", name): _persistent_source(name) for name in PERSISTENT},
+               **{("one warpgroup", name): _one_warpgroup_source(name) for name in ONE_WARPGROUP}}
+    return ptxas_reports(sources)
+
+
+def report_of(reports, kernel):
+    """``kernel``'s report; the test is skipped where nvcc is not installed."""
+    if reports is None:
         pytest.skip("nvcc is not installed")
-    return report
+    return reports[kernel]
 
 
 def assert_async_without_spills(report):
@@ -70,9 +80,8 @@ def registers_used(report):
     return int(re.search(r"Used (\d+) registers", " ".join(report)).group(1))
 
 
-def test_ptxas_keeps_wgmma_async_only_without_conditional_issue():
-    good = report_of(_source())
-    bad = ptxas_report(_source(flash_fwd_hopper_variant, conditional_issue=True))
+def test_ptxas_keeps_wgmma_async_only_without_conditional_issue(reports):
+    good, bad = report_of(reports, "rotated"), report_of(reports, "rotated, conditional issue")
     assert not any("serialized" in line for line in good)
     assert any("serialized" in line for line in bad)
     assert any("0 bytes spill stores, 0 bytes spill loads" in line for line in good), good
@@ -152,8 +161,8 @@ def test_persistent_loop_is_peeled(name):
 
 
 @pytest.mark.parametrize("name", PERSISTENT)
-def test_persistent_ptxas_keeps_wgmma_async_without_spills(name):
-    assert_async_without_spills(report_of(_persistent_source(name)))
+def test_persistent_ptxas_keeps_wgmma_async_without_spills(name, reports):
+    assert_async_without_spills(report_of(reports, ("persistent", name)))
 
 
 def test_persistent_kernel_rejects_a_thread_count_that_is_not_one_warpgroup_per_64_rows():
@@ -164,7 +173,7 @@ def test_persistent_kernel_rejects_a_thread_count_that_is_not_one_warpgroup_per_
 
 
 @pytest.mark.parametrize("name", [n for n in PERSISTENT if "blocks per SM" in n])
-def test_several_blocks_per_sm_fit_the_register_file(name):
+def test_several_blocks_per_sm_fit_the_register_file(name, reports):
     """Two or three blocks of 256 threads share an SM's 65536 registers: the launch asks for that many,
     ptxas stays within 65536 / (blocks * 256) a thread, and the consumers get the producer's spare ones."""
     blocks = PERSISTENT[name]["tiling"].blocks_per_sm
@@ -172,7 +181,7 @@ def test_several_blocks_per_sm_fit_the_register_file(name):
     assert f"__launch_bounds__(256, {blocks})" in source
     launch = 65536 // (blocks * 256) // 8 * 8
     assert f"warpgroup_reg_alloc<{2 * launch - 24}>" in source and "warpgroup_reg_dealloc<24>" in source
-    report = report_of(source)
+    report = report_of(reports, ("persistent", name))
     assert registers_used(report) <= launch, report
 
 
@@ -263,9 +272,9 @@ def test_one_warpgroup_kernel_lowers_for_short_windows(seq_q, seq_k, window):
 
 
 @pytest.mark.parametrize("name", ONE_WARPGROUP)
-def test_one_warpgroup_fits_three_blocks_per_sm(name):
+def test_one_warpgroup_fits_three_blocks_per_sm(name, reports):
     """ptxas: no serialised wgmma, no spill, and at most 65536 / (3 · 128) registers a thread."""
-    report = report_of(_one_warpgroup_source(name))
+    report = report_of(reports, ("one warpgroup", name))
     assert_async_without_spills(report)
     assert registers_used(report) <= 65536 // (3 * 128), report
 
