@@ -4,7 +4,7 @@ and the learner's edition (solutions stripped) says "not written yet" in one lin
 The solutions are read from the notebooks' .py sources, so a change there that drops a mutant's
 find text fails here. Every case compiles a kernel on the C backend (a few seconds each); the
 checkers stop at the first wrong case, so most mutants cost one compilation, and the mutants are
-checked two at a time in worker processes.
+checked in worker processes (two at a time, or one beside each pytest-xdist worker on two cores).
 """
 
 import jupytext

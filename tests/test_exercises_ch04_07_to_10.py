@@ -1,7 +1,8 @@
 """The exercises of chapters 04 and 07–10 that run the learner's code: each solution passes its checker,
 each mutant fails with its diagnosis in one line, each correct variant passes, and the learner's edition
 (solutions stripped) says "not written yet" in one line. The solutions are read from the notebooks' .py
-sources; the mutants are checked two at a time in worker processes.
+sources; the mutants are checked in worker processes (two at a time, or one beside each pytest-xdist worker on
+two cores).
 """
 
 import importlib
