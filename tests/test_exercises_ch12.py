@@ -1,6 +1,7 @@
 """Chapter 12's exercises: each solution passes its checker, each mutant fails with its diagnosis in one line, and
 the learner's edition (solutions stripped) says "not written yet". The solutions are read from the notebook's .py;
-the mutants are checked two at a time in worker processes (one kernel compilation each, about two seconds)."""
+the mutants are checked in worker processes (two at a time, or one beside each pytest-xdist worker on two
+cores; one kernel compilation each, about two seconds)."""
 
 from exercise_harness import exercise_tests
 
