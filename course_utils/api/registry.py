@@ -66,9 +66,14 @@ OPTION_OFF = {"pingpong": False, "blocks_per_sm": 1, "dv_under_ds": False, "poli
               "longest_first": False, "defer_dq_wait": False, "dq_per_warpgroup": False}
 
 
+def _shape(problem):
+    """The leading arguments of the kernel factories that take a whole problem's shape, by name."""
+    return dict(zip(("batch", "heads", "seq_q", "seq_k", "dim"), problem.shape))
+
+
 def DENSE(problem):
     """A dense kernel's arguments: the shape and the variant."""
-    return dict(zip(("batch", "heads", "seq_q", "seq_k", "dim"), problem.shape), **problem.kernel_options())
+    return dict(_shape(problem), **problem.kernel_options())
 
 
 def PACKED(problem):
@@ -90,7 +95,7 @@ def MERGE(problem):
 def FLEX_LAYOUT(problem):
     """A flex forward's: the shape, the shape of the block mask's tile states (its tile is the kernel's, in the
     ``tiling`` the front door passes), heads_kv, scale and dtype."""
-    return dict(zip(("batch", "heads", "seq_q", "seq_k", "dim"), problem.shape), mask_shape=problem.mask_shape,
+    return dict(_shape(problem), mask_shape=problem.mask_shape,
                 heads_kv=problem.heads_kv, sm_scale=problem.sm_scale, dtype=problem.dtype)
 
 
@@ -101,14 +106,12 @@ def FLEX_BACKWARD_LAYOUT(problem):
 
 def _fp8_layout(problem):
     """The FP8 forwards': the shape and the mask (no window, no sinks; the dtype is e4m3's)."""
-    return dict(zip(("batch", "heads", "seq_q", "seq_k", "dim"), problem.shape), heads_kv=problem.heads_kv,
-                causal=problem.causal, sm_scale=problem.sm_scale)
+    return dict(_shape(problem), heads_kv=problem.heads_kv, causal=problem.causal, sm_scale=problem.sm_scale)
 
 
 def _producer_layout(problem):
     """The FP8 producer's: Q's, K's and V's shapes and their dtype."""
-    return dict(zip(("batch", "heads", "seq_q", "seq_k", "dim"), problem.shape), heads_kv=problem.heads_kv,
-                dtype=problem.dtype)
+    return dict(_shape(problem), heads_kv=problem.heads_kv, dtype=problem.dtype)
 
 
 def _transposed_layout(problem):
